@@ -1,0 +1,1 @@
+"""Thin command modules: parse → validate → call core → render."""

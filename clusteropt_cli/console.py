@@ -1,0 +1,97 @@
+"""Output for commands: results on stdout (a table for people or one JSON document), everything else on stderr.
+
+Only `commands/` and `app.py` import this module; `core/` stays free of rich.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+out = Console(soft_wrap=True)  # results
+err = Console(stderr=True, soft_wrap=True)  # logs, progress, errors
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses, pydantic models, paths and tuples → plain JSON types."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if hasattr(obj, "model_dump"):
+        return to_jsonable(obj.model_dump(mode="json"))
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
+        return None
+    return obj
+
+
+def print_json(obj: Any) -> None:
+    """Write exactly one JSON document to stdout."""
+    sys.stdout.write(json.dumps(to_jsonable(obj), indent=2, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
+    """A two-column key/value table."""
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, "" if value is None else str(value))
+    return table
+
+
+def grid(title: str, headers: list[str], rows: list[list[Any]]) -> Table:
+    """A table with a header row."""
+    table = Table(title=title, title_justify="left")
+    for h in headers:
+        table.add_column(h)
+    for row in rows:
+        table.add_row(*["" if v is None else str(v) for v in row])
+    return table
+
+
+def log(message: str) -> None:
+    """A progress/log line on stderr."""
+    err.print(message, highlight=False)
+
+
+def warn(message: str) -> None:
+    err.print(f"[yellow]warning:[/yellow] {message}", highlight=False)
+
+
+@contextmanager
+def progress_bar(description: str, total: int | None):
+    """A rich progress bar on stderr; yields `advance(n=1, **fields)`."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[info]}")]
+    with Progress(*columns, console=err, transient=False, disable=not err.is_terminal and False) as progress:
+        task = progress.add_task(description, total=total, info="")
+
+        def advance(n: int = 1, info: str = "") -> None:
+            progress.update(task, advance=n, info=info)
+
+        yield advance
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} PiB"

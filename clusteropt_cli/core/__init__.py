@@ -1,0 +1,1 @@
+"""copt's work, importable without a terminal: no typer, no rich."""

@@ -1,0 +1,1 @@
+"""Recipes: one pydantic schema per task (extra="forbid"), loaded from YAML with key.sub=value overrides."""

@@ -1,0 +1,125 @@
+"""Load a recipe: YAML file or built-in name → dict → key.sub=value overrides → CLI flags → one validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from clusteropt_cli.errors import RecipeError
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'optim.lr=3e-4' → (['optim', 'lr'], 0.0003). Values are parsed as YAML scalars/lists."""
+    import yaml
+
+    if "=" not in text:
+        raise RecipeError(f"Override '{text}' is not key=value.", hint="Write overrides as key.sub=value, e.g. zero=3")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"Override '{text}' has an empty key.", hint="Write overrides as key.sub=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Merge key.sub=value overrides into a nested dict (a copy)."""
+    import copy
+
+    merged = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = merged
+        for part in path[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[path[-1]] = value
+    return merged
+
+
+def read_recipe_file(source: str | Path) -> dict[str, Any]:
+    """Read a recipe YAML (a path or a built-in name) into a dict; errors name the file and line."""
+    import yaml
+
+    from clusteropt_cli.recipe.registry import resolve_recipe
+
+    path = resolve_recipe(str(source))
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RecipeError(f"Cannot read recipe {path}: {exc.strerror}", hint="Check the path.") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise RecipeError(f"Recipe {path} is not valid YAML{where}.", hint="Fix the YAML syntax.") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"Recipe {path} must be a mapping of keys to values, not {type(data).__name__}.")
+    return data
+
+
+def format_validation_error(exc: Any) -> list[str]:
+    """pydantic ValidationError → one line per problem, each naming its key."""
+    problems = []
+    for error in exc.errors():
+        loc = ".".join(str(p) for p in error.get("loc", ()))
+        msg = error.get("msg", "invalid")
+        if error.get("type") == "extra_forbidden":
+            msg = "unknown key (not part of this recipe's schema)"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        if not loc and ": " in msg:
+            # model-level checks name their key at the start of each '; '-separated part
+            problems.extend(part.strip() for part in msg.split("; "))
+            continue
+        problems.append(f"{loc}: {msg}" if loc else msg)
+    return problems
+
+
+def validate_recipe(task: str, data: dict[str, Any], *, origin: str = "recipe"):
+    """Validate a dict against the task's schema; every problem reported at once."""
+    from pydantic import ValidationError
+
+    from clusteropt_cli.recipe.schema import RECIPE_MODELS
+
+    declared = data.get("task", task)
+    if declared != task:
+        raise RecipeError(
+            f"{origin} is a '{declared}' recipe, not a '{task}' recipe.",
+            hint=f"Run it with 'copt {declared} --recipe ...'",
+        )
+    model = RECIPE_MODELS[task]
+    try:
+        return model.model_validate({**data, "task": task})
+    except ValidationError as exc:
+        raise RecipeError(
+            f"{origin} has {exc.error_count()} problem(s):",
+            problems=format_validation_error(exc),
+            hint="Fix the keys named above (copt recipes show NAME prints a valid example).",
+        ) from None
+
+
+def load_settings(
+    task: str,
+    recipe: str | None = None,
+    overrides: list[str] | None = None,
+    cli_values: dict[str, Any] | None = None,
+):
+    """The one entry point for commands: recipe (optional) + overrides + typed flags → validated settings.
+
+    `cli_values` holds only the flags the user typed (None means "not given" and is dropped).
+    """
+    data: dict[str, Any] = read_recipe_file(recipe) if recipe else {}
+    data = apply_overrides(data, list(overrides or []))
+    for key, value in (cli_values or {}).items():
+        if value is not None:
+            data[key] = value
+    origin = f"Recipe '{recipe}'" if recipe else "The options"
+    return validate_recipe(task, data, origin=origin)

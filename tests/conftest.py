@@ -1,0 +1,50 @@
+"""Shared test fixtures: the tiny trained models, a CLI runner, GPU skipping."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def fixtures():
+    """The trained teacher/student/draft models, tokenizer and text splits (built once, cached)."""
+    from tests.fixture_models import build_fixtures
+
+    return build_fixtures()
+
+
+def run_copt(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path | None = None,
+             input: str | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m clusteropt_cli ARGS` in a subprocess and capture stdout/stderr separately."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    full_env.pop("COPT_DEBUG", None) if env is None or "COPT_DEBUG" not in env else None
+    return subprocess.run([sys.executable, "-m", "clusteropt_cli", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, cwd=cwd, input=input)
+
+
+@pytest.fixture
+def copt():
+    """Call copt as a user would: returns a CompletedProcess with stdout and stderr."""
+    return run_copt
