@@ -121,5 +121,5 @@ def load_settings(
     for key, value in (cli_values or {}).items():
         if value is not None:
             data[key] = value
-    origin = f"Recipe '{recipe}'" if recipe else "The options"
+    origin = f"Recipe '{recipe}'" if recipe else "The command line"
     return validate_recipe(task, data, origin=origin)

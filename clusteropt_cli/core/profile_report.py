@@ -1,0 +1,119 @@
+"""The profile report: what `copt profile` writes and `copt advise --from-profile` / `--expect` read.
+
+Versioned (`schema_version`); fields are added, never renamed, within a major version. Metric names and units:
+seconds (`*_s`), bytes (`*_bytes`), tokens per second (`tokens_per_s`, `output_tokens_per_s`), fractions 0–1
+(`mfu`, `mbu`, `*_frac`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = "copt.profile/1"
+
+Bottleneck = Literal[
+    "compute-bound", "memory-bandwidth-bound", "overhead-bound", "communication-bound", "memory-capacity-bound",
+    "unknown",
+]
+# symptom ids that `copt advise --symptom` accepts
+SYMPTOMS = ("oom", "high-ttft", "low-throughput", "slow-tpot", "comm-bound", "low-mfu")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class Spread(_Model):
+    """Repeated measurements of one figure."""
+
+    median: float
+    p10: float | None = None
+    p90: float | None = None
+    min: float | None = None
+    max: float | None = None
+    n: int = 1
+
+
+class HardwareInfo(_Model):
+    device: Literal["cuda", "cpu"]
+    name: str | None = None  # e.g. "NVIDIA H200"
+    catalog: str | None = None  # hardware.CATALOG key when known
+    count: int = 1
+    memory_bytes: int | None = None  # per device
+
+
+class Verdict(_Model):
+    bottleneck: Bottleneck
+    evidence: list[str] = Field(default_factory=list)
+    symptoms: list[str] = Field(default_factory=list)  # ids from SYMPTOMS
+
+
+class OpTime(_Model):
+    name: str
+    self_time_s: float
+    fraction: float
+    calls: int | None = None
+
+
+class EndpointLevel(_Model):
+    """One load level of `profile endpoint` (a concurrency or a request rate)."""
+
+    concurrency: int | None = None
+    rate: float | None = None
+    requests: int
+    completed: int
+    errors: dict[str, int] = Field(default_factory=dict)
+    duration_s: float
+    request_throughput: float
+    output_tokens_per_s: float
+    goodput: float | None = None  # requests/s meeting the SLOs
+    ttft_s: dict[str, float] = Field(default_factory=dict)  # p50/p90/p99/mean
+    itl_s: dict[str, float] = Field(default_factory=dict)
+    tpot_s: dict[str, float] = Field(default_factory=dict)
+    e2e_s: dict[str, float] = Field(default_factory=dict)
+
+
+class ProfileReport(_Model):
+    schema_version: str = SCHEMA_VERSION
+    kind: Literal["model", "endpoint"]
+    mode: Literal["train", "infer", "endpoint"]
+    created_at: str
+    copt_version: str
+    hardware: HardwareInfo
+    model: dict[str, Any] = Field(default_factory=dict)  # path/name, params, layers, hidden, vocab, dtype
+    workload: dict[str, Any] = Field(default_factory=dict)  # micro_batch, seq_len, precision, batch, ...
+    metrics: dict[str, float | None] = Field(default_factory=dict)  # medians: step_time_s, tokens_per_s, ...
+    spread: dict[str, Spread] = Field(default_factory=dict)
+    levels: list[EndpointLevel] = Field(default_factory=list)
+    top_ops: list[OpTime] = Field(default_factory=list)
+    verdict: Verdict
+    trace_file: str | None = None
+
+
+def load_profile(path: str) -> ProfileReport:
+    """Read and validate a profile JSON; errors name the file and the fields."""
+    import json
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from clusteropt_cli.errors import BadInputError
+    from clusteropt_cli.recipe.load import format_validation_error
+
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as exc:
+        raise BadInputError(f"Cannot read profile {p}: {exc.strerror}", hint="Write one with 'copt profile'.") from exc
+    except json.JSONDecodeError as exc:
+        raise BadInputError(f"Profile {p} is not JSON: {exc}", hint="Pass the --json output of copt profile.") from exc
+    version = str(data.get("schema_version", ""))
+    if not version.startswith("copt.profile/1"):
+        raise BadInputError(f"Profile {p} has schema_version {version!r}; this copt reads {SCHEMA_VERSION}.")
+    try:
+        return ProfileReport.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(format_validation_error(exc))
+        raise BadInputError(f"Profile {p} does not match {SCHEMA_VERSION}: {problems}") from None

@@ -1,0 +1,74 @@
+"""Shared pieces of the recipe schema: strict base model, predictions, training options."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+Precision = Literal["bf16", "fp16", "fp8", "fp32"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class Prediction(Strict):
+    """What `copt advise` predicted for a recipe it emitted; `copt profile --expect` checks it."""
+
+    source: str = Field("copt advise", description="Who made the prediction.")
+    gpu: str | None = Field(None, description="Catalog GPU the prediction is for (cpu for a CPU run).")
+    figures: dict[str, float] = Field(
+        default_factory=dict,
+        description="Predicted figures by name: peak_mem_bytes, tokens_per_s, step_time_s, ttft_s, tpot_s, ...",
+    )
+    budget_bytes: int | None = Field(None, description="Memory budget the plan was made to fit.")
+    assumptions: dict[str, Any] = Field(default_factory=dict, description="MFU, bandwidth efficiency, ...")
+    recommendation: str | None = Field(None, description="Id of the recommendation the recipe applies.")
+
+
+class TrainingOptions(Strict):
+    """Options shared by every command that trains a model (train, distill logits, distill sft)."""
+
+    precision: Precision = Field("bf16", description="bf16/fp16 mixed precision over fp32 weights; fp8; fp32.")
+    activation_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    attn: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
+    micro_batch: PositiveInt = 1
+    grad_accum: PositiveInt = 1
+    seq_len: PositiveInt = 512
+    max_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps.")
+    epochs: float | None = Field(None, gt=0, description="Passes over the data (when max_steps is not set).")
+    lr: float = Field(3e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of lr (cosine/linear).")
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    optimizer: Literal["adamw", "adamw-8bit", "sgd"] = "adamw"
+    zero: Literal[0, 1, 2, 3] = 0
+    offload: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+    compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    gpus: PositiveInt = Field(1, description="Processes per node (GPUs; on CPU, processes).")
+    nodes: PositiveInt = 1
+    hostfile: str | None = None
+    launcher: Literal["auto", "deepspeed", "torchrun"] = "auto"
+    master_addr: str | None = None
+    master_port: int | None = Field(None, ge=1, le=65535)
+    save_every: PositiveInt | None = None
+    resume: bool = False
+    seed: int = 0
+    log_every: PositiveInt = 1
+
+    @model_validator(mode="after")
+    def _check_training(self) -> TrainingOptions:
+        problems = []
+        if self.offload != "none" and self.zero == 0:
+            problems.append("offload: CPU/NVMe offload needs DeepSpeed ZeRO; set zero to 1, 2 or 3")
+        if self.offload == "nvme" and not self.nvme_path:
+            problems.append("nvme_path: offload=nvme needs nvme_path (a fast local directory)")
+        if self.max_steps is not None and self.epochs is not None:
+            problems.append("max_steps: give max_steps or epochs, not both")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self

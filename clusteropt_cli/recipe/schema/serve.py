@@ -1,0 +1,51 @@
+"""Recipe for copt serve."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, PositiveInt, model_validator
+
+from clusteropt_cli.recipe.schema.base import Prediction, Strict
+
+
+class ServeRecipe(Strict):
+    """copt serve."""
+
+    task: Literal["serve"] = "serve"
+    model: str
+    engine: Literal["auto", "transformers", "vllm"] = "auto"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = None
+    served_model_name: str | None = None
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    max_batch_tokens: PositiveInt | None = Field(None, description="Tokens per step (chunked prefill budget).")
+    max_batch_size: PositiveInt = Field(64, description="Sequences decoded together at most.")
+    kv_cache_blocks: PositiveInt | None = None
+    kv_cache_memory: float | None = Field(None, gt=0, description="GiB for the KV cache.")
+    kv_cache_dtype: Literal["auto", "bf16", "fp8", "int8"] = "auto"
+    block_size: PositiveInt = 32
+    max_queue: PositiveInt = 1024
+    max_model_len: PositiveInt | None = None
+    draft_model: str | None = None
+    num_speculative_tokens: PositiveInt = 4
+    prompt_lookup: PositiveInt | None = Field(None, description="n-gram size for prompt-lookup drafting.")
+    speculative_max_batch: PositiveInt = Field(4, description="Speculate only while at most this many run.")
+    cuda_graphs: bool | None = Field(None, description="Capture decode steps as CUDA graphs (default: on GPU).")
+    tensor_parallel: PositiveInt = 1
+    pipeline_parallel: PositiveInt = 1
+    quantization: str | None = Field(None, description="vLLM --quantization (awq, gptq, fp8, compressed-tensors).")
+    grace_period: float = Field(30.0, ge=0, description="Seconds to finish in-flight requests on SIGTERM.")
+    prediction: Prediction | None = None
+
+    @model_validator(mode="after")
+    def _check_serve(self) -> ServeRecipe:
+        problems = []
+        if self.kv_cache_blocks is not None and self.kv_cache_memory is not None:
+            problems.append("kv_cache_blocks: give kv_cache_blocks or kv_cache_memory, not both")
+        if self.draft_model and self.prompt_lookup:
+            problems.append("draft_model: choose a draft model or prompt_lookup, not both")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
