@@ -1,0 +1,334 @@
+"""A model's shape from its config.json, without loading weights: parameters, layers, heads, KV heads, FLOPs.
+
+`load_model_spec(source)` takes a built-in preset name (`clusteropt_cli/presets/*.json`, each the model's public
+config.json), a model directory, a config.json path or a config dict. Parameter counts are exact for the
+architectures transformers implements and copt knows (llama, mistral, qwen2, qwen3, mixtral, qwen2_moe,
+qwen3_moe, deepseek_v2/v3, gpt2): embeddings, tied heads, GQA, MoE experts (routed + shared, dense-first
+layers), MLA projections and biases are all counted as the HF modules allocate them (buffers such as
+DeepSeek's `e_score_correction_bias` are not parameters). Other decoder-only configs with the usual keys are
+treated as llama-like and marked `exact=False`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clusteropt_cli.errors import BadInputError
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+
+# families whose parameter layout we count exactly
+LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmo2", "granite"}
+MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
+GPT2_LIKE = {"gpt2"}
+
+
+def list_presets() -> list[str]:
+    """Names of the built-in model presets."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts the memory and time models need (all counts exact for known families)."""
+
+    name: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    num_params: int
+    num_active_params: int
+    embedding_params: int  # input token (+ position) embeddings: a lookup, no FLOPs
+    exact: bool = True
+    # attention details
+    qkv_bias: bool = False
+    v_head_dim: int = 0  # value head dim (differs from head_dim only for MLA)
+    qk_rope_head_dim: int = 0  # MLA: decoupled RoPE part of q/k
+    kv_lora_rank: int = 0  # MLA: compressed KV latent width (0 = not MLA)
+    q_lora_rank: int = 0
+    sliding_window: int | None = None
+    # MLP / MoE
+    mlp_gated: bool = True  # SwiGLU (gate, up, down) vs 2-matrix GELU MLP
+    num_experts: int = 0  # routed experts per MoE layer (0 = dense)
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # total width of the shared expert(s) per MoE layer
+    num_moe_layers: int = 0
+    norm_with_bias: bool = False  # LayerNorm (weight + bias) vs RMSNorm (weight)
+    torch_dtype: str | None = None
+    config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    # ---- derived -------------------------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    @property
+    def q_width(self) -> int:
+        """Columns of the query projection output (heads × q/k head dim)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Columns of one of K or V per token as attention sees them (after MLA up-projection)."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def matmul_params_active(self) -> int:
+        """Parameters that take part in a matmul per token: active params minus embedding lookups (+ tied head)."""
+        head = self.vocab_size * self.hidden_size if self.tie_word_embeddings else 0
+        return self.num_active_params - self.embedding_params + head
+
+    def kv_cache_bytes_per_token(self, dtype_bytes: float, mla_compressed: bool = True) -> float:
+        """KV cache bytes per token over all layers: 2·layers·kv_heads·head_dim·bytes.
+
+        MLA models store the compressed latent (kv_lora_rank + qk_rope_head_dim per layer, as vLLM/SGLang do)
+        when `mla_compressed`; transformers' eager cache stores the decompressed K and V instead.
+        """
+        if self.is_mla:
+            if mla_compressed:
+                return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
+            return self.num_layers * self.num_heads * (self.head_dim + self.v_head_dim) * dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def attention_flops_per_token(self, context_len: int) -> float:
+        """Forward FLOPs of QKᵀ and AV for one query token attending to `context_len` keys, all layers."""
+        v_dim = self.v_head_dim or self.head_dim
+        return 2.0 * self.num_layers * self.num_heads * (self.head_dim + v_dim) * context_len
+
+    def forward_flops_per_token(self, context_len: int) -> float:
+        """2·N_active (matmul parameters) + attention over `context_len` keys."""
+        return 2.0 * self.matmul_params_active + self.attention_flops_per_token(context_len)
+
+    def training_flops_per_token(self, seq_len: int) -> float:
+        """3× forward (forward + backward): 6·N + attention over the full sequence (PaLM's MFU convention)."""
+        return 3.0 * self.forward_flops_per_token(seq_len)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A config.json dict transformers can build a random-weight model from (AutoConfig.for_model)."""
+        cfg = copy.deepcopy(self.config)
+        cfg.setdefault("model_type", self.model_type)
+        if "architectures" not in cfg:
+            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel",
+                    "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}.get(self.model_type)
+            if arch:
+                cfg["architectures"] = [arch]
+        return cfg
+
+    def summary(self) -> dict[str, Any]:
+        """Plain facts for JSON output."""
+        return {
+            "name": self.name, "model_type": self.model_type, "num_params": self.num_params,
+            "num_active_params": self.num_active_params, "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings, "num_experts": self.num_experts,
+            "experts_per_token": self.experts_per_token, "mla": self.is_mla, "exact": self.exact,
+        }
+
+
+# ---- parsing ----------------------------------------------------------------------------------------------
+def _get(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal configs nest the language model under text_config."""
+    if "hidden_size" not in cfg and "n_embd" not in cfg and isinstance(cfg.get("text_config"), dict):
+        return {**cfg["text_config"], "architectures": cfg.get("architectures")}
+    return cfg
+
+
+def _require_int(cfg: dict[str, Any], name: str, *keys: str, default: Any = None) -> int:
+    value = _get(cfg, *keys, default=default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise BadInputError(
+            f"Model config for {name} has no valid {keys[0]} (got {value!r}).",
+            hint="Pass a Hugging Face config.json of a decoder-only LLM, or a preset (copt advise --list-presets).",
+        )
+    return value
+
+
+def _spec_gpt2(cfg: dict[str, Any], name: str) -> ModelSpec:
+    h = _require_int(cfg, name, "n_embd", "hidden_size")
+    layers = _require_int(cfg, name, "n_layer", "num_hidden_layers")
+    heads = _require_int(cfg, name, "n_head", "num_attention_heads")
+    vocab = _require_int(cfg, name, "vocab_size")
+    positions = _require_int(cfg, name, "n_positions", "max_position_embeddings", default=1024)
+    inner = int(_get(cfg, "n_inner", default=None) or 4 * h)
+    per_layer = (2 * h) + (h * 3 * h + 3 * h) + (h * h + h) + (2 * h) + (h * inner + inner) + (inner * h + h)
+    tied = bool(cfg.get("tie_word_embeddings", True))
+    embed = vocab * h + positions * h
+    total = embed + layers * per_layer + 2 * h + (0 if tied else vocab * h)
+    return ModelSpec(name=name, model_type="gpt2", num_layers=layers, hidden_size=h, num_heads=heads,
+                     num_kv_heads=heads, head_dim=h // heads, intermediate_size=inner, vocab_size=vocab,
+                     tie_word_embeddings=tied, max_position_embeddings=positions, num_params=total,
+                     num_active_params=total, embedding_params=embed, qkv_bias=True, v_head_dim=h // heads,
+                     mlp_gated=False, norm_with_bias=True, torch_dtype=cfg.get("torch_dtype"), config=cfg)
+
+
+def _spec_decoder(cfg: dict[str, Any], name: str) -> ModelSpec:
+    mtype = str(cfg.get("model_type", "llama"))
+    h = _require_int(cfg, name, "hidden_size")
+    layers = _require_int(cfg, name, "num_hidden_layers")
+    heads = _require_int(cfg, name, "num_attention_heads")
+    vocab = _require_int(cfg, name, "vocab_size")
+    kv_heads = int(_get(cfg, "num_key_value_heads", default=heads))
+    inter = int(_get(cfg, "intermediate_size", default=4 * h))
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    max_pos = int(_get(cfg, "max_position_embeddings", default=4096))
+    mla = mtype in MLA_FAMILIES or bool(cfg.get("kv_lora_rank"))
+
+    # ---- attention ----
+    q_lora = kv_lora = rope_dim = 0
+    if mla:
+        q_lora = int(cfg.get("q_lora_rank") or 0)
+        kv_lora = int(cfg["kv_lora_rank"])
+        nope = int(cfg["qk_nope_head_dim"])
+        rope_dim = int(cfg["qk_rope_head_dim"])
+        v_dim = int(cfg["v_head_dim"])
+        head_dim = nope + rope_dim
+        bias = bool(cfg.get("attention_bias", False))
+        if q_lora:
+            q_params = h * q_lora + (q_lora if bias else 0) + q_lora + q_lora * heads * head_dim
+        else:
+            q_params = h * heads * head_dim
+        kv_params = (h * (kv_lora + rope_dim) + ((kv_lora + rope_dim) if bias else 0) + kv_lora
+                     + kv_lora * heads * (nope + v_dim))
+        o_params = heads * v_dim * h + (h if bias else 0)
+        attn = q_params + kv_params + o_params
+        kv_heads = heads
+        qkv_bias = bias
+    else:
+        head_dim = int(_get(cfg, "head_dim", default=h // heads))
+        v_dim = head_dim
+        qkv_bias = mtype == "qwen2" or bool(cfg.get("attention_bias", False))
+        o_bias = bool(cfg.get("attention_bias", False)) and mtype != "qwen2"
+        attn = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
+        if qkv_bias:
+            attn += heads * head_dim + 2 * kv_heads * head_dim
+        if o_bias:
+            attn += h
+        if mtype in ("qwen3", "qwen3_moe", "olmo2"):  # per-head RMSNorm on q and k
+            attn += 2 * head_dim if mtype != "olmo2" else heads * head_dim + kv_heads * head_dim
+
+    mlp_bias = bool(cfg.get("mlp_bias", False))
+
+    def gated(width: int) -> int:
+        return 3 * h * width + ((2 * width + h) if mlp_bias else 0)
+
+    # ---- MoE layout ----
+    num_experts = int(_get(cfg, "n_routed_experts", "num_local_experts", "num_experts", default=0) or 0)
+    top_k = int(_get(cfg, "num_experts_per_tok", default=0) or 0)
+    moe_inter = shared_inter = 0
+    router = 0
+    moe_layers: list[bool] = [False] * layers
+    if num_experts:
+        moe_inter = int(_get(cfg, "moe_intermediate_size", default=inter))
+        router = num_experts * h
+        if mtype in MLA_FAMILIES:
+            first_dense = int(cfg.get("first_k_dense_replace", 0))
+            freq = int(cfg.get("moe_layer_freq", 1))
+            moe_layers = [i >= first_dense and i % freq == 0 for i in range(layers)]
+            shared_inter = moe_inter * int(cfg.get("n_shared_experts") or 0)
+        elif mtype in ("qwen2_moe", "qwen3_moe"):
+            step = int(cfg.get("decoder_sparse_step", 1))
+            skip = set(cfg.get("mlp_only_layers") or [])
+            moe_layers = [i not in skip and (i + 1) % step == 0 for i in range(layers)]
+            shared_inter = int(cfg.get("shared_expert_intermediate_size") or 0)
+            if shared_inter:
+                router += h  # shared_expert_gate: Linear(h, 1)
+        else:  # mixtral: every layer sparse
+            moe_inter = int(_get(cfg, "moe_intermediate_size", default=inter))
+            moe_layers = [True] * layers
+    n_moe = sum(moe_layers)
+
+    norms = 2 * h
+    dense_layer = attn + gated(inter) + norms
+    moe_total = attn + norms + router + num_experts * gated(moe_inter) + (gated(shared_inter) if shared_inter else 0)
+    moe_active = attn + norms + router + top_k * gated(moe_inter) + (gated(shared_inter) if shared_inter else 0)
+
+    embed = vocab * h
+    outer = embed + h + (0 if tied else vocab * h)  # embeddings, final norm, lm_head
+    total = outer + (layers - n_moe) * dense_layer + n_moe * moe_total
+    active = outer + (layers - n_moe) * dense_layer + n_moe * moe_active
+
+    exact = mtype in LLAMA_LIKE or mtype in MLA_FAMILIES
+    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    return ModelSpec(
+        name=name, model_type=mtype, num_layers=layers, hidden_size=h, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
+        max_position_embeddings=max_pos, num_params=total, num_active_params=active, embedding_params=embed,
+        exact=exact, qkv_bias=qkv_bias, v_head_dim=v_dim, qk_rope_head_dim=rope_dim, kv_lora_rank=kv_lora,
+        q_lora_rank=q_lora, sliding_window=int(sliding) if isinstance(sliding, int) else None, mlp_gated=True,
+        num_experts=num_experts, experts_per_token=top_k, moe_intermediate_size=moe_inter,
+        shared_expert_intermediate_size=shared_inter, num_moe_layers=n_moe, torch_dtype=cfg.get("torch_dtype",
+                                                                                                 cfg.get("dtype")),
+        config=cfg,
+    )
+
+
+def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
+    """A ModelSpec from a config.json dict."""
+    if not isinstance(config, dict):
+        raise BadInputError(f"Model config {name} is not a JSON object.", hint="Pass a Hugging Face config.json.")
+    cfg = _text_config(copy.deepcopy(config))
+    if str(cfg.get("model_type", "")) in GPT2_LIKE or ("n_embd" in cfg and "hidden_size" not in cfg):
+        return _spec_gpt2(cfg, name)
+    return _spec_decoder(cfg, name)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except OSError as exc:
+        raise BadInputError(f"Cannot read model config {path}: {exc.strerror}", hint="Check the --model path.") from exc
+    except json.JSONDecodeError as exc:
+        raise BadInputError(f"Model config {path} is not valid JSON: {exc}", hint="Pass a config.json.") from exc
+
+
+def load_model_spec(source: str | Path | dict[str, Any]) -> ModelSpec:
+    """A preset name, a model directory, a config.json path or a config dict → ModelSpec (no weights loaded)."""
+    if isinstance(source, dict):
+        return spec_from_config(source, str(source.get("_name_or_path") or source.get("model_type") or "config"))
+    text = str(source)
+    preset = PRESET_DIR / f"{text.lower()}.json"
+    if preset.is_file() and not Path(text).exists():
+        return spec_from_config(_read_config(preset), text.lower())
+    path = Path(text).expanduser()
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise BadInputError(f"Model directory {path} has no config.json.",
+                                hint="Pass a Hugging Face model directory, a config.json or a preset name.")
+        return spec_from_config(_read_config(config), path.name)
+    if path.is_file():
+        return spec_from_config(_read_config(path), path.parent.name if path.name == "config.json" else path.stem)
+    raise BadInputError(
+        f"Model '{text}' is neither a preset nor a config.json file or model directory.",
+        hint=f"Presets: {', '.join(list_presets())}",
+    )

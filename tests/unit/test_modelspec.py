@@ -1,0 +1,119 @@
+"""modelspec: exact parameter counts from config.json, presets, KV cache, FLOPs, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clusteropt_cli.errors import BadInputError
+from clusteropt_cli.modelspec import list_presets, load_model_spec
+
+# published / HF-reported totals
+EXACT = {
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496,
+    "llama-3.1-405b": 405_853_388_800,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512,
+    "mistral-7b": 7_241_732_096,
+    "mixtral-8x7b": 46_702_792_704,
+}
+
+
+@pytest.mark.parametrize(("name", "expected"), sorted(EXACT.items()))
+def test_exact_parameter_counts(name: str, expected: int) -> None:
+    assert load_model_spec(name).num_params == expected
+
+
+def test_moe_active_parameters() -> None:
+    mixtral = load_model_spec("mixtral-8x7b")
+    assert mixtral.num_active_params == 12_879_925_248  # 2 of 8 experts
+    ds = load_model_spec("deepseek-v3")
+    assert ds.is_moe and ds.is_mla
+    assert ds.num_moe_layers == 58 and ds.num_dense_layers == 3
+    assert abs(ds.num_params - 671e9) / 671e9 < 0.005  # 671B without the MTP module
+    assert abs(ds.num_active_params - 37e9) / 37e9 < 0.03  # 37B activated
+
+
+def test_gpt3_weights_350gb_fp16() -> None:
+    gpt3 = load_model_spec("gpt3-175b")
+    assert abs(gpt3.num_params * 2 / 1e9 - 350) / 350 < 0.01
+
+
+def test_kv_cache_per_token() -> None:
+    llama2_7b = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                 "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000}
+    spec = load_model_spec(llama2_7b)
+    assert spec.num_params == 6_738_415_616
+    assert spec.kv_cache_bytes_per_token(2) == 0.5 * 2**20  # 0.5 MiB per token in fp16
+    assert load_model_spec("llama-3.1-8b").kv_cache_bytes_per_token(2) == 128 * 1024  # GQA: 8 KV heads
+    ds = load_model_spec("deepseek-v3")
+    assert ds.kv_cache_bytes_per_token(1) == 61 * (512 + 64)  # MLA latent + rope key
+    assert ds.kv_cache_bytes_per_token(2, mla_compressed=False) == 61 * 128 * (192 + 128) * 2
+
+
+def test_flops_per_token() -> None:
+    spec = load_model_spec("llama-3.1-8b")
+    non_embedding = spec.num_params - spec.vocab_size * spec.hidden_size
+    assert spec.forward_flops_per_token(0) == 2 * non_embedding
+    attn = 2 * 32 * 32 * (128 + 128) * 4096
+    assert spec.forward_flops_per_token(4096) == 2 * non_embedding + attn
+    assert spec.training_flops_per_token(4096) == 3 * spec.forward_flops_per_token(4096)
+    tied = load_model_spec("llama-3.2-1b")  # tied head: the matmul still happens
+    assert tied.forward_flops_per_token(0) == 2 * tied.num_params
+
+
+def test_sources_dir_file_dict(tmp_path) -> None:
+    cfg = load_model_spec("qwen2.5-0.5b").to_hf_config()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_spec(tmp_path).num_params == 494_032_768
+    assert load_model_spec(tmp_path / "config.json").num_params == 494_032_768
+    assert load_model_spec(cfg).num_params == 494_032_768
+    assert load_model_spec("LLAMA-3.2-1B").tie_word_embeddings
+
+
+def test_fixture_model_matches_torch(fixtures) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = load_model_spec(fixtures.teacher)
+    model = AutoModelForCausalLM.from_pretrained(fixtures.teacher, dtype=torch.float32)
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_presets_match_transformers_modules() -> None:
+    """Build every preset on the meta device with transformers and count its parameters."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for name in list_presets():
+        spec = load_model_spec(name)
+        if name == "llama-3.1-405b":
+            continue  # same family as 8b/70b; skip to keep the test fast
+        cfg = spec.to_hf_config()
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert sum(p.numel() for p in model.parameters()) == spec.num_params, name
+
+
+def test_presets_listed() -> None:
+    names = set(list_presets())
+    assert {"llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "qwen2.5-0.5b",
+            "qwen2.5-7b", "qwen2.5-72b", "mistral-7b", "mixtral-8x7b", "deepseek-v3", "gpt3-175b"} <= names
+
+
+def test_bad_sources(tmp_path) -> None:
+    with pytest.raises(BadInputError, match="neither a preset"):
+        load_model_spec("llama-9")
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(BadInputError, match="not valid JSON"):
+        load_model_spec(bad)
+    with pytest.raises(BadInputError, match="no config.json"):
+        load_model_spec(tmp_path / "..")
+    with pytest.raises(BadInputError, match="hidden_size"):
+        load_model_spec({"model_type": "llama", "num_hidden_layers": 2})
