@@ -23,8 +23,9 @@ def list_cmd(json_output: JsonOpt = False) -> None:
         console.print_json([{"name": r.name, "task": r.task, "command": r.command, "description": r.description,
                              "path": str(r.path)} for r in recipes])
         return
-    console.out.print(console.grid("Built-in recipes", ["name", "task", "command", "what it does"],
-                                   [[r.name, r.task, r.command, r.description] for r in recipes]))
+    console.out.print(console.grid("Built-in recipes (copt recipes show NAME for the command and keys)",
+                                   ["name", "task", "what it does"],
+                                   [[r.name, r.task, r.description] for r in recipes]))
 
 
 @app.command("show")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from clusteropt_cli.errors import RecipeError
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -22,6 +25,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        value = float(value)  # YAML 1.1 reads 3e-4 as a string
     return key.split("."), value
 
 

@@ -24,7 +24,7 @@ class BuiltinRecipe:
 
 
 def _header(path: Path) -> tuple[str, str]:
-    """The opening comment: first line is the command, the following comment lines describe it."""
+    """The opening comment: its first line is the command; the first sentence after it is the summary."""
     command, description = "", []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
@@ -32,9 +32,10 @@ def _header(path: Path) -> tuple[str, str]:
         text = line.lstrip("#").strip()
         if not command and text.startswith("copt "):
             command = text
-        elif command and text:
+        elif command and text and not text.startswith("Override example"):
             description.append(text)
-    return command, " ".join(description)
+    summary = " ".join(description)
+    return command, summary.split(". ")[0].rstrip(".") + "." if summary else ""
 
 
 def list_recipes() -> list[BuiltinRecipe]:

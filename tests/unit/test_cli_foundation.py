@@ -1,0 +1,118 @@
+"""The CLI's shared contract: error boundary, exit codes, --json discipline, --version."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clusteropt_cli import __version__
+from clusteropt_cli.app import main
+from clusteropt_cli.errors import (
+    BadInputError,
+    CoptError,
+    MissingDependencyError,
+    OutOfMemoryError,
+    map_exception,
+)
+
+
+def run_main(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def test_version(capsys):
+    code, out, _ = run_main(["--version"], capsys)
+    assert code == 0 and out.strip() == f"copt {__version__}"
+
+
+def test_unknown_command_is_one_clear_line(copt):
+    result = copt("nosuchcommand")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("error:") and "nosuchcommand" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_option_names_it(capsys):
+    code, out, err = run_main(["env", "--frobnicate"], capsys)
+    assert code == 2 and out == ""
+    assert "--frobnicate" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("exc", "code", "hint_part"),
+    [
+        (BadInputError("bad --seq-len", hint="use a positive number"), 2, "positive"),
+        (MissingDependencyError("no llmcompressor", hint="pip install 'clusteropt-cli[quantize]'"), 3, "quantize"),
+        (ModuleNotFoundError("No module named 'deepspeed'", name="deepspeed"), 3, "clusteropt-cli[train]"),
+        (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), 5, "--activation-checkpointing"),
+        (OSError("./nope is not a local folder and is not a valid model identifier"), 2, "local Hugging Face"),
+    ],
+)
+def test_error_boundary_maps_library_errors(monkeypatch, capsys, exc, code, hint_part):
+    import clusteropt_cli.core.env as env_core
+
+    def boom():
+        raise exc
+
+    monkeypatch.setattr(env_core, "collect_env", boom)
+    monkeypatch.delenv("COPT_DEBUG", raising=False)
+    got, out, err = run_main(["env"], capsys)
+    assert got == code
+    assert out == ""
+    assert err.startswith("error:") and "Traceback" not in err
+    assert hint_part in err
+
+
+def test_unknown_exception_is_internal_error_without_traceback(monkeypatch, capsys):
+    import clusteropt_cli.core.env as env_core
+
+    monkeypatch.setattr(env_core, "collect_env", lambda: 1 / 0)
+    monkeypatch.delenv("COPT_DEBUG", raising=False)
+    code, _, err = run_main(["env"], capsys)
+    assert code == 1
+    assert "internal error: ZeroDivisionError" in err and "--debug" in err and "Traceback" not in err
+
+
+def test_debug_flag_and_env_var_reraise(monkeypatch, capsys):
+    import clusteropt_cli.core.env as env_core
+
+    monkeypatch.setattr(env_core, "collect_env", lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        main(["--debug", "env"])
+    monkeypatch.setenv("COPT_DEBUG", "1")
+    with pytest.raises(ZeroDivisionError):
+        main(["env"])
+
+
+def test_map_exception_torch_oom_class():
+    import torch
+
+    mapped = map_exception(torch.OutOfMemoryError("CUDA out of memory"))
+    assert isinstance(mapped, OutOfMemoryError) and mapped.exit_code == 5
+    assert map_exception(ValueError("x")) is None
+    assert isinstance(map_exception(CoptError("x")), CoptError)
+
+
+def test_env_json_is_one_document(copt):
+    result = copt("env", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["copt"] == __version__
+    assert report["python"].count(".") == 2
+    assert report["torch"]
+    assert report["cuda_available"] in (True, False)
+    assert isinstance(report["gpus"], list)
+    assert report["backends"]["core"]["transformers"]
+    assert set(report["backends"]) >= {"quantize", "gptq", "train", "serve", "distill", "optional"}
+
+
+def test_env_human_output(copt):
+    result = copt("env")
+    assert result.returncode == 0, result.stderr
+    assert "torch" in result.stdout and "Backends" in result.stdout
