@@ -1,0 +1,111 @@
+"""Chain-of-thought trace distillation, step 2: supervised fine-tuning on the kept traces.
+
+Each trace becomes one chat (user: prompt, assistant: completion) rendered with the tokenizer's chat template;
+the prompt part (everything up to and including the assistant generation prompt) gets label -100, so the loss is
+only on the completion tokens (the reasoning, the answer and the end-of-turn marker).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from clusteropt_cli.errors import BadInputError
+
+IGNORE_INDEX = -100
+
+
+def render_prompt_and_completion(tokenizer: Any, prompt: str, completion: str) -> tuple[str, str]:
+    """(prompt text incl. the assistant generation prompt, completion text incl. the end-of-turn marker)."""
+    if getattr(tokenizer, "chat_template", None):
+        head = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        full = tokenizer.apply_chat_template([{"role": "user", "content": prompt},
+                                              {"role": "assistant", "content": completion}], tokenize=False)
+        if not full.startswith(head):
+            raise BadInputError("The chat template renders the prompt differently with and without the answer; "
+                                "cannot tell the completion tokens apart.",
+                                hint="Use a tokenizer whose chat template appends the assistant turn after the "
+                                     "generation prompt.")
+        return head, full[len(head):]
+    eos = tokenizer.eos_token or ""
+    return prompt + "\n", completion + eos
+
+
+def encode_example(tokenizer: Any, prompt: str, completion: str, max_len: int) -> dict[str, list[int]] | None:
+    """input_ids and labels (-100 on the prompt); None when the prompt alone fills `max_len`.
+
+    The prompt and the completion are tokenized separately and concatenated, which is exactly what the model
+    sees at generation time (prompt tokens, then generated tokens).
+    """
+    head, tail = render_prompt_and_completion(tokenizer, prompt, completion)
+    head_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+    tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    if len(head_ids) >= max_len:
+        return None
+    ids = (head_ids + tail_ids)[:max_len]
+    labels = ([IGNORE_INDEX] * len(head_ids) + tail_ids)[:max_len]
+    return {"input_ids": ids, "labels": labels}
+
+
+@dataclass
+class SFTDataset:
+    """Right-padded examples of one length (so a plain stacking collate works); padding has label -100.
+
+    Right padding leaves every real token's causal context unchanged, so no attention mask is needed.
+    """
+
+    input_ids: Any  # LongTensor [n, length]
+    labels: Any  # LongTensor [n, length]
+    num_completion_tokens: int
+    dropped: int
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"input_ids": self.input_ids[index], "labels": self.labels[index]}
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum()) if len(self) else 0
+
+
+def build_sft_dataset(rows: list[dict[str, Any]], tokenizer: Any, max_len: int) -> SFTDataset:
+    """Tokenize traces (dicts with prompt and completion) into an SFTDataset padded to the longest example."""
+    import torch
+
+    encoded = [encode_example(tokenizer, r["prompt"], r["completion"], max_len) for r in rows]
+    kept = [e for e in encoded if e is not None and any(x != IGNORE_INDEX for x in e["labels"])]
+    if not kept:
+        raise BadInputError(f"No trace fits --seq-len {max_len} with at least one completion token.",
+                            hint="Raise --seq-len or shorten the prompts.")
+    length = max(len(e["input_ids"]) for e in kept)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(kept), length), int(pad if pad is not None else 0), dtype=torch.long)
+    labels = torch.full((len(kept), length), IGNORE_INDEX, dtype=torch.long)
+    for i, e in enumerate(kept):
+        ids[i, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
+        labels[i, : len(e["labels"])] = torch.tensor(e["labels"])
+    completion_tokens = int((labels != IGNORE_INDEX).sum())
+    return SFTDataset(ids, labels, completion_tokens, len(rows) - len(kept))
+
+
+def completion_loss(model: Any, dataset: SFTDataset, batch_size: int = 16) -> float:
+    """Mean cross-entropy per completion token of a dataset (the quantity SFT lowers)."""
+    import torch
+
+    model.eval()
+    total, count = 0.0, 0
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for start in range(0, len(dataset), batch_size):
+            x = dataset.input_ids[start : start + batch_size].to(device)
+            y = dataset.labels[start : start + batch_size].to(device)
+            logits = model(input_ids=x).logits[:, :-1].float()
+            target = y[:, 1:]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
+                                                     ignore_index=IGNORE_INDEX, reduction="sum")
+            total += float(loss)
+            count += int((target != IGNORE_INDEX).sum())
+    return total / max(count, 1)

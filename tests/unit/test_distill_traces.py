@@ -1,0 +1,158 @@
+"""Trace schema, answer extraction, verification and resumability with controlled generations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clusteropt_cli.core.distill.traces import (
+    TRACE_FIELDS,
+    Generation,
+    PromptRecord,
+    SamplingSettings,
+    answers_match,
+    extract_answer,
+    parse_number,
+    progress_path,
+    read_prompts,
+    run_traces,
+    split_reasoning,
+)
+from clusteropt_cli.errors import BadInputError
+
+
+def test_split_and_extract():
+    assert split_reasoning("<think>\n2 and 3 make 5\n</think>\nThe answer is 5.") == ("2 and 3 make 5",
+                                                                                       "The answer is 5.")
+    assert split_reasoning("<think>never closed") == (None, None)
+    assert extract_answer("so \\boxed{12} and then \\boxed{42}") == "42"
+    assert extract_answer("Some words.\nFinal answer: 7.") == "7"
+    assert extract_answer("  blue  ") == "blue"
+    assert extract_answer(None) is None
+
+
+@pytest.mark.parametrize(("text", "value"), [("1,234.5", 1234.5), ("x = -3", -3.0), ("3/4", 0.75), ("2e-3", 0.002),
+                                             ("no digits", None), ("first 1 then 9", 9.0), (".5", 0.5)])
+def test_parse_number(text, value):
+    assert parse_number(text) == value
+
+
+@pytest.mark.parametrize(("answer", "expected", "mode", "ok"), [
+    ("5", "5", "numeric", True), ("5.0000000001", "5", "numeric", True), ("it is 1,000", "1000", "numeric", True),
+    ("6", "5", "numeric", False), ("five", "5", "numeric", False), (None, "5", "numeric", False),
+    ("Paris", "Paris", "exact", True), ("  Paris. ", "Paris", "exact", True), ("paris", "Paris", "exact", False),
+    ("Paris, France", "Paris", "exact", False),
+    ("x = 12", r"x\s*=\s*1[0-9]", "regex", True), ("x = 22", r"x\s*=\s*1[0-9]", "regex", False),
+    ("ab", "a", "regex", False),  # fullmatch, not search
+])
+def test_answers_match(answer, expected, mode, ok):
+    assert answers_match(answer, expected, mode) is ok
+
+
+def write_prompts(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_read_prompts_reports_every_problem(tmp_path):
+    bad = write_prompts(tmp_path / "p.jsonl", [{"prompt": "ok"}, {"nope": 1}, {"prompt": "x", "match": "fuzzy"},
+                                               {"prompt": "y", "match": "regex", "answer": "("},
+                                               {"prompt": "ok"}])
+    with pytest.raises(BadInputError) as info:
+        read_prompts(bad)
+    text = info.value.message
+    for needle in ("line 2", "line 3", "line 4", "line 5", "repeats line 1"):
+        assert needle in text
+    good = read_prompts(write_prompts(tmp_path / "g.jsonl", [{"id": 7, "prompt": "a", "answer": 3}, {"prompt": "b"}]))
+    assert good[0] == PromptRecord("7", "a", "3", None)
+    assert good[1].id.startswith("p-") and good[1].answer is None
+
+
+class ScriptedTeacher:
+    """A generation backend whose outputs we control: answer = the prompt's scripted replies, in order."""
+
+    def __init__(self, replies: dict[str, list[str]]):
+        self.replies = replies
+        self.calls: list[list[str]] = []
+
+    def __call__(self, prompts: list[str], sampling: SamplingSettings) -> list[list[Generation]]:
+        self.calls.append(prompts)
+        out = []
+        for formatted in prompts:
+            key = formatted.split("|")[0]
+            texts = self.replies[key][: sampling.samples]
+            out.append([Generation(t, len(t.split()), "stop") for t in texts])
+        return out
+
+
+PROMPTS = [PromptRecord("a", "2+3", "5"), PromptRecord("b", "capital of France", "Paris", "exact"),
+           PromptRecord("c", "a number between 10 and 19", r"1\d", "regex"), PromptRecord("d", "free text")]
+REPLIES = {
+    "2+3": ["add them\n</think>\n5", "hmm\n</think>\n6", "still thinking"],
+    "capital of France": ["it is Paris\n</think>\nParis", "</think>\nLyon", "</think>\nParis."],
+    "a number between 10 and 19": ["</think>\n14", "</think>\n41", "</think>\n\\boxed{19}"],
+    "free text": ["</think>\nanything", "</think>\nelse", "</think>\nmore"],
+}
+
+
+def run(tmp_path, teacher, prompts=PROMPTS, **kw):
+    return run_traces(prompts, tmp_path / "traces.jsonl", teacher, lambda p: p + "|", teacher="fake",
+                      sampling=SamplingSettings(samples=3), batch_prompts=2, **kw)
+
+
+def test_traces_schema_and_verify_filter(tmp_path):
+    teacher = ScriptedTeacher(REPLIES)
+    stats = run(tmp_path, teacher, verify=True)
+    rows = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
+    assert all(tuple(r) == TRACE_FIELDS for r in rows)
+    kept = {(r["prompt_id"], r["sample"]) for r in rows}
+    # a: only "5"; b: "Paris" and "Paris." (exact after normalisation); c: 14 and boxed 19; d: no answer → nothing
+    assert kept == {("a", 0), ("b", 0), ("b", 2), ("c", 0), ("c", 2)}
+    assert all(r["verified"] is True for r in rows)
+    first = next(r for r in rows if r["prompt_id"] == "a")
+    assert first["completion"] == "<think>\nadd them\n</think>\n5"
+    assert first["reasoning"] == "add them" and first["answer"] == "5" and first["match"] == "numeric"
+    assert stats.samples_total == 12 and stats.samples_kept == 5
+    assert stats.kept_fraction == pytest.approx(5 / 12)
+    assert stats.prompts_generated == 4 and len(teacher.calls) == 2  # batches of 2 prompts
+
+
+def test_without_verify_everything_is_kept_and_marked(tmp_path):
+    stats = run(tmp_path, ScriptedTeacher(REPLIES), verify=False)
+    rows = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and stats.samples_kept == 12
+    marks = {(r["prompt_id"], r["sample"]): r["verified"] for r in rows}
+    assert marks[("a", 1)] is False and marks[("a", 2)] is False  # wrong, and never closed its thinking
+    assert marks[("d", 0)] is None
+
+
+def test_rerun_skips_done_prompts_and_repairs_partial_batches(tmp_path):
+    teacher = ScriptedTeacher(REPLIES)
+    run(tmp_path, teacher, prompts=PROMPTS[:2], verify=True)
+    out = tmp_path / "traces.jsonl"
+    before = out.read_text()
+    # simulate a crash: a trace line written for prompt c but c never recorded as done
+    out.write_text(before + json.dumps({"prompt_id": "c", "prompt": "x", "completion": "y"}) + "\n")
+    teacher2 = ScriptedTeacher(REPLIES)
+    stats = run(tmp_path, teacher2, verify=True)
+    assert stats.prompts_done_before == 2 and stats.prompts_generated == 2
+    assert [p.split("|")[0] for call in teacher2.calls for p in call] == ["a number between 10 and 19", "free text"]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt_id"] for r in rows].count("c") == 2  # the stray line is gone, the two verified ones remain
+    assert stats.samples_total == 12 and stats.samples_kept == 5  # totals cover both runs
+    # a third run has nothing to do
+    teacher3 = ScriptedTeacher(REPLIES)
+    assert run(tmp_path, teacher3, verify=True).prompts_generated == 0 and teacher3.calls == []
+
+
+def test_rerun_with_other_settings_or_foreign_file_is_refused(tmp_path):
+    run(tmp_path, ScriptedTeacher(REPLIES), prompts=PROMPTS[:1], verify=True)
+    with pytest.raises(BadInputError, match="verify"):
+        run(tmp_path, ScriptedTeacher(REPLIES), prompts=PROMPTS[:1], verify=False)
+    progress_path(tmp_path / "traces.jsonl").unlink()
+    with pytest.raises(BadInputError, match="not written by") as info:
+        run(tmp_path, ScriptedTeacher(REPLIES), prompts=PROMPTS[:1], verify=True)
+    assert "--overwrite" in info.value.hint
+    stats = run(tmp_path, ScriptedTeacher(REPLIES), prompts=PROMPTS[:1], verify=True, overwrite=True)
+    assert stats.prompts_generated == 1
