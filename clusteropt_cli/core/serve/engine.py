@@ -1,0 +1,790 @@
+"""copt's in-process generation engine: continuous batching, chunked prefill, speculative decoding.
+
+This is the public, in-process API (used by `copt serve` and by `copt distill traces`)::
+
+    from clusteropt_cli.core.serve.engine import Engine, GenerationRequest
+    from clusteropt_cli.recipe.schema.serve import ServeRecipe
+
+    engine = Engine.from_settings(ServeRecipe(model="path/to/model", max_batch_size=32))
+    engine.start()
+    results = engine.generate([GenerationRequest(prompt_ids=ids, max_new_tokens=64) for ids in prompts])
+    handle = engine.submit(GenerationRequest(prompt_ids=ids, max_new_tokens=64, temperature=0.7, seed=1))
+    for token_ids in handle:            # or: async for token_ids in handle
+        ...
+    print(handle.result().text, handle.result().finish_reason)
+    engine.stop()
+
+How it works: one background thread runs the scheduler. Every iteration it (1) drops cancelled requests and
+frees their slots, (2) admits waiting requests into free KV-cache slots, (3) runs one decode step for every
+sequence that is generating (a CUDA graph per batch-size bucket on GPU; a speculative draft+verify step
+instead when few sequences run), and (4) spends the rest of the `max_batch_tokens` budget on prompt chunks
+(chunked prefill), so requests join and leave at every step and long prompts never stall decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusteropt_cli.errors import BadInputError, CoptError
+
+
+class QueueFullError(CoptError):
+    """The engine's waiting queue is full (the server answers 429)."""
+
+    exit_code = 1
+
+
+class EngineStoppedError(CoptError):
+    """The engine is not running (stopped, draining or crashed)."""
+
+    exit_code = 1
+
+
+@dataclass
+class GenerationRequest:
+    """One generation. Token ids in, token ids out; `stop` strings need the engine's tokenizer."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0 → greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids (EOS is added unless ignore_eos)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    speculative: bool = True  # allow speculative decoding for this request (when the engine has a drafter)
+    request_id: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    text: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended the request
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+
+class RequestHandle:
+    """A submitted request: iterate (sync or async) over lists of new token ids; `result()` when done."""
+
+    def __init__(self, request: GenerationRequest, request_id: str):
+        self.request = request
+        self.request_id = request_id
+        self._cond = threading.Condition()
+        self._chunks: deque[list[int]] = deque()
+        self._result: GenerationResult | None = None
+        self._cancelled = False
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    # engine side
+    def _push(self, token_ids: list[int], result: GenerationResult | None = None) -> None:
+        with self._cond:
+            if token_ids:
+                self._chunks.append(list(token_ids))
+            if result is not None:
+                self._result = result
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the loop is closed
+                pass
+
+    # client side
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def cancel(self) -> None:
+        """Stop generating; the slot is freed at the next engine step (finish_reason 'abort')."""
+        self._cancelled = True
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Block until the request finished and return its result."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._result is not None, timeout=timeout):
+                raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+            return self._result
+
+    async def wait(self) -> GenerationResult:
+        """Await the final result without blocking the event loop."""
+        async for _ in self:
+            pass
+        return self._result
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._chunks or self._result is not None)
+                if self._chunks:
+                    chunk = self._chunks.popleft()
+                else:
+                    return
+            yield chunk
+
+    async def __aiter__(self):
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, event))
+        try:
+            while True:
+                event.clear()
+                with self._cond:
+                    chunks = list(self._chunks)
+                    self._chunks.clear()
+                    finished = self._result is not None
+                for chunk in chunks:
+                    yield chunk
+                if finished and not chunks:
+                    return
+                if not chunks:
+                    await event.wait()
+        finally:
+            with self._cond:
+                self._waiters = [w for w in self._waiters if w[1] is not event]
+
+
+class TextStream:
+    """Incremental detokenization for streaming: yields text deltas, never a partial stop string or UTF-8 char."""
+
+    def __init__(self, tokenizer: Any, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def push(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        text = self._text()
+        for s in self.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        safe = len(text)
+        while safe > self.sent and text[safe - 1] == "\ufffd":
+            safe -= 1
+        for s in self.stop:  # hold back a suffix that may be the start of a stop string
+            for n in range(min(len(s) - 1, safe - self.sent), 0, -1):
+                if text[safe - n : safe] == s[:n]:
+                    safe -= n
+                    break
+        delta = text[self.sent : safe]
+        self.sent = max(self.sent, safe)
+        return delta
+
+    def finish(self, final_text: str | None = None) -> str:
+        text = final_text if final_text is not None else self._text()
+        delta = text[self.sent :]
+        self.sent = len(text)
+        return delta
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    num_slots: int = 0
+    kv_cache_usage: float = 0.0
+    kv_cache_tokens: int = 0
+    steps: int = 0
+    decode_steps: int = 0
+    spec_steps: int = 0
+    prefill_chunks: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    graphs_captured: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0
+
+
+class EngineObserver:
+    """Hooks the server uses for its metrics (all called on the engine thread; keep them cheap)."""
+
+    def on_first_token(self, ttft_s: float) -> None: ...
+
+    def on_tokens(self, itl_s: float, count: int) -> None: ...
+
+    def on_finish(self, result: GenerationResult) -> None: ...
+
+
+class _Seq:
+    """Engine-side state of one request."""
+
+    __slots__ = ("req", "handle", "rid", "prompt", "out", "num_computed", "slot", "draft_computed", "generator",
+                 "temperature", "top_p", "stop_ids", "max_new", "t_arrival", "t_first", "t_last", "drafted",
+                 "accepted", "finish_reason", "stop_reason", "text")
+
+    def __init__(self, req: GenerationRequest, handle: RequestHandle, stop_ids: set[int], max_new: int,
+                 generator: Any):
+        self.req, self.handle, self.rid = req, handle, handle.request_id
+        self.prompt = list(req.prompt_ids)
+        self.out: list[int] = []
+        self.num_computed = 0
+        self.slot = -1
+        self.draft_computed = 0
+        self.generator = generator
+        self.temperature, self.top_p = float(req.temperature), float(req.top_p)
+        self.stop_ids, self.max_new = stop_ids, max_new
+        self.t_arrival = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_last = self.t_arrival
+        self.drafted = self.accepted = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.text: str | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.out)
+
+    def last_token(self) -> int:
+        return self.out[-1] if self.out else self.prompt[-1]
+
+    def all_ids(self) -> list[int]:
+        return self.prompt + self.out
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings (derived from a ServeRecipe by Engine.from_settings)."""
+
+    model: str
+    device: str | None = None  # None: cuda when available
+    dtype: str = "auto"
+    max_batch_size: int = 64
+    max_batch_tokens: int | None = None
+    max_model_len: int | None = None
+    max_queue: int = 1024
+    kv_cache_tokens: int | None = None  # capacity in tokens (None: slots × max_model_len / free GPU memory)
+    kv_cache_memory_gib: float | None = None
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup: int | None = None
+    speculative_max_batch: int = 4
+    cuda_graphs: bool | None = None
+    gpu_memory_fraction: float = 0.85
+
+
+def _ngram_draft(tokens: list[int], n_max: int, k: int) -> list[int]:
+    """Prompt lookup: find the latest earlier occurrence of the trailing n-gram and propose what followed it."""
+    length = len(tokens)
+    for n in range(min(n_max, length - 1), 0, -1):
+        tail = tokens[length - n :]
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start : start + n] == tail:
+                follow = tokens[start + n : start + n + k]
+                if follow:
+                    return follow
+    return []
+
+
+class Engine:
+    """Continuous-batching generation over a slot KV cache (see the module docstring for the API)."""
+
+    def __init__(self, config: EngineConfig, observer: EngineObserver | None = None):
+        self.config = config
+        self.observer = observer or EngineObserver()
+        self._loaded = False
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._incoming: deque[_Seq] = deque()
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._free_slots: list[int] = []
+        self._stop = False
+        self._accepting = False
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+        self.error: BaseException | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any, observer: EngineObserver | None = None, device: str | None = None) -> Engine:
+        """Build from a ServeRecipe (the same settings `copt serve` validates)."""
+        gib = settings.kv_cache_memory
+        tokens = settings.kv_cache_blocks * settings.block_size if settings.kv_cache_blocks else None
+        config = EngineConfig(
+            model=settings.model, device=device, dtype=settings.dtype, max_batch_size=settings.max_batch_size,
+            max_batch_tokens=settings.max_batch_tokens, max_model_len=settings.max_model_len,
+            max_queue=settings.max_queue, kv_cache_tokens=tokens, kv_cache_memory_gib=gib,
+            draft_model=settings.draft_model, num_speculative_tokens=settings.num_speculative_tokens,
+            prompt_lookup=settings.prompt_lookup, speculative_max_batch=settings.speculative_max_batch,
+            cuda_graphs=settings.cuda_graphs,
+        )
+        return cls(config, observer=observer)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def load(self) -> None:
+        """Load the tokenizer, model(s) and allocate the KV cache (called by start())."""
+        if self._loaded:
+            return
+        import torch
+        from transformers import AutoConfig, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        from clusteropt_cli.core.serve.runner import ModelRunner, resolve_dtype
+
+        hf_logging.disable_progress_bar()
+        cfg = self.config
+        device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = device
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        hf_config = AutoConfig.from_pretrained(cfg.model)
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        ctx = int(getattr(text_config, "max_position_embeddings", 4096) or 4096)
+        max_len = int(cfg.max_model_len or min(ctx, 4096))
+        if cfg.max_model_len and cfg.max_model_len > ctx:
+            raise BadInputError(f"--max-model-len {cfg.max_model_len} exceeds the model's context of {ctx} tokens.",
+                                hint=f"Pass --max-model-len {ctx} or less.")
+        spec_extra = cfg.num_speculative_tokens + 1 if (cfg.draft_model or cfg.prompt_lookup) else 0
+        cache_len = max_len + spec_extra
+        dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
+        per_token = ModelRunner.kv_bytes_per_token_of(text_config, torch.empty((), dtype=dtype).element_size())
+        use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.startswith("cuda")
+
+        self.runner = ModelRunner(cfg.model, device=device, dtype=cfg.dtype, num_slots=None, max_len=cache_len,
+                                  cuda_graphs=use_graphs)
+        self.draft_runner = None
+        if cfg.draft_model:
+            self.draft_runner = ModelRunner(cfg.draft_model, device=device, dtype=cfg.dtype, num_slots=None,
+                                            max_len=cache_len, cuda_graphs=False)
+            if self.draft_runner.vocab_size != self.runner.vocab_size:
+                raise BadInputError(
+                    f"--draft-model vocabulary ({self.draft_runner.vocab_size}) differs from the model's "
+                    f"({self.runner.vocab_size}).", hint="Use a draft model trained with the same tokenizer.")
+            per_token += ModelRunner.kv_bytes_per_token_of(self.draft_runner.config,
+                                                           torch.empty((), dtype=dtype).element_size())
+        capacity = cfg.kv_cache_tokens
+        if capacity is None and cfg.kv_cache_memory_gib is not None:
+            capacity = int(cfg.kv_cache_memory_gib * 2**30 // per_token)
+        if capacity is None and device.startswith("cuda"):
+            # weights are loaded: size the cache from free GPU memory (never from system RAM)
+            free, _ = torch.cuda.mem_get_info()
+            capacity = int(free * cfg.gpu_memory_fraction // per_token)
+        if capacity is None:
+            capacity = cfg.max_batch_size * cache_len
+        slots = min(cfg.max_batch_size, capacity // cache_len)
+        if slots < 1:
+            raise BadInputError(
+                f"The KV cache holds {capacity} tokens, less than one sequence of {cache_len} tokens.",
+                hint="Raise --kv-cache-blocks / --kv-cache-memory, or lower --max-model-len.")
+        self.runner.allocate(slots)
+        if self.draft_runner is not None:
+            self.draft_runner.allocate(slots)
+        self.max_model_len = max_len
+        self.num_slots = slots
+        self.stats.num_slots = slots
+        self.stats.kv_cache_tokens = slots * cache_len
+        self.kv_cache_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.runner.caches)
+        self.max_batch_tokens = int(cfg.max_batch_tokens or (2048 if device.startswith("cuda") else 512))
+        self.stats.graphs_captured = self.runner.capture_graphs(slots)
+        self.eos_ids = self._eos_ids()
+        self.model_name = cfg.model
+        self._free_slots = list(range(slots - 1, -1, -1))
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(0)
+        self._loaded = True
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.runner.model, "generation_config", None), self.runner.model.config):
+            eos = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def start(self) -> Engine:
+        """Load (if needed) and start the scheduler thread."""
+        self.load()
+        if self._thread is None:
+            self._stop = False
+            self._accepting = True
+            self._thread = threading.Thread(target=self._loop, name="copt-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the scheduler; unfinished requests end with finish_reason 'abort'."""
+        self._accepting = False
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        for seq in list(self._running) + list(self._waiting) + list(self._incoming):
+            self._finish(seq, "abort")
+        self._running.clear()
+        self._waiting.clear()
+        self._incoming.clear()
+
+    def close_admission(self) -> None:
+        """Refuse new requests (graceful drain); running and queued ones still finish."""
+        self._accepting = False
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def idle(self) -> bool:
+        return not (self._running or self._waiting or self._incoming)
+
+    # ---- submitting --------------------------------------------------------------------------------------
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise BadInputError for a request the engine cannot serve."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise BadInputError("The prompt is empty.", hint="Send at least one token.")
+        if n >= self.max_model_len:
+            raise BadInputError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens.",
+                hint="Shorten the prompt or start the server with a larger --max-model-len.")
+        if request.max_new_tokens < 1:
+            raise BadInputError("max_tokens must be at least 1.", hint="Pass max_tokens >= 1.")
+        vocab = self.runner.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in request.prompt_ids):
+            raise BadInputError(f"Prompt token ids must be integers in [0, {vocab}).", hint="Check the prompt ids.")
+        if request.temperature < 0 or not 0 < request.top_p <= 1:
+            raise BadInputError("temperature must be >= 0 and top_p in (0, 1].", hint="Fix the sampling options.")
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; returns at once with a handle (raises QueueFullError / BadInputError)."""
+        import torch
+
+        if not self._accepting or self._thread is None:
+            raise EngineStoppedError("The engine is not accepting requests (stopped or draining).",
+                                     hint="Start the engine (engine.start()) or wait for the restart.")
+        if self.error is not None:
+            raise EngineStoppedError(f"The engine failed: {self.error}", hint="Restart the server.")
+        self.validate(request)
+        with self._cond:
+            queued = len(self._incoming) + len(self._waiting)
+            if queued >= self.config.max_queue:
+                raise QueueFullError(f"The queue is full ({queued} requests waiting).",
+                                     hint="Retry later or raise --max-queue.")
+            rid = request.request_id or f"req-{next(self._ids)}"
+            handle = RequestHandle(request, rid)
+            stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(self.eos_ids))
+            room = self.max_model_len - len(request.prompt_ids)
+            generator = None
+            if request.seed is not None and request.temperature > 0:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(int(request.seed))
+            seq = _Seq(request, handle, stop_ids, min(request.max_new_tokens, room), generator)
+            self._incoming.append(seq)
+            self._cond.notify_all()
+        return handle
+
+    def generate(self, requests: list[GenerationRequest], timeout: float | None = None) -> list[GenerationResult]:
+        """Submit all requests (continuous batching does the rest) and block until every one has finished."""
+        self.start()
+        handles = []
+        for req in requests:
+            while True:
+                try:
+                    handles.append(self.submit(req))
+                    break
+                except QueueFullError:
+                    time.sleep(0.01)
+        return [h.result(timeout) for h in handles]
+
+    # ---- the scheduler -----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._stop:
+                    return
+                while self._incoming:
+                    self._waiting.append(self._incoming.popleft())
+                if not self._running and not self._waiting:
+                    self._cond.wait(timeout=0.1)
+                    continue
+            try:
+                self._step()
+            except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+                import traceback
+
+                traceback.print_exc()
+                for seq in list(self._running):
+                    self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+                self._running.clear()
+
+    def _step(self) -> None:
+        stats = self.stats
+        # 1. cancellations
+        for seq in [s for s in self._running if s.handle._cancelled]:
+            self._finish(seq, "abort")
+        for seq in [s for s in self._waiting if s.handle._cancelled]:
+            self._waiting.remove(seq)
+            self._finish(seq, "abort")
+        # 2. admission into free slots
+        while self._waiting and self._free_slots:
+            seq = self._waiting.popleft()
+            seq.slot = self._free_slots.pop()
+            self._running.append(seq)
+        # 3. decode (or speculate) for generating sequences
+        decoding = [s for s in self._running if s.out and s.finish_reason is None]
+        if decoding:
+            use_spec = (self.draft_runner is not None or self.config.prompt_lookup) and (
+                len(decoding) <= self.config.speculative_max_batch)
+            if use_spec:
+                self._spec_step(decoding)
+            else:
+                self._decode_step(decoding)
+        # 4. chunked prefill with the remaining token budget
+        budget = max(self.max_batch_tokens - len(decoding), 16)
+        chunks = []
+        for seq in self._running:
+            if seq.out or seq.finish_reason is not None or budget <= 0:
+                continue
+            n = min(len(seq.prompt) - seq.num_computed, budget)
+            chunks.append((seq, n))
+            budget -= n
+        if chunks:
+            self._prefill_step(chunks)
+        stats.steps += 1
+        stats.running = len(self._running)
+        stats.waiting = len(self._waiting) + len(self._incoming)
+        used = sum(s.length for s in self._running)
+        stats.kv_cache_usage = used / max(1, stats.kv_cache_tokens)
+
+    def _prefill_step(self, chunks: list[tuple[_Seq, int]]) -> None:
+        packed, wanted, done = [], [], []
+        for seq, n in chunks:
+            start = seq.num_computed
+            packed.append((seq.slot, start, seq.prompt[start : start + n]))
+            last = start + n == len(seq.prompt)
+            wanted.append([n - 1] if last else [])
+            if last:
+                done.append(seq)
+        logits = self.runner.forward_packed(packed, wanted)
+        for seq, n in chunks:
+            seq.num_computed += n
+        self.stats.prefill_chunks += len(chunks)
+        self.stats.prompt_tokens += sum(n for _, n in chunks)
+        if done:
+            self._suppress_early_stops(logits, done)
+            for seq, tok in zip(done, self._sample(logits, done), strict=True):
+                self._emit(seq, [tok])
+
+    def _decode_step(self, seqs: list[_Seq]) -> None:
+        logits = self.runner.forward_decode([s.slot for s in seqs], [s.length - 1 for s in seqs],
+                                            [s.last_token() for s in seqs])
+        for s in seqs:
+            s.num_computed += 1
+        self._suppress_early_stops(logits, seqs)
+        tokens = self._sample(logits, seqs)
+        self.stats.decode_steps += 1
+        for seq, tok in zip(seqs, tokens, strict=True):
+            self._emit(seq, [tok])
+
+    def _suppress_early_stops(self, logits, seqs: list[_Seq]) -> None:
+        from clusteropt_cli.core.serve.sampling import suppress
+
+        for i, seq in enumerate(seqs):
+            if seq.req.min_tokens and len(seq.out) < seq.req.min_tokens:
+                suppress(logits[i], sorted(seq.stop_ids | self.eos_ids))
+
+    def _sample(self, logits, seqs: list[_Seq]) -> list[int]:
+        from clusteropt_cli.core.serve.sampling import sample_rows
+
+        return sample_rows(logits, seqs, generator=self._generator)
+
+    # ---- speculative decoding ----------------------------------------------------------------------------
+    def _spec_step(self, seqs: list[_Seq]) -> None:
+        from clusteropt_cli.core.serve.sampling import accept_drafts
+
+        k_max = self.config.num_speculative_tokens
+        budgets = {}
+        for seq in seqs:
+            room = min(seq.max_new - len(seq.out) - 1, self.max_model_len - seq.length - 1)
+            early = seq.req.min_tokens and len(seq.out) < seq.req.min_tokens
+            budgets[seq.rid] = 0 if (early or not seq.req.speculative) else max(0, min(k_max, room))
+        drafts, draft_probs = self._draft(seqs, budgets)
+        packed = [(s.slot, s.num_computed, [s.last_token()] + drafts[s.rid]) for s in seqs]
+        wanted = [list(range(1 + len(drafts[s.rid]))) for s in seqs]
+        logits = self.runner.forward_packed(packed, wanted)
+        self._suppress_early_stops_rows(logits, seqs, wanted)
+        row = 0
+        for seq in seqs:
+            k = len(drafts[seq.rid])
+            tokens = accept_drafts(logits[row : row + k + 1], drafts[seq.rid], draft_probs.get(seq.rid), seq,
+                                   generator=self._generator)
+            row += k + 1
+            accepted = len(tokens) - 1
+            old_len = seq.length
+            seq.num_computed += len(tokens)
+            if self.draft_runner is not None:
+                seq.draft_computed = min(seq.draft_computed, old_len + min(accepted, max(k - 1, 0)))
+            seq.drafted += k
+            seq.accepted += accepted
+            self.stats.spec_drafted += k
+            self.stats.spec_accepted += accepted
+            self._emit(seq, tokens)
+        self.stats.spec_steps += 1
+
+    def _suppress_early_stops_rows(self, logits, seqs: list[_Seq], wanted: list[list[int]]) -> None:
+        from clusteropt_cli.core.serve.sampling import suppress
+
+        row = 0
+        for seq, rows in zip(seqs, wanted, strict=True):
+            if seq.req.min_tokens and len(seq.out) < seq.req.min_tokens:
+                suppress(logits[row : row + len(rows)], sorted(seq.stop_ids | self.eos_ids))
+            row += len(rows)
+
+    def _draft(self, seqs: list[_Seq], budgets: dict[str, int]) -> tuple[dict[str, list[int]], dict[str, Any]]:
+        drafts: dict[str, list[int]] = {s.rid: [] for s in seqs}
+        probs: dict[str, Any] = {}
+        if self.draft_runner is None:
+            n = int(self.config.prompt_lookup or 0)
+            for seq in seqs:
+                if budgets[seq.rid]:
+                    drafts[seq.rid] = _ngram_draft(seq.all_ids(), n, budgets[seq.rid])
+            return drafts, probs
+        import torch
+
+        from clusteropt_cli.core.serve.sampling import processed_probs
+
+        active = [s for s in seqs if budgets[s.rid] > 0]
+        if not active:
+            return drafts, probs
+        runner = self.draft_runner
+        packed, wanted = [], []
+        for seq in active:
+            ids = seq.all_ids()
+            catch_up = ids[seq.draft_computed :]
+            packed.append((seq.slot, seq.draft_computed, catch_up))
+            wanted.append([len(catch_up) - 1])
+        logits = runner.forward_packed(packed, wanted)
+        step_rows: dict[str, list[Any]] = {s.rid: [] for s in active}
+        for seq in active:
+            seq.draft_computed = seq.length
+        current = active
+        row_logits = logits
+        for j in range(max(budgets[s.rid] for s in active)):
+            picks = []
+            for i, seq in enumerate(current):
+                if seq.temperature <= 0:
+                    tok = int(row_logits[i].argmax())
+                else:
+                    p = processed_probs(row_logits[i], seq.temperature, seq.top_p)
+                    gen = seq.generator if seq.generator is not None else self._generator
+                    tok = int(torch.multinomial(p, 1, generator=gen))
+                    step_rows[seq.rid].append(p)
+                drafts[seq.rid].append(tok)
+                picks.append(tok)
+            nxt = [(s, t) for s, t in zip(current, picks, strict=True) if len(drafts[s.rid]) < budgets[s.rid]]
+            if not nxt:
+                break
+            current = [s for s, _ in nxt]
+            positions = [s.length + j for s in current]
+            row_logits = runner.forward_decode([s.slot for s in current], positions, [t for _, t in nxt])
+            for s in current:
+                s.draft_computed += 1
+        for seq in active:
+            if step_rows[seq.rid]:
+                probs[seq.rid] = torch.stack(step_rows[seq.rid])
+        return drafts, probs
+
+    # ---- output ------------------------------------------------------------------------------------------
+    def _emit(self, seq: _Seq, tokens: list[int]) -> None:
+        now = time.perf_counter()
+        new: list[int] = []
+        for tok in tokens:
+            if tok in seq.stop_ids:
+                seq.finish_reason, seq.stop_reason = "stop", tok
+                break
+            seq.out.append(tok)
+            new.append(tok)
+            if len(seq.out) >= seq.max_new:
+                seq.finish_reason = "length"
+                break
+            if seq.req.stop and self._hit_stop_string(seq):
+                break
+        if new:
+            self.stats.generated_tokens += len(new)
+            if seq.t_first is None:
+                seq.t_first = now
+                self.observer.on_first_token(now - seq.t_arrival)
+                if len(new) > 1:
+                    self.observer.on_tokens(0.0, len(new) - 1)
+            else:
+                self.observer.on_tokens((now - seq.t_last) / len(new), len(new))
+            seq.t_last = now
+        if seq.finish_reason is not None:
+            self._finish(seq, seq.finish_reason, pushed=new)
+        elif new:
+            seq.handle._push(new)
+
+    def _hit_stop_string(self, seq: _Seq) -> bool:
+        text = self.tokenizer.decode(seq.out, skip_special_tokens=True)
+        hits = [(text.find(s), s) for s in seq.req.stop if s and s in text]
+        if not hits:
+            return False
+        cut, stop = min(hits)
+        seq.finish_reason, seq.stop_reason, seq.text = "stop", stop, text[:cut]
+        return True
+
+    def _finish(self, seq: _Seq, reason: str, pushed: list[int] | None = None, error: str | None = None) -> None:
+        if seq.handle.done:
+            return
+        seq.finish_reason = reason
+        if seq in self._running:
+            self._running.remove(seq)
+        if seq.slot >= 0:
+            self._free_slots.append(seq.slot)
+            seq.slot = -1
+        text = seq.text
+        if text is None and getattr(self, "tokenizer", None) is not None:
+            text = self.tokenizer.decode(seq.out, skip_special_tokens=True)
+        now = time.perf_counter()
+        result = GenerationResult(
+            request_id=seq.rid, prompt_ids=seq.prompt, output_ids=list(seq.out), finish_reason=reason, text=text,
+            stop_reason=seq.stop_reason, ttft_s=(seq.t_first - seq.t_arrival) if seq.t_first else None,
+            latency_s=now - seq.t_arrival, spec_drafted=seq.drafted, spec_accepted=seq.accepted, error=error)
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        seq.handle._push(pushed or [], result)
+        try:
+            self.observer.on_finish(result)
+        except Exception:  # noqa: BLE001 - metrics must never break generation
+            pass
+

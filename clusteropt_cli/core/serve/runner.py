@@ -1,0 +1,348 @@
+"""The model side of the engine: a transformers causal LM run with copt's own slot KV cache.
+
+The model code is transformers' own; only attention is ours. We register an attention function
+(`copt_slots`) in transformers' `AttentionInterface`, so every layer hands us its rotated query/key/value
+and we (1) write key/value into a per-slot static cache and (2) attend over the slot's cached prefix:
+
+* packed steps: the tokens of several sequences (prefill chunks, speculative verification windows) are
+  concatenated into one `[1, T]` row; each segment attends causally to its own slot only;
+* decode steps: `[B, 1]` with one token per running sequence, static shapes, so that on CUDA a step is
+  captured once per batch-size (and context-length) bucket and replayed as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+ATTN_NAME = "copt_slots"
+
+
+@dataclass
+class Segment:
+    """A run of consecutive tokens of one sequence inside a packed step."""
+
+    slot: int
+    start: int  # position of the first token (= tokens already in the slot's cache)
+    length: int
+    offset: int  # where the segment starts in the packed row
+
+
+@dataclass
+class StepContext:
+    """What the attention function needs for one forward: the caches and the layout of the step."""
+
+    caches: list[tuple[Any, Any]]
+    mode: str  # "packed" or "decode"
+    segments: list[Segment] = field(default_factory=list)
+    masks: list[Any] = field(default_factory=list)  # packed: per-segment bool mask or None (pure causal)
+    slot_ids: Any = None  # decode: [B] long
+    positions: Any = None  # decode: [B] long
+    mask: Any = None  # decode: [B, 1, 1, L] bool
+    kv_len: int = 0  # decode: L, the context bucket
+
+
+def _slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, copt_step=None,
+                    **kwargs):
+    """transformers attention interface: query [B, H, T, D], key/value [B, KVH, T, D] → ([B, T, H, D], None)."""
+    import torch
+    import torch.nn.functional as F
+
+    step: StepContext = copt_step
+    if step is None:
+        raise RuntimeError("copt_slots attention needs the copt engine's step context (copt_step=...)")
+    k_cache, v_cache = step.caches[module.layer_idx]
+    num_heads, head_dim = query.shape[1], query.shape[-1]
+    kv_heads = key.shape[1]
+    if step.mode == "decode":
+        batch = query.shape[0]
+        k_cache[step.slot_ids, :, step.positions] = key[:, :, 0]
+        v_cache[step.slot_ids, :, step.positions] = value[:, :, 0]
+        keys = k_cache[:, :, : step.kv_len].index_select(0, step.slot_ids)
+        values = v_cache[:, :, : step.kv_len].index_select(0, step.slot_ids)
+        # one query per sequence: fold the GQA group into the query-length axis (no K/V repeat needed)
+        q = query.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, scale=scaling)
+        return out.reshape(batch, num_heads, 1, head_dim).transpose(1, 2), None
+
+    groups = num_heads // kv_heads
+    outs = []
+    for seg, mask in zip(step.segments, step.masks, strict=True):
+        end = seg.start + seg.length
+        sl = slice(seg.offset, seg.offset + seg.length)
+        k_cache[seg.slot, :, seg.start : end] = key[0, :, sl]
+        v_cache[seg.slot, :, seg.start : end] = value[0, :, sl]
+        keys = k_cache[seg.slot : seg.slot + 1, :, :end]
+        values = v_cache[seg.slot : seg.slot + 1, :, :end]
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        q = query[:, :, sl]
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+        outs.append(out)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2), None
+
+
+def register_attention() -> None:
+    """Make `copt_slots` a valid transformers attention implementation (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, _slot_attention)
+
+
+def resolve_dtype(name: str, device: str, config_dtype: Any):
+    """'auto' keeps the checkpoint's half precision on GPU (bf16 for fp32 checkpoints) and fp32 on CPU."""
+    import torch
+
+    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if name != "auto":
+        return table[name]
+    if device == "cpu":
+        return torch.float32
+    if isinstance(config_dtype, str):
+        config_dtype = getattr(torch, config_dtype, None)
+    return config_dtype if config_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _length_buckets(max_len: int) -> list[int]:
+    buckets, size = [], 128
+    while size < max_len:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_len)
+    return buckets
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes decode graphs are captured for: 1, 2, 4, 8, then multiples of 16 up to max_batch."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
+    sizes += list(range(16, max_batch, 16))
+    sizes.append(max_batch)
+    return sorted(set(sizes))
+
+
+class ModelRunner:
+    """One model, its slot KV cache (`num_slots` × `max_len` tokens) and its forward passes."""
+
+    def __init__(self, model_path: str, *, device: str, dtype: str = "auto", num_slots: int | None, max_len: int | None,
+                 cuda_graphs: bool = False, trust_remote_code: bool = False):
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        register_attention()
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.dtype = resolve_dtype(dtype, device, getattr(config, "dtype", None))
+        self.device = torch.device(device)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, attn_implementation="sdpa",
+                                                     trust_remote_code=trust_remote_code)
+        model.to(self.device).eval()
+        model.requires_grad_(False)
+        try:
+            model.set_attn_implementation(ATTN_NAME)
+        except Exception:  # noqa: BLE001 - older/custom models: set it on the config directly
+            model.config._attn_implementation = ATTN_NAME
+        for module in model.modules():
+            cfg = getattr(module, "config", None)
+            if cfg is not None and getattr(cfg, "_attn_implementation", ATTN_NAME) != ATTN_NAME:
+                cfg._attn_implementation = ATTN_NAME
+        self.model = model
+        self.config = text_config
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.vocab_size = int(text_config.vocab_size)
+        self.num_layers = int(text_config.num_hidden_layers)
+        self.num_heads = int(text_config.num_attention_heads)
+        self.kv_heads = int(getattr(text_config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_heads)
+        self.max_len = int(max_len or min(int(getattr(text_config, "max_position_embeddings", 2048)), 4096))
+        self.num_slots = 0
+        self.caches: list[tuple[Any, Any]] = []
+        if num_slots is not None:
+            self.allocate(num_slots)
+        self.kv_lengths = _length_buckets(self.max_len)
+        self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._graph_pool = None
+
+    def allocate(self, num_slots: int) -> None:
+        """Allocate the static KV cache: num_slots sequences of max_len tokens (+ one scratch slot)."""
+        import torch
+
+        self.num_slots = int(num_slots)
+        self.scratch_slot = self.num_slots  # padding rows of a decode graph write here
+        shape = (self.num_slots + 1, self.kv_heads, self.max_len, self.head_dim)
+        self.caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                        torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
+
+    # ---- sizes -------------------------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.caches[0][0].element_size()
+
+    @staticmethod
+    def kv_bytes_per_token_of(config: Any, dtype_bytes: int) -> int:
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * dtype_bytes
+
+    # ---- forwards ----------------------------------------------------------------------------------------
+    def _hidden(self, input_ids, position_ids, step: StepContext):
+        out = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, copt_step=step)
+        return out.last_hidden_state
+
+    def forward_packed(self, chunks: list[tuple[int, int, list[int]]], logits_for: list[list[int]]):
+        """Run segments (slot, start, token_ids) packed into one row.
+
+        `logits_for[i]` lists the indices (within chunk i) whose next-token logits are wanted; returns one
+        float32 tensor [sum(len(logits_for[i])), V] in that order.
+        """
+        import torch
+
+        segments, masks, ids, pos, rows = [], [], [], [], []
+        offset = 0
+        for (slot, start, tokens), wanted in zip(chunks, logits_for, strict=True):
+            n = len(tokens)
+            if start + n > self.max_len:
+                raise ValueError(f"sequence of {start + n} tokens exceeds the cache length {self.max_len}")
+            segments.append(Segment(slot=slot, start=start, length=n, offset=offset))
+            if start == 0:
+                masks.append(None)
+            else:
+                q_pos = torch.arange(start, start + n, device=self.device)[:, None]
+                masks.append(torch.arange(start + n, device=self.device)[None, :] <= q_pos)
+            ids.extend(tokens)
+            pos.extend(range(start, start + n))
+            rows.extend(offset + i for i in wanted)
+            offset += n
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        position_ids = torch.tensor([pos], dtype=torch.long, device=self.device)
+        step = StepContext(caches=self.caches, mode="packed", segments=segments, masks=masks)
+        with torch.inference_mode():
+            hidden = self._hidden(input_ids, position_ids, step)[0]
+            if not rows:
+                return torch.empty(0, self.vocab_size, device=self.device)
+            picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
+            return self.lm_head(picked).float()
+
+    def _kv_bucket(self, max_position: int) -> int:
+        for size in self.kv_lengths:
+            if max_position < size:
+                return size
+        return self.max_len
+
+    def _decode_eager(self, input_ids, positions, slot_ids, kv_len: int):
+        import torch
+
+        mask = (torch.arange(kv_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+        step = StepContext(caches=self.caches, mode="decode", slot_ids=slot_ids, positions=positions, mask=mask,
+                           kv_len=kv_len)
+        hidden = self._hidden(input_ids[:, None], positions[:, None], step)
+        return self.lm_head(hidden[:, -1]).float()
+
+    def forward_decode(self, slots: list[int], positions: list[int], tokens: list[int]):
+        """One token for each of len(slots) sequences; returns float32 logits [B, V]."""
+        import torch
+
+        batch = len(slots)
+        kv_len = self._kv_bucket(max(positions))
+        with torch.inference_mode():
+            if self.use_graphs:
+                graph = self._graph_for(batch, kv_len)
+                if graph is not None:
+                    return graph.run(slots, positions, tokens)[:batch]
+            dev = self.device
+            return self._decode_eager(torch.tensor(tokens, dtype=torch.long, device=dev),
+                                      torch.tensor(positions, dtype=torch.long, device=dev),
+                                      torch.tensor(slots, dtype=torch.long, device=dev), kv_len)
+
+    # ---- CUDA graphs -------------------------------------------------------------------------------------
+    def _graph_for(self, batch: int, kv_len: int) -> _DecodeGraph | None:
+        bucket = next((b for b in self._batch_buckets if b >= batch), None)
+        if bucket is None:
+            return None
+        key = (bucket, kv_len)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = _DecodeGraph(self, bucket, kv_len)
+            self._graphs[key] = graph
+        return graph
+
+    def capture_graphs(self, max_batch: int) -> int:
+        """Capture decode graphs for every (batch bucket, context bucket), largest first; returns how many."""
+        import torch
+
+        self._batch_buckets = batch_buckets(max_batch)
+        if not self.use_graphs:
+            return 0
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for kv_len in reversed(self.kv_lengths):
+                for bucket in reversed(self._batch_buckets):
+                    self._graph_for(bucket, kv_len)
+        torch.cuda.synchronize()
+        return len(self._graphs)
+
+    _batch_buckets: list[int] = []
+
+
+class _DecodeGraph:
+    """One captured decode step for a fixed (batch bucket, context bucket); padding rows use the scratch slot."""
+
+    def __init__(self, runner: ModelRunner, batch: int, kv_len: int):
+        import torch
+
+        self.runner, self.batch = runner, batch
+        dev = runner.device
+        self.input_ids = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.slot_ids = torch.full((batch,), runner.scratch_slot, dtype=torch.long, device=dev)
+        self.host = torch.zeros(3, batch, dtype=torch.long).pin_memory()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels / allocator outside the capture
+                runner._decode_eager(self.input_ids, self.positions, self.slot_ids, kv_len)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=runner._graph_pool):
+            self.logits = runner._decode_eager(self.input_ids, self.positions, self.slot_ids, kv_len)
+
+    def run(self, slots: list[int], positions: list[int], tokens: list[int]):
+        import torch
+
+        n = len(slots)
+        pad = self.batch - n
+        host = self.host
+        host[0, :n] = torch.tensor(tokens, dtype=torch.long)
+        host[1, :n] = torch.tensor(positions, dtype=torch.long)
+        host[2, :n] = torch.tensor(slots, dtype=torch.long)
+        if pad:
+            host[0, n:] = 0
+            host[1, n:] = 0
+            host[2, n:] = self.runner.scratch_slot
+        self.input_ids.copy_(host[0], non_blocking=True)
+        self.positions.copy_(host[1], non_blocking=True)
+        self.slot_ids.copy_(host[2], non_blocking=True)
+        self.graph.replay()
+        return self.logits
+
+
+def free_gpu_bytes() -> int | None:
+    """Free bytes on the current CUDA device (None without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info()
+    return int(free)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return int(math.ceil(a / b))
