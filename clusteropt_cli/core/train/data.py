@@ -1,0 +1,140 @@
+"""Training data: read .txt/.jsonl locally, tokenize, pack into fixed-length blocks, and walk them in a
+deterministic, resumable order (shared by `copt train` and `copt distill`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clusteropt_cli.errors import BadInputError
+
+IGNORE_INDEX = -100
+
+
+def read_texts(path: str | Path, text_field: str = "text") -> list[str]:
+    """Documents of a .txt file (the whole file is one document) or a .jsonl file (one `text_field` per line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadInputError(f"Data file {path} does not exist.", hint="Pass an existing .txt or .jsonl file to --data.")
+    if path.suffix == ".jsonl":
+        texts = []
+        with path.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise BadInputError(f"{path}:{number} is not valid JSON ({exc.msg}).",
+                                        hint="Each line of a .jsonl file must be one JSON object.") from None
+                if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
+                    raise BadInputError(f"{path}:{number} has no string '{text_field}' field.",
+                                        hint=f"Each line needs {{\"{text_field}\": \"...\"}}.")
+                texts.append(row[text_field])
+        return texts
+    if path.suffix in (".txt", ".md", ".text", ""):
+        return [path.read_text(encoding="utf-8")]
+    raise BadInputError(f"Data file {path} is neither .txt nor .jsonl.",
+                        hint="Convert it to .txt or .jsonl (text field).")
+
+
+def pack_token_ids(documents: list[list[int]], seq_len: int, eos_id: int | None) -> Any:
+    """Concatenate documents (eos between them) and cut into [n_blocks, seq_len] int64 blocks; the tail is dropped."""
+    import torch
+
+    stream: list[int] = []
+    for ids in documents:
+        stream.extend(ids)
+        if eos_id is not None:
+            stream.append(eos_id)
+    n_blocks = len(stream) // seq_len
+    if n_blocks == 0:
+        raise BadInputError(f"The data has {len(stream)} tokens, fewer than one block of --seq-len {seq_len}.",
+                            hint="Lower --seq-len or give more data.")
+    return torch.tensor(stream[: n_blocks * seq_len], dtype=torch.long).view(n_blocks, seq_len)
+
+
+class PackedDataset:
+    """Fixed-length token blocks; item i is {"input_ids": LongTensor[seq_len], "labels": same} (causal LM:
+    the model shifts labels itself)."""
+
+    def __init__(self, blocks: Any):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return int(self.blocks.shape[0])
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        block = self.blocks[index]
+        return {"input_ids": block, "labels": block}
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.blocks.numel())
+
+
+def build_text_dataset(path: str | Path, tokenizer: Any, seq_len: int, text_field: str = "text") -> PackedDataset:
+    """Read, tokenize (no special tokens, eos between documents) and pack a text file into seq_len blocks."""
+    texts = read_texts(path, text_field)
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return PackedDataset(pack_token_ids(encoded, seq_len, tokenizer.eos_token_id))
+
+
+def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack equally shaped examples into a batch."""
+    import torch
+
+    return {key: torch.stack([ex[key] for ex in examples]) for key in examples[0]}
+
+
+@dataclass
+class DataCursor:
+    """Deterministic order over a dataset with a resumable position.
+
+    Each epoch uses a permutation seeded by (seed, epoch); `position` counts examples consumed in the epoch.
+    With `world_size` > 1, every rank takes its own slice of each global batch (data parallelism) — the global
+    order does not depend on the number of ranks, so a run resumed on another world size sees the same data.
+    """
+
+    num_examples: int
+    seed: int = 0
+    epoch: int = 0
+    position: int = 0
+    shuffle: bool = True
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    def _permutation(self) -> list[int]:
+        import torch
+
+        if not self.shuffle:
+            return list(range(self.num_examples))
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return torch.randperm(self.num_examples, generator=generator).tolist()
+
+    def next_indices(self, global_batch: int) -> list[int]:
+        """The next `global_batch` example indices (wrapping into the next epoch when needed)."""
+        out: list[int] = []
+        while len(out) < global_batch:
+            if not self._order:
+                self._order = self._permutation()
+            if self.position >= self.num_examples:
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation()
+            take = min(global_batch - len(out), self.num_examples - self.position)
+            out.extend(self._order[self.position : self.position + take])
+            self.position += take
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_examples": self.num_examples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if int(state["num_examples"]) != self.num_examples:
+            raise BadInputError(
+                f"The checkpoint was taken on data with {state['num_examples']} blocks; this data has "
+                f"{self.num_examples}.", hint="Resume with the same --data and --seq-len, or start a new --output.")
+        self.epoch, self.position, self.seed = int(state["epoch"]), int(state["position"]), int(state["seed"])
+        self._order = []

@@ -1,0 +1,392 @@
+"""The training loop shared by `copt train`, `copt distill logits` and `copt distill sft`.
+
+    from clusteropt_cli.core.train import run_training
+    result = run_training(options, model, dataset, output_dir, loss_fn=my_loss, tokenizer=tok,
+                          callbacks=[my_progress])
+
+`options` is a TrainingOptions (or a recipe extending it); `model` an HF causal LM on the CPU (the engine moves
+it); `dataset` indexable, item i a dict of equally shaped tensors (input_ids, labels, ...); `loss_fn(model, batch)
+-> (loss, {name: float})` with `model` the unwrapped HF model (default: the fused chunked LM cross-entropy when
+the model supports it, else the model's own loss). It handles precision (autocast, fp16 loss scaling, fp8),
+activation checkpointing, torch.compile, DDP (+ gradient compression), DeepSpeed ZeRO (+ offload), pipeline
+parallelism, metrics.jsonl, atomic resumable checkpoints and the final HF save into `output_dir`.
+Under a launcher every rank calls it; only rank 0 writes files other than checkpoint shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clusteropt_cli.core.train.checkpoint import (
+    commit_checkpoint,
+    latest_checkpoint,
+    load_torch_file,
+    rng_state,
+    save_torch_file,
+    set_rng_state,
+    staging_dir,
+)
+from clusteropt_cli.core.train.data import DataCursor, collate
+from clusteropt_cli.core.train.distributed import DistContext, all_reduce_mean, barrier, setup_distributed
+from clusteropt_cli.core.train.metrics import (
+    MetricsWriter,
+    SavedTensorMeter,
+    model_state_bytes,
+    peak_flops_per_device,
+    training_flops_per_token,
+)
+from clusteropt_cli.errors import BadInputError
+
+METRICS_FILE = "metrics.jsonl"
+DEEPSPEED_CONFIG_FILE = "ds_config.json"
+RESULT_FILE = "train_result.json"
+
+
+@dataclass
+class TrainResult:
+    """What a training run did (rank 0's view; the figures are global)."""
+
+    output_dir: str
+    engine: str
+    world_size: int
+    precision: str
+    steps: int
+    start_step: int
+    total_steps: int
+    tokens: int
+    first_loss: float | None
+    final_loss: float | None
+    losses: list[float]
+    tokens_per_s: float | None  # mean over the steps after the first (compile/warm-up excluded)
+    mfu: float | None
+    peak_mem_bytes: int | None
+    peak_reserved_bytes: int | None
+    step_time_s: float | None
+    elapsed_s: float
+    metrics_path: str
+    deepspeed_config: str | None = None
+    resumed_from: int | None = None
+    model_saved: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class TrainCallback:
+    """Override what you need; the command renders progress from these (core has no rich)."""
+
+    def on_start(self, total_steps: int, start_step: int) -> None: ...
+
+    def on_step(self, row: dict[str, Any]) -> None: ...
+
+    def on_log(self, message: str) -> None: ...
+
+    def on_end(self, result: TrainResult) -> None: ...
+
+
+def plan_total_steps(options: Any, num_examples: int, global_batch: int) -> int:
+    """max_steps, else ceil(epochs × examples / global batch) (epochs default 1)."""
+    import math
+
+    if options.max_steps:
+        return int(options.max_steps)
+    epochs = options.epochs if options.epochs is not None else 1.0
+    return max(1, math.ceil(epochs * num_examples / global_batch))
+
+
+def prepare_model(options: Any, model: Any, device_type: str, *, for_deepspeed: bool = False,
+                  log: Callable[[str], None] = lambda _m: None) -> Any:
+    """Attention implementation, checkpointing, fp8 swap and torch.compile on the bare model (in place)."""
+    from clusteropt_cli.core.train.precision import convert_to_fp8
+
+    config = model.config
+    config.use_cache = False
+    if getattr(options, "attn", None) and hasattr(model, "set_attn_implementation"):
+        try:
+            model.set_attn_implementation(options.attn)
+        except (ValueError, ImportError) as exc:
+            raise BadInputError(f"--attn {options.attn} is not available: {exc}",
+                                hint="use --attn sdpa") from None
+    if options.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if options.precision == "fp8":
+        converted = convert_to_fp8(model)
+        log(f"fp8: {converted} linear layers run through torchao Float8Linear")
+    if compile_enabled(options, device_type) and not for_deepspeed:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        decoder.compile()
+        log("torch.compile: decoder compiled (the first step includes compilation)")
+    return model
+
+
+def compile_enabled(options: Any, device_type: str) -> bool:
+    """options.compile, where None means: on for CUDA, off on CPU."""
+    value = getattr(options, "compile", None)
+    return bool(device_type == "cuda") if value is None else bool(value)
+
+
+def default_loss_fn(options: Any, model: Any, engine_kind: str) -> Any:
+    """The fused chunked LM cross-entropy when it applies (not under ZeRO-3, whose partitioned head weight is
+    only gathered inside the head's own forward), else the model's own loss."""
+    from clusteropt_cli.core.train.losses import hf_causal_lm_loss, make_fused_causal_lm_loss, supports_fused_loss
+
+    choice = getattr(options, "loss_impl", "auto")
+    fused_ok = supports_fused_loss(model) and not (engine_kind == "deepspeed" and options.zero == 3)
+    if choice == "fused" and not fused_ok:
+        raise BadInputError("loss_impl=fused does not apply to this model/engine (needs a bias-free LM head and "
+                            "zero < 3).", hint="set loss_impl to auto or hf")
+    if choice == "hf" or not fused_ok:
+        return hf_causal_lm_loss
+    return make_fused_causal_lm_loss()
+
+
+def _engine_kind(options: Any) -> str:
+    if getattr(options, "pipeline_stages", 1) > 1:
+        return "pipeline"
+    if options.zero > 0:
+        return "deepspeed"
+    return "torch"
+
+
+def _emit(callbacks: Sequence[Any], name: str, *args: Any) -> None:
+    for cb in callbacks:
+        fn = getattr(cb, name, None)
+        if fn is not None:
+            fn(*args)
+
+
+def run_training(
+    options: Any,
+    model: Any,
+    dataset: Any,
+    output_dir: str | Path,
+    *,
+    loss_fn: Callable[[Any, dict[str, Any]], tuple[Any, dict[str, float]]] | None = None,
+    tokenizer: Any = None,
+    callbacks: Sequence[Any] = (),
+    save_final: bool = True,
+    extra_result: dict[str, Any] | None = None,
+) -> TrainResult:
+    """Train `model` on `dataset` with `options`; returns a TrainResult (see the module docstring)."""
+    import torch
+
+    output_dir = Path(output_dir)
+    world = int(options.gpus) * int(options.nodes)
+    ctx = setup_distributed(world)
+    log = lambda message: _emit(callbacks, "on_log", message) if ctx.is_main else None  # noqa: E731
+    kind = _engine_kind(options)
+    if kind == "pipeline" and loss_fn is not None:
+        raise BadInputError("Pipeline parallelism trains with the LM cross-entropy only; a custom loss "
+                            "(distillation) cannot run pipelined.", hint="use --zero or --gpus (data parallel)")
+
+    if ctx.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    barrier(ctx)
+    resume_dir = latest_checkpoint(output_dir) if options.resume else None
+    if options.resume and resume_dir is None:
+        log(f"--resume: no checkpoint under {output_dir}/checkpoints, starting from step 0")
+
+    torch.manual_seed(int(options.seed) + ctx.rank)
+    model = prepare_model(options, model, ctx.device_type, for_deepspeed=(kind == "deepspeed"), log=log)
+    if loss_fn is None and kind != "pipeline":
+        loss_fn = default_loss_fn(options, model, kind)
+
+    dp_world = 1 if kind == "pipeline" else ctx.world_size
+    global_batch = int(options.micro_batch) * int(options.grad_accum) * dp_world
+    total_steps = plan_total_steps(options, len(dataset), global_batch)
+    ds_config_path = None
+    if kind == "deepspeed":
+        from clusteropt_cli.core.train.deepspeed_config import deepspeed_config
+        from clusteropt_cli.core.train.engines import DeepSpeedEngine
+
+        ds_config_path = output_dir / DEEPSPEED_CONFIG_FILE
+        engine = DeepSpeedEngine(options, model, loss_fn, ctx, total_steps, deepspeed_config(options, ctx.world_size),
+                                 ds_config_path)
+    elif kind == "pipeline":
+        from clusteropt_cli.core.train.pipeline import PipelineEngine
+
+        model.to(ctx.device)
+        engine = PipelineEngine(options, model, ctx, total_steps)
+    else:
+        from clusteropt_cli.core.train.engines import TorchEngine
+
+        model.to(ctx.device)
+        engine = TorchEngine(options, model, loss_fn, ctx, total_steps,
+                             getattr(options, "gradient_compression", "none"))
+
+    cursor = DataCursor(len(dataset), seed=int(options.seed))
+    start_step = 0
+    if resume_dir is not None:
+        meta = json.loads((resume_dir / "meta.json").read_text())
+        if meta.get("world_size") != ctx.world_size or meta.get("engine_kind") != kind:
+            raise BadInputError(
+                f"Checkpoint {resume_dir} was written by a {meta.get('engine_kind')} run on "
+                f"{meta.get('world_size')} process(es); this run is {kind} on {ctx.world_size}.",
+                hint="resume with the same --zero/--pipeline-stages/--gpus/--nodes, or start a new --output")
+        engine.load(resume_dir)
+        cursor.load_state_dict(meta["data"])
+        rng_file = resume_dir / f"rng_rank{ctx.rank}.pt"
+        if rng_file.exists():
+            set_rng_state(load_torch_file(rng_file))
+        start_step = int(meta["step"])
+        log(f"resumed from {resume_dir.name} (step {start_step} of {total_steps})")
+
+    flops_per_token = training_flops_per_token(model.config, int(options.seq_len))
+    peak_flops = peak_flops_per_device(options.precision, ctx.device_type)
+    writer = MetricsWriter(output_dir / METRICS_FILE, resume_step=start_step if resume_dir else None) \
+        if ctx.is_main else None
+    if ctx.is_main:
+        _emit(callbacks, "on_start", total_steps, start_step)
+
+    if ctx.device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    cpu_activation_bytes: int | None = None
+    losses: list[float] = []
+    step_times: list[float] = []
+    tokens_per_step = 0
+    tokens_done = 0
+    peak = reserved = None
+    started = time.perf_counter()
+    step = start_step
+    try:
+        for step in range(start_step + 1, total_steps + 1):
+            t0 = time.perf_counter()
+            indices = cursor.next_indices(global_batch)
+            step_loss = torch.zeros((), device=ctx.device, dtype=torch.float32)
+            step_metrics: dict[str, float] = {}
+            if kind == "pipeline":
+                batch = collate([dataset[i] for i in indices])
+                step_loss = engine.train_step(batch)
+                tokens_per_step = int(batch["input_ids"].numel())
+            else:
+                tokens_per_step = 0
+                for micro in range(int(options.grad_accum)):
+                    offset = (micro * dp_world + ctx.rank) * int(options.micro_batch)
+                    batch = collate([dataset[i] for i in indices[offset : offset + int(options.micro_batch)]])
+                    tokens_per_step += int(batch["input_ids"].numel()) * dp_world
+                    measure = ctx.device_type == "cpu" and cpu_activation_bytes is None
+                    if measure:
+                        meter = SavedTensorMeter()
+                        with meter.watch(model, checkpointed=bool(options.activation_checkpointing)):
+                            loss, metrics = engine.micro_step(batch, micro == int(options.grad_accum) - 1)
+                        cpu_activation_bytes = meter.bytes
+                    else:
+                        loss, metrics = engine.micro_step(batch, micro == int(options.grad_accum) - 1)
+                    step_loss += loss.float() / int(options.grad_accum)
+                    for key, value in metrics.items():
+                        step_metrics[key] = step_metrics.get(key, 0.0) + float(value) / int(options.grad_accum)
+            grad_norm = engine.optimizer_step()
+            step_loss = all_reduce_mean(step_loss, ctx) if kind != "pipeline" else step_loss
+            loss_value = float(step_loss)
+            if ctx.device_type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+                peak = int(torch.cuda.max_memory_allocated(ctx.device))
+                reserved = int(torch.cuda.max_memory_reserved(ctx.device))
+            elif cpu_activation_bytes is not None or kind == "pipeline":
+                peak = model_state_bytes(engine.model, engine.optimizer) + int(cpu_activation_bytes or 0)
+            elapsed = time.perf_counter() - t0
+            step_times.append(elapsed)
+            losses.append(loss_value)
+            tokens_done += tokens_per_step
+            tps = tokens_per_step / elapsed if elapsed > 0 else None
+            mfu = (tps * flops_per_token / (peak_flops * ctx.world_size)
+                   if tps and flops_per_token and peak_flops else None)
+            row = {"step": step, "loss": loss_value, "lr": engine.lr, "tokens_per_s": tps, "mfu": mfu,
+                   "peak_mem_bytes": peak, "peak_reserved_bytes": reserved, "step_time_s": elapsed,
+                   "grad_norm": grad_norm, "tokens": tokens_per_step, "epoch": cursor.epoch,
+                   "total_steps": total_steps}
+            if engine.loss_scale is not None:
+                row["loss_scale"] = engine.loss_scale
+            row.update(step_metrics)
+            if writer is not None:
+                writer.write(row)
+                _emit(callbacks, "on_step", row)
+            if options.save_every and step % int(options.save_every) == 0 and step < total_steps:
+                _save_checkpoint(engine, output_dir, step, cursor, ctx, kind)
+                log(f"checkpoint step-{step} saved")
+    finally:
+        if writer is not None:
+            writer.close()
+
+    final_state = engine.final_state_dict() if save_final else None  # collective (ZeRO-3, pipeline)
+    model_saved = False
+    if save_final and ctx.is_main:
+        _save_final_model(model, tokenizer, output_dir, final_state, options)
+        model_saved = True
+    barrier(ctx)
+
+    timed = step_times[1:] if len(step_times) > 1 else step_times
+    mean_tps = (tokens_per_step / (sum(timed) / len(timed))) if timed and tokens_per_step else None
+    result = TrainResult(
+        output_dir=str(output_dir), engine=engine.name, world_size=ctx.world_size, precision=options.precision,
+        steps=step - start_step, start_step=start_step, total_steps=total_steps, tokens=tokens_done,
+        first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None, losses=losses,
+        tokens_per_s=mean_tps,
+        mfu=(mean_tps * flops_per_token / (peak_flops * ctx.world_size)
+             if mean_tps and flops_per_token and peak_flops else None),
+        peak_mem_bytes=peak, peak_reserved_bytes=reserved,
+        step_time_s=(sum(timed) / len(timed)) if timed else None, elapsed_s=time.perf_counter() - started,
+        metrics_path=str(output_dir / METRICS_FILE),
+        deepspeed_config=str(ds_config_path) if ds_config_path else None,
+        resumed_from=start_step if resume_dir else None, model_saved=model_saved, extra=dict(extra_result or {}),
+    )
+    if ctx.is_main:
+        from clusteropt_cli.core.io import atomic_write_text
+
+        atomic_write_text(output_dir / RESULT_FILE, json.dumps(_jsonable(result), indent=2))
+        _emit(callbacks, "on_end", result)
+    return result
+
+
+def _jsonable(result: TrainResult) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(result)
+
+
+def _save_checkpoint(engine: Any, output_dir: Path, step: int, cursor: DataCursor, ctx: DistContext,
+                     kind: str) -> None:
+    """Every rank writes into the staging directory; after a barrier rank 0 commits it atomically."""
+    staging = staging_dir(output_dir, step)
+    if ctx.is_main:
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+    barrier(ctx)
+    engine.save(staging)
+    save_torch_file(rng_state(), staging / f"rng_rank{ctx.rank}.pt")
+    barrier(ctx)
+    if ctx.is_main:
+        commit_checkpoint(output_dir, step, {"step": step, "data": cursor.state_dict(), "world_size": ctx.world_size,
+                                             "engine_kind": kind, "engine": engine.name, "time": time.time()})
+    barrier(ctx)
+
+
+def _save_final_model(model: Any, tokenizer: Any, output_dir: Path, state_dict: dict[str, Any] | None,
+                      options: Any) -> None:
+    """save_pretrained (safetensors) + tokenizer into a staging directory, then move the files into output_dir."""
+    import tempfile
+
+    staging = Path(tempfile.mkdtemp(prefix=".final-", dir=output_dir))
+    try:
+        if options.activation_checkpointing and hasattr(model, "gradient_checkpointing_disable"):
+            model.gradient_checkpointing_disable()
+        model.config.use_cache = True
+        if state_dict is None:
+            state_dict = {k: v for k, v in model.state_dict().items()}
+        state_dict = {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}
+        if options.precision == "fp8":  # torchao Float8Linear keeps plain weights: save them as a normal model
+            state_dict = {k: (v.to_original_precision() if hasattr(v, "to_original_precision") else v)
+                          for k, v in state_dict.items()}
+        model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        for item in staging.iterdir():
+            os.replace(item, output_dir / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,145 @@
+"""Training metrics: FLOPs per token, MFU, peak memory (CUDA allocator or the CPU accounting), metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def training_flops_per_token(config: Any, seq_len: int) -> float | None:
+    """Model FLOPs per trained token (6·N + attention) from clusteropt_cli.modelspec, or None when unknown."""
+    try:
+        from clusteropt_cli.modelspec import load_model_spec
+    except ImportError:
+        return None
+    try:
+        spec = load_model_spec(config.to_dict() if hasattr(config, "to_dict") else config)
+        return float(spec.training_flops_per_token(seq_len))
+    except Exception:  # noqa: BLE001 - an unknown architecture only costs the MFU figure
+        return None
+
+
+def peak_flops_per_device(precision: str, device_type: str) -> float | None:
+    """Datasheet dense peak FLOP/s of the local GPU for the precision (None on CPU or an unknown GPU)."""
+    if device_type != "cuda":
+        return None
+    from clusteropt_cli.hardware import detect_gpu_spec
+
+    spec = detect_gpu_spec()
+    return spec.peak_flops(precision) if spec else None
+
+
+def model_state_bytes(model: Any, optimizer: Any) -> int:
+    """Bytes of parameters, gradients and optimizer states held by this process (unique storages; ZeRO-3
+    partitions counted as the local shard)."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor) and t.numel() > 0:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+
+    for p in model.parameters():
+        add(getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else p)
+        add(p.grad)
+    base = optimizer
+    while hasattr(base, "optimizer") and base.optimizer is not base:  # DeepSpeed wrappers → the torch optimizer
+        base = base.optimizer
+    for group in getattr(base, "param_groups", []):
+        for p in group["params"]:
+            add(p)
+            add(p.grad)
+    for state in getattr(base, "state", {}).values():
+        for value in state.values():
+            add(value)
+    for name in ("averaged_gradients", "ipg_buffer"):  # DeepSpeed ZeRO-1/2 gradient partitions
+        value = getattr(optimizer, name, None)
+        for t in (value.values() if isinstance(value, dict) else value or []):
+            for leaf in (t if isinstance(t, list) else [t]):
+                add(leaf)
+    return int(sum(seen.values()))
+
+
+class SavedTensorMeter:
+    """Counts the bytes of tensors autograd saves for backward (unique storages) during one forward.
+
+    With activation checkpointing, the checkpointed layers' inputs are what stays alive; they are counted
+    through forward pre-hooks on the checkpointed layers (`watch_layers`)."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}
+
+    def _add(self, t: Any) -> None:
+        import torch
+
+        if isinstance(t, torch.Tensor) and t.numel() > 0 and t.device.type != "meta":
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return
+            self.storages[storage.data_ptr()] = storage.nbytes()
+
+    @property
+    def bytes(self) -> int:
+        return int(sum(self.storages.values()))
+
+    @contextmanager
+    def watch(self, model: Any = None, checkpointed: bool = False):
+        import torch
+
+        def pack(t: Any) -> Any:
+            self._add(t)
+            return t
+
+        def count_inputs(_module: Any, args: tuple, kwargs: dict) -> None:
+            for value in (*args, *kwargs.values()):
+                self._add(value)
+
+        handles = []
+        if checkpointed and model is not None:
+            for module in model.modules():
+                if getattr(module, "gradient_checkpointing", False):
+                    handles.append(module.register_forward_pre_hook(count_inputs, with_kwargs=True))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+
+class MetricsWriter:
+    """Appends one JSON row per step to metrics.jsonl (flushed each row); on resume, rows after the
+    checkpoint's step are dropped so the file holds one consistent curve."""
+
+    def __init__(self, path: Path, resume_step: int | None = None):
+        self.path = Path(path)
+        if resume_step is not None and self.path.exists():
+            kept = []
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a row cut by a crash
+                if int(row.get("step", 0)) <= resume_step:
+                    kept.append(line)
+            self.path.write_text("".join(f"{line}\n" for line in kept))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        self._handle = self.path.open("a")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._handle.write(json.dumps(row) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,80 @@
+"""Load what `copt train` trains: a local HF model directory (fine-tune) or a config.json / preset (from scratch
+with random weights), plus its tokenizer. Never downloads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clusteropt_cli.errors import BadInputError
+
+
+@dataclass
+class ModelSource:
+    kind: str  # "pretrained" | "config" | "preset"
+    path: Path | None
+    config: dict[str, Any]
+    tokenizer_path: Path | None
+
+
+def resolve_model_source(model: str, tokenizer: str | None = None) -> ModelSource:
+    """Classify --model without loading weights: a model dir, a config.json (or a dir with only a config) or a
+    preset name known to clusteropt_cli.modelspec."""
+    import json
+
+    path = Path(model)
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise BadInputError(f"--model {model} is a directory without config.json.",
+                                hint="pass a Hugging Face model directory, a config.json or a preset name")
+        has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+        config = json.loads(config_file.read_text())
+        tok = Path(tokenizer) if tokenizer else (path if (path / "tokenizer_config.json").exists() else None)
+        return ModelSource("pretrained" if has_weights else "config", path, config, tok)
+    if path.is_file():
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            raise BadInputError(f"--model {model} is not a JSON config.", hint="pass a config.json") from None
+        near = path.parent if (path.parent / "tokenizer_config.json").exists() else None
+        return ModelSource("config", path, config, Path(tokenizer) if tokenizer else near)
+    try:
+        from clusteropt_cli.modelspec import load_model_spec
+    except ImportError:
+        load_model_spec = None
+    if load_model_spec is not None and not any(c in model for c in "/\\"):
+        try:
+            spec = load_model_spec(model)
+        except Exception as exc:  # noqa: BLE001 - an unknown preset is a bad input
+            raise BadInputError(f"--model {model}: no such directory, config file or preset ({exc}).",
+                                hint="pass a local HF model directory, a config.json or a preset name") from None
+        return ModelSource("preset", None, spec.to_hf_config(), Path(tokenizer) if tokenizer else None)
+    raise BadInputError(f"--model {model}: no such directory or config file.",
+                        hint="pass a local Hugging Face model directory or a config.json (copt never downloads)")
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    if source.tokenizer_path is None:
+        raise BadInputError("Training from a config needs a tokenizer to read the data.",
+                            hint="pass --tokenizer DIR (a local tokenizer directory)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(source.tokenizer_path))
+
+
+def load_model(source: ModelSource, seed: int = 0) -> Any:
+    """from_pretrained (fp32 weights: mixed precision autocasts) or from_config with seeded random weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if source.kind == "pretrained":
+        return AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
+    config_dict = dict(source.config)
+    model_type = config_dict.pop("model_type", None)
+    if model_type is None:
+        raise BadInputError("The model config has no model_type.", hint="add \"model_type\": \"llama\" (or similar)")
+    config = AutoConfig.for_model(model_type, **config_dict)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
