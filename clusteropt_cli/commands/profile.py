@@ -1,21 +1,341 @@
-"""copt profile (issue 6)."""
+"""copt profile: measure a model (`model`) or an OpenAI-compatible endpoint (`endpoint`) and name the bottleneck.
+
+Both write the versioned ProfileReport (core/profile_report.py) that `copt advise --from-profile` reads:
+`--json` prints it on stdout, `--report FILE` writes it. `--expect R.yaml` checks the measurement against the
+prediction a recipe carries and exits 6 when a figure misses by more than `--tolerance`.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
 import typer
 
-from clusteropt_cli.errors import CoptError
+from clusteropt_cli import console
+from clusteropt_cli.errors import BadInputError, CheckFailedError
+from clusteropt_cli.options import JsonOpt, OverwriteOpt
 
 app = typer.Typer(help="Measure a model or an endpoint and name the bottleneck.", no_args_is_help=True)
 
+GiB = 1024**3
 
+ReportOpt = Annotated[
+    Path | None, typer.Option("--report", help="Write the profile JSON (schema copt.profile/1) to this file.")
+]
+ExpectOpt = Annotated[
+    str | None,
+    typer.Option("--expect", help="A recipe with a prediction block (copt advise --emit-recipe): check it."),
+]
+ToleranceOpt = Annotated[
+    float, typer.Option("--tolerance", help="Allowed relative error per predicted figure with --expect.", min=0.0)
+]
+
+
+def _check_outputs(paths: dict[str, Path | None], overwrite: bool) -> None:
+    """Refuse, before any work, to replace a user's files without --overwrite."""
+    problems = [f"{flag} {path} already exists" for flag, path in paths.items()
+                if path is not None and path.exists() and not overwrite]
+    if problems:
+        raise BadInputError("; ".join(problems) + ".", hint="Pass --overwrite to replace it, or choose another name.")
+
+
+def _write_report(report: Any, path: Path | None) -> None:
+    if path is None:
+        return
+    from clusteropt_cli.core.io import atomic_write_text
+
+    atomic_write_text(path, report.model_dump_json(indent=2) + "\n")
+    console.log(f"profile written to {path}")
+
+
+# ---- formatting --------------------------------------------------------------------------------------------
+def fmt(name: str, value: Any) -> str:
+    """A figure for people: bytes, seconds, fractions, FLOP/s and rates in their natural units."""
+    if value is None:
+        return "-"
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return str(value)
+    if name.endswith("_bytes") or name == "decode_bytes_per_step":
+        return console.human_bytes(value)
+    if name.endswith("_frac") or name in ("mfu", "mbu", "error_rate"):
+        return f"{100 * value:.1f}%"
+    if name.endswith("_s") and not name.endswith("per_s"):
+        return f"{value * 1e3:.2f} ms" if abs(value) < 1 else f"{value:.3f} s"
+    if name.endswith("flops"):
+        return f"{value / 1e12:.3f} TFLOP/s"
+    if name.endswith("bandwidth"):
+        return f"{value / 1e9:.1f} GB/s"
+    if name.endswith("per_s") or name in ("request_throughput", "goodput"):
+        return f"{value:,.1f}/s"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _render_verdict(report: Any) -> None:
+    v = report.verdict
+    console.out.print(f"[bold]verdict:[/bold] {v.bottleneck}"
+                      + (f"   [bold]symptoms:[/bold] {', '.join(v.symptoms)}" if v.symptoms else ""))
+    for line in v.evidence:
+        console.out.print(f"  - {line}", highlight=False)
+    if v.symptoms:
+        console.out.print(f"next: copt advise --from-profile PROFILE.json  (or: copt advise "
+                          f"{' '.join('--symptom ' + s for s in v.symptoms)})", highlight=False)
+
+
+def _render_model(report: Any) -> None:
+    hw = report.hardware
+    head = [("model", f"{report.model.get('source')} ({report.model.get('num_params'):,} params, "
+                      f"{'random' if report.model.get('random_weights') else 'trained'} weights)"),
+            ("hardware", f"{hw.device}: {hw.name}" + (f" [{hw.catalog}]" if hw.catalog else "")),
+            ("workload", ", ".join(f"{k}={v}" for k, v in report.workload.items()))]
+    console.out.print(console.kv_table(f"copt profile model --mode {report.mode}", head))
+    if report.mode == "train":
+        order = ["step_time_s", "tokens_per_s", "mfu", "achieved_flops", "forward_frac", "backward_frac",
+                 "optimizer_frac", "peak_mem_bytes", "peak_reserved_bytes", "model_states_bytes",
+                 "saved_activations_bytes", "logits_loss_bytes", "device_busy_frac", "loss"]
+    else:
+        order = ["ttft_s", "tpot_s", "output_tokens_per_s", "prefill_tokens_per_s", "mfu", "mbu", "achieved_flops",
+                 "decode_bytes_per_step", "peak_mem_bytes", "peak_reserved_bytes", "weights_bytes",
+                 "kv_cache_bytes", "device_busy_frac"]
+    rows = []
+    for name in order:
+        if name not in report.metrics:
+            continue
+        sp = report.spread.get(name)
+        spread_text = f"p10 {fmt(name, sp.p10)} … p90 {fmt(name, sp.p90)} (n={sp.n})" if sp else ""
+        rows.append([name, fmt(name, report.metrics[name]), spread_text])
+    console.out.print(console.grid("measured (medians)", ["figure", "value", "spread"], rows))
+    if report.top_ops:
+        console.out.print(console.grid("top ops by self time", ["op", "self time", "share", "calls"],
+                                       [[op.name[:70], fmt("t_s", op.self_time_s), f"{100 * op.fraction:.1f}%",
+                                         op.calls] for op in report.top_ops[:10]]))
+    if report.trace_file:
+        console.out.print(f"trace: {report.trace_file} (open in https://ui.perfetto.dev or chrome://tracing)")
+    _render_verdict(report)
+
+
+def _render_endpoint(report: Any) -> None:
+    rows = []
+    for lv in report.levels:
+        load = f"c={lv.concurrency}" if lv.concurrency is not None else f"{lv.rate}/s"
+        errors = ", ".join(f"{k}:{n}" for k, n in lv.errors.items()) or "-"
+
+        def ms(d: dict, key: str) -> str:
+            return f"{d[key] * 1e3:.1f}" if key in d else "-"
+
+        rows.append([load, f"{lv.completed}/{lv.requests}", f"{lv.request_throughput:.2f}",
+                     f"{lv.output_tokens_per_s:.1f}", "-" if lv.goodput is None else f"{lv.goodput:.2f}",
+                     f"{ms(lv.ttft_s, 'p50')}/{ms(lv.ttft_s, 'p90')}/{ms(lv.ttft_s, 'p99')}",
+                     f"{ms(lv.itl_s, 'p50')}/{ms(lv.itl_s, 'p99')}",
+                     f"{ms(lv.tpot_s, 'p50')}/{ms(lv.tpot_s, 'p90')}",
+                     f"{ms(lv.e2e_s, 'p50')}/{ms(lv.e2e_s, 'p99')}", errors])
+    headers = ["load", "ok", "req/s", "out tok/s", "goodput", "TTFT ms p50/90/99", "ITL ms p50/99",
+               "TPOT ms p50/90", "E2E ms p50/99", "errors"]
+    console.out.print(console.grid(f"copt profile endpoint: {report.model.get('name')} @ "
+                                   f"{report.workload.get('url')}", headers, rows))
+    _render_verdict(report)
+
+
+def _render_check(comparison: Any) -> None:
+    rows = [[c.name, fmt(c.name, c.predicted), fmt(c.name, c.measured),
+             "-" if c.rel_error is None else f"{100 * c.rel_error:+.1f}%",
+             {"pass": "[green]pass[/green]", "miss": "[red]MISS[/red]"}.get(c.status, c.status)]
+            for c in comparison.checks]
+    where = f" at {comparison.level}" if comparison.level else ""
+    console.out.print(console.grid(f"predicted vs measured{where} ({comparison.recipe}, tolerance "
+                                   f"±{100 * comparison.tolerance:.0f}%)",
+                                   ["figure", "predicted", "measured", "error", "status"], rows))
+
+
+def _finish(report: Any, comparison: Any, as_json: bool, render: Any) -> None:
+    """Print (JSON or tables), then fail with exit 6 when the check missed."""
+    if as_json:
+        if comparison is None:
+            console.print_json(report)
+        else:
+            console.print_json({"check": {"passed": comparison.passed, "recipe": comparison.recipe,
+                                          "tolerance": comparison.tolerance, "level": comparison.level,
+                                          "figures": comparison.checks},
+                                "profile": report})
+    else:
+        render(report)
+        if comparison is not None:
+            _render_check(comparison)
+    for check in (comparison.checks if comparison is not None else []):
+        if check.status == "not-measured":
+            console.warn(f"--expect: {check.name} is not measured by this profile; not checked")
+    if comparison is not None and not comparison.passed:
+        misses = ", ".join(f"{c.name} {100 * c.rel_error:+.1f}%" for c in comparison.misses)
+        raise CheckFailedError(f"Prediction missed by more than ±{100 * comparison.tolerance:.0f}%: {misses}.",
+                               hint="Recalibrate the plan (copt advise --from-profile) or widen --tolerance.")
+
+
+# ---- profile model -----------------------------------------------------------------------------------------
 @app.command("model")
-def model() -> None:
-    """Not built yet (issue 6)."""
-    raise CoptError("copt profile model is not built yet (issue 6).")
+def model(
+    model_path: Annotated[str | None, typer.Argument(
+        metavar="MODEL", help="Local HF model dir, a config.json or a preset (random weights); "
+                              "taken from the --expect recipe when omitted.", show_default=False)] = None,
+    mode: Annotated[Literal["infer", "train"] | None, typer.Option(
+        "--mode", help="infer: prefill + decode of one batch; train: one optimizer step. (default: infer)")] = None,
+    device: Annotated[Literal["auto", "cuda", "cpu"] | None, typer.Option(
+        "--device", help="Where to run. (default: auto)")] = None,
+    batch: Annotated[int | None, typer.Option("--batch", help="infer: sequences per batch. (default: 1)")] = None,
+    prompt_len: Annotated[int | None, typer.Option("--prompt-len", help="infer: prompt tokens. (default: 128)")] = None,
+    gen_len: Annotated[int | None, typer.Option("--gen-len", help="infer: generated tokens. (default: 32)")] = None,
+    dtype: Annotated[Literal["auto", "bf16", "fp16", "fp32"] | None, typer.Option(
+        "--dtype", help="infer: weights dtype (auto: bf16 on GPU, fp32 on CPU).")] = None,
+    micro_batch: Annotated[int | None, typer.Option("--micro-batch", help="train: sequences per step. (default: 1)")
+                           ] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="train: tokens per sequence. (default: 512)")] = None,
+    precision: Annotated[Literal["auto", "bf16", "fp16", "fp32"] | None, typer.Option(
+        "--precision", help="train: autocast dtype over fp32 weights (auto: bf16 on GPU, fp32 on CPU).")] = None,
+    activation_checkpointing: Annotated[bool | None, typer.Option(
+        "--activation-checkpointing/--no-activation-checkpointing", help="train: recompute activations.")] = None,
+    optimizer: Annotated[Literal["adamw", "sgd"] | None, typer.Option(
+        "--optimizer", help="train: torch AdamW (fused on GPU) or plain SGD. (default: adamw)")] = None,
+    attn: Annotated[Literal["sdpa", "eager"] | None, typer.Option("--attn", help="Attention implementation.")] = None,
+    warmup: Annotated[int | None, typer.Option("--warmup", help="Untimed iterations first. (default: 2)")] = None,
+    repeats: Annotated[int | None, typer.Option("--repeats", help="Timed iterations (median reported). (default: 5)")
+                       ] = None,
+    trace: Annotated[Path | None, typer.Option(
+        "--trace", help="Write a torch.profiler Chrome/Perfetto trace (JSON) of one more iteration.")] = None,
+    memory_budget: Annotated[float | None, typer.Option(
+        "--memory-budget", help="GiB: a peak above it is memory-capacity-bound (symptom oom).")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Seed for weights and inputs. (default: 0)")] = None,
+    expect: ExpectOpt = None,
+    tolerance: ToleranceOpt = 0.10,
+    report_path: ReportOpt = None,
+    overwrite: OverwriteOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Time one inference batch or one training step; peak memory, MFU/MBU and the bottleneck verdict."""
+    from clusteropt_cli.core.profile.settings import ModelProfileSettings
+
+    _check_outputs({"--report": report_path, "--trace": trace}, overwrite)
+    values: dict[str, Any] = {}
+    expectation = None
+    if expect is not None:
+        from clusteropt_cli.core.profile.expect import load_expectation, model_values_from_recipe
+
+        expectation = load_expectation(expect)
+        values.update(model_values_from_recipe(expectation))
+    typed = {"model": model_path, "mode": mode, "device": device, "batch": batch, "prompt_len": prompt_len,
+             "gen_len": gen_len, "dtype": dtype, "micro_batch": micro_batch, "seq_len": seq_len,
+             "precision": precision, "activation_checkpointing": activation_checkpointing, "optimizer": optimizer,
+             "attn": attn, "warmup": warmup, "repeats": repeats, "trace": trace, "seed": seed,
+             "memory_budget_bytes": int(memory_budget * GiB) if memory_budget is not None else None}
+    values.update({k: v for k, v in typed.items() if v is not None})
+    if "model" not in values:
+        raise BadInputError("MODEL is missing.", hint="Pass a model dir, a config.json or a preset "
+                                                       "(e.g. copt profile model llama-3.2-1b), or --expect R.yaml.")
+    settings = ModelProfileSettings(**values)
+    settings.validate()
+
+    from clusteropt_cli.core.profile.model import profile_model
+
+    report = profile_model(settings, log=console.log)
+    _write_report(report, report_path)
+    comparison = None
+    if expectation is not None:
+        from clusteropt_cli.core.profile.expect import compare_to_prediction
+
+        comparison = compare_to_prediction(report, expectation, tolerance)
+    _finish(report, comparison, json_out, _render_model)
+
+
+# ---- profile endpoint --------------------------------------------------------------------------------------
+def _int_list(text: str | None, flag: str) -> list[int]:
+    if not text:
+        return []
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise BadInputError(f"{flag} {text!r} is not a comma-separated list of integers.",
+                            hint=f"e.g. {flag} 1,8,32") from None
+
+
+def _float_list(text: str | None, flag: str) -> list[float]:
+    if not text:
+        return []
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise BadInputError(f"{flag} {text!r} is not a comma-separated list of numbers.",
+                            hint=f"e.g. {flag} 2,4") from None
 
 
 @app.command("endpoint")
-def endpoint() -> None:
-    """Not built yet (issue 6)."""
-    raise CoptError("copt profile endpoint is not built yet (issue 6).")
+def endpoint(
+    url: Annotated[str, typer.Option("--url", help="Server root, e.g. http://127.0.0.1:8000 (or its /v1 base).")],
+    model_name: Annotated[str, typer.Option("--model", help="Model name the server serves (GET /v1/models).")],
+    concurrency: Annotated[str | None, typer.Option(
+        "--concurrency", help="Concurrent requests, a sweep: 1,8,32. (default: 1)")] = None,
+    rate: Annotated[str | None, typer.Option(
+        "--rate", help="Poisson arrivals in requests/s (one or a list: 2,4) instead of --concurrency.")] = None,
+    num_requests: Annotated[int | None, typer.Option(
+        "--num-requests", help="Requests per level (default: 4 per concurrent slot, at least 8; 32 per rate).")
+    ] = None,
+    duration: Annotated[float | None, typer.Option("--duration", help="Seconds per level at most.")] = None,
+    prompt_len: Annotated[int, typer.Option("--prompt-len", help="Synthetic prompt length in tokens.")] = 128,
+    gen_len: Annotated[int, typer.Option("--gen-len", help="max_tokens per request.")] = 64,
+    dataset: Annotated[Path | None, typer.Option(
+        "--dataset", help="A .jsonl of prompts ({\"prompt\": ...} or {\"text\": ...}) instead of synthetic ones.")
+    ] = None,
+    tokenizer: Annotated[str | None, typer.Option(
+        "--tokenizer", help="Local tokenizer dir: synthetic prompts of exactly --prompt-len tokens.")] = None,
+    slo_ttft_ms: Annotated[float | None, typer.Option("--slo-ttft-ms", help="TTFT SLO for goodput.")] = None,
+    slo_tpot_ms: Annotated[float | None, typer.Option("--slo-tpot-ms", help="TPOT SLO for goodput.")] = None,
+    request_timeout: Annotated[float, typer.Option("--request-timeout", help="Seconds per request at most.")] = 60.0,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed requests before the sweep.")] = 1,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="OPENAI_API_KEY", show_envvar=False,
+                                                help="Bearer token for the server.")] = None,
+    ignore_eos: Annotated[bool, typer.Option(
+        "--ignore-eos/--no-ignore-eos", help="Ask for exactly --gen-len tokens (vLLM-style ignore_eos).")] = True,
+    plot: Annotated[Path | None, typer.Option("--plot", help="PNG: throughput against TTFT/TPOT per level.")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for prompts and arrivals.")] = 0,
+    expect: ExpectOpt = None,
+    tolerance: ToleranceOpt = 0.10,
+    report_path: ReportOpt = None,
+    overwrite: OverwriteOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Load-test an OpenAI-compatible server (streaming /v1/completions): TTFT, ITL, TPOT, E2E per level."""
+    from clusteropt_cli.core.profile.settings import EndpointSettings
+
+    _check_outputs({"--report": report_path, "--plot": plot}, overwrite)
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise BadInputError(f"--plot {plot}: the plot is a PNG; name the file *.png.")
+    settings = EndpointSettings(
+        url=url, model=model_name, concurrency=_int_list(concurrency, "--concurrency"),
+        rate=_float_list(rate, "--rate"), num_requests=num_requests, duration_s=duration, prompt_len=prompt_len,
+        gen_len=gen_len, dataset=dataset, tokenizer=tokenizer, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+        request_timeout_s=request_timeout, warmup=warmup, api_key=api_key, ignore_eos=ignore_eos, seed=seed)
+    settings.validate()
+    expectation = None
+    if expect is not None:
+        from clusteropt_cli.core.profile.expect import load_expectation
+
+        expectation = load_expectation(expect)
+    if plot is not None:
+        from clusteropt_cli.deps import require
+
+        require("matplotlib", "profile")
+    from clusteropt_cli.deps import require
+
+    require("httpx", "profile")
+    from clusteropt_cli.core.profile.endpoint import profile_endpoint
+
+    report = profile_endpoint(settings, log=console.log)
+    _write_report(report, report_path)
+    if plot is not None:
+        from clusteropt_cli.core.profile.plot import plot_endpoint
+
+        plot_endpoint(report, plot)
+        console.log(f"plot written to {plot}")
+    comparison = None
+    if expectation is not None:
+        from clusteropt_cli.core.profile.expect import compare_to_prediction
+
+        comparison = compare_to_prediction(report, expectation, tolerance)
+    _finish(report, comparison, json_out, _render_endpoint)

@@ -1,0 +1,339 @@
+"""`copt profile endpoint`: an async load generator for OpenAI-compatible servers (streaming completions).
+
+Each level (a concurrency, or a Poisson request rate) is bounded by a request count and/or a duration; every
+request by a total timeout. Connection failures, HTTP errors, timeouts and broken streams are counted by kind,
+never raised. TTFT = time to the first streamed text; ITL = gaps between streamed chunks; TPOT = (E2E − TTFT) /
+(output tokens − 1), output tokens from the final `usage` chunk when the server sends it, else one per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlparse
+
+from clusteropt_cli import __version__
+from clusteropt_cli.core.profile.settings import EndpointSettings
+from clusteropt_cli.core.profile.stats import latency_summary
+from clusteropt_cli.core.profile.verdict import endpoint_verdict
+from clusteropt_cli.core.profile_report import EndpointLevel, HardwareInfo, ProfileReport
+from clusteropt_cli.errors import BadInputError
+
+Log = Callable[[str], None]
+WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
+         "number group problem fact water story lot book word house door city road light music river").split()
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    error: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def completions_url(base: str) -> str:
+    """The /v1/completions URL from a server root, a /v1 base or the full path."""
+    base = base.rstrip("/")
+    if base.endswith("/completions"):
+        return base
+    if base.endswith("/v1"):
+        return base + "/completions"
+    return base + "/v1/completions"
+
+
+# ---- prompts -----------------------------------------------------------------------------------------------
+def load_dataset_prompts(path: Any) -> list[str]:
+    """Prompts from a .jsonl file: each line an object with 'prompt' or 'text' (or a JSON string)."""
+    prompts = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise BadInputError(f"--dataset {path}: line {number} is not JSON ({exc.msg}).",
+                                    hint="One JSON object per line, with a 'prompt' or 'text' field.") from exc
+            text = obj if isinstance(obj, str) else (obj.get("prompt") or obj.get("text")
+                                                     if isinstance(obj, dict) else None)
+            if not isinstance(text, str) or not text:
+                raise BadInputError(f"--dataset {path}: line {number} has no 'prompt' or 'text' string.",
+                                    hint="One JSON object per line, with a 'prompt' or 'text' field.")
+            prompts.append(text)
+    if not prompts:
+        raise BadInputError(f"--dataset {path} has no prompts.", hint="Add lines like {\"prompt\": \"...\"}.")
+    return prompts
+
+
+def synthetic_prompts(count: int, prompt_len: int, seed: int, tokenizer: str | None = None) -> list[str]:
+    """Distinct random-word prompts; exactly `prompt_len` tokens when a local tokenizer is given, else about
+    one word per token (each prompt starts differently so prefix caches cannot serve them)."""
+    rng = random.Random(seed)
+    texts = [" ".join([f"Request {i}:"] + [rng.choice(WORDS) for _ in range(prompt_len + 8)]) for i in range(count)]
+    if tokenizer is None:
+        return [" ".join(t.split()[: max(1, prompt_len)]) for t in texts]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    out = []
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        while len(ids) < prompt_len:
+            ids = ids + ids
+        out.append(tok.decode(ids[:prompt_len]))
+    return out
+
+
+# ---- one request -------------------------------------------------------------------------------------------
+def _text_of(chunk: dict[str, Any]) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    text = choice.get("text")
+    if text is None:
+        text = (choice.get("delta") or {}).get("content")
+    return text or ""
+
+
+async def one_request(client: Any, url: str, payload: dict[str, Any], headers: dict[str, str],
+                      timeout_s: float) -> RequestResult:
+    """Send one streaming completion; never raises for network or server failures."""
+    import httpx
+
+    result = RequestResult(ok=False)
+    start = time.perf_counter()
+    last: float | None = None
+    chunks = 0
+    usage: dict[str, Any] | None = None
+
+    async def consume() -> None:
+        nonlocal last, chunks, usage
+        async with client.stream("POST", url, json=payload, headers=headers) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                result.error = f"http_{resp.status_code}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                try:
+                    chunk = json.loads(data)
+                except json.JSONDecodeError:
+                    result.error = "bad_stream"
+                    return
+                if isinstance(chunk, dict) and chunk.get("error"):
+                    result.error = "stream_error"
+                    return
+                if isinstance(chunk, dict) and chunk.get("usage"):
+                    usage = chunk["usage"]
+                text = _text_of(chunk) if isinstance(chunk, dict) else ""
+                if text:
+                    now = time.perf_counter()
+                    if result.ttft_s is None:
+                        result.ttft_s = now - start
+                    elif last is not None:
+                        result.itl_s.append(now - last)
+                    last = now
+                    chunks += 1
+
+    try:
+        await asyncio.wait_for(consume(), timeout=timeout_s)
+    except (TimeoutError, httpx.TimeoutException):
+        result.error = "timeout"
+    except httpx.ConnectError:
+        result.error = "connect"
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+        result.error = "disconnect"
+    except httpx.HTTPError as exc:
+        result.error = f"http_error:{type(exc).__name__}"
+    if result.error is not None:
+        return result
+    result.e2e_s = time.perf_counter() - start
+    if result.ttft_s is None:
+        result.error = "empty"
+        return result
+    result.output_tokens = int(usage.get("completion_tokens") or chunks) if usage else chunks
+    result.prompt_tokens = int(usage["prompt_tokens"]) if usage and usage.get("prompt_tokens") else None
+    result.ok = True
+    return result
+
+
+# ---- levels ------------------------------------------------------------------------------------------------
+class _Runner:
+    def __init__(self, s: EndpointSettings, client: Any, prompts: list[str]):
+        self.s = s
+        self.client = client
+        self.prompts = prompts
+        self.url = completions_url(s.url)
+        self.headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
+        self.next_prompt = 0
+
+    def payload(self) -> dict[str, Any]:
+        prompt = self.prompts[self.next_prompt % len(self.prompts)]
+        self.next_prompt += 1
+        body: dict[str, Any] = {"model": self.s.model, "prompt": prompt, "max_tokens": self.s.gen_len,
+                                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        if self.s.ignore_eos:
+            body["ignore_eos"] = True
+            body["min_tokens"] = self.s.gen_len
+        return body
+
+    async def request(self) -> RequestResult:
+        return await one_request(self.client, self.url, self.payload(), self.headers, self.s.request_timeout_s)
+
+    async def by_concurrency(self, concurrency: int) -> tuple[list[RequestResult], float]:
+        limit = self.s.requests_for(concurrency)
+        deadline = None if self.s.duration_s is None else time.perf_counter() + self.s.duration_s
+        results: list[RequestResult] = []
+        issued = 0
+
+        async def worker() -> None:
+            nonlocal issued
+            while (limit is None or issued < limit) and (deadline is None or time.perf_counter() < deadline):
+                issued += 1
+                results.append(await self.request())
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - start
+
+    async def by_rate(self, rate: float) -> tuple[list[RequestResult], float]:
+        limit = self.s.requests_for(None)
+        rng = random.Random(self.s.seed)
+        start = time.perf_counter()
+        deadline = None if self.s.duration_s is None else start + self.s.duration_s
+        tasks = []
+        while limit is None or len(tasks) < limit:
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+            tasks.append(asyncio.create_task(self.request()))
+            await asyncio.sleep(rng.expovariate(rate))
+        results = list(await asyncio.gather(*tasks))
+        return results, time.perf_counter() - start
+
+
+def summarize_level(results: list[RequestResult], duration_s: float, *, concurrency: int | None = None,
+                    rate: float | None = None, slo_ttft_s: float | None = None,
+                    slo_tpot_s: float | None = None) -> EndpointLevel:
+    """Percentiles, throughput, goodput and errors by kind of one level."""
+    ok = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error or "unknown"] = errors.get(r.error or "unknown", 0) + 1
+    duration_s = max(duration_s, 1e-9)
+    goodput = None
+    if slo_ttft_s is not None or slo_tpot_s is not None:
+        good = [r for r in ok if (slo_ttft_s is None or (r.ttft_s or 0) <= slo_ttft_s)
+                and (slo_tpot_s is None or r.tpot_s is None or r.tpot_s <= slo_tpot_s)]
+        goodput = len(good) / duration_s
+    return EndpointLevel(
+        concurrency=concurrency, rate=rate, requests=len(results), completed=len(ok), errors=errors,
+        duration_s=duration_s, request_throughput=len(ok) / duration_s,
+        output_tokens_per_s=sum(r.output_tokens for r in ok) / duration_s, goodput=goodput,
+        ttft_s=latency_summary([r.ttft_s for r in ok if r.ttft_s is not None]),
+        itl_s=latency_summary([gap for r in ok for gap in r.itl_s]),
+        tpot_s=latency_summary([r.tpot_s for r in ok if r.tpot_s is not None]),
+        e2e_s=latency_summary([r.e2e_s for r in ok if r.e2e_s is not None]),
+    )
+
+
+def _server_hardware(url: str) -> HardwareInfo:
+    """The server's hardware is not visible over HTTP; for a loopback URL it is this machine's."""
+    host = urlparse(url).hostname or ""
+    if host in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
+        try:
+            from clusteropt_cli.hardware import detect_gpus
+
+            gpus = detect_gpus()
+        except Exception:  # noqa: BLE001 - hardware is descriptive here
+            gpus = []
+        if gpus:
+            return HardwareInfo(device="cuda", name=gpus[0].name, catalog=gpus[0].catalog, count=len(gpus),
+                                memory_bytes=gpus[0].memory_bytes)
+        return HardwareInfo(device="cpu", name=f"local server at {url}")
+    return HardwareInfo(device="cuda", name=f"remote server at {url} (hardware not visible over HTTP)")
+
+
+async def _run(s: EndpointSettings, prompts: list[str], log: Log) -> list[EndpointLevel]:
+    import httpx
+
+    levels: list[EndpointLevel] = []
+    max_conn = max(s.concurrency) + 4 if s.concurrency else None
+    limits = httpx.Limits(max_connections=max_conn, max_keepalive_connections=max_conn)
+    timeout = httpx.Timeout(s.request_timeout_s, connect=min(5.0, s.request_timeout_s))
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        runner = _Runner(s, client, prompts)
+        for i in range(s.warmup):
+            warm = await runner.request()
+            log(f"warm-up request {i + 1}/{s.warmup}: " + ("ok" if warm.ok else f"failed ({warm.error})"))
+        slo_ttft = s.slo_ttft_ms / 1e3 if s.slo_ttft_ms is not None else None
+        slo_tpot = s.slo_tpot_ms / 1e3 if s.slo_tpot_ms is not None else None
+        for c in s.concurrency:
+            log(f"concurrency {c}: sending {s.requests_for(c) or 'for ' + str(s.duration_s) + ' s'}")
+            results, duration = await runner.by_concurrency(c)
+            levels.append(summarize_level(results, duration, concurrency=c, slo_ttft_s=slo_ttft,
+                                          slo_tpot_s=slo_tpot))
+            log(_level_line(levels[-1]))
+        for rate in s.rate:
+            log(f"rate {rate}/s (Poisson): sending {s.requests_for(None) or 'for ' + str(s.duration_s) + ' s'}")
+            results, duration = await runner.by_rate(rate)
+            levels.append(summarize_level(results, duration, rate=rate, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot))
+            log(_level_line(levels[-1]))
+    return levels
+
+
+def _level_line(level: EndpointLevel) -> str:
+    errors = f", errors {level.errors}" if level.errors else ""
+    return f"  {level.completed}/{level.requests} ok, {level.output_tokens_per_s:.1f} output tok/s{errors}"
+
+
+def profile_endpoint(s: EndpointSettings, log: Log | None = None) -> ProfileReport:
+    """Run the sweep and return the ProfileReport (kind=endpoint); metrics are those of the highest load level
+    that completed requests."""
+    log = log or (lambda _msg: None)
+    s.validate()
+    if s.dataset is not None:
+        prompts = load_dataset_prompts(s.dataset)
+    else:
+        largest = max([s.requests_for(c) or 256 for c in s.concurrency] + [s.requests_for(None) or 256])
+        prompts = synthetic_prompts(min(largest + s.warmup, 4096), s.prompt_len, s.seed, s.tokenizer)
+    levels = asyncio.run(_run(s, prompts, log))
+    metrics: dict[str, float | None] = {}
+    done = [lv for lv in levels if lv.completed > 0]
+    if done:
+        from clusteropt_cli.core.profile.expect import level_figures
+
+        metrics.update(level_figures(done[-1]))
+        metrics["max_output_tokens_per_s"] = max(lv.output_tokens_per_s for lv in done)
+    total = sum(lv.requests for lv in levels)
+    metrics["error_rate"] = (sum(sum(lv.errors.values()) for lv in levels) / total) if total else None
+    verdict = endpoint_verdict(levels, slo_ttft_s=s.slo_ttft_ms / 1e3 if s.slo_ttft_ms else None,
+                               slo_tpot_s=s.slo_tpot_ms / 1e3 if s.slo_tpot_ms else None)
+    workload = {"url": s.url, "concurrency": s.concurrency or None, "rate": s.rate or None,
+                "num_requests": s.num_requests, "duration_s": s.duration_s, "prompt_len": s.prompt_len,
+                "gen_len": s.gen_len, "dataset": str(s.dataset) if s.dataset else None,
+                "slo_ttft_ms": s.slo_ttft_ms, "slo_tpot_ms": s.slo_tpot_ms, "ignore_eos": s.ignore_eos}
+    return ProfileReport(kind="endpoint", mode="endpoint", created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                         copt_version=__version__, hardware=_server_hardware(s.url), model={"name": s.model},
+                         workload=workload, metrics=metrics, levels=levels, verdict=verdict)

@@ -1,0 +1,162 @@
+"""`--expect R.yaml`: read the prediction a recipe carries and check a fresh measurement against it.
+
+A recipe emitted by `copt advise --emit-recipe` has `prediction.figures` (e.g. peak_mem_bytes, step_time_s,
+tokens_per_s, ttft_s, tpot_s). Each predicted figure is compared with the profile's measured figure of the same
+name; the relative error is (measured − predicted) / predicted, and a figure misses when |error| > tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from clusteropt_cli.core.profile_report import ProfileReport
+from clusteropt_cli.errors import BadInputError, RecipeError
+
+
+@dataclass
+class Expectation:
+    """The prediction block of a recipe, and the recipe's settings."""
+
+    path: str
+    task: str
+    figures: dict[str, float]
+    recipe: Any  # the validated recipe model (TrainRecipe, ServeRecipe, ...)
+    gpu: str | None = None
+    budget_bytes: int | None = None
+    assumptions: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FigureCheck:
+    name: str
+    predicted: float
+    measured: float | None
+    rel_error: float | None
+    status: Literal["pass", "miss", "not-measured"]
+
+
+@dataclass
+class Comparison:
+    recipe: str
+    tolerance: float
+    checks: list[FigureCheck]
+    level: str | None = None  # which endpoint level was compared (endpoint mode)
+
+    @property
+    def misses(self) -> list[FigureCheck]:
+        return [c for c in self.checks if c.status == "miss"]
+
+    @property
+    def passed(self) -> bool:
+        return not self.misses and any(c.status == "pass" for c in self.checks)
+
+
+def load_expectation(path: str) -> Expectation:
+    """Read and validate the recipe; it must carry prediction.figures."""
+    from clusteropt_cli.recipe.load import read_recipe_file, validate_recipe
+    from clusteropt_cli.recipe.schema import RECIPE_MODELS
+
+    data = read_recipe_file(path)
+    task = data.get("task")
+    if task not in RECIPE_MODELS:
+        raise RecipeError(f"--expect {path}: 'task' must be one of {', '.join(RECIPE_MODELS)} (got {task!r}).",
+                          hint="Pass a recipe written by 'copt advise --emit-recipe'.")
+    recipe = validate_recipe(task, data, origin=f"Recipe '{path}'")
+    prediction = getattr(recipe, "prediction", None)
+    if prediction is None or not prediction.figures:
+        raise BadInputError(f"--expect {path}: the recipe has no prediction.figures to check.",
+                            hint="Write one with 'copt advise ... --emit-recipe R.yaml', or add a prediction block.")
+    return Expectation(path=str(path), task=task, figures=dict(prediction.figures), recipe=recipe,
+                       gpu=prediction.gpu, budget_bytes=prediction.budget_bytes,
+                       assumptions=dict(prediction.assumptions))
+
+
+# Recipe keys that `profile model` cannot reproduce in one process, and why.
+_UNSUPPORTED_TRAIN = {
+    "zero": (0, "ZeRO partitions states across processes"),
+    "offload": ("none", "optimizer offload needs DeepSpeed"),
+    "gpus": (1, "several processes"),
+    "nodes": (1, "several nodes"),
+    "pipeline_stages": (1, "pipeline stages"),
+}
+
+
+def model_values_from_recipe(exp: Expectation) -> dict[str, Any]:
+    """ModelProfileSettings fields implied by the recipe (the command's typed flags win over these)."""
+    values: dict[str, Any] = {"model": getattr(exp.recipe, "model", None)}
+    if exp.gpu == "cpu":
+        values["device"] = "cpu"
+    if exp.budget_bytes is not None:
+        values["memory_budget_bytes"] = exp.budget_bytes
+    if exp.task == "train":
+        r = exp.recipe
+        problems = [f"{key}={getattr(r, key)} ({why})" for key, (default, why) in _UNSUPPORTED_TRAIN.items()
+                    if getattr(r, key, default) != default]
+        if r.precision == "fp8":
+            problems.append("precision=fp8 (FP8 training runs through copt train)")
+        if r.optimizer not in ("adamw", "sgd"):
+            problems.append(f"optimizer={r.optimizer} (profile steps use torch AdamW or SGD)")
+        if problems:
+            raise BadInputError(
+                f"--expect {exp.path}: copt profile model measures one process, so it cannot reproduce: "
+                + "; ".join(problems) + ".",
+                hint="Check this plan against the metrics.jsonl of 'copt train --recipe R.yaml' instead.")
+        values.update(mode="train", micro_batch=r.micro_batch, seq_len=r.seq_len, precision=r.precision,
+                      activation_checkpointing=r.activation_checkpointing, optimizer=r.optimizer,
+                      attn=r.attn if r.attn in ("sdpa", "eager") else "sdpa", seed=r.seed)
+    else:
+        values["mode"] = "infer"
+    for key in ("batch", "prompt_len", "gen_len", "dtype", "micro_batch", "seq_len"):
+        if key in exp.assumptions and key not in values:
+            values[key] = exp.assumptions[key]
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _endpoint_level(report: ProfileReport, exp: Expectation):
+    """The endpoint level a prediction speaks of: assumptions.concurrency (or batch), else the last level."""
+    want = exp.assumptions.get("concurrency", exp.assumptions.get("batch"))
+    if want is not None:
+        for level in report.levels:
+            if level.concurrency == want:
+                return level
+    return report.levels[-1] if report.levels else None
+
+
+def measured_figures(report: ProfileReport, exp: Expectation) -> tuple[dict[str, float | None], str | None]:
+    """The measured figure for each name (endpoint: at the level the prediction speaks of)."""
+    figures = dict(report.metrics)
+    level_name = None
+    if report.kind == "endpoint":
+        level = _endpoint_level(report, exp)
+        if level is not None:
+            level_name = f"concurrency {level.concurrency}" if level.concurrency is not None else f"rate {level.rate}"
+            figures.update(level_figures(level))
+    return figures, level_name
+
+
+def level_figures(level: Any) -> dict[str, float | None]:
+    """The flat figures of one endpoint level (latencies at p50)."""
+    return {"ttft_s": level.ttft_s.get("p50"), "tpot_s": level.tpot_s.get("p50"), "itl_s": level.itl_s.get("p50"),
+            "e2e_s": level.e2e_s.get("p50"), "output_tokens_per_s": level.output_tokens_per_s,
+            "request_throughput": level.request_throughput, "goodput": level.goodput}
+
+
+def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: float) -> Comparison:
+    """Predicted vs measured for every predicted figure."""
+    measured, level_name = measured_figures(report, exp)
+    checks = []
+    for name, predicted in exp.figures.items():
+        value = measured.get(name)
+        if value is None or predicted == 0:
+            checks.append(FigureCheck(name, float(predicted), value, None, "not-measured"))
+            continue
+        err = (float(value) - float(predicted)) / abs(float(predicted))
+        checks.append(FigureCheck(name, float(predicted), float(value), err,
+                                  "pass" if abs(err) <= tolerance else "miss"))
+    if not any(c.status != "not-measured" for c in checks):
+        raise BadInputError(
+            f"--expect {exp.path}: none of the predicted figures ({', '.join(exp.figures)}) is measured by this "
+            f"profile ({report.kind} {report.mode}).",
+            hint="Pair a train recipe with 'profile model --mode train', a serve recipe with 'profile endpoint'.")
+    return Comparison(recipe=exp.path, tolerance=tolerance, checks=checks, level=level_name)

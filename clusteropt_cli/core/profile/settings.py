@@ -1,0 +1,127 @@
+"""Validated settings of `copt profile model` and `copt profile endpoint`.
+
+`validate()` collects every problem at once, each naming its flag, and raises one BadInputError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from clusteropt_cli.errors import BadInputError
+
+GiB = 1024**3
+
+
+def _raise_problems(problems: list[str], hint: str) -> None:
+    if problems:
+        text = "Invalid profile options:\n" + "\n".join(f"  - {p}" for p in problems)
+        raise BadInputError(text, hint=hint)
+
+
+@dataclass
+class ModelProfileSettings:
+    """What `copt profile model` measures: one inference request shape or one training step."""
+
+    model: str
+    mode: Literal["infer", "train"] = "infer"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    # inference
+    batch: int = 1
+    prompt_len: int = 128
+    gen_len: int = 32
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    # training
+    micro_batch: int = 1
+    seq_len: int = 512
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    activation_checkpointing: bool = False
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    attn: Literal["sdpa", "eager"] = "sdpa"
+    # measurement
+    warmup: int = 2
+    repeats: int = 5
+    trace: Path | None = None
+    memory_budget_bytes: int | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        problems = []
+        for flag, value in (("--batch", self.batch), ("--prompt-len", self.prompt_len),
+                            ("--gen-len", self.gen_len), ("--micro-batch", self.micro_batch),
+                            ("--seq-len", self.seq_len), ("--repeats", self.repeats)):
+            if value < 1:
+                problems.append(f"{flag} must be at least 1 (got {value})")
+        if self.mode == "train" and self.seq_len < 2:
+            problems.append(f"--seq-len must be at least 2 for a training step (got {self.seq_len})")
+        if self.warmup < 0:
+            problems.append(f"--warmup must be 0 or more (got {self.warmup})")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            problems.append("--memory-budget must be a positive number of GiB")
+        if self.trace is not None and self.trace.suffix != ".json":
+            problems.append(f"--trace {self.trace}: the Chrome/Perfetto trace is JSON; name the file *.json")
+        _raise_problems(problems, "copt profile model --help lists the options and their ranges")
+
+
+@dataclass
+class EndpointSettings:
+    """What `copt profile endpoint` sends: a concurrency sweep or Poisson arrivals at given rates."""
+
+    url: str
+    model: str
+    concurrency: list[int] = field(default_factory=list)
+    rate: list[float] = field(default_factory=list)
+    num_requests: int | None = None  # per level
+    duration_s: float | None = None  # per level
+    prompt_len: int = 128
+    gen_len: int = 64
+    dataset: Path | None = None
+    tokenizer: str | None = None
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    request_timeout_s: float = 60.0
+    warmup: int = 1
+    api_key: str | None = None
+    ignore_eos: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        problems = []
+        if not self.url.startswith(("http://", "https://")):
+            problems.append(f"--url {self.url!r} must start with http:// or https://")
+        if not self.model:
+            problems.append("--model must name the served model (GET /v1/models lists them)")
+        if self.concurrency and self.rate:
+            problems.append("--concurrency and --rate: give a concurrency sweep or request rates, not both")
+        if any(c < 1 for c in self.concurrency):
+            problems.append(f"--concurrency values must be at least 1 (got {self.concurrency})")
+        if any(r <= 0 for r in self.rate):
+            problems.append(f"--rate values must be positive requests/s (got {self.rate})")
+        if self.num_requests is not None and self.num_requests < 1:
+            problems.append(f"--num-requests must be at least 1 (got {self.num_requests})")
+        if self.duration_s is not None and self.duration_s <= 0:
+            problems.append(f"--duration must be positive seconds (got {self.duration_s})")
+        if self.prompt_len < 1 or self.gen_len < 1:
+            problems.append("--prompt-len and --gen-len must be at least 1")
+        if self.dataset is not None and not self.dataset.is_file():
+            problems.append(f"--dataset {self.dataset}: no such file (a .jsonl with a 'prompt' or 'text' field)")
+        if self.request_timeout_s <= 0:
+            problems.append("--request-timeout must be positive seconds")
+        if self.warmup < 0:
+            problems.append("--warmup must be 0 or more")
+        for flag, value in (("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-tpot-ms", self.slo_tpot_ms)):
+            if value is not None and value <= 0:
+                problems.append(f"{flag} must be positive milliseconds")
+        _raise_problems(problems, "copt profile endpoint --help lists the options")
+        if not self.concurrency and not self.rate:
+            self.concurrency = [1]
+
+    def requests_for(self, concurrency: int | None) -> int | None:
+        """Requests per level: --num-requests; else, without --duration, 4 per concurrent slot (at least 8),
+        or 32 per rate level."""
+        if self.num_requests is not None:
+            return self.num_requests
+        if self.duration_s is not None:
+            return None
+        return max(8, 4 * concurrency) if concurrency else 32

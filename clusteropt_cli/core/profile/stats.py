@@ -1,0 +1,35 @@
+"""Small statistics helpers shared by the model and endpoint profilers (no numpy needed)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from clusteropt_cli.core.profile_report import Spread
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0–100) with linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of an empty sequence")
+    data = sorted(values)
+    if len(data) == 1:
+        return float(data[0])
+    rank = (len(data) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = math.ceil(rank)
+    return float(data[low] + (data[high] - data[low]) * (rank - low))
+
+
+def spread(values: Sequence[float]) -> Spread:
+    """Median, p10/p90, min/max and count of repeated measurements."""
+    return Spread(median=percentile(values, 50), p10=percentile(values, 10), p90=percentile(values, 90),
+                  min=float(min(values)), max=float(max(values)), n=len(values))
+
+
+def latency_summary(values: Sequence[float]) -> dict[str, float]:
+    """p50/p90/p99/mean of a latency sample ({} when empty)."""
+    if not values:
+        return {}
+    return {"p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99),
+            "mean": float(sum(values) / len(values))}
