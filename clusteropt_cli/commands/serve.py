@@ -1,10 +1,129 @@
-"""copt serve (issue 5)."""
+"""copt serve: an OpenAI-compatible server (embedded continuous-batching engine, or vLLM)."""
 
 from __future__ import annotations
 
-from clusteropt_cli.errors import CoptError
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from clusteropt_cli import console
+from clusteropt_cli.errors import BadInputError
+from clusteropt_cli.options import DryRunOpt, JsonOpt, OverridesArg, RecipeOpt
+
+ModelArg = Annotated[
+    str | None,
+    typer.Argument(help="Local Hugging Face model directory (bf16, or a checkpoint from 'copt quantize').",
+                   show_default=False),
+]
 
 
-def serve() -> None:
-    """Not built yet (issue 5)."""
-    raise CoptError("copt serve is not built yet (issue 5).", hint="See 'copt --help' for the commands that work.")
+def serve(
+    model: ModelArg = None,
+    overrides: OverridesArg = None,
+    engine: Annotated[str | None, typer.Option("--engine", help="auto | transformers | vllm.")] = None,
+    host: Annotated[str | None, typer.Option("--host", help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Port (default 8000).")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", help="Require 'Authorization: Bearer KEY'.")] = None,
+    served_model_name: Annotated[str | None, typer.Option("--served-model-name",
+                                                          help="Model id clients send (default: MODEL).")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="auto | bf16 | fp16 | fp32.")] = None,
+    max_batch_tokens: Annotated[int | None, typer.Option("--max-batch-tokens",
+                                                         help="Tokens per step (chunked-prefill budget).")] = None,
+    max_batch_size: Annotated[int | None, typer.Option("--max-batch-size",
+                                                       help="Sequences decoded together at most.")] = None,
+    kv_cache_blocks: Annotated[int | None, typer.Option("--kv-cache-blocks",
+                                                        help="KV-cache size in blocks of --block-size tokens.")] = None,
+    kv_cache_memory: Annotated[float | None, typer.Option("--kv-cache-memory", help="KV-cache size in GiB.")] = None,
+    block_size: Annotated[int | None, typer.Option("--block-size", help="Tokens per KV-cache block.")] = None,
+    max_queue: Annotated[int | None, typer.Option("--max-queue", help="Waiting requests before 429.")] = None,
+    max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="Context length served.")] = None,
+    draft_model: Annotated[str | None, typer.Option("--draft-model", help="Draft model dir for speculation.")] = None,
+    num_speculative_tokens: Annotated[int | None, typer.Option("--num-speculative-tokens",
+                                                               help="Draft tokens per step.")] = None,
+    prompt_lookup: Annotated[int | None, typer.Option("--prompt-lookup",
+                                                      help="Prompt-lookup (n-gram) drafting with n-grams up to N.")]
+    = None,
+    speculative_max_batch: Annotated[int | None, typer.Option("--speculative-max-batch",
+                                                              help="Speculate only while at most N run.")] = None,
+    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs",
+                                                     help="Decode steps as CUDA graphs (default: on GPU).")] = None,
+    tensor_parallel: Annotated[int | None, typer.Option("--tensor-parallel", help="vLLM: GPUs per replica.")] = None,
+    pipeline_parallel: Annotated[int | None, typer.Option("--pipeline-parallel", help="vLLM: pipeline stages.")]
+    = None,
+    quantization: Annotated[str | None, typer.Option("--quantization", help="vLLM --quantization.")] = None,
+    kv_cache_dtype: Annotated[str | None, typer.Option("--kv-cache-dtype", help="vLLM: auto | fp8.")] = None,
+    grace_period: Annotated[float | None, typer.Option("--grace-period",
+                                                       help="Seconds to finish in-flight requests on SIGTERM.")]
+    = None,
+    dry_run: DryRunOpt = False,
+    json_out: JsonOpt = False,
+    recipe: RecipeOpt = None,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API with continuous batching and speculative decoding."""
+    from clusteropt_cli.recipe.load import load_settings
+
+    overrides = list(overrides or [])
+    if model is not None and "=" in model and not Path(model).exists():
+        overrides.insert(0, model)  # `copt serve --recipe r.yaml port=9000`: the first override landed in MODEL
+        model = None
+    settings = load_settings("serve", recipe, overrides, dict(
+        model=model, engine=engine, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
+        dtype=dtype, max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size,
+        kv_cache_blocks=kv_cache_blocks, kv_cache_memory=kv_cache_memory, block_size=block_size,
+        max_queue=max_queue, max_model_len=max_model_len, draft_model=draft_model,
+        num_speculative_tokens=num_speculative_tokens, prompt_lookup=prompt_lookup,
+        speculative_max_batch=speculative_max_batch, cuda_graphs=cuda_graphs, tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+        grace_period=grace_period))
+
+    from clusteropt_cli.core.serve.vllm import build_vllm_command, choose_engine, format_command, run_vllm
+
+    chosen = choose_engine(settings.engine)
+    if chosen == "vllm":
+        try:
+            cmd = build_vllm_command(settings)
+        except ValueError as exc:
+            raise BadInputError(str(exc), hint="Change the option named above for --engine vllm.") from None
+        if dry_run:
+            if json_out:
+                console.print_json({"engine": "vllm", "command": cmd})
+            else:
+                console.out.print(format_command(cmd), highlight=False, markup=False)
+            return
+        from clusteropt_cli.core.serve.vllm import vllm_available
+
+        if not vllm_available():
+            raise BadInputError("--engine vllm needs vLLM, which is not installed here.",
+                                hint="pip install vllm (on a CUDA machine), or use --engine transformers; "
+                                     "--dry-run prints the vllm command.")
+        console.log(f"running: {format_command(cmd)}")
+        raise typer.Exit(run_vllm(cmd))
+
+    from clusteropt_cli.core.serve.launch import check_settings, serve_transformers
+
+    check_settings(settings)
+    if dry_run:
+        plan = {"engine": "transformers", "settings": settings}
+        if json_out:
+            console.print_json(plan)
+        else:
+            console.out.print(console.kv_table("copt serve (dry run)", [
+                ("engine", "transformers"), ("model", settings.model), ("bind", f"{settings.host}:{settings.port}"),
+                ("max batch", settings.max_batch_size), ("speculation", settings.draft_model or (
+                    f"prompt lookup n={settings.prompt_lookup}" if settings.prompt_lookup else "off"))]))
+        return
+
+    def ready(url: str, info: dict) -> None:
+        if json_out:
+            console.print_json({"url": url, **info})
+        else:
+            console.out.print(f"Serving {info['model']} at {url}/v1 (OpenAI-compatible; Ctrl-C or SIGTERM stops)",
+                              highlight=False, markup=False)
+            console.log(f"engine: {info['device']}, {info['kv_cache_slots']} slots × {info['max_model_len']} tokens "
+                        f"KV cache ({console.human_bytes(info['kv_cache_bytes'])}), "
+                        f"{info['cuda_graphs']} CUDA graphs, speculation: {info['speculation']}")
+
+    console.log(f"loading {settings.model} ...")
+    code = serve_transformers(settings, on_ready=ready)
+    raise typer.Exit(code)

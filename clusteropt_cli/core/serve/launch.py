@@ -1,0 +1,67 @@
+"""Start the embedded engine and its HTTP server from validated ServeRecipe settings."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from clusteropt_cli.errors import BadInputError
+
+
+def _check_model_dir(path: str, flag: str) -> None:
+    p = Path(path).expanduser()
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise BadInputError(f"{flag} '{path}' is not a local model directory (no config.json there).",
+                            hint="Pass a Hugging Face model directory; copt never downloads weights.")
+
+
+def check_settings(settings: Any) -> None:
+    """Validate what can be checked before loading anything (paths, port, option combinations)."""
+    from clusteropt_cli.deps import require
+
+    require("fastapi", "serve")
+    require("uvicorn", "serve")
+    require("prometheus_client", "serve")
+    _check_model_dir(settings.model, "MODEL")
+    if settings.draft_model:
+        _check_model_dir(settings.draft_model, "--draft-model")
+    if settings.tensor_parallel > 1 or settings.pipeline_parallel > 1:
+        raise BadInputError("The embedded engine runs on one device; --tensor-parallel/--pipeline-parallel need "
+                            "vLLM.", hint="Use --engine vllm (on a machine with vLLM installed).")
+    if settings.quantization:
+        raise BadInputError("--quantization is a vLLM option; the embedded engine reads the checkpoint's own "
+                            "quantization config.", hint="Drop --quantization or use --engine vllm.")
+    if settings.kv_cache_dtype not in ("auto", "bf16"):
+        raise BadInputError(f"--kv-cache-dtype {settings.kv_cache_dtype} needs vLLM; the embedded engine keeps "
+                            "the KV cache in the model dtype.", hint="Use --engine vllm or drop --kv-cache-dtype.")
+    if settings.port:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((settings.host, settings.port))
+            except OSError as exc:
+                raise BadInputError(f"Cannot bind {settings.host}:{settings.port}: {exc.strerror}.",
+                                    hint="Pick another --port (or stop the process using it).") from None
+
+
+def serve_transformers(settings: Any, on_ready: Callable[[str, dict], None] | None = None) -> int:
+    """Load the engine, serve until SIGTERM, drain, return the exit status."""
+    from clusteropt_cli.core.serve.engine import Engine
+    from clusteropt_cli.core.serve.server import run_server
+
+    engine = Engine.from_settings(settings)
+    engine.start()
+    name = settings.served_model_name or settings.model
+    speculation = (f"draft model {settings.draft_model}" if settings.draft_model else
+                   f"prompt lookup (n ≤ {settings.prompt_lookup})" if settings.prompt_lookup else "off")
+    if settings.draft_model or settings.prompt_lookup:
+        speculation += f", k={settings.num_speculative_tokens}, while ≤ {settings.speculative_max_batch} run"
+    info = {"model": name, "device": engine.device, "kv_cache_slots": engine.num_slots,
+            "max_model_len": engine.max_model_len, "kv_cache_bytes": engine.kv_cache_bytes,
+            "max_batch_tokens": engine.max_batch_tokens, "cuda_graphs": engine.stats.graphs_captured,
+            "speculation": speculation}
+    return run_server(engine, host=settings.host, port=settings.port, served_model_name=name,
+                      api_key=settings.api_key, grace_period=settings.grace_period,
+                      on_ready=(lambda url: on_ready(url, info)) if on_ready else None)
