@@ -103,3 +103,30 @@ class TeacherGenerator:
 
     def __call__(self, prompts: list[str], sampling: SamplingSettings) -> list[list[Generation]]:
         return generate_with_hf(self._load(), self.tokenizer, prompts, sampling, self.batch_size)
+
+
+def distill_traces(settings: Any, *, output: Path, overwrite: bool = False, on_batch: Any = None,
+                   generator: Any = None) -> Any:
+    """`copt distill traces`: validate up front, then generate (resumable) and return TraceStats."""
+    from clusteropt_cli.core.distill.traces import THINK_OPEN, run_traces
+    from clusteropt_cli.core.distill.traces import read_prompts as _read
+    from clusteropt_cli.errors import BadInputError
+
+    if not settings.teacher or not Path(settings.teacher).is_dir():
+        raise BadInputError(f"--teacher {settings.teacher} is not a model directory.",
+                            hint="Pass the teacher's local Hugging Face directory.")
+    if not settings.prompts:
+        raise BadInputError("distill traces needs --prompts.", hint="Pass a .jsonl file, one {\"prompt\": ...} a line.")
+    prompts = _read(settings.prompts)
+    if settings.verify and not any(p.answer is not None for p in prompts):
+        raise BadInputError(f"--verify: no prompt in {settings.prompts} has an 'answer' field.",
+                            hint="Add \"answer\" to the prompts, or drop --verify.")
+    if output.exists() and output.is_dir():
+        raise BadInputError(f"--output {output} is a directory.", hint="Pass a file path such as traces.jsonl.")
+    sampling = SamplingSettings(samples=settings.samples, max_new_tokens=settings.max_new_tokens,
+                                temperature=settings.sample_temperature, top_p=settings.top_p, seed=settings.seed)
+    teacher = generator or TeacherGenerator(Path(settings.teacher), dtype=settings.teacher_dtype)
+    return run_traces(prompts, output, teacher, teacher.format_prompt, teacher=str(settings.teacher),
+                      sampling=sampling, verify=settings.verify, default_match=settings.match,
+                      think_prefix=(THINK_OPEN + "\n") if settings.think else "", batch_prompts=settings.gen_batch,
+                      overwrite=overwrite, on_batch=on_batch)

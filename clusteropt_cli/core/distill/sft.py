@@ -109,3 +109,65 @@ def completion_loss(model: Any, dataset: SFTDataset, batch_size: int = 16) -> fl
             total += float(loss)
             count += int((target != IGNORE_INDEX).sum())
     return total / max(count, 1)
+
+
+@dataclass
+class SFTResult:
+    """What `distill sft` reports."""
+
+    output: str
+    student: str
+    traces: str
+    examples: int
+    dropped: int
+    completion_tokens: int
+    steps: int
+    train: dict[str, Any]
+    eval_loss_before: float | None = None
+    eval_loss_after: float | None = None
+
+
+def distill_sft(settings: Any, *, output_dir: Any, overwrite: bool = False, callbacks: tuple = ()) -> SFTResult:
+    """Fine-tune the student on the kept traces with copt train's loop (loss only on completion tokens)."""
+    from pathlib import Path
+
+    from clusteropt_cli.core.distill.logits import (
+        _train_summary,
+        build_student,
+        load_causal_lm,
+        pick_device,
+        prepare_output_dir,
+        resolve_student,
+    )
+    from clusteropt_cli.core.distill.traces import iter_kept, read_traces
+    from clusteropt_cli.core.distill.vocab import has_tokenizer, load_tokenizer
+    from clusteropt_cli.core.train import run_training
+
+    if not settings.traces:
+        raise BadInputError("distill sft needs --traces.", hint="Pass the traces.jsonl written by copt distill traces.")
+    rows = iter_kept(read_traces(settings.traces))
+    eval_rows = iter_kept(read_traces(settings.eval_traces, flag="--eval-traces")) if settings.eval_traces else None
+    source = resolve_student(settings.student)
+    tokenizer_dir = source.path if source.path is not None and source.path.is_dir() else None
+    if tokenizer_dir is None or not has_tokenizer(tokenizer_dir):
+        raise BadInputError(f"--student {settings.student} has no tokenizer files.",
+                            hint="SFT renders the traces with the student's chat template: pass a model directory "
+                                 "that holds its tokenizer.")
+    prepare_output_dir(Path(output_dir), overwrite=overwrite, resume=settings.resume)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    dataset = build_sft_dataset(rows, tokenizer, settings.seq_len)
+    eval_set = build_sft_dataset(eval_rows, tokenizer, settings.seq_len) if eval_rows else None
+    student = build_student(source, settings.seed)
+    device = pick_device()
+    result = SFTResult(str(output_dir), str(settings.student), str(settings.traces), len(dataset), dataset.dropped,
+                       dataset.num_completion_tokens, 0, {})
+    if eval_set is not None:
+        result.eval_loss_before = completion_loss(student.to(device), eval_set)
+        student.to("cpu")
+    train = run_training(settings, student, dataset, Path(output_dir), tokenizer=tokenizer, callbacks=callbacks,
+                         extra_result={"sft": {"traces": str(settings.traces), "examples": len(dataset)}})
+    result.train = _train_summary(train)
+    result.steps = int(train.steps)
+    if eval_set is not None:
+        result.eval_loss_after = completion_loss(load_causal_lm(output_dir, "fp32", device), eval_set)
+    return result

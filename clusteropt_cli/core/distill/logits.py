@@ -1,0 +1,217 @@
+"""`copt distill logits`: train a student to match a frozen teacher's next-token distributions.
+
+The training itself (precision, checkpointing, ZeRO, micro-batches, save/resume, metrics.jsonl, the final HF save)
+is copt train's loop (clusteropt_cli.core.train); this module supplies the models, the data and a `loss_fn` that
+runs the teacher (eval mode, no gradients, optionally in lower precision) and mixes the divergence with CE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from clusteropt_cli.core.distill.losses import DistillLossConfig, distillation_loss, per_token_divergence
+from clusteropt_cli.core.distill.vocab import VocabCheck, check_vocab_compatible, load_tokenizer
+from clusteropt_cli.errors import BadInputError
+
+if TYPE_CHECKING:
+    from clusteropt_cli.recipe.schema.distill import DistillRecipe
+
+
+def pick_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def torch_dtype(name: str, device: str, precision: str = "fp32") -> Any:
+    """A teacher dtype name → torch dtype. auto: the training precision's compute dtype on GPU, fp32 on CPU."""
+    import torch
+
+    if name == "auto":
+        if device == "cpu":
+            return torch.float32
+        return {"fp16": torch.float16, "fp32": torch.float32}.get(precision, torch.bfloat16)
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def load_causal_lm(path: str | Path, dtype: str | Any = "auto", device: str = "cpu", precision: str = "fp32"):
+    """A local HF causal LM directory, loaded on `device` (never downloads)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch_dtype(dtype, device, precision) if isinstance(dtype, str) else dtype
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    return model.to(device)
+
+
+def resolve_student(student: str) -> Any:
+    """copt train's model resolution (directory with weights, config.json or preset), errors naming --student."""
+    from clusteropt_cli.core.train.model import resolve_model_source
+
+    try:
+        return resolve_model_source(student)
+    except BadInputError as exc:
+        raise BadInputError(exc.message.replace("--model", "--student"), exc.hint) from None
+
+
+def build_student(source: Any, seed: int = 0) -> Any:
+    """copt train's model loading: fp32 master weights, from_pretrained or seeded random init from the config."""
+    from clusteropt_cli.core.train.model import load_model
+
+    return load_model(source, seed)
+
+
+def prepare_output_dir(output_dir: Path, *, overwrite: bool, resume: bool) -> None:
+    """Refuse to train into an existing directory unless resuming (--resume) or replacing it (--overwrite)."""
+    import shutil
+
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise BadInputError(f"--output {output_dir} exists and is not a directory.", hint="Choose another --output.")
+    if output_dir.exists() and any(output_dir.iterdir()):
+        if resume:
+            return
+        if not overwrite:
+            raise BadInputError(f"--output {output_dir} already exists.",
+                                hint="Pass --overwrite to replace it, or --resume to continue its checkpoints.")
+        shutil.rmtree(output_dir)
+
+
+def make_distill_loss_fn(teacher: Any, config: DistillLossConfig, shared_logits: int | None = None):
+    """A `loss_fn(model, batch) -> (loss, metrics)` for copt train's loop: the teacher's forward runs here, under
+    torch.no_grad, in eval mode, on the batch's device; logits are cut to the ids both vocabularies share."""
+
+    teacher.eval()
+    teacher.requires_grad_(False)
+
+    def distill_loss_fn(model: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, float]]:
+        import torch
+
+        input_ids = batch["input_ids"]
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
+        if "attention_mask" in batch:
+            kwargs["attention_mask"] = batch["attention_mask"]
+        teacher_logits = None
+        if config.alpha > 0:
+            first = next(teacher.parameters())
+            if first.device != input_ids.device:
+                teacher.to(input_ids.device)
+            with torch.no_grad():
+                teacher_logits = teacher(**kwargs).logits
+            if shared_logits is not None:
+                teacher_logits = teacher_logits[..., :shared_logits]
+        student_logits = model(**kwargs).logits
+        if shared_logits is not None:
+            student_logits = student_logits[..., :shared_logits]
+        values = indices = None
+        if config.top_k is not None and teacher_logits is not None:
+            from clusteropt_cli.core.distill.losses import teacher_topk
+
+            values, indices = teacher_topk(teacher_logits, config.top_k, config.temperature)
+            teacher_logits = None  # only k values per position are kept from here on
+        loss, parts = distillation_loss(student_logits, teacher_logits, batch["labels"], config,
+                                        teacher_topk_values=values, teacher_topk_indices=indices)
+        return loss, parts
+
+    return distill_loss_fn
+
+
+def mean_kl_to_teacher(student: Any, teacher: Any, blocks: Any, *, batch: int = 16, temperature: float = 1.0,
+                       shared_logits: int | None = None) -> float:
+    """Mean per-token KL(teacher ‖ student) at temperature T over [n, seq_len] token blocks (all positions)."""
+    import torch
+
+    student.eval()
+    teacher.eval()
+    device = next(student.parameters()).device
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(blocks), batch):
+            x = blocks[start : start + batch].to(device)
+            s = student(input_ids=x).logits
+            t = teacher(input_ids=x.to(next(teacher.parameters()).device)).logits.to(device)
+            if shared_logits is not None:
+                s, t = s[..., :shared_logits], t[..., :shared_logits]
+            div = per_token_divergence(s, t, loss="forward-kl", temperature=temperature)
+            total += float(div.sum())
+            count += div.numel()
+    return total / max(count, 1)
+
+
+@dataclass
+class LogitsResult:
+    """What `distill logits` reports."""
+
+    output: str
+    teacher: str
+    student: str
+    loss: str
+    temperature: float
+    alpha: float
+    top_k: int | None
+    steps: int
+    train: dict[str, Any] = field(default_factory=dict)  # copt train's result (tokens/s, peak memory, ...)
+    eval_kl_before: float | None = None
+    eval_kl_after: float | None = None
+
+
+def check_logits_inputs(settings: DistillRecipe) -> tuple[Any, VocabCheck]:
+    """Every up-front check of `distill logits`: paths, the student, the shared vocabulary."""
+    if not settings.teacher or not Path(settings.teacher).is_dir():
+        raise BadInputError(f"--teacher {settings.teacher} is not a model directory.",
+                            hint="Pass the teacher's local Hugging Face directory (config.json, weights, tokenizer).")
+    if not settings.data or not Path(settings.data).is_file():
+        raise BadInputError(f"--data {settings.data} does not exist.", hint="Pass a .txt or .jsonl (text) file.")
+    student = resolve_student(settings.student or "")
+    student_dir = student.path if student.path is not None and student.path.is_dir() else None
+    vocab = check_vocab_compatible(Path(settings.teacher), student_dir or Path(settings.student or ""),
+                                   student_config=student.config)
+    return student, vocab
+
+
+def distill_logits(settings: DistillRecipe, *, output_dir: Path, overwrite: bool = False,
+                   eval_text: str | Path | None = None, callbacks: tuple = ()) -> LogitsResult:
+    """Run logit distillation with copt train's loop; the distilled student lands in HF format in output_dir."""
+    from clusteropt_cli.core.train import build_text_dataset, run_training
+
+    student_source, vocab = check_logits_inputs(settings)
+    eval_text = eval_text or settings.eval_data
+    if eval_text is not None and not Path(eval_text).is_file():
+        raise BadInputError(f"--eval-data {eval_text} does not exist.", hint="Pass a held-out .txt/.jsonl file.")
+    prepare_output_dir(output_dir, overwrite=overwrite, resume=settings.resume)
+    tokenizer = load_tokenizer(Path(settings.teacher))
+    dataset = build_text_dataset(settings.data, tokenizer, settings.seq_len)
+    device = pick_device()
+    teacher = load_causal_lm(settings.teacher, settings.teacher_dtype, device, settings.precision)
+    student = build_student(student_source, settings.seed)
+    config = DistillLossConfig(settings.loss, settings.temperature, settings.alpha, settings.top_k)
+    shared = vocab.shared_logits if vocab.teacher_vocab_size != vocab.student_vocab_size else None
+    result = LogitsResult(str(output_dir), str(settings.teacher), str(settings.student), settings.loss,
+                          settings.temperature, settings.alpha, settings.top_k, 0)
+    eval_blocks = None
+    if eval_text is not None:
+        eval_blocks = build_text_dataset(eval_text, tokenizer, settings.seq_len).blocks[:EVAL_BLOCKS]
+        result.eval_kl_before = mean_kl_to_teacher(student.to(device), teacher, eval_blocks, shared_logits=shared)
+        student.to("cpu")
+    train = run_training(settings, student, dataset, output_dir, loss_fn=make_distill_loss_fn(teacher, config, shared),
+                         tokenizer=tokenizer, callbacks=callbacks,
+                         extra_result={"distill": {"loss": settings.loss, "temperature": settings.temperature,
+                                                   "alpha": settings.alpha, "top_k": settings.top_k}})
+    result.train = _train_summary(train)
+    result.steps = int(train.steps)
+    if eval_blocks is not None:
+        trained = load_causal_lm(output_dir, "fp32", device)
+        result.eval_kl_after = mean_kl_to_teacher(trained, teacher, eval_blocks, shared_logits=shared)
+    return result
+
+
+EVAL_BLOCKS = 32
+
+
+def _train_summary(train: Any) -> dict[str, Any]:
+    """The figures of copt train's TrainResult worth reporting (the full result is in train_result.json)."""
+    keys = ("engine", "world_size", "precision", "steps", "start_step", "total_steps", "tokens", "first_loss",
+            "final_loss", "tokens_per_s", "mfu", "peak_mem_bytes", "peak_reserved_bytes", "step_time_s",
+            "elapsed_s", "metrics_path", "resumed_from")
+    return {k: getattr(train, k, None) for k in keys}
