@@ -1,10 +1,339 @@
-"""copt advise (issue 3)."""
+"""copt advise: predict memory and time of a training or inference plan, and rank what to do about it."""
 
 from __future__ import annotations
 
-from clusteropt_cli.errors import CoptError
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from clusteropt_cli import console
+from clusteropt_cli.errors import BadInputError
+from clusteropt_cli.options import JsonOpt, OverridesArg, OverwriteOpt, RecipeOpt
+
+SYMPTOM_HELP = "oom | high-ttft | low-throughput | slow-tpot | comm-bound | low-mfu (repeatable)"
 
 
-def advise() -> None:
-    """Not built yet (issue 3)."""
-    raise CoptError("copt advise is not built yet (issue 3).", hint="See 'copt --help' for the commands that work.")
+def advise(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Preset name, model directory or config.json.",
+                                              show_default=False)] = None,
+    task: Annotated[str, typer.Option("--task", help="train | infer")] = "train",
+    gpu: Annotated[str | None, typer.Option("--gpu", help="Catalog GPU (e.g. h100-sxm, a100-80g, h200) or 'cpu'; "
+                                                          "default: the detected GPU.", show_default=False)] = None,
+    gpus: Annotated[int | None, typer.Option("--gpus", help="GPUs per node.", show_default=False)] = None,
+    nodes: Annotated[int | None, typer.Option("--nodes", help="Nodes (N×M GPUs in total).", show_default=False)] = None,
+    gpu_hour_usd: Annotated[float | None, typer.Option("--gpu-hour-usd", help="Price of one GPU-hour for cost per "
+                                                                             "1M tokens.", show_default=False)] = None,
+    memory_budget: Annotated[float | None, typer.Option("--memory-budget", help="GiB per device to fit in (default: "
+                                                                               "the GPU's memory).",
+                                                        show_default=False)] = None,
+    micro_batch: Annotated[int | None, typer.Option("--micro-batch", help="[train] Sequences per GPU per step.",
+                                                    show_default=False)] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="[train] Tokens per sequence.",
+                                                show_default=False)] = None,
+    grad_accum: Annotated[int | None, typer.Option("--grad-accum", help="[train] Micro-batches per optimizer step.",
+                                                   show_default=False)] = None,
+    precision: Annotated[str | None, typer.Option("--precision", help="[train] bf16 | fp16 | fp8 | fp32.",
+                                                  show_default=False)] = None,
+    optimizer: Annotated[str | None, typer.Option("--optimizer", help="[train] adamw | adamw-8bit | sgd.",
+                                                  show_default=False)] = None,
+    zero: Annotated[int | None, typer.Option("--zero", help="[train] DeepSpeed ZeRO stage 0–3.",
+                                             show_default=False)] = None,
+    offload: Annotated[str | None, typer.Option("--offload", help="[train] none | cpu | nvme.",
+                                                show_default=False)] = None,
+    activation_checkpointing: Annotated[bool | None, typer.Option(
+        "--activation-checkpointing/--no-activation-checkpointing", help="[train] Recompute activations.",
+        show_default=False)] = None,
+    attn: Annotated[str | None, typer.Option("--attn", help="[train] sdpa | flash | eager.",
+                                             show_default=False)] = None,
+    compile_: Annotated[bool | None, typer.Option("--compile/--no-compile", help="[train] torch.compile.",
+                                                  show_default=False)] = None,
+    tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel degree.", show_default=False)] = None,
+    pp: Annotated[int | None, typer.Option("--pp", help="[train] Pipeline stages.", show_default=False)] = None,
+    pp_micro_batches: Annotated[int | None, typer.Option("--pp-micro-batches", help="[train] Pipeline micro-batches "
+                                                                                   "m.", show_default=False)] = None,
+    pp_virtual_stages: Annotated[int | None, typer.Option("--pp-virtual-stages", help="[train] Interleaved virtual "
+                                                                                     "stages v.",
+                                                          show_default=False)] = None,
+    batch: Annotated[int | None, typer.Option("--batch", help="[infer] Concurrent sequences.",
+                                              show_default=False)] = None,
+    prompt_len: Annotated[int | None, typer.Option("--prompt-len", help="[infer] Prompt tokens.",
+                                                   show_default=False)] = None,
+    gen_len: Annotated[int | None, typer.Option("--gen-len", help="[infer] Generated tokens.",
+                                                show_default=False)] = None,
+    weights: Annotated[str | None, typer.Option("--weights", help="[infer] bf16 | fp8 | int8 | int4.",
+                                                show_default=False)] = None,
+    kv_cache: Annotated[str | None, typer.Option("--kv-cache", help="[infer] bf16 | fp8 | int8.",
+                                                 show_default=False)] = None,
+    symptom: Annotated[list[str] | None, typer.Option("--symptom", "-s", help=SYMPTOM_HELP,
+                                                      show_default=False)] = None,
+    from_profile: Annotated[Path | None, typer.Option("--from-profile", help="A copt profile JSON: its workload, "
+                                                                            "symptoms and measurements.",
+                                                      show_default=False)] = None,
+    emit_recipe: Annotated[Path | None, typer.Option("--emit-recipe", help="Write a copt recipe for the top plan "
+                                                                           "(with a prediction block).",
+                                                     show_default=False)] = None,
+    emit_ds_config: Annotated[Path | None, typer.Option("--emit-ds-config", help="Write a DeepSpeed config for the "
+                                                                                 "top plan.",
+                                                        show_default=False)] = None,
+    fail_if_oom: Annotated[bool, typer.Option("--fail-if-oom", help="Exit 6 when the plan does not fit.")] = False,
+    list_presets: Annotated[bool, typer.Option("--list-presets", help="List the model presets and exit.")] = False,
+    list_gpus: Annotated[bool, typer.Option("--list-gpus", help="List the GPU catalog and exit.")] = False,
+    json_out: JsonOpt = False,
+    overwrite: OverwriteOpt = False,
+    recipe: RecipeOpt = None,
+    overrides: OverridesArg = None,
+) -> None:
+    """Predict per-GPU memory (with a breakdown) and time of a plan, and rank the fixes for its symptoms."""
+    from clusteropt_cli.core.advise import api
+    from clusteropt_cli.core.profile_report import SYMPTOMS
+    from clusteropt_cli.modelspec import list_presets as presets
+    from clusteropt_cli.modelspec import load_model_spec
+
+    if list_presets or list_gpus:
+        _print_lists(list_presets, list_gpus, json_out, presets())
+        return
+    task = task.lower()
+    if task not in ("train", "infer"):
+        raise BadInputError(f"--task must be train or infer (got '{task}').")
+    symptoms = [s.lower() for s in (symptom or [])]
+    bad = [s for s in symptoms if s not in SYMPTOMS]
+    if bad:
+        raise BadInputError(f"Unknown --symptom {', '.join(bad)}.", hint=f"Choose from: {', '.join(SYMPTOMS)}")
+    _check_choices(precision=("--precision", precision, ("bf16", "fp16", "fp8", "fp32")),
+                   optimizer=("--optimizer", optimizer, ("adamw", "adamw-8bit", "sgd")),
+                   offload=("--offload", offload, ("none", "cpu", "nvme")),
+                   attn=("--attn", attn, ("sdpa", "flash", "eager")),
+                   weights=("--weights", weights, ("bf16", "fp16", "fp8", "int8", "int4")),
+                   kv=("--kv-cache", kv_cache, ("bf16", "fp16", "fp8", "int8")))
+    _check_positive({"--micro-batch": micro_batch, "--seq-len": seq_len, "--grad-accum": grad_accum, "--tp": tp,
+                     "--pp": pp, "--pp-micro-batches": pp_micro_batches, "--pp-virtual-stages": pp_virtual_stages,
+                     "--batch": batch, "--prompt-len": prompt_len, "--gen-len": gen_len, "--gpus": gpus,
+                     "--nodes": nodes})
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise BadInputError(f"--zero must be 0, 1, 2 or 3 (got {zero}).")
+    for flag, out in (("--emit-recipe", emit_recipe), ("--emit-ds-config", emit_ds_config)):
+        if out is not None and out.exists() and not overwrite:
+            raise BadInputError(f"{flag} {out} already exists.", hint="Pass --overwrite to replace it.")
+    if emit_ds_config is not None and task != "train":
+        raise BadInputError("--emit-ds-config needs --task train.")
+
+    measured: dict[str, Any] | None = None
+    if from_profile is not None:
+        from clusteropt_cli.core.profile_report import load_profile
+
+        report = load_profile(str(from_profile))
+        symptoms = list(dict.fromkeys(symptoms + list(report.verdict.symptoms)))
+        measured = dict(report.metrics)
+        wl = report.workload
+        model = model or report.model.get("path") or report.model.get("name")
+        if report.mode == "train" and task == "train":
+            micro_batch = micro_batch or wl.get("micro_batch")
+            seq_len = seq_len or wl.get("seq_len")
+            precision = precision or wl.get("precision")
+            grad_accum = grad_accum or wl.get("grad_accum")
+            if activation_checkpointing is None and wl.get("activation_checkpointing") is not None:
+                activation_checkpointing = bool(wl["activation_checkpointing"])
+        elif report.mode != "train":
+            task = "infer"
+            batch = batch or wl.get("batch") or wl.get("concurrency")
+            prompt_len = prompt_len or wl.get("prompt_len")
+            gen_len = gen_len or wl.get("gen_len") or wl.get("max_tokens")
+        if gpu is None:
+            gpu = "cpu" if report.hardware.device == "cpu" else report.hardware.catalog
+        gpus = gpus or report.hardware.count
+
+    target, notes = api.resolve_target(gpu, gpus, nodes, memory_budget, gpu_hour_usd)
+    if model is None and not recipe:
+        raise BadInputError("--model is required.", hint="Pass a preset (copt advise --list-presets), a model "
+                                                          "directory or a config.json.")
+    if task == "train":
+        settings, plan = _train_settings(model, recipe, overrides, target, locals())
+        if target.device == "cuda":  # a recipe may set gpus/nodes
+            target = replace(target, gpus_per_node=settings.gpus, nodes=settings.nodes)
+    else:
+        settings, plan = _infer_settings(model, recipe, overrides, target, locals())
+    model_arg = str(settings.model)
+    spec = load_model_spec(model_arg)
+    result = api.advise(spec, target, plan, symptoms, model_arg=model_arg, notes=notes, measured=measured)
+
+    written = []
+    if emit_recipe is not None:
+        written.append(str(api.emit_recipe(result, model_arg, emit_recipe, overwrite)))
+    if emit_ds_config is not None:
+        written.append(str(api.emit_ds_config(result, emit_ds_config, overwrite)))
+    result["written"] = written
+    if json_out:
+        console.print_json(result)
+    else:
+        _render(result)
+    for path in written:
+        console.log(f"wrote {path}")
+    if fail_if_oom:
+        api.check_fits(result)
+
+
+def _check_choices(**choices: tuple[str, str | None, tuple[str, ...]]) -> None:
+    problems = [f"{flag} must be one of {', '.join(allowed)} (got '{value}')"
+                for flag, value, allowed in choices.values() if value is not None and value.lower() not in allowed]
+    if problems:
+        raise BadInputError("; ".join(problems) + ".")
+
+
+def _check_positive(values: dict[str, int | None]) -> None:
+    problems = [f"{flag} must be at least 1 (got {v})" for flag, v in values.items() if v is not None and v < 1]
+    if problems:
+        raise BadInputError("; ".join(problems) + ".", hint="Use positive numbers for sizes and counts.")
+
+
+def _train_settings(model: str | None, recipe: str | None, overrides: list[str] | None, target: Any,
+                    v: dict[str, Any]) -> tuple[Any, Any]:
+    from clusteropt_cli.core.advise.plan import TrainPlan
+    from clusteropt_cli.recipe.load import load_settings
+
+    attn = {"flash": "flash_attention_2"}.get(v["attn"], v["attn"])
+    cli = {"model": model, "micro_batch": v["micro_batch"], "seq_len": v["seq_len"], "grad_accum": v["grad_accum"],
+           "precision": v["precision"], "optimizer": v["optimizer"], "zero": v["zero"], "offload": v["offload"],
+           "activation_checkpointing": v["activation_checkpointing"], "attn": attn, "compile": v["compile_"],
+           "gpus": target.gpus_per_node if target.gpus_per_node > 1 else v["gpus"], "nodes": v["nodes"],
+           "pipeline_stages": v["pp"], "pipeline_micro_batches": v["pp_micro_batches"],
+           "virtual_stages": v["pp_virtual_stages"]}
+    if v["offload"] == "nvme":
+        cli["nvme_path"] = "/local_nvme"
+    if (v["pp_virtual_stages"] or 1) > 1:
+        cli["pipeline_schedule"] = "interleaved-1f1b"
+    s = load_settings("train", recipe, overrides, cli)
+    plan = TrainPlan(micro_batch=s.micro_batch, seq_len=s.seq_len, grad_accum=s.grad_accum, precision=s.precision,
+                     optimizer=s.optimizer, zero=s.zero, offload=s.offload,
+                     activation_checkpointing=s.activation_checkpointing,
+                     attn="flash" if s.attn == "flash_attention_2" else s.attn, tp=v["tp"] or 1,
+                     pp=s.pipeline_stages, pp_micro_batches=s.pipeline_micro_batches,
+                     pp_virtual_stages=s.virtual_stages, compile=s.compile,
+                     gradient_compression=s.gradient_compression)
+    return s, plan
+
+
+def _infer_settings(model: str | None, recipe: str | None, overrides: list[str] | None, target: Any,
+                    v: dict[str, Any]) -> tuple[Any, Any]:
+    from clusteropt_cli.core.advise.plan import InferPlan
+    from clusteropt_cli.recipe.load import load_settings
+
+    kv = v["kv_cache"]
+    cli = {"model": model, "tensor_parallel": v["tp"],
+           "kv_cache_dtype": {"fp16": "auto"}.get(kv, kv) if kv else None}
+    s = load_settings("serve", recipe, overrides, cli)
+    kv_dtype = {"auto": "bf16"}.get(s.kv_cache_dtype, s.kv_cache_dtype)
+    plan = InferPlan(batch=v["batch"] or 1, prompt_len=v["prompt_len"] or 512, gen_len=v["gen_len"] or 256,
+                     weights=v["weights"] or "bf16", kv_cache=kv_dtype, tp=s.tensor_parallel)
+    return s, plan
+
+
+def _print_lists(show_presets: bool, show_gpus: bool, json_out: bool, preset_names: list[str]) -> None:
+    from clusteropt_cli.hardware import CATALOG
+    from clusteropt_cli.modelspec import load_model_spec
+
+    data: dict[str, Any] = {}
+    if show_presets:
+        data["presets"] = [load_model_spec(n).summary() for n in preset_names]
+    if show_gpus:
+        data["gpus"] = [{"name": g.name, "label": g.label, "memory_bytes": g.memory_bytes,
+                         "hbm_bandwidth": g.hbm_bandwidth, "bf16_tflops": g.tflops.get("bf16"),
+                         "fp8": g.supports_fp8, "interconnect": g.interconnect} for g in CATALOG.values()]
+    if json_out:
+        console.print_json(data)
+        return
+    if show_presets:
+        console.out.print(console.grid("Model presets", ["name", "params", "active", "layers", "hidden", "heads/kv"],
+                                       [[p["name"], f"{p['num_params'] / 1e9:.2f}B",
+                                         f"{p['num_active_params'] / 1e9:.2f}B", p["num_layers"], p["hidden_size"],
+                                         f"{p['num_heads']}/{p['num_kv_heads']}"] for p in data["presets"]]))
+    if show_gpus:
+        console.out.print(console.grid("GPU catalog", ["name", "label", "memory", "HBM TB/s", "bf16 TFLOP/s", "fp8"],
+                                       [[g["name"], g["label"], console.human_bytes(g["memory_bytes"]),
+                                         f"{g['hbm_bandwidth'] / 1e12:.2f}", g["bf16_tflops"], g["fp8"]]
+                                        for g in data["gpus"]]))
+
+
+def _fmt_s(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1000:.2f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _render(r: dict[str, Any]) -> None:
+    out = console.out
+    m, hw, mem, tm = r["model"], r["hardware"], r["memory"], r["time"]
+    where = f"{hw['world']}× {hw['label']}" if hw["device"] == "cuda" else "CPU"
+    out.print(console.kv_table("copt advise", [
+        ("model", f"{m['name']} ({m['num_params'] / 1e9:.2f}B params"
+                  + (f", {m['num_active_params'] / 1e9:.2f}B active" if m["num_experts"] else "") + ")"),
+        ("hardware", where + (f" ({hw['nodes']} nodes)" if hw["nodes"] > 1 else "")),
+        ("task", r["task"]),
+        ("workload", ", ".join(f"{k}={v}" for k, v in r["workload"].items() if v not in (None, False, "none"))),
+        ("symptoms", ", ".join(r["symptoms"]) or "-"),
+    ]))
+    rows = [[k, console.human_bytes(v)] for k, v in mem["breakdown"].items() if v]
+    rows.append(["peak (allocated)", console.human_bytes(mem["per_gpu_bytes"])])
+    rows.append(["required (+allocator, context)", console.human_bytes(mem["required_bytes"])])
+    verdict = "-" if mem["fits"] is None else ("[green]fits[/green]" if mem["fits"] else "[red]does NOT fit[/red]")
+    rows.append(["budget", f"{console.human_bytes(mem['budget_bytes'])} → {verdict}"])
+    out.print(console.grid(f"Memory per {'GPU' if hw['device'] == 'cuda' else 'process'} "
+                           f"(peak phase: {mem['peak_phase']})", ["term", "bytes"], rows))
+    trows = []
+    for key, label in (("step_time_s", "step time"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"),
+                       ("bubble_fraction", "pipeline bubble"), ("comm_s", "DP communication"),
+                       ("comm_exposed_s", "exposed communication"), ("offload_s", "offload"),
+                       ("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("tpot_floor_s", "TPOT floor (bytes/bandwidth)"),
+                       ("output_tokens_per_s", "output tokens/s"), ("max_concurrent_seqs", "max concurrent seqs"),
+                       ("usd_per_million_tokens", "USD per 1M tokens")):
+        value = tm.get(key)
+        if value is None or (key in ("bubble_fraction", "comm_s", "comm_exposed_s", "offload_s") and not value):
+            continue
+        if key.endswith("_s") and not key.endswith("per_s"):
+            text = _fmt_s(value)
+        elif key in ("mfu", "bubble_fraction"):
+            text = f"{value:.1%}"
+        elif key == "usd_per_million_tokens":
+            text = f"${value:.3f}"
+        else:
+            text = f"{value:,.0f}"
+        trows.append([label, text])
+    if trows:
+        assumptions = ", ".join(f"{k}={v}" for k, v in r["assumptions"].items())
+        out.print(console.grid(f"Time ({assumptions})", ["figure", "value"], trows))
+    if r["recommendations"]:
+        rec_rows = []
+        for rec in r["recommendations"][:10]:
+            p = rec["predicted"]
+            after = console.human_bytes(p.get("peak_mem_bytes"))
+            if p.get("fits") is not None:
+                after += " ✓" if p["fits"] else " ✗"
+            speed = p.get("tokens_per_s") or p.get("output_tokens_per_s")
+            extra = f"{speed:,.0f} tok/s" if speed else ""
+            if p.get("ttft_s") is not None and "high-ttft" in rec["symptoms"]:
+                extra = f"TTFT {_fmt_s(p['ttft_s'])}"
+            if p.get("tpot_s") is not None and "slow-tpot" in rec["symptoms"]:
+                extra = f"TPOT {_fmt_s(p['tpot_s'])}"
+            rec_rows.append([rec["rank"], rec["id"], f"{rec['why']}; gain: {rec['gain']} [{rec['gain_source']}]",
+                             rec["cost"], f"{after} {extra}"])
+        out.print(console.grid("Recommendations (best first)", ["#", "id", "why here; expected gain [source]",
+                                                                 "cost", "predicted after"], rec_rows))
+        for rec in r["recommendations"][:10]:
+            out.print(f"  [bold]{rec['id']}[/bold]: {rec['command']}", highlight=False)
+    if r["not_applicable"]:
+        out.print(console.grid("Not applicable here", ["id", "why not"],
+                               [[n["id"], "; ".join(n["reasons"])] for n in r["not_applicable"]]))
+    top = r["top_plan"]
+    if top["applies"]:
+        fits = top["memory"]["fits"]
+        out.print(f"[bold]Top plan:[/bold] {' + '.join(top['applies'])} → "
+                  f"{console.human_bytes(top['memory']['per_gpu_bytes'])} peak"
+                  + ("" if fits is None else (" (fits)" if fits else " (still does not fit)")))
+    if r.get("measured"):
+        out.print(console.grid("Profile vs prediction", ["metric", "measured", "predicted", "error"],
+                               [[row["metric"], f"{row['measured']:.4g}", f"{row['predicted']:.4g}",
+                                 "-" if row["error_pct"] is None else f"{row['error_pct']:+.1f}%"]
+                                for row in r["measured"]]))
+    for note in r["notes"]:
+        console.err.print(f"note: {note}", highlight=False)

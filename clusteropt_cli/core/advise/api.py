@@ -1,0 +1,365 @@
+"""advise as a library: resolve the target, predict memory and time, rank recommendations, emit recipes.
+
+The result is a plain dict following the documented `copt.advise/1` schema (docs/advise.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from clusteropt_cli.core.advise import calibration as cal
+from clusteropt_cli.core.advise.memory import (
+    MemoryEstimate,
+    cpu_training_bytes,
+    infer_memory,
+    max_concurrent_seqs,
+    train_memory,
+)
+from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan, validate_infer, validate_train
+from clusteropt_cli.core.advise.recommend import Context, Recommendation, recommend
+from clusteropt_cli.core.advise.timing import infer_time, train_time
+from clusteropt_cli.errors import BadInputError, CheckFailedError
+from clusteropt_cli.hardware import get_gpu
+from clusteropt_cli.modelspec import ModelSpec
+
+SCHEMA_VERSION = "copt.advise/1"
+GiB = 1024**3
+
+
+def resolve_target(gpu: str | None, gpus: int | None = None, nodes: int | None = None,
+                   memory_budget_gib: float | None = None,
+                   gpu_hour_usd: float | None = None) -> tuple[Target, list[str]]:
+    """A catalog GPU, `cpu`, or the detected GPU (no GPU detected → the CPU, said so in the notes)."""
+    notes: list[str] = []
+    if memory_budget_gib is not None and memory_budget_gib <= 0:
+        raise BadInputError(f"--memory-budget must be positive GiB (got {memory_budget_gib}).")
+    if gpu_hour_usd is not None and gpu_hour_usd < 0:
+        raise BadInputError(f"--gpu-hour-usd must not be negative (got {gpu_hour_usd}).")
+    budget = int(memory_budget_gib * GiB) if memory_budget_gib is not None else None
+    spec = None
+    detected = False
+    if gpu is None:
+        from clusteropt_cli.hardware import detect_gpu_spec, detect_gpus
+
+        found = detect_gpus()
+        spec = detect_gpu_spec()
+        if found and spec is None:
+            raise BadInputError(f"The detected GPU '{found[0].name}' is not in copt's catalog.",
+                                hint="Pass --gpu with the closest catalog entry (copt advise --list-gpus).")
+        if spec is None:
+            notes.append("no GPU detected: predicting the CPU training-step memory (pass --gpu NAME to plan for a "
+                         "GPU)")
+        else:
+            detected = True
+            notes.append(f"detected {found[0].name} → catalog '{spec.name}'")
+    elif gpu.lower() != "cpu":
+        spec = get_gpu(gpu)
+    if spec is None:
+        if budget is None:
+            import psutil
+
+            budget = int(psutil.virtual_memory().total)
+            notes.append(f"CPU budget = host RAM {budget / GiB:.1f} GiB (set --memory-budget to change it)")
+        gpus, nodes = 1, 1
+    usd = gpu_hour_usd
+    if usd is None and spec is not None:
+        usd = cal.DEFAULT_GPU_HOUR_USD.get(spec.name)
+    return Target(spec, gpus or 1, nodes or 1, budget, usd, detected), notes
+
+
+def _mem_dict(m: MemoryEstimate) -> dict[str, Any]:
+    d = asdict(m)
+    d["headroom_bytes"] = m.headroom_bytes
+    return d
+
+
+def evaluate_train(spec: ModelSpec, plan: TrainPlan, target: Target) -> dict[str, Any]:
+    if target.device == "cpu":
+        cpu = cpu_training_bytes(spec, plan)
+        budget = target.memory_bytes
+        mem = {"per_gpu_bytes": cpu["peak_mem_bytes"], "required_bytes": cpu["peak_mem_bytes"],
+               "budget_bytes": budget, "fits": None if budget is None else cpu["peak_mem_bytes"] <= budget,
+               "peak_phase": "cpu-step", "model_states_bytes": cpu["model_states"],
+               "breakdown": _cpu_breakdown(spec, plan, cpu), "phases": {}, "notes": [
+                   "device cpu: model states + saved tensors + logits buffers (shared_api.md definition)"],
+               "headroom_bytes": None if budget is None else budget - cpu["peak_mem_bytes"], "cpu": cpu}
+    else:
+        mem = _mem_dict(train_memory(spec, plan, target))
+    tm = train_time(spec, plan, target)
+    return {"memory": mem, "time": tm.figures, "time_assumptions": tm.assumptions, "time_notes": tm.notes}
+
+
+def _cpu_breakdown(spec: ModelSpec, plan: TrainPlan, cpu: dict[str, float]) -> dict[str, float]:
+    n = spec.num_params
+    opt = {"adamw": 8.0, "adamw-8bit": 2.0, "sgd": 4.0}[plan.optimizer] * n
+    return {"weights": 4.0 * n, "gradients": 4.0 * n, "optimizer": opt,
+            "activations": cpu["saved_tensors"], "logits": cpu["logits_buffers"], "kv_cache": 0.0,
+            "autocast_weight_copies": 0.0, "buffers": 0.0}
+
+
+def evaluate_infer(spec: ModelSpec, plan: InferPlan, target: Target) -> dict[str, Any]:
+    mem = _mem_dict(infer_memory(spec, plan, target))
+    tm = infer_time(spec, plan, target)
+    figures = dict(tm.figures)
+    figures["max_concurrent_seqs"] = max_concurrent_seqs(spec, plan, target)
+    return {"memory": mem, "time": figures, "time_assumptions": tm.assumptions, "time_notes": tm.notes}
+
+
+def _plan_dict(plan: TrainPlan | InferPlan) -> dict[str, Any]:
+    return asdict(plan)
+
+
+def _rec_dict(rec: Recommendation, rank: int | None, model_arg: str, task: str) -> dict[str, Any]:
+    return {"id": rec.id, "rank": rank, "title": rec.title, "why": rec.why, "gain": rec.gain,
+            "gain_source": rec.gain_source, "cost": rec.cost, "applicable": rec.applicable, "checks": rec.checks,
+            "symptoms": rec.symptoms, "score": rec.score, "predicted": rec.predicted, "flags": rec.flags,
+            "command": rec.command}
+
+
+def _command_for(task: str, model_arg: str, plan: TrainPlan | InferPlan, target: Target, flags: list[str]) -> str:
+    head = f"copt advise --model {model_arg} --task {task} --gpu {target.name}"
+    if target.world > 1:
+        head += f" --gpus {target.gpus_per_node}" + (f" --nodes {target.nodes}" if target.nodes > 1 else "")
+    base = _plan_flags(plan)
+    shown = [f for f in flags if f.startswith("--")]
+    if task == "train" and all(f.startswith("--") for f in flags):
+        return f"{head} {base} {' '.join(shown)} --emit-recipe plan.yaml && copt train --recipe plan.yaml".strip()
+    return "; ".join([*[f for f in flags if not f.startswith("--")], f"{head} {base} {' '.join(shown)}".strip()])
+
+
+def _plan_flags(plan: TrainPlan | InferPlan) -> str:
+    if isinstance(plan, TrainPlan):
+        return f"--micro-batch {plan.micro_batch} --seq-len {plan.seq_len}"
+    return f"--batch {plan.batch} --prompt-len {plan.prompt_len} --gen-len {plan.gen_len}"
+
+
+def _top_plan(ctx: Context, ranked: list[Recommendation], symptoms: list[str]) -> tuple[Any, list[str]]:
+    """The plan to emit: for OOM, greedily stack the best memory savers until it fits; else the top one."""
+    if not ranked:
+        return ctx.plan, []
+    if "oom" in symptoms or ctx.base["memory"]["fits"] is False:
+        plan, applied = ctx.plan, []
+        current = ctx.base
+        for _ in range(5):
+            if current["memory"]["fits"]:
+                break
+            best, best_req = None, current["memory"]["required_bytes"]
+            for rec in ranked:
+                if rec.id in applied or rec.id == "expandable-segments":
+                    continue
+                candidate = _merge(plan, rec.plan, ctx.plan)
+                result = ctx.evaluate(candidate)
+                req = result["memory"]["required_bytes"]
+                if req < best_req * 0.98:
+                    fits_bonus = result["memory"]["fits"]
+                    if best is None or (fits_bonus, -req) > (best[2]["memory"]["fits"], -best_req):
+                        best, best_req = (rec, candidate, result), req
+            if best is None:
+                break
+            applied.append(best[0].id)
+            plan, current = best[1], best[2]
+        return plan, applied
+    return ranked[0].plan, [ranked[0].id]
+
+
+def _merge(current: Any, changed: Any, original: Any) -> Any:
+    """Apply the fields a recommendation changed (relative to the original plan) onto `current`."""
+    updates = {k: v for k, v in asdict(changed).items() if asdict(original)[k] != v}
+    return current.with_(**updates)
+
+
+def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptoms: list[str] | None = None,
+           model_arg: str = "MODEL", notes: list[str] | None = None,
+           measured: dict[str, float] | None = None) -> dict[str, Any]:
+    """The whole advise result as a `copt.advise/1` dict."""
+    symptoms = list(dict.fromkeys(symptoms or []))
+    task = "train" if isinstance(plan, TrainPlan) else "infer"
+    if task == "train":
+        validate_train(spec, plan, target)  # type: ignore[arg-type]
+
+        def evaluate(p: Any) -> dict[str, Any]:
+            return evaluate_train(spec, p, target)
+    else:
+        validate_infer(spec, plan, target)  # type: ignore[arg-type]
+
+        def evaluate(p: Any) -> dict[str, Any]:
+            return evaluate_infer(spec, p, target)
+
+    base = evaluate(plan)
+    ctx = Context(spec, target, plan, evaluate, base, model_arg)
+    ranked, rejected = recommend(ctx, symptoms)
+    for rec in ranked + rejected:
+        rec.command = _command_for(task, model_arg, rec.plan, target, rec.flags)
+    top, applied = _top_plan(ctx, ranked, symptoms)
+    top_result = evaluate(top)
+    result: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "task": task,
+        "model": spec.summary(),
+        "hardware": {"device": target.device, "gpu": target.name,
+                     "label": target.gpu.label if target.gpu else "CPU", "gpus_per_node": target.gpus_per_node,
+                     "nodes": target.nodes, "world": target.world,
+                     "memory_bytes": target.gpu.memory_bytes if target.gpu else None,
+                     "budget_bytes": target.memory_bytes, "detected": target.detected,
+                     "gpu_hour_usd": target.gpu_hour_usd},
+        "workload": _plan_dict(plan),
+        "symptoms": symptoms,
+        "memory": base["memory"],
+        "time": base["time"],
+        "assumptions": base["time_assumptions"],
+        "recommendations": [_rec_dict(r, i + 1, model_arg, task) for i, r in enumerate(ranked)],
+        "not_applicable": [{"id": r.id, "reasons": [c["detail"] for c in r.checks if not c["ok"]]}
+                           for r in rejected],
+        "top_plan": {"applies": applied, "workload": _plan_dict(top), "memory": top_result["memory"],
+                     "time": top_result["time"]},
+        "notes": list(notes or []) + base["memory"].get("notes", []) + base.get("time_notes", []),
+    }
+    result["prediction"] = prediction_figures(result["top_plan"]["memory"], result["top_plan"]["time"], task)
+    if measured:
+        result["measured"] = compare(measured, prediction_figures(base["memory"], base["time"], task))
+    return result
+
+
+def prediction_figures(memory: dict[str, Any], time: dict[str, Any], task: str) -> dict[str, float]:
+    """The shared metric names (shared_api.md) for a recipe's prediction block; None values dropped."""
+    figures: dict[str, float] = {"peak_mem_bytes": float(memory["per_gpu_bytes"])}
+    keys = (("step_time_s", "tokens_per_s", "mfu") if task == "train"
+            else ("ttft_s", "tpot_s", "itl_s", "output_tokens_per_s", "mbu", "max_concurrent_seqs"))
+    for key in keys:
+        if time.get(key) is not None:
+            figures[key] = float(time[key])
+    if memory.get("budget_bytes") and task == "train":
+        figures["peak_reserved_bytes"] = float(memory["required_bytes"] - cal.CUDA_CONTEXT_BYTES
+                                               if memory.get("peak_phase") != "cpu-step"
+                                               else memory["required_bytes"])
+    return figures
+
+
+def compare(measured: dict[str, float | None], predicted: dict[str, float]) -> list[dict[str, Any]]:
+    """Measured vs predicted for every metric both name, with the error in percent."""
+    rows = []
+    for key, value in measured.items():
+        if value is None or key not in predicted:
+            continue
+        pred = predicted[key]
+        rows.append({"metric": key, "measured": value, "predicted": pred,
+                     "error_pct": None if not value else 100.0 * (pred - value) / value})
+    return rows
+
+
+def check_fits(result: dict[str, Any]) -> None:
+    """--fail-if-oom: raise CheckFailedError (exit 6) when the plan as given does not fit."""
+    mem = result["memory"]
+    if mem["fits"] is False:
+        unit = "GPU" if result["hardware"]["device"] == "cuda" else "process"
+        raise CheckFailedError(
+            f"The plan needs {mem['required_bytes'] / GiB:.1f} GiB per {unit}"
+            f" but the budget is {mem['budget_bytes'] / GiB:.1f} GiB.",
+            hint="apply a recommendation (copt advise --symptom oom) or raise --memory-budget",
+        )
+
+
+# ---- emitting ------------------------------------------------------------------------------------------------
+def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: bool = False) -> Path:
+    """A copt recipe (validated by its schema) for the top plan, with a prediction block."""
+    import yaml
+
+    from clusteropt_cli.core.io import atomic_write_text
+    from clusteropt_cli.recipe.load import validate_recipe
+
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise BadInputError(f"{path} already exists.", hint="Pass --overwrite to replace it.")
+    w = result["top_plan"]["workload"]
+    prediction = {"source": "copt advise", "gpu": result["hardware"]["gpu"], "figures": result["prediction"],
+                  "budget_bytes": result["memory"]["budget_bytes"],
+                  "assumptions": {k: v for k, v in result["assumptions"].items() if isinstance(v, (int, float, str))},
+                  "recommendation": ",".join(result["top_plan"]["applies"]) or None}
+    if result["task"] == "train":
+        data: dict[str, Any] = {
+            "task": "train", "model": model_arg, "precision": w["precision"],
+            "activation_checkpointing": w["activation_checkpointing"],
+            "attn": "flash_attention_2" if w["attn"] == "flash" else w["attn"], "micro_batch": w["micro_batch"],
+            "grad_accum": w["grad_accum"], "seq_len": w["seq_len"], "optimizer": w["optimizer"], "zero": w["zero"],
+            "offload": w["offload"], "compile": w["compile"], "gpus": result["hardware"]["gpus_per_node"],
+            "nodes": result["hardware"]["nodes"], "gradient_compression": w["gradient_compression"],
+            "pipeline_stages": w["pp"], "prediction": prediction,
+        }
+        if w["offload"] == "nvme":
+            data["nvme_path"] = "/local_nvme"
+        if w["pp"] > 1:
+            data["pipeline_micro_batches"] = w["pp_micro_batches"] or w["grad_accum"]
+            if w["pp_virtual_stages"] > 1:
+                data["pipeline_schedule"] = "interleaved-1f1b"
+                data["virtual_stages"] = w["pp_virtual_stages"]
+        task = "train"
+        header = f"# copt train --recipe {path.name}\n"
+    else:
+        data = {"task": "serve", "model": model_arg, "tensor_parallel": w["tp"],
+                "max_batch_size": max(1, int(w["batch"])),
+                "kv_cache_dtype": {"bf16": "bf16", "fp16": "auto"}.get(w["kv_cache"], w["kv_cache"]),
+                "prediction": prediction}
+        if w["chunked_prefill"]:
+            data["max_batch_tokens"] = int(w["chunked_prefill"])
+        if w["speculative_tokens"]:
+            data["prompt_lookup"] = 3
+            data["num_speculative_tokens"] = int(w["speculative_tokens"])
+        if w["weights"] in ("int4", "fp8", "int8"):
+            prediction["assumptions"]["weights"] = w["weights"]
+        task = "serve"
+        header = f"# copt serve --recipe {path.name}\n"
+    validated = validate_recipe(task, data, origin="The emitted recipe")
+    text = header + "# written by copt advise; the prediction block is checked by copt profile --expect\n"
+    text += yaml.safe_dump(validated.model_dump(mode="json", exclude_defaults=False), sort_keys=False)
+    atomic_write_text(path, text)
+    return path
+
+
+def deepspeed_config(result: dict[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed config for the top training plan."""
+    if result["task"] != "train":
+        raise BadInputError("--emit-ds-config needs --task train.", hint="Drop --emit-ds-config for inference.")
+    w = result["top_plan"]["workload"]
+    dp = max(1, result["hardware"]["world"] // (w["tp"] * w["pp"]))
+    zero: dict[str, Any] = {"stage": w["zero"], "overlap_comm": True, "contiguous_gradients": True,
+                            "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
+    if w["zero"] >= 3:
+        zero.update({"stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
+                     "stage3_gather_16bit_weights_on_model_save": True})
+    if w["offload"] != "none":
+        device = w["offload"]
+        target: dict[str, Any] = {"device": device, "pin_memory": True}
+        if device == "nvme":
+            target["nvme_path"] = "/local_nvme"
+        zero["offload_optimizer"] = dict(target)
+        if w["zero"] >= 3:
+            zero["offload_param"] = dict(target)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": w["micro_batch"],
+        "gradient_accumulation_steps": w["grad_accum"],
+        "train_batch_size": w["micro_batch"] * w["grad_accum"] * dp,
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                 "weight_decay": 0.0}},
+        "steps_per_print": 10,
+        "wall_clock_breakdown": False,
+    }
+    if w["precision"] == "bf16" or w["precision"] == "fp8":
+        config["bf16"] = {"enabled": True}
+    elif w["precision"] == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    return config
+
+
+def emit_ds_config(result: dict[str, Any], path: Path, overwrite: bool = False) -> Path:
+    from clusteropt_cli.core.io import atomic_write_text
+
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise BadInputError(f"{path} already exists.", hint="Pass --overwrite to replace it.")
+    atomic_write_text(path, json.dumps(deepspeed_config(result), indent=2) + "\n")
+    return path

@@ -1,0 +1,61 @@
+"""Every tunable constant of the advise models, in one place, each with where its value comes from.
+
+The lead updates these from `bench/gpu_advise.py` results (bench/results/advise*.json). Nothing else in
+core/advise hard-codes an efficiency or an overhead.
+"""
+
+from __future__ import annotations
+
+GiB = 1024**3
+
+# ---- memory -------------------------------------------------------------------------------------------------
+# Are the logits of the forward still referenced while backward runs (`out = model(...); out.loss.backward()`
+# keeps `out.logits`)? True is the conservative choice: it adds vocab × tokens × 2 bytes to the peak.
+# H200 anchor (../shared/gpu/README.md, 2026-11-30, Llama-3.2-1B shape, 8 × 2048, AdamW fused, bf16 autocast):
+# measured 73.8 GiB / 42.5 GiB (checkpointing); this model gives 75.4 / 44.0 held, 71.4 / 40.1 not held.
+LOGITS_HELD_IN_BACKWARD = True
+# Fraction the caching allocator reserves above the allocated peak (fragmentation, block rounding).
+# Seen on the H200: reserved/allocated 1.03–1.08 for steady training loops; 1.06 assumed.
+ALLOCATOR_FRAGMENTATION = 0.06
+# CUDA context + cuBLAS/cuDNN handles and workspaces outside torch's allocator (nvidia-smi minus reserved).
+CUDA_CONTEXT_BYTES = int(0.55 * GiB)
+# Reserve for prefill/decode working buffers of a serving engine on top of weights + KV cache (vLLM sizes its
+# KV pool from gpu_memory_utilization; 0.9 is its default).
+SERVING_MEMORY_UTILIZATION = 0.90
+# Bytes per weight for quantized formats, scales included (group size 128, fp16 scale + zero point for int4).
+WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0 + 4 / 4096, "int8": 1.0 + 2 / 128,
+                "int4": 0.5 + 4 / 128}
+KV_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0}
+
+# ---- time ---------------------------------------------------------------------------------------------------
+# Model FLOPs utilization of an eager HF training step (dense FLOPs, datasheet peak). H200 anchor: 46.6k tok/s on
+# the 1B shape at 8 × 2048 = 8.22 GFLOP/token → 383 TFLOP/s = 0.387 of 989 TFLOP/s.
+TRAIN_MFU = {"eager": 0.39, "compile": 0.48}
+# FP8 training reaches a lower fraction of its (2×) peak: casts/scaling and non-GEMM time stay; ~1.3× end to end
+# over bf16 on Hopper (TransformerEngine Llama examples) → 0.65 × the bf16 MFU against the fp8 peak.
+FP8_MFU_FACTOR = 0.65
+# Prefill runs large matmuls: MFU of a prefill forward (vLLM/HF sdpa on Hopper, typical 0.4–0.6).
+PREFILL_MFU = 0.50
+# Fraction of HBM bandwidth a decode step reaches (memory-bound kernels; 4.26 TB/s measured copy vs 4.8 datasheet
+# on the H200 = 0.89; decode GEMVs typically 0.7–0.85).
+DECODE_BANDWIDTH_EFFICIENCY = 0.80
+# Fraction of link bandwidth NCCL collectives reach (bus bandwidth / link bandwidth, large messages).
+COMM_EFFICIENCY = 0.80
+# Fraction of ZeRO/DP communication hidden behind backward compute (overlap_comm, bucketed all-reduce).
+COMM_OVERLAP = 0.70
+# Activation checkpointing recomputes the checkpointed layers' forward: +1 forward of the decoder layers.
+# Measured on the H200 anchor: 46.6k → 38.2k tok/s (−18%); the FLOP count alone gives −21%.
+
+# ---- defaults for cost ----------------------------------------------------------------------------------------
+DEFAULT_GPU_HOUR_USD = {"h200": 3.50, "h100-sxm": 2.50, "h100-pcie": 2.00, "a100-80g": 1.50, "a100-40g": 1.10,
+                        "h20": 1.20, "h800": 2.30, "b200": 5.00, "l40s": 0.90, "rtx4090": 0.40, "mi300x": 2.50}
+
+SOURCES = {
+    "anchor": "../shared/gpu/README.md (H200, 2026-11-30)",
+    "guide": "../shared/reference/training-inference-guide.txt",
+    "costs": "../shared/reference/cluster-inference-costs.txt",
+}
+
+# ZeRO-Offload: DeepSpeed CPUAdam seconds per parameter on the host (plus PCIe transfers, timing.py).
+# H200 anchor: ZeRO-3 + CPU offload + checkpointing, 1B shape, 8 × 2048: 1.42 s/step vs ~0.43 s of compute.
+CPU_ADAM_S_PER_PARAM = 0.65e-9

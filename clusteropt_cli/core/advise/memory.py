@@ -1,0 +1,348 @@
+"""Memory per GPU of a training step or an inference run, term by term from the architecture.
+
+Training activations are the tensors autograd saves for backward, counted the way PyTorch and transformers 5.17
+really allocate them for Llama-family decoders (checked on CPU with saved_tensors_hooks, see tests):
+
+* `amp` (torch autocast bf16/fp16 over fp32 weights, copt train with --zero 0): the residual stream stays fp32;
+  every linear casts its input to bf16 separately (autocast caches casts of weights, never of activations);
+  RMSNorm saves its fp32 input and the fp32 normalized tensor; RoPE saves nothing large (cos/sin do not need
+  grad); SDPA (flash/efficient, GQA native) saves bf16 q, k, v, out and the fp32 log-sum-exp; the SwiGLU MLP saves
+  gate, up, silu(gate) and their product. The bf16 copies of all weights are held by autocast's cast cache and by
+  the linears until backward passes them.
+* `half` (weights in bf16/fp16, DeepSpeed ZeRO): the same graph without casts; the norms upcast to fp32 inside.
+* `fp32`: no autocast; linears share their input.
+
+Logits: LlamaForCausalLM computes bf16 logits, ForCausalLMLoss upcasts them to fp32 (`logits.float()`) and
+cross_entropy saves the fp32 log-softmax; its backward holds the saved output, the incoming gradient and the
+result (3 × tokens × vocab × 4 bytes) at once. That phase is usually the peak of a small-model step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from clusteropt_cli.core.advise import calibration as cal
+from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan
+from clusteropt_cli.modelspec import ModelSpec
+
+DS_REDUCE_BUCKET = 5e8  # DeepSpeed reduce_bucket_size / allgather_bucket_size (elements), its default
+DS_PREFETCH_LAYERS = 2  # ZeRO-3 keeps the current and the prefetched layer's full parameters
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted memory per GPU; `per_gpu_bytes` is the allocator peak (torch.cuda.max_memory_allocated)."""
+
+    per_gpu_bytes: float
+    breakdown: dict[str, float]
+    required_bytes: float  # peak + fragmentation + CUDA context: what must fit
+    budget_bytes: float | None
+    fits: bool | None
+    peak_phase: str
+    model_states_bytes: float
+    phases: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def headroom_bytes(self) -> float | None:
+        return None if self.budget_bytes is None else self.budget_bytes - self.required_bytes
+
+
+def training_mode(plan: TrainPlan) -> str:
+    """How the weights are held: `amp` (fp32 + autocast), `half` (DeepSpeed bf16/fp16), `fp32`."""
+    if plan.precision == "fp32":
+        return "fp32"
+    return "half" if plan.uses_deepspeed else "amp"
+
+
+# ---- activations --------------------------------------------------------------------------------------------
+def _attention_saved(spec: ModelSpec, mode: str, attn: str, seq_len: int, tp: int) -> float:
+    """Bytes per token per layer saved by the attention block (after the input norm)."""
+    h, nh = spec.hidden_size, spec.num_heads
+    a = 4 if mode == "fp32" else 2  # dtype of q/k/v/out
+    q = spec.q_width / tp
+    kv = spec.kv_width / tp
+    vdim = nh * (spec.v_head_dim or spec.head_dim) / tp
+    heads = nh / tp
+    lse = 4 * heads
+    if spec.is_mla:
+        ql, kl = spec.q_lora_rank, spec.kv_lora_rank
+        inputs = (2 * 2 * h) if mode == "amp" else (a * h)
+        latents = (8 + a) * ql + (8 + a) * kl  # fp32 norm in/out + projection input per latent
+        core = a * (q + q + vdim + vdim) + 4 * q  # q, k (full heads), v, out; fp32 rope'd q/k concat
+        return inputs + latents + core + lse
+    if mode == "amp":
+        inputs = 3 * 2 * h  # q/k/v each cast the normed input
+    elif mode == "fp32":
+        inputs = 4 * h
+    else:
+        inputs = 2 * h
+    if spec.model_type in ("qwen3", "qwen3_moe"):  # per-head q/k RMSNorm: fp32 input + normalized
+        inputs += 8 * (q + kv)
+    if attn == "eager":
+        # q, repeated k and v, o_proj input; softmax output (fp32) and, under autocast, its bf16 copy
+        probs = (6 if mode != "fp32" else 4) * heads * seq_len
+        return inputs + a * 4 * q + probs
+    if spec.model_type == "gpt2":
+        return inputs + a * (3 * q + q) + lse  # q, k, v are views of one qkv tensor; out shared with c_proj input
+    return inputs + a * (q + 2 * kv + vdim) + lse  # o_proj input shares storage with the SDPA output
+
+
+def _mlp_saved(spec: ModelSpec, mode: str, tp: int, moe: bool) -> float:
+    """Bytes per token per layer saved by the MLP (or MoE) block."""
+    h = spec.hidden_size
+    a = 4 if mode == "fp32" else 2
+
+    def swiglu(width: float, separate_casts: int) -> float:
+        cast = 2 * h * separate_casts if mode == "amp" else a * h
+        return cast + 4 * a * width / tp  # gate, up, silu(gate), product
+
+    if spec.model_type == "gpt2":
+        inner = spec.intermediate_size / tp
+        return (2 * h if mode == "amp" else a * h) + a * inner * 8  # c_fc out, gelu_new intermediates, c_proj in
+    if not moe:
+        return swiglu(spec.intermediate_size, 2)
+    k = spec.experts_per_token
+    routed = k * (swiglu(spec.moe_intermediate_size, 1) + a * h)  # per chosen expert + routing-weighted output
+    router = (2 * h if mode == "amp" else 0) + 4 * spec.num_experts
+    shared = swiglu(spec.shared_expert_intermediate_size, 2) if spec.shared_expert_intermediate_size else 0
+    return router + routed + shared
+
+
+def activation_bytes_per_token(spec: ModelSpec, plan: TrainPlan) -> dict[str, float]:
+    """Saved bytes per token: per dense layer, per MoE layer, the layer input (checkpointing), the final block."""
+    mode = training_mode(plan)
+    h = spec.hidden_size
+    norm = 6 * h if mode == "half" else 8 * h  # RMSNorm/LayerNorm input + normalized (fp32)
+    small = 8  # rsqrt / mean+rstd
+    attn = _attention_saved(spec, mode, plan.attn, plan.seq_len, plan.tp)
+    dense = 2 * (norm + small) + attn + _mlp_saved(spec, mode, plan.tp, moe=False)
+    moe = 2 * (norm + small) + attn + _mlp_saved(spec, mode, plan.tp, moe=True) if spec.is_moe else 0.0
+    residual = 2 if mode == "half" else 4
+    lm_input = 4 * h if mode == "fp32" else 2 * h  # the lm_head's saved input (a cast under autocast)
+    final = norm + small + lm_input + 8  # final norm, lm_head input, int64 labels
+    return {"dense_layer": dense, "moe_layer": moe, "layer_input": residual * h, "final": final}
+
+
+def _logits_bytes(spec: ModelSpec, mode: str, tokens: float, tp: int) -> dict[str, float]:
+    vocab = spec.vocab_size / tp  # vocab-parallel head under TP
+    half = 2 * vocab * tokens
+    full = 4 * vocab * tokens
+    held = (half if mode != "fp32" else full) if cal.LOGITS_HELD_IN_BACKWARD else 0.0
+    # forward at log_softmax: logits (model dtype) + fp32 upcast + fp32 log-softmax output
+    fwd = (half + full + full) if mode != "fp32" else (full + full)
+    bwd = held + 3 * full
+    return {"forward": fwd, "backward": bwd, "saved": full, "logits": half if mode != "fp32" else full}
+
+
+# ---- model states -------------------------------------------------------------------------------------------
+def model_states(num_params: float, precision: str, optimizer: str, zero: int, dp: int, offload: str = "none",
+                 deepspeed: bool | None = None) -> dict[str, float]:
+    """Bytes per GPU of weights, gradients and optimizer states (ZeRO partitioning over `dp` ranks).
+
+    DeepSpeed layout (zero ≥ 1, bf16/fp16): 2 + 2 + 12 bytes/param (fp32 master + Adam m, v) = the guide's 16.
+    torch autocast layout (zero 0): fp32 weights 4 + fp32 grads 4 + Adam 8 = 16 as well.
+    """
+    ds = zero > 0 if deepspeed is None else deepspeed
+    half = precision != "fp32"
+    opt_per_param = {"adamw": 8.0, "adamw-8bit": 2.0, "sgd": 4.0}[optimizer]
+    if ds and half:
+        w, g, o = 2.0, 2.0, 4.0 + opt_per_param
+    else:
+        w, g, o = 4.0, 4.0, opt_per_param
+    if precision == "fp8" and not ds:
+        w += 1.0  # fp8 weight copies (TransformerEngine / torchao keep them alongside the fp32 master)
+    weights, grads, optim = w * num_params, g * num_params, o * num_params
+    if zero >= 1:
+        optim /= dp
+    if zero >= 2:
+        grads /= dp
+    if zero >= 3:
+        weights /= dp
+    if offload != "none":
+        optim = 0.0  # optimizer states and fp32 master weights live on the host / NVMe
+        if zero >= 2:
+            grads = 0.0  # gradient partitions are copied to the host as they are reduced (buckets only on GPU)
+        if zero >= 3:
+            weights = 0.0  # offload_param: parameters stream in per layer
+    return {"weights": weights, "gradients": grads, "optimizer": optim}
+
+
+def _local_params(spec: ModelSpec, plan: TrainPlan) -> float:
+    return spec.num_params / (plan.tp * plan.pp)
+
+
+def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEstimate:
+    """Per-GPU peak of a training step, by phase (loss forward, loss backward, end of backward)."""
+    mode = training_mode(plan)
+    dp = max(1, target.world // (plan.tp * plan.pp))
+    local = _local_params(spec, plan)
+    states = model_states(local, plan.precision, plan.optimizer, plan.zero, dp, plan.offload)
+    notes: list[str] = []
+
+    # DeepSpeed working buffers
+    buffers = 0.0
+    if plan.uses_deepspeed:
+        layer_params = local / max(1, spec.num_layers // plan.pp)
+        buffers += min(DS_REDUCE_BUCKET, local) * 2
+        if plan.zero >= 3:
+            buffers += DS_PREFETCH_LAYERS * layer_params * 2
+            if plan.offload != "none":
+                buffers += spec.vocab_size * spec.hidden_size * 2  # the embedding/head gathered when used
+        notes.append("DeepSpeed buckets counted at reduce_bucket_size 5e8 (its default)")
+
+    # activations
+    per_token = activation_bytes_per_token(spec, plan)
+    tokens = plan.micro_batch * plan.seq_len
+    layers_local = spec.num_layers / plan.pp
+    moe_frac = spec.num_moe_layers / spec.num_layers
+    full_layer = (1 - moe_frac) * per_token["dense_layer"] + moe_frac * per_token["moe_layer"]
+    in_flight = 1
+    if plan.pp > 1:
+        m = plan.pp_micro_batches or plan.grad_accum
+        in_flight = min(plan.pp, m)  # 1F1B: stage 0 holds up to p micro-batches
+        notes.append(f"pipeline stage 0 holds {in_flight} micro-batches of activations (1F1B)")
+    if plan.activation_checkpointing:
+        stored = layers_local * per_token["layer_input"] * tokens * in_flight
+        recompute = full_layer * tokens
+    else:
+        stored = layers_local * full_layer * tokens * in_flight
+        recompute = 0.0
+    final = per_token["final"] * tokens
+    logits = _logits_bytes(spec, mode, tokens, plan.tp)
+    # bf16 weight copies made by autocast (matmul weights; kept by the cast cache and the linears' saved inputs)
+    matmul_local = spec.matmul_params_active / (plan.tp * plan.pp) if not spec.is_moe else local
+    casts = 2 * matmul_local if mode == "amp" else 0.0
+    head_cast = 2 * spec.vocab_size * spec.hidden_size / plan.tp if mode == "amp" else 0.0
+    if plan.zero >= 3:
+        casts = head_cast = 0.0  # ZeRO-3 gathers bf16 params per layer (in the buffers above)
+
+    grads_resident = states["gradients"] if (plan.uses_deepspeed or plan.grad_accum > 1) else 0.0
+    base = states["weights"] + states["optimizer"] + grads_resident + buffers
+    phases = {
+        "loss-forward": base + stored + final + casts + logits["forward"],
+        "loss-backward": base + stored + final + (head_cast if plan.activation_checkpointing else casts)
+        + logits["backward"],
+        "end-of-backward": states["weights"] + states["optimizer"] + states["gradients"] + buffers
+        + (recompute + stored / max(1.0, layers_local) if plan.activation_checkpointing else 0.0)
+        + (2 * local / max(1.0, layers_local) if mode == "amp" else 0.0),
+    }
+    peak_phase = max(phases, key=phases.get)
+    peak = phases[peak_phase]
+    if plan.activation_checkpointing and peak_phase != "end-of-backward":
+        # recomputing one layer in backward happens after the logits are gone; covered by end-of-backward
+        pass
+    if peak_phase == "loss-forward":
+        act, lg, wcast, grads = stored + final, logits["forward"], casts, grads_resident
+    elif peak_phase == "loss-backward":
+        act, lg = stored + final, logits["backward"]
+        wcast = head_cast if plan.activation_checkpointing else casts
+        grads = grads_resident
+    else:
+        act = recompute + (stored / max(1.0, layers_local) if plan.activation_checkpointing else 0.0)
+        lg, wcast, grads = 0.0, (2 * local / max(1.0, layers_local) if mode == "amp" else 0.0), states["gradients"]
+    breakdown = {
+        "weights": states["weights"], "gradients": grads, "optimizer": states["optimizer"],
+        "activations": act, "logits": lg, "kv_cache": 0.0, "autocast_weight_copies": wcast, "buffers": buffers,
+    }
+    if abs(sum(breakdown.values()) - peak) > 1:  # keep the breakdown honest
+        breakdown["activations"] += peak - sum(breakdown.values())
+    model_states_total = states["weights"] + states["gradients"] + states["optimizer"]
+    return _finish(peak, breakdown, target, peak_phase, model_states_total, phases, notes)
+
+
+def cpu_training_bytes(spec: ModelSpec, plan: TrainPlan) -> dict[str, float]:
+    """The CPU 'peak' quantity of shared_api.md: states (params+grads+optimizer) + saved tensors + logits buffers.
+
+    Saved tensors are unique non-parameter storages saved for backward during the forward (autocast weight copies
+    and the fp32 log-softmax included); logits buffers are the logits tensor the model returns plus, when it is not
+    fp32, the fp32 upcast made by the loss.
+    """
+    mode = training_mode(plan)
+    states = model_states(spec.num_params, plan.precision, plan.optimizer, 0, 1, deepspeed=False)
+    states["gradients"] = 4.0 * spec.num_params  # counted in full on CPU
+    per_token = activation_bytes_per_token(spec, plan)
+    tokens = plan.micro_batch * plan.seq_len
+    moe_frac = spec.num_moe_layers / spec.num_layers
+    layer = (1 - moe_frac) * per_token["dense_layer"] + moe_frac * per_token["moe_layer"]
+    if plan.activation_checkpointing:
+        layer = per_token["layer_input"]
+    logits = _logits_bytes(spec, mode, tokens, 1)
+    saved = spec.num_layers * layer * tokens + per_token["final"] * tokens + logits["saved"]
+    if mode == "amp":  # autocast weight copies saved by the linears (only the head's under checkpointing)
+        saved += 2 * (spec.vocab_size * spec.hidden_size if plan.activation_checkpointing
+                      else spec.matmul_params_active)
+    buffers = logits["logits"] + (4 * spec.vocab_size * tokens if mode != "fp32" else 0.0)
+    total = sum(states.values()) + saved + buffers
+    return {"model_states": sum(states.values()), "saved_tensors": saved, "logits_buffers": buffers,
+            "peak_mem_bytes": total}
+
+
+# ---- inference ----------------------------------------------------------------------------------------------
+def weight_bytes(spec: ModelSpec, weights: str) -> float:
+    """Weights in memory; quantized formats keep embeddings and lm_head in bf16 (llm-compressor's default)."""
+    per = cal.WEIGHT_BYTES[weights]
+    if weights in ("bf16", "fp16", "fp32"):
+        return spec.num_params * per
+    head = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
+    kept = spec.embedding_params + head
+    return (spec.num_params - kept) * per + kept * 2
+
+
+def kv_cache_bytes(spec: ModelSpec, plan: InferPlan, tokens_per_seq: float | None = None) -> float:
+    per_token = spec.kv_cache_bytes_per_token(cal.KV_BYTES[plan.kv_cache])
+    shard = min(plan.tp, spec.num_kv_heads) if not spec.is_mla else 1
+    ctx = plan.prompt_len + plan.gen_len if tokens_per_seq is None else tokens_per_seq
+    return plan.batch * ctx * per_token / shard
+
+
+def _prefill_working_set(spec: ModelSpec, plan: InferPlan) -> float:
+    """Largest transient buffers of one prefill forward (no grad, bf16): residual, normed, MLP triplet."""
+    tokens = plan.batch * plan.prompt_len
+    if plan.chunked_prefill:
+        tokens = min(tokens, plan.chunked_prefill)
+    h = spec.hidden_size
+    inter = (spec.moe_intermediate_size * spec.experts_per_token if spec.is_moe else spec.intermediate_size)
+    attn = 2 * (2 * spec.q_width + 2 * spec.kv_width) / plan.tp
+    mlp = 3 * 2 * inter / plan.tp
+    per_token = 3 * 2 * h + max(attn, mlp) + 4  # residual, normed input, block output + the larger block
+    last_logits = plan.batch * spec.vocab_size * (2 + 4)  # generate keeps only the last position, upcast to fp32
+    return tokens * per_token + last_logits
+
+
+def infer_memory(spec: ModelSpec, plan: InferPlan, target: Target) -> MemoryEstimate:
+    weights = weight_bytes(spec, plan.weights) / plan.tp
+    kv = kv_cache_bytes(spec, plan)
+    work = _prefill_working_set(spec, plan)
+    layer_kv = kv / spec.num_layers  # a DynamicCache update concatenates one layer's cache into a new tensor
+    decode = layer_kv + plan.batch * spec.vocab_size * 6
+    act = max(work, decode)
+    peak = weights + kv + act
+    breakdown = {"weights": weights, "gradients": 0.0, "optimizer": 0.0, "activations": act, "logits": 0.0,
+                 "kv_cache": kv, "autocast_weight_copies": 0.0, "buffers": 0.0}
+    phase = "prefill" if work >= decode else "decode"
+    return _finish(peak, breakdown, target, phase, weights, {"prefill": weights + kv + work,
+                                                             "decode": weights + kv + decode}, [])
+
+
+def max_concurrent_seqs(spec: ModelSpec, plan: InferPlan, target: Target) -> int | None:
+    """Sequences of prompt+gen tokens whose KV cache fits next to the weights (serving engine sizing)."""
+    mem = target.memory_bytes
+    if mem is None:
+        return None
+    usable = mem * cal.SERVING_MEMORY_UTILIZATION - weight_bytes(spec, plan.weights) / plan.tp
+    usable -= _prefill_working_set(spec, plan.with_(batch=1, chunked_prefill=plan.chunked_prefill or 8192))
+    per_seq = kv_cache_bytes(spec, plan.with_(batch=1))
+    return max(0, int(usable // per_seq))
+
+
+def _finish(peak: float, breakdown: dict[str, float], target: Target, phase: str, states: float,
+            phases: dict[str, float], notes: list[str]) -> MemoryEstimate:
+    if target.device == "cuda":
+        required = peak * (1 + cal.ALLOCATOR_FRAGMENTATION) + cal.CUDA_CONTEXT_BYTES
+    else:
+        required = peak
+    budget = target.memory_bytes
+    fits = None if budget is None else required <= budget
+    return MemoryEstimate(per_gpu_bytes=peak, breakdown=breakdown, required_bytes=required, budget_bytes=budget,
+                          fits=fits, peak_phase=phase, model_states_bytes=states, phases=phases, notes=notes)

@@ -1,0 +1,141 @@
+"""What advise reasons about: the hardware target and a training or inference plan, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from clusteropt_cli.errors import BadInputError
+from clusteropt_cli.hardware import GPUSpec
+from clusteropt_cli.modelspec import ModelSpec
+
+Precision = Literal["bf16", "fp16", "fp8", "fp32"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the plan runs: a catalog GPU (or the CPU), how many per node, how many nodes."""
+
+    gpu: GPUSpec | None  # None: the CPU
+    gpus_per_node: int = 1
+    nodes: int = 1
+    budget_bytes: int | None = None  # --memory-budget; else the GPU's memory
+    gpu_hour_usd: float | None = None
+    detected: bool = False
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.gpu is None else "cuda"
+
+    @property
+    def name(self) -> str:
+        return "cpu" if self.gpu is None else self.gpu.name
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def memory_bytes(self) -> int | None:
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        return None if self.gpu is None else self.gpu.memory_bytes
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    micro_batch: int = 1
+    seq_len: int = 2048
+    grad_accum: int = 1
+    precision: Precision = "bf16"
+    optimizer: Literal["adamw", "adamw-8bit", "sgd"] = "adamw"
+    zero: int = 0
+    offload: Literal["none", "cpu", "nvme"] = "none"
+    activation_checkpointing: bool = False
+    attn: Literal["sdpa", "flash", "eager"] = "sdpa"
+    tp: int = 1
+    pp: int = 1
+    pp_micro_batches: int | None = None  # default: grad_accum
+    pp_virtual_stages: int = 1
+    compile: bool = False
+    gradient_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.zero > 0
+
+    def with_(self, **changes) -> TrainPlan:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class InferPlan:
+    batch: int = 1
+    prompt_len: int = 512
+    gen_len: int = 256
+    weights: Literal["bf16", "fp16", "fp8", "int8", "int4"] = "bf16"
+    kv_cache: Literal["bf16", "fp16", "fp8", "int8"] = "bf16"
+    tp: int = 1
+    continuous_batching: bool = False
+    chunked_prefill: int | None = None  # tokens per prefill chunk
+    speculative_tokens: int = 0  # draft tokens per step (0 = off)
+    speculative_acceptance: float = 0.7
+
+    def with_(self, **changes) -> InferPlan:
+        return replace(self, **changes)
+
+
+def _positive(problems: list[str], flag: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        problems.append(f"{flag} must be at least 1 (got {value})")
+
+
+def validate_train(spec: ModelSpec, plan: TrainPlan, target: Target) -> None:
+    """Every impossible combination at once, each naming its flag."""
+    problems: list[str] = []
+    for flag, value in (("--micro-batch", plan.micro_batch), ("--seq-len", plan.seq_len),
+                        ("--grad-accum", plan.grad_accum), ("--tp", plan.tp), ("--pp", plan.pp),
+                        ("--pp-micro-batches", plan.pp_micro_batches), ("--pp-virtual-stages", plan.pp_virtual_stages),
+                        ("--gpus", target.gpus_per_node), ("--nodes", target.nodes)):
+        _positive(problems, flag, value)
+    if plan.zero not in (0, 1, 2, 3):
+        problems.append(f"--zero must be 0, 1, 2 or 3 (got {plan.zero})")
+    if plan.pp > spec.num_layers:
+        problems.append(f"--pp {plan.pp} is more pipeline stages than the model's {spec.num_layers} layers")
+    elif plan.pp * plan.pp_virtual_stages > spec.num_layers:
+        problems.append(f"--pp × --pp-virtual-stages = {plan.pp * plan.pp_virtual_stages} exceeds the model's "
+                        f"{spec.num_layers} layers")
+    if plan.tp > 1 and spec.num_heads % plan.tp:
+        problems.append(f"--tp {plan.tp} does not divide the model's {spec.num_heads} attention heads")
+    if plan.tp > 1 and spec.num_kv_heads % plan.tp and plan.tp % spec.num_kv_heads:
+        problems.append(f"--tp {plan.tp} and the model's {spec.num_kv_heads} KV heads do not divide each other")
+    if target.world % (plan.tp * plan.pp) and target.world >= 1:
+        problems.append(f"--tp × --pp = {plan.tp * plan.pp} must divide the {target.world} GPUs (--gpus × --nodes)")
+    if plan.offload != "none" and plan.zero == 0:
+        problems.append("--offload needs DeepSpeed ZeRO: add --zero 1, 2 or 3")
+    if plan.zero == 3 and plan.pp > 1:
+        problems.append("--zero 3 cannot be combined with --pp > 1 (use --zero 1 with pipelines)")
+    if plan.seq_len > 4 * spec.max_position_embeddings:
+        problems.append(f"--seq-len {plan.seq_len} is far beyond the model's max_position_embeddings "
+                        f"{spec.max_position_embeddings}")
+    if target.device == "cpu" and (plan.zero or plan.tp > 1 or plan.pp > 1):
+        problems.append("--gpu cpu models a single-process CPU step: drop --zero/--tp/--pp")
+    if problems:
+        raise BadInputError("Impossible training plan:\n" + "\n".join(f"  - {p}" for p in problems),
+                            hint="Fix the flags named above (copt advise --help lists them).")
+
+
+def validate_infer(spec: ModelSpec, plan: InferPlan, target: Target) -> None:
+    problems: list[str] = []
+    for flag, value in (("--batch", plan.batch), ("--prompt-len", plan.prompt_len), ("--gen-len", plan.gen_len),
+                        ("--tp", plan.tp), ("--gpus", target.gpus_per_node), ("--nodes", target.nodes)):
+        _positive(problems, flag, value)
+    if plan.tp > 1 and spec.num_heads % plan.tp:
+        problems.append(f"--tp {plan.tp} does not divide the model's {spec.num_heads} attention heads")
+    if plan.tp > target.world:
+        problems.append(f"--tp {plan.tp} needs {plan.tp} GPUs; --gpus × --nodes gives {target.world}")
+    if plan.prompt_len + plan.gen_len > 4 * spec.max_position_embeddings:
+        problems.append(f"--prompt-len + --gen-len exceeds the model's context ({spec.max_position_embeddings})")
+    if problems:
+        raise BadInputError("Impossible inference plan:\n" + "\n".join(f"  - {p}" for p in problems),
+                            hint="Fix the flags named above (copt advise --help lists them).")

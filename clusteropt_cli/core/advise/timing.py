@@ -1,0 +1,161 @@
+"""Time per training step and per token from FLOPs, bytes and links, at stated efficiencies (calibration.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from clusteropt_cli.core.advise import calibration as cal
+from clusteropt_cli.core.advise.memory import kv_cache_bytes, weight_bytes
+from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan
+from clusteropt_cli.modelspec import ModelSpec
+
+
+def bubble_fraction(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Pipeline bubble: (p−1)/(m+p−1) for GPipe/1F1B; (p−1)/(v·m) for interleaved 1F1B (the guide's forms)."""
+    if stages <= 1:
+        return 0.0
+    if virtual_stages > 1:
+        return (stages - 1) / (virtual_stages * micro_batches)
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def zero_comm_bytes(num_params: float, zero: int, dp: int, grad_bytes: float = 2.0) -> float:
+    """Bytes each GPU sends per optimizer step for data parallelism (ring collectives).
+
+    Stages 0–2: reduce-scatter + all-gather of gradients/parameters = 2Ψ·(n−1)/n elements;
+    stage 3 adds the parameter all-gather in backward: 3Ψ·(n−1)/n = 1.5× data parallel (ZeRO paper §7).
+    """
+    if dp <= 1:
+        return 0.0
+    factor = 3.0 if zero >= 3 else 2.0
+    return factor * num_params * grad_bytes * (dp - 1) / dp
+
+
+@dataclass
+class TimeEstimate:
+    figures: dict[str, float | None]
+    assumptions: dict[str, float | str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _dp_link(target: Target, tp: int, pp: int) -> tuple[float, str]:
+    """Bandwidth (bytes/s per GPU) of the slowest link data parallelism crosses."""
+    gpu = target.gpu
+    assert gpu is not None
+    dp = target.world // (tp * pp)
+    if target.nodes > 1 and dp > max(1, target.gpus_per_node // (tp * pp)):
+        return gpu.inter_node_bandwidth, "inter-node network"
+    return gpu.intra_node_bandwidth, gpu.interconnect
+
+
+def train_time(spec: ModelSpec, plan: TrainPlan, target: Target) -> TimeEstimate:
+    """Step time = compute (FLOPs / (peak × MFU)) / (1 − bubble) + exposed communication + offload time."""
+    if target.gpu is None:
+        return TimeEstimate({"step_time_s": None, "tokens_per_s": None},
+                            notes=["no CPU speed model: measure with copt profile"])
+    gpu = target.gpu
+    dp = max(1, target.world // (plan.tp * plan.pp))
+    tokens_replica = plan.micro_batch * plan.seq_len * plan.grad_accum
+    tokens_step = tokens_replica * dp
+    model_flops_token = spec.training_flops_per_token(plan.seq_len)
+    recompute = 0.0
+    if plan.activation_checkpointing:  # decoder layers run their forward twice (the head is not checkpointed)
+        head = spec.vocab_size * spec.hidden_size
+        recompute = 2.0 * (spec.matmul_params_active - head) + spec.attention_flops_per_token(plan.seq_len)
+    mfu = cal.TRAIN_MFU["compile" if plan.compile else "eager"]
+    dtype = "fp8" if plan.precision == "fp8" and gpu.supports_fp8 else plan.precision
+    if dtype == "fp8":
+        mfu *= cal.FP8_MFU_FACTOR
+    peak = gpu.peak_flops(dtype)
+    compute = tokens_replica * (model_flops_token + recompute) / (plan.tp * plan.pp) / (peak * mfu)
+    m = plan.pp_micro_batches or plan.grad_accum
+    bubble = bubble_fraction(plan.pp, m, plan.pp_virtual_stages)
+    compute /= 1 - bubble
+    local = spec.num_params / (plan.tp * plan.pp)
+    grad_bytes = 4.0 if plan.precision == "fp32" else 2.0
+    if plan.gradient_compression == "powersgd":
+        grad_bytes /= 8  # rank-limited low-rank factors; order of magnitude from PowerSGD (Vogels et al. 2019)
+    link, link_name = _dp_link(target, plan.tp, plan.pp)
+    comm_bytes = zero_comm_bytes(local, plan.zero, dp, grad_bytes)
+    if plan.zero >= 2:
+        comm_bytes *= 1 + (plan.grad_accum - 1) / 2  # reduce-scatter every micro-step
+    comm = comm_bytes / (link * cal.COMM_EFFICIENCY) if comm_bytes else 0.0
+    exposed = max(0.0, comm - cal.COMM_OVERLAP * compute) if comm else 0.0
+    exposed = max(exposed, comm * (1 - cal.COMM_OVERLAP))
+    tp_comm = 0.0
+    if plan.tp > 1:  # Megatron: 2 all-reduces forward + 2 backward of (tokens × hidden) per layer
+        volume = 4 * spec.num_layers / plan.pp * plan.micro_batch * plan.seq_len * spec.hidden_size * 2
+        tp_comm = plan.grad_accum * volume * 2 * (plan.tp - 1) / plan.tp / (gpu.intra_node_bandwidth
+                                                                            * cal.COMM_EFFICIENCY)
+    offload = 0.0
+    if plan.offload != "none":
+        local_part = local / (dp if plan.zero >= 1 else 1)
+        pcie = 25e9 if plan.offload == "cpu" else 5e9  # host link / NVMe read+write
+        offload = local_part * cal.CPU_ADAM_S_PER_PARAM + 4 * local_part / pcie
+    step = compute + exposed + tp_comm + offload
+    tokens_per_s = tokens_step / step
+    achieved_mfu = tokens_step * model_flops_token / step / (peak * target.world)
+    figures = {
+        "step_time_s": step, "tokens_per_s": tokens_per_s, "mfu": achieved_mfu, "compute_s": compute,
+        "bubble_fraction": bubble, "comm_bytes_per_gpu": comm_bytes, "comm_s": comm, "comm_exposed_s": exposed,
+        "tp_comm_s": tp_comm, "offload_s": offload, "flops_per_token": model_flops_token,
+        "recompute_flops_per_token": recompute,
+    }
+    if target.gpu_hour_usd:
+        figures["usd_per_million_tokens"] = target.gpu_hour_usd * target.world / 3600 / tokens_per_s * 1e6
+    assumptions = {"mfu": mfu, "peak_tflops": peak / 1e12, "comm_efficiency": cal.COMM_EFFICIENCY,
+                   "comm_overlap": cal.COMM_OVERLAP, "link": link_name,
+                   "bubble_form": "interleaved (p-1)/(v*m)" if plan.pp_virtual_stages > 1 else "(p-1)/(m+p-1)"}
+    return TimeEstimate(figures, assumptions)
+
+
+def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate:
+    """TTFT from prefill FLOPs; TPOT floor from bytes read per decode step over HBM bandwidth."""
+    if target.gpu is None:
+        return TimeEstimate({"ttft_s": None, "tpot_s": None}, notes=["no CPU speed model: measure with copt profile"])
+    gpu = target.gpu
+    tp = plan.tp
+    compute_dtype = "fp8" if plan.weights == "fp8" and gpu.supports_fp8 else "bf16"
+    peak = gpu.peak_flops(compute_dtype) * tp
+    bandwidth = gpu.hbm_bandwidth * tp
+    w_bytes = weight_bytes(spec, plan.weights)
+    prefill_tokens = plan.batch * plan.prompt_len
+    prefill_flops = prefill_tokens * spec.forward_flops_per_token(plan.prompt_len // 2)
+    prefill_s = max(prefill_flops / (peak * cal.PREFILL_MFU), w_bytes / bandwidth)
+    one_prefill = max(plan.prompt_len * spec.forward_flops_per_token(plan.prompt_len // 2) / (peak * cal.PREFILL_MFU),
+                      w_bytes / bandwidth)
+    if plan.chunked_prefill and plan.continuous_batching:
+        # a new request waits for at most one chunk of others' prompts, then its own prefill
+        chunk = min(plan.chunked_prefill, prefill_tokens)
+        ttft = one_prefill + chunk * spec.forward_flops_per_token(plan.prompt_len // 2) / (peak * cal.PREFILL_MFU)
+    else:
+        ttft = prefill_s  # static batch: every prompt of the batch is prefilled before the first token
+    ctx = plan.prompt_len + plan.gen_len / 2
+    kv_read = kv_cache_bytes(spec, plan, ctx)
+    # MoE decode reads only the experts the batch routes to (at most all of them)
+    if spec.is_moe:
+        expert_share = min(1.0, plan.batch * spec.experts_per_token / spec.num_experts)
+        active_w = w_bytes * (spec.num_active_params + (spec.num_params - spec.num_active_params) * expert_share) \
+            / spec.num_params
+    else:
+        active_w = w_bytes
+    floor = (active_w + kv_read) / bandwidth
+    decode_compute = plan.batch * spec.forward_flops_per_token(int(ctx)) / (peak * cal.PREFILL_MFU)
+    tpot = max(floor / cal.DECODE_BANDWIDTH_EFFICIENCY, decode_compute)
+    spec_speedup = 1.0
+    if plan.speculative_tokens:
+        a, k = plan.speculative_acceptance, plan.speculative_tokens
+        draft_cost = 0.05  # draft forward / target forward (a ~1/20-size draft)
+        spec_speedup = (1 - a ** (k + 1)) / ((1 - a) * (1 + k * draft_cost))
+        spec_speedup /= max(1.0, decode_compute * (k + 1) / floor)  # verify cost grows once compute-bound
+        tpot /= max(1.0, spec_speedup)
+    out_tps = plan.batch / tpot
+    figures = {"ttft_s": ttft, "tpot_s": tpot, "tpot_floor_s": floor, "itl_s": tpot, "prefill_s": prefill_s,
+               "output_tokens_per_s": out_tps, "e2e_s": ttft + plan.gen_len * tpot,
+               "mbu": min(1.0, floor / tpot), "decode_bytes_per_step": active_w + kv_read,
+               "speculative_speedup": spec_speedup}
+    if target.gpu_hour_usd:
+        figures["usd_per_million_tokens"] = target.gpu_hour_usd * tp / 3600 / out_tps * 1e6
+    return TimeEstimate(figures, {"prefill_mfu": cal.PREFILL_MFU,
+                                  "decode_bandwidth_efficiency": cal.DECODE_BANDWIDTH_EFFICIENCY,
+                                  "hbm_bandwidth_tbs": gpu.hbm_bandwidth / 1e12, "peak_tflops": peak / tp / 1e12})
