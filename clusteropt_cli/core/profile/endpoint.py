@@ -4,6 +4,7 @@ Each level (a concurrency, or a Poisson request rate) is bounded by a request co
 request by a total timeout. Connection failures, HTTP errors, timeouts and broken streams are counted by kind,
 never raised. TTFT = time to the first streamed text; ITL = gaps between streamed chunks; TPOT = (E2E − TTFT) /
 (output tokens − 1), output tokens from the final `usage` chunk when the server sends it, else one per chunk.
+A stream that ends with finish_reason "abort"/"error" counts as an error ("aborted").
 """
 
 from __future__ import annotations
@@ -144,6 +145,10 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], headers: d
                 if isinstance(chunk, dict) and chunk.get("error"):
                     result.error = "stream_error"
                     return
+                choices = chunk.get("choices") if isinstance(chunk, dict) else None
+                if choices and choices[0].get("finish_reason") in ("abort", "error"):
+                    result.error = "aborted"
+                    return
                 if isinstance(chunk, dict) and chunk.get("usage"):
                     usage = chunk["usage"]
                 text = _text_of(chunk) if isinstance(chunk, dict) else ""
@@ -195,7 +200,6 @@ class _Runner:
                                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
         if self.s.ignore_eos:
             body["ignore_eos"] = True
-            body["min_tokens"] = self.s.gen_len
         return body
 
     async def request(self) -> RequestResult:

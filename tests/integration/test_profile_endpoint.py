@@ -1,0 +1,208 @@
+"""copt profile endpoint against a small in-test OpenAI-style streaming server, failing endpoints and copt serve."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fastapi import Request  # module level: the routes' annotations are resolved from module globals
+
+from tests.conftest import REPO
+
+TOKEN_DELAY_S = 0.002
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _fake_openai_app():
+    """Streams `max_tokens` one-word chunks as OpenAI SSE; /broken/... answers 500; /cut/... drops mid-stream."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+
+    async def stream(body: dict, cut: bool):
+        n = int(body.get("max_tokens", 16))
+        for i in range(n):
+            await asyncio.sleep(TOKEN_DELAY_S)
+            chunk = {"id": "cmpl-1", "object": "text_completion", "model": body["model"],
+                     "choices": [{"index": 0, "text": f" w{i}", "finish_reason": None}]}
+            yield f"data: {json.dumps(chunk)}\n\n"
+            if cut and i == 1:
+                raise RuntimeError("connection cut mid-stream")
+        usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": n, "total_tokens": 0}
+        yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        return StreamingResponse(stream(body, cut=False), media_type="text/event-stream")
+
+    @app.post("/broken/v1/completions")
+    async def broken(request: Request):
+        return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
+
+    @app.post("/cut/v1/completions")
+    async def cut(request: Request):
+        body = await request.json()
+        return StreamingResponse(stream(body, cut=True), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(_fake_openai_app(), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 15
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.started, "in-test server did not start"
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=5)
+
+
+def test_endpoint_sweep_report_plot_and_expect(fake_server, copt, tmp_path):
+    """A concurrency sweep gives percentiles per level, a valid report, a PNG, and --expect compares figures."""
+    recipe = tmp_path / "serve.yaml"
+    recipe.write_text(
+        "task: serve\nmodel: fake\nprediction:\n  source: test\n  figures:\n"
+        "    output_tokens_per_s: 1.0e6\n    tpot_s: 0.01\n  assumptions:\n    concurrency: 4\n")
+    report = tmp_path / "endpoint.json"
+    plot = tmp_path / "sweep.png"
+    proc = copt("profile", "endpoint", "--url", fake_server, "--model", "fake", "--concurrency", "1,4",
+                "--num-requests", "8", "--gen-len", "12", "--prompt-len", "16", "--slo-ttft-ms", "1000",
+                "--slo-tpot-ms", "1000", "--plot", str(plot), "--report", str(report), "--expect", str(recipe),
+                "--tolerance", "100", "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    profile = doc["profile"]
+    assert [lv["concurrency"] for lv in profile["levels"]] == [1, 4]
+    for lv in profile["levels"]:
+        assert lv["requests"] == 8 and lv["completed"] == 8 and lv["errors"] == {}
+        for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+            assert 0 < lv[key]["p50"] <= lv[key]["p90"] <= lv[key]["p99"], (key, lv[key])
+        # 12 tokens at >= 2 ms each: E2E at least 11 inter-token gaps
+        assert lv["e2e_s"]["p50"] >= 11 * TOKEN_DELAY_S
+        assert lv["tpot_s"]["p50"] >= TOKEN_DELAY_S * 0.9
+        assert lv["output_tokens_per_s"] == pytest.approx(8 * 12 / lv["duration_s"], rel=1e-6)
+        assert lv["goodput"] == pytest.approx(lv["request_throughput"])
+    # 4 concurrent clients on an idle fake server: more throughput than 1
+    assert profile["levels"][1]["output_tokens_per_s"] > profile["levels"][0]["output_tokens_per_s"]
+    check = doc["check"]
+    assert check["passed"] is True and check["level"] == "concurrency 4"
+    by_name = {f["name"]: f for f in check["figures"]}
+    assert by_name["output_tokens_per_s"]["measured"] == pytest.approx(profile["levels"][1]["output_tokens_per_s"])
+    assert by_name["tpot_s"]["rel_error"] == pytest.approx(by_name["tpot_s"]["measured"] / 0.01 - 1)
+    from clusteropt_cli.core.profile_report import load_profile
+
+    assert load_profile(str(report)).levels[0].completed == 8
+    assert plot.stat().st_size > 5000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_endpoint_closed_port_counts_connection_errors(copt, tmp_path):
+    """Nothing listens: every request is a counted 'connect' error, the command still exits 0 with a report."""
+    url = f"http://127.0.0.1:{_free_port()}"
+    proc = copt("profile", "endpoint", "--url", url, "--model", "m", "--concurrency", "2", "--num-requests", "5",
+                "--warmup", "1", "--json", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    (level,) = doc["levels"]
+    assert level["requests"] == 5 and level["completed"] == 0 and level["errors"] == {"connect": 5}
+    assert doc["metrics"]["error_rate"] == 1.0
+    assert doc["verdict"]["bottleneck"] == "unknown" and "connect" in doc["verdict"]["evidence"][0]
+
+
+def test_endpoint_server_errors_and_cut_streams_are_counted(fake_server):
+    """HTTP 500s and streams cut mid-way are errors by kind, never exceptions; Poisson mode is bounded."""
+    from clusteropt_cli.core.profile.endpoint import profile_endpoint
+    from clusteropt_cli.core.profile.settings import EndpointSettings
+
+    broken = profile_endpoint(EndpointSettings(url=fake_server + "/broken", model="m", concurrency=[3],
+                                               num_requests=6, warmup=0, gen_len=4, prompt_len=4))
+    assert broken.levels[0].errors == {"http_500": 6} and broken.levels[0].completed == 0
+    cut = profile_endpoint(EndpointSettings(url=fake_server + "/cut", model="m", rate=[200.0], num_requests=5,
+                                            warmup=0, gen_len=6, prompt_len=4))
+    level = cut.levels[0]
+    assert level.rate == 200.0 and level.requests == 5 and level.completed == 0
+    assert set(level.errors) == {"disconnect"}, level.errors
+    start = time.perf_counter()
+    timed = profile_endpoint(EndpointSettings(url=fake_server, model="m", concurrency=[2], duration_s=0.3,
+                                              warmup=0, gen_len=4, prompt_len=4))
+    assert time.perf_counter() - start < 5
+    assert timed.levels[0].completed >= 2 and timed.levels[0].errors == {}
+
+
+@pytest.mark.slow
+def test_endpoint_against_copt_serve(fixtures, tmp_path):
+    """profile endpoint against a real `copt serve` on the fixture teacher: percentiles for each level."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "clusteropt_cli", "serve", str(fixtures.teacher), "--port", str(port),
+         "--served-model-name", "teacher"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    try:
+        import httpx
+
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if server.poll() is not None:
+                pytest.fail(f"copt serve exited: {server.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        else:
+            pytest.fail("copt serve did not become healthy within 60 s")
+        proc = subprocess.run(
+            [sys.executable, "-m", "clusteropt_cli", "profile", "endpoint", "--url", f"http://127.0.0.1:{port}",
+             "--model", "teacher", "--concurrency", "1,4", "--num-requests", "8", "--prompt-len", "32",
+             "--gen-len", "16", "--tokenizer", str(fixtures.tokenizer), "--json"],
+            capture_output=True, text=True, env=env, timeout=180)
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert [lv["concurrency"] for lv in doc["levels"]] == [1, 4]
+        for lv in doc["levels"]:
+            assert lv["completed"] == 8 and lv["errors"] == {}, lv
+            for key in ("ttft_s", "tpot_s", "e2e_s"):
+                assert 0 < lv[key]["p50"] <= lv[key]["p90"] <= lv[key]["p99"]
+            assert lv["output_tokens_per_s"] > 0
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def test_endpoint_bad_flags_exit_2(copt, tmp_path):
+    proc = copt("profile", "endpoint", "--url", "localhost:8000", "--model", "m", "--concurrency", "0,4",
+                "--rate", "2")
+    assert proc.returncode == 2
+    assert "--url" in proc.stderr and "--concurrency" in proc.stderr and "not both" in proc.stderr
+    existing = tmp_path / "p.png"
+    existing.write_bytes(b"x")
+    proc = copt("profile", "endpoint", "--url", "http://127.0.0.1:1", "--model", "m", "--plot", str(existing))
+    assert proc.returncode == 2 and "--overwrite" in proc.stderr and existing.read_bytes() == b"x"
+    assert not Path(tmp_path / "missing").exists()
