@@ -529,6 +529,8 @@ class Engine:
 
     # ---- the scheduler -----------------------------------------------------------------------------------
     def _loop(self) -> None:
+        import torch
+
         while True:
             with self._cond:
                 if self._stop:
@@ -539,7 +541,8 @@ class Engine:
                     self._cond.wait(timeout=0.1)
                     continue
             try:
-                self._step()
+                with torch.inference_mode():
+                    self._step()
             except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
                 import traceback
 
