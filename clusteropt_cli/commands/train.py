@@ -1,10 +1,218 @@
-"""copt train (issue 7)."""
+"""copt train: train or fine-tune a causal LM (mixed precision, checkpointing, ZeRO + offload, pipelines)."""
 
 from __future__ import annotations
 
-from clusteropt_cli.errors import CoptError
+import contextlib
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from clusteropt_cli import console
+from clusteropt_cli.options import DryRunOpt, JsonOpt, OverridesArg, OverwriteOpt, RecipeOpt, SeedOpt
 
 
-def train() -> None:
-    """Not built yet (issue 7)."""
-    raise CoptError("copt train is not built yet (issue 7).", hint="See 'copt --help' for the commands that work.")
+def _opt(name: str, help: str, kind: Any = str):  # noqa: A002 - mirrors typer's keyword
+    return Annotated[kind | None, typer.Option(name, help=help, show_default=False)]
+
+
+def train(
+    overrides: OverridesArg = None,
+    model: _opt("--model", "Local HF model dir (fine-tune), a config.json or a preset name (from scratch).") = None,
+    data: _opt("--data", ".txt or .jsonl (text field) to train on; tokenized and packed to --seq-len.") = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Output dir: the model (HF format), "
+                                                "metrics.jsonl, checkpoints/.", show_default=False)] = None,
+    tokenizer: _opt("--tokenizer", "Tokenizer dir (default: the model dir).") = None,
+    precision: _opt("--precision", "bf16 | fp16 | fp8 | fp32 (bf16/fp16/fp8 autocast over fp32 weights).") = None,
+    activation_checkpointing: Annotated[bool | None, typer.Option(
+        "--activation-checkpointing/--no-activation-checkpointing", help="Recompute activations in backward.",
+        show_default=False)] = None,
+    attn: _opt("--attn", "sdpa | flash_attention_2 | eager.") = None,
+    micro_batch: _opt("--micro-batch", "Sequences per micro-batch per process.", int) = None,
+    grad_accum: _opt("--grad-accum", "Micro-batches per optimizer step.", int) = None,
+    seq_len: _opt("--seq-len", "Tokens per sequence.", int) = None,
+    max_steps: _opt("--max-steps", "Optimizer steps.", int) = None,
+    epochs: _opt("--epochs", "Passes over the data (when --max-steps is not given; default 1).", float) = None,
+    lr: _opt("--lr", "Peak learning rate.", float) = None,
+    schedule: _opt("--schedule", "cosine | linear | constant.") = None,
+    warmup_steps: _opt("--warmup-steps", "Linear warm-up steps.", int) = None,
+    compile: Annotated[bool | None, typer.Option("--compile/--no-compile", help="torch.compile the decoder "
+                                                 "(default: on for CUDA).", show_default=False)] = None,
+    zero: _opt("--zero", "DeepSpeed ZeRO stage 0 | 1 | 2 | 3.", int) = None,
+    offload: _opt("--offload", "none | cpu | nvme (ZeRO optimizer/parameter offload).") = None,
+    nvme_path: _opt("--nvme-path", "Directory for --offload nvme.") = None,
+    gradient_compression: _opt("--gradient-compression", "none | fp16 | bf16 | powersgd (DDP comm hooks).") = None,
+    pipeline_stages: _opt("--pipeline-stages", "Pipeline stages (one per process).", int) = None,
+    pipeline_schedule: _opt("--pipeline-schedule", "gpipe | 1f1b | interleaved-1f1b.") = None,
+    pipeline_micro_batches: _opt("--pipeline-micro-batches", "Micro-batches per pipeline step.", int) = None,
+    virtual_stages: _opt("--virtual-stages", "Model chunks per rank (interleaved-1f1b).", int) = None,
+    gpus: _opt("--gpus", "Processes per node (GPUs; on CPU, processes).", int) = None,
+    nodes: _opt("--nodes", "Nodes.", int) = None,
+    hostfile: _opt("--hostfile", "Hostfile ('hostname slots=N' per line) for multi-node runs.") = None,
+    launcher: _opt("--launcher", "auto | deepspeed | torchrun.") = None,
+    master_addr: _opt("--master-addr", "Rendezvous address (default: first host).") = None,
+    master_port: _opt("--master-port", "Rendezvous port (default 29500).", int) = None,
+    save_every: _opt("--save-every", "Write a resumable checkpoint every N steps.", int) = None,
+    resume: Annotated[bool | None, typer.Option("--resume", help="Continue from the latest checkpoint in --output.",
+                                                show_default=False)] = None,
+    seed: SeedOpt = None,
+    overwrite: OverwriteOpt = False,
+    dry_run: DryRunOpt = False,
+    json_out: JsonOpt = False,
+    recipe: RecipeOpt = None,
+) -> None:
+    """Train or fine-tune a causal LM on a text file; writes the model (HF format) and metrics.jsonl to --output."""
+    from clusteropt_cli.core.train.launch import is_launched_child, plan_launch, run_launch
+    from clusteropt_cli.recipe.load import load_settings
+
+    settings = load_settings("train", recipe, overrides, dict(
+        model=model, data=data, output=str(output) if output else None, tokenizer=tokenizer, precision=precision,
+        activation_checkpointing=activation_checkpointing, attn=attn, micro_batch=micro_batch, grad_accum=grad_accum,
+        seq_len=seq_len, max_steps=max_steps, epochs=epochs, lr=lr, schedule=schedule, warmup_steps=warmup_steps,
+        compile=compile, zero=zero, offload=offload, nvme_path=nvme_path, gradient_compression=gradient_compression,
+        pipeline_stages=pipeline_stages, pipeline_schedule=pipeline_schedule,
+        pipeline_micro_batches=pipeline_micro_batches, virtual_stages=virtual_stages, gpus=gpus, nodes=nodes,
+        hostfile=hostfile, launcher=launcher, master_addr=master_addr, master_port=master_port,
+        save_every=save_every, resume=resume, seed=seed))
+    child = is_launched_child()
+    if child:
+        _run_rank(settings, json_out)
+        return
+
+    from clusteropt_cli.core.train.validate import validate_train
+
+    validate_train(settings, overwrite=overwrite, device_type=None if dry_run else _device_type())
+    plan = plan_launch(settings, sys.argv[1:] if _argv_is_ours() else _rebuild_argv(settings, json_out))
+    if dry_run:
+        _render_dry_run(settings, plan, json_out)
+        return
+    out = Path(settings.output)
+    if overwrite and out.exists() and not settings.resume:
+        shutil.rmtree(out)
+    if plan.launcher == "none":
+        _run_rank(settings, json_out)
+        return
+    console.log(f"launching {plan.world_size} processes with {plan.launcher}: {plan.shell}")
+    code = run_launch(plan)
+    if code != 0:
+        from clusteropt_cli.errors import CoptError
+
+        raise CoptError(f"The training processes exited with code {code} (their errors are printed above).",
+                        hint="fix the error above; with --save-every, rerun with --resume to continue")
+    result_file = out / "train_result.json"
+    if result_file.exists():
+        import json
+
+        _render_result(json.loads(result_file.read_text()), json_out)
+
+
+def _device_type() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _argv_is_ours() -> bool:
+    """sys.argv holds this train invocation (python -m clusteropt_cli / the copt script), not a test runner's."""
+    return "train" in sys.argv[1:]
+
+
+def _rebuild_argv(settings: Any, json_out: bool) -> list[str]:
+    """The arguments for the child ranks when copt was called programmatically: every setting as an override."""
+    args = ["train"] + [f"{k}={v}" for k, v in settings.model_dump(exclude_none=True, exclude={"task", "prediction"})
+                        .items()]
+    return args + (["--json"] if json_out else [])
+
+
+class _ProgressCallback:
+    """Renders run_training's events with rich on stderr (rank 0 only)."""
+
+    def __init__(self, stack: contextlib.ExitStack):
+        self.stack, self.advance = stack, None
+
+    def on_start(self, total_steps: int, start_step: int) -> None:
+        self.advance = self.stack.enter_context(console.progress_bar("training", total=total_steps))
+        if start_step:
+            self.advance(start_step, info=f"resumed at step {start_step}")
+
+    def on_step(self, row: dict[str, Any]) -> None:
+        if self.advance is not None:
+            tps = row.get("tokens_per_s")
+            self.advance(1, info=f"loss {row['loss']:.4f}  lr {row['lr']:.2e}" + (f"  {tps:,.0f} tok/s" if tps else ""))
+
+    def on_log(self, message: str) -> None:
+        console.log(message)
+
+
+def _run_rank(settings: Any, json_out: bool) -> None:
+    """One process of the run (the only one, or one rank under a launcher): load, train, save."""
+    import os
+
+    from clusteropt_cli.core.train import build_text_dataset, run_training
+    from clusteropt_cli.core.train.model import load_model, load_tokenizer
+    from clusteropt_cli.core.train.validate import check_hardware, validate_train
+
+    rank = int(os.environ.get("RANK", "0"))
+    source = validate_train(settings, check_output=False)
+    check_hardware(settings, _device_type())
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.redirect_stdout(sys.stderr))  # library chatter (DeepSpeed logs) off stdout
+        tokenizer = load_tokenizer(source)
+        dataset = build_text_dataset(settings.data, tokenizer, settings.seq_len, settings.text_field)
+        model = load_model(source, seed=settings.seed)
+        if rank == 0:
+            console.log(f"data: {len(dataset)} blocks of {settings.seq_len} tokens; model: "
+                        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters ({source.kind})")
+        callbacks = [_ProgressCallback(stack)] if rank == 0 else []
+        result = run_training(settings, model, dataset, settings.output, tokenizer=tokenizer, callbacks=callbacks)
+    if rank == 0 and "WORLD_SIZE" not in os.environ:
+        _render_result(console.to_jsonable(result), json_out)
+
+
+def _render_result(result: dict[str, Any], json_out: bool) -> None:
+    if json_out:
+        console.print_json(result)
+        return
+    loss = f"{result['first_loss']:.4f} → {result['final_loss']:.4f}" if result.get("final_loss") is not None else "-"
+    tps = result.get("tokens_per_s")
+    console.out.print(console.kv_table("copt train", [
+        ("output", result["output_dir"]),
+        ("engine", f"{result['engine']} × {result['world_size']}"),
+        ("precision", result["precision"]),
+        ("steps", f"{result['start_step'] + result['steps']} / {result['total_steps']}"
+         + (f" (resumed at {result['resumed_from']})" if result.get("resumed_from") is not None else "")),
+        ("loss", loss),
+        ("tokens/s", f"{tps:,.0f}" if tps else "-"),
+        ("MFU", f"{result['mfu']:.3f}" if result.get("mfu") is not None else "- (CPU or unknown GPU)"),
+        ("peak memory", console.human_bytes(result.get("peak_mem_bytes"))),
+        ("metrics", result["metrics_path"]),
+    ]))
+
+
+def _render_dry_run(settings: Any, plan: Any, json_out: bool) -> None:
+    from clusteropt_cli.core.train.deepspeed_config import deepspeed_config
+
+    ds = deepspeed_config(settings, plan.world_size) if settings.zero > 0 else None
+    doc = {"launcher": plan.launcher, "world_size": plan.world_size, "nodes": plan.nodes,
+           "procs_per_node": plan.procs_per_node, "command": plan.command, "shell": plan.shell or None,
+           "run_on_every_node": plan.per_node, "hosts": plan.hosts, "master_addr": plan.master_addr,
+           "master_port": plan.master_port, "deepspeed_config": ds,
+           "deepspeed_config_path": str(Path(settings.output) / "ds_config.json") if ds else None,
+           "settings": settings.model_dump(mode="json")}
+    if json_out:
+        console.print_json(doc)
+        return
+    import json
+
+    if ds is not None:
+        console.out.print(f"# DeepSpeed config (written to {doc['deepspeed_config_path']})")
+        console.out.print(json.dumps(ds, indent=2), highlight=False, markup=False)
+    if plan.launcher == "none":
+        console.out.print("# single process: copt trains in this process (no launcher)")
+    else:
+        where = "on every node" if plan.per_node else ("on the first host (starts the others)" if plan.nodes > 1
+                                                        else "here")
+        console.out.print(f"# launch command ({plan.launcher}, {plan.world_size} processes), run {where}:")
+        console.out.print(plan.shell, highlight=False, markup=False)

@@ -280,6 +280,7 @@ def run_training(
                     step_loss += loss.float() / int(options.grad_accum)
                     for key, value in metrics.items():
                         step_metrics[key] = step_metrics.get(key, 0.0) + float(value) / int(options.grad_accum)
+            lr_used = engine.lr
             grad_norm = engine.optimizer_step()
             step_loss = all_reduce_mean(step_loss, ctx) if kind != "pipeline" else step_loss
             loss_value = float(step_loss)
@@ -296,7 +297,7 @@ def run_training(
             tps = tokens_per_step / elapsed if elapsed > 0 else None
             mfu = (tps * flops_per_token / (peak_flops * ctx.world_size)
                    if tps and flops_per_token and peak_flops else None)
-            row = {"step": step, "loss": loss_value, "lr": engine.lr, "tokens_per_s": tps, "mfu": mfu,
+            row = {"step": step, "loss": loss_value, "lr": lr_used, "tokens_per_s": tps, "mfu": mfu,
                    "peak_mem_bytes": peak, "peak_reserved_bytes": reserved, "step_time_s": elapsed,
                    "grad_norm": grad_norm, "tokens": tokens_per_step, "epoch": cursor.epoch,
                    "total_steps": total_steps}

@@ -48,7 +48,10 @@ class TrainingOptions(Strict):
     zero: Literal[0, 1, 2, 3] = 0
     offload: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
-    compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    compile: bool | None = Field(None, description="torch.compile the decoder; None = on for CUDA, off on CPU.")
+    loss_impl: Literal["auto", "fused", "hf"] = Field(
+        "auto", description="LM loss: fused chunked head+cross-entropy (no full fp32 logits), the model's own "
+        "loss (hf), or auto (fused unless ZeRO-3).")
     gpus: PositiveInt = Field(1, description="Processes per node (GPUs; on CPU, processes).")
     nodes: PositiveInt = 1
     hostfile: str | None = None

@@ -1,0 +1,139 @@
+"""Multi-process and multi-node runs: copt re-launches itself under the real launcher (torchrun or the deepspeed
+launcher) with the same arguments; every rank then calls run_training. No process management of our own.
+
+- one node, N processes: `torchrun --standalone --nproc-per-node N -m clusteropt_cli train ARGS`
+  (or `deepspeed --num_gpus N --module clusteropt_cli train ARGS` with --launcher deepspeed)
+- M nodes with a hostfile and the deepspeed launcher: one command on the first host, which starts the others
+  over ssh/pdsh: `deepspeed --hostfile H --num_nodes M --num_gpus N --master_addr A --master_port P --module ...`
+- M nodes with torchrun: the same command on every node, meeting at a c10d rendezvous on the first host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clusteropt_cli.errors import BadInputError
+
+LAUNCHED_ENV = "COPT_LAUNCHED"
+DEFAULT_PORT = 29500
+
+
+@dataclass
+class LaunchPlan:
+    launcher: str  # "none" | "torchrun" | "deepspeed"
+    world_size: int
+    nodes: int
+    procs_per_node: int
+    command: list[str]  # what copt runs here (empty for "none")
+    per_node: bool = False  # torchrun multi-node: run `command` on every node
+    hosts: list[dict[str, Any]] = field(default_factory=list)
+    master_addr: str | None = None
+    master_port: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def shell(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return (env + " " if env else "") + shlex.join(self.command)
+
+
+def parse_hostfile(path: str | Path) -> list[dict[str, Any]]:
+    """DeepSpeed/MPI hostfile lines `hostname slots=N` (comments and blank lines skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadInputError(f"--hostfile {path} does not exist.", hint="write one 'hostname slots=N' line per node")
+    hosts = []
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        slots = None
+        for part in parts[1:]:
+            if part.startswith("slots="):
+                try:
+                    slots = int(part.split("=", 1)[1])
+                except ValueError:
+                    slots = None
+        if slots is None or slots < 1:
+            raise BadInputError(f"{path}:{number}: expected 'hostname slots=N', got '{raw.strip()}'.",
+                                hint="write one 'hostname slots=N' line per node")
+        hosts.append({"host": parts[0], "slots": slots})
+    if not hosts:
+        raise BadInputError(f"--hostfile {path} lists no hosts.", hint="write one 'hostname slots=N' line per node")
+    return hosts
+
+
+def is_launched_child() -> bool:
+    """True inside a process started by torchrun/deepspeed for this run."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def choose_launcher(options: Any) -> str:
+    """auto: the deepspeed launcher for multi-node runs with a hostfile (it starts the other nodes itself),
+    torchrun otherwise (also for ZeRO on one node: deepspeed.initialize works under torchrun)."""
+    if options.launcher != "auto":
+        return options.launcher
+    return "deepspeed" if options.nodes > 1 and options.hostfile else "torchrun"
+
+
+def plan_launch(options: Any, copt_args: list[str], python: str | None = None) -> LaunchPlan:
+    """The launch command for gpus × nodes processes running `copt <copt_args>` (validated, nothing started)."""
+    python = python or sys.executable
+    world = int(options.gpus) * int(options.nodes)
+    if world == 1:
+        return LaunchPlan("none", 1, 1, 1, [])
+    hosts = parse_hostfile(options.hostfile) if options.hostfile else []
+    if hosts:
+        if len(hosts) < options.nodes:
+            raise BadInputError(f"--nodes {options.nodes} but --hostfile {options.hostfile} lists {len(hosts)} "
+                                "host(s).",
+                                hint="list every node in the hostfile or lower --nodes")
+        short = [h["host"] for h in hosts[: options.nodes] if h["slots"] < options.gpus]
+        if short:
+            raise BadInputError(f"--gpus {options.gpus} exceeds the slots of {', '.join(short)} in the hostfile.",
+                                hint="lower --gpus or raise the hosts' slots")
+    launcher = choose_launcher(options)
+    master_addr = options.master_addr or (hosts[0]["host"] if hosts else ("127.0.0.1" if options.nodes == 1 else None))
+    if options.nodes > 1 and master_addr is None:
+        raise BadInputError(f"--nodes {options.nodes} needs --hostfile or --master-addr (the first node's address).",
+                            hint="pass --hostfile with one 'hostname slots=N' line per node")
+    port = int(options.master_port or DEFAULT_PORT)
+    env = {LAUNCHED_ENV: "1"}
+    if launcher == "deepspeed":
+        command = ["deepspeed"]
+        if hosts:
+            command += ["--hostfile", str(Path(options.hostfile).resolve()), "--num_nodes", str(options.nodes)]
+        command += ["--num_gpus", str(options.gpus), "--master_addr", master_addr, "--master_port", str(port),
+                    "--module", "clusteropt_cli", *copt_args]
+        return LaunchPlan("deepspeed", world, options.nodes, options.gpus, command, hosts=hosts,
+                          master_addr=master_addr, master_port=port, env=env)
+    command = [python, "-m", "torch.distributed.run"]
+    if options.nodes == 1:
+        command += ["--standalone", "--nproc-per-node", str(options.gpus)]
+    else:
+        run_id = hashlib.sha1(shlex.join(copt_args).encode()).hexdigest()[:12]
+        command += ["--nnodes", str(options.nodes), "--nproc-per-node", str(options.gpus), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"{master_addr}:{port}", "--rdzv-id", f"copt-{run_id}"]
+    command += ["-m", "clusteropt_cli", *copt_args]
+    return LaunchPlan("torchrun", world, options.nodes, options.gpus, command, per_node=options.nodes > 1,
+                      hosts=hosts, master_addr=master_addr, master_port=port, env=env)
+
+
+def run_launch(plan: LaunchPlan) -> int:
+    """Run the launcher in the foreground (its output passes through) and return its exit code."""
+    import subprocess
+
+    env = {**os.environ, **plan.env}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, plan.procs_per_node))))
+    try:
+        return subprocess.call(plan.command, env=env)
+    except FileNotFoundError:
+        raise BadInputError(f"The launcher '{plan.command[0]}' is not on PATH.",
+                            hint="pip install 'clusteropt-cli[train]' (deepspeed) or use --launcher torchrun") from None

@@ -1,0 +1,85 @@
+"""Everything `copt train` checks before any work starts; all problems are reported together, each naming its flag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from clusteropt_cli.core.train.model import ModelSource, resolve_model_source
+from clusteropt_cli.errors import BadInputError, UnsupportedHardwareError
+
+
+def validate_train(settings: Any, *, overwrite: bool = False, check_output: bool = True,
+                   device_type: str | None = None) -> ModelSource:
+    """Validate a TrainRecipe against the files and the hardware; returns the resolved model source."""
+    from clusteropt_cli.deps import version_of
+
+    problems: list[str] = []
+    source = resolve_model_source(settings.model, settings.tokenizer)
+    config = source.config
+    if not settings.data:
+        problems.append("--data: give a .txt or .jsonl file to train on")
+    elif not Path(settings.data).is_file():
+        problems.append(f"--data: {settings.data} does not exist")
+    elif Path(settings.data).suffix not in (".txt", ".jsonl", ".md", ".text", ""):
+        problems.append(f"--data: {settings.data} is neither .txt nor .jsonl")
+    if source.tokenizer_path is None:
+        problems.append("--tokenizer: training from a config/preset needs a local tokenizer directory")
+    elif not Path(source.tokenizer_path).is_dir():
+        problems.append(f"--tokenizer: {source.tokenizer_path} is not a directory")
+    max_positions = config.get("max_position_embeddings")
+    if max_positions and settings.seq_len > int(max_positions):
+        problems.append(f"--seq-len: {settings.seq_len} exceeds the model's max_position_embeddings ({max_positions})")
+    layers = config.get("num_hidden_layers")
+    chunks = settings.pipeline_stages * (settings.virtual_stages if settings.pipeline_schedule == "interleaved-1f1b"
+                                         else 1)
+    if settings.pipeline_stages > 1 and layers and chunks > int(layers):
+        problems.append(f"--pipeline-stages: {settings.pipeline_stages} stages × {settings.virtual_stages} virtual "
+                        f"stages = {chunks} chunks exceed the model's {layers} layers")
+    if settings.pipeline_stages > 1 and settings.pipeline_schedule != "gpipe":
+        n_micro = settings.pipeline_micro_batches or settings.micro_batch * settings.grad_accum
+        if n_micro < settings.pipeline_stages:
+            problems.append(f"--pipeline-micro-batches: {settings.pipeline_schedule} needs at least "
+                            f"{settings.pipeline_stages} micro-batches per step, got {n_micro} (raise --micro-batch)")
+    if settings.zero > 0 and version_of("deepspeed") is None:
+        problems.append("--zero: DeepSpeed is not installed (pip install 'clusteropt-cli[train]')")
+    if settings.offload == "nvme" and settings.nvme_path and not Path(settings.nvme_path).is_dir():
+        problems.append(f"--nvme-path: {settings.nvme_path} is not a directory")
+    if settings.gradient_compression != "none" and settings.gpus * settings.nodes == 1:
+        problems.append("--gradient-compression: compresses gradients between data-parallel ranks; it needs "
+                        "--gpus/--nodes > 1")
+    if settings.gradient_compression != "none" and settings.pipeline_stages > 1:
+        problems.append("--gradient-compression: applies to data-parallel (DDP) runs, not pipelines")
+    if settings.nodes > 1 and not (settings.hostfile or settings.master_addr):
+        problems.append("--hostfile: a multi-node run needs a hostfile (or --master-addr)")
+    if settings.hostfile and not Path(settings.hostfile).is_file():
+        problems.append(f"--hostfile: {settings.hostfile} does not exist")
+    if not settings.output:
+        problems.append("--output: give the directory for the trained model and metrics")
+    elif check_output:
+        out = Path(settings.output)
+        if out.exists() and not out.is_dir():
+            problems.append(f"--output: {out} exists and is not a directory")
+        elif out.exists() and any(out.iterdir()) and not (settings.resume or overwrite):
+            problems.append(f"--output: {out} already exists (pass --overwrite to replace it or --resume to continue)")
+    if problems:
+        raise BadInputError("copt train cannot start:\n" + "\n".join(f"  - {p}" for p in problems),
+                            hint="fix the flags named above")
+    if device_type is not None:
+        check_hardware(settings, device_type)
+    return source
+
+
+def check_hardware(settings: Any, device_type: str) -> None:
+    """fp8/bf16 support and the attention implementation against this machine."""
+    from clusteropt_cli.core.train.precision import check_precision_supported
+
+    check_precision_supported(settings.precision, device_type)
+    if settings.attn == "flash_attention_2":
+        if device_type != "cuda":
+            raise UnsupportedHardwareError("--attn flash_attention_2 needs a CUDA GPU.", hint="use --attn sdpa")
+        from clusteropt_cli.deps import version_of
+
+        if version_of("flash-attn") is None and version_of("flash_attn") is None:
+            raise BadInputError("--attn flash_attention_2 needs the flash-attn package.",
+                                hint="pip install flash-attn, or use --attn sdpa (also flash kernels on CUDA)")
