@@ -196,20 +196,19 @@ def _train_settings(model: str | None, recipe: str | None, overrides: list[str] 
     cli = {"model": model, "micro_batch": v["micro_batch"], "seq_len": v["seq_len"], "grad_accum": v["grad_accum"],
            "precision": v["precision"], "optimizer": v["optimizer"], "zero": v["zero"], "offload": v["offload"],
            "activation_checkpointing": v["activation_checkpointing"], "attn": attn, "compile": v["compile_"],
-           "gpus": target.gpus_per_node if target.gpus_per_node > 1 else v["gpus"], "nodes": v["nodes"],
-           "pipeline_stages": v["pp"], "pipeline_micro_batches": v["pp_micro_batches"],
-           "virtual_stages": v["pp_virtual_stages"]}
+           "gpus": target.gpus_per_node if target.gpus_per_node > 1 else v["gpus"], "nodes": v["nodes"]}
     if v["offload"] == "nvme":
         cli["nvme_path"] = "/local_nvme"
-    if (v["pp_virtual_stages"] or 1) > 1:
-        cli["pipeline_schedule"] = "interleaved-1f1b"
+    # --tp/--pp/--pp-* describe any Megatron-style layout advise can model; they stay out of the train recipe
+    # (copt train's own pipeline engine has narrower rules, checked only when a recipe is emitted)
     s = load_settings("train", recipe, overrides, cli)
     plan = TrainPlan(micro_batch=s.micro_batch, seq_len=s.seq_len, grad_accum=s.grad_accum, precision=s.precision,
                      optimizer=s.optimizer, zero=s.zero, offload=s.offload,
                      activation_checkpointing=s.activation_checkpointing,
                      attn="flash" if s.attn == "flash_attention_2" else s.attn, tp=v["tp"] or 1,
-                     pp=s.pipeline_stages, pp_micro_batches=s.pipeline_micro_batches,
-                     pp_virtual_stages=s.virtual_stages, compile=s.compile,
+                     pp=v["pp"] or s.pipeline_stages,
+                     pp_micro_batches=v["pp_micro_batches"] or s.pipeline_micro_batches,
+                     pp_virtual_stages=v["pp_virtual_stages"] or s.virtual_stages, compile=s.compile,
                      gradient_compression=s.gradient_compression)
     return s, plan
 

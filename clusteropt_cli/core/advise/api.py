@@ -138,8 +138,8 @@ def _plan_flags(plan: TrainPlan | InferPlan) -> str:
 
 def _top_plan(ctx: Context, ranked: list[Recommendation], symptoms: list[str]) -> tuple[Any, list[str]]:
     """The plan to emit: for OOM, greedily stack the best memory savers until it fits; else the top one."""
-    if not ranked:
-        return ctx.plan, []
+    if not ranked or (not symptoms and ctx.base["memory"]["fits"] is not False):
+        return ctx.plan, []  # nothing to fix: the plan as given
     if "oom" in symptoms or ctx.base["memory"]["fits"] is False:
         plan, applied = ctx.plan, []
         current = ctx.base

@@ -39,6 +39,10 @@ PREFILL_MFU = 0.50
 # Fraction of HBM bandwidth a decode step reaches (memory-bound kernels; 4.26 TB/s measured copy vs 4.8 datasheet
 # on the H200 = 0.89; decode GEMVs typically 0.7–0.85).
 DECODE_BANDWIDTH_EFFICIENCY = 0.80
+# Useful fraction of a static batch's decode slots (padding, finished sequences idling until the longest ends).
+# H200: HF static generate at batch 64 2,372 tok/s vs continuous batching (generate_batch + CUDA graphs) 3,495
+# → 0.68; the guide quotes 3–5× serving throughput for continuous batching. 0.6 assumed.
+STATIC_BATCH_EFFICIENCY = 0.6
 # Fraction of link bandwidth NCCL collectives reach (bus bandwidth / link bandwidth, large messages).
 COMM_EFFICIENCY = 0.80
 # Fraction of ZeRO/DP communication hidden behind backward compute (overlap_comm, bucketed all-reduce).

@@ -149,7 +149,9 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         spec_speedup = (1 - a ** (k + 1)) / ((1 - a) * (1 + k * draft_cost))
         spec_speedup /= max(1.0, decode_compute * (k + 1) / floor)  # verify cost grows once compute-bound
         tpot /= max(1.0, spec_speedup)
-    out_tps = plan.batch / tpot
+    # static batches idle finished slots until the longest sequence ends (and pad prompts); continuous batching
+    # refills them every step
+    out_tps = plan.batch / tpot * (1.0 if plan.continuous_batching else cal.STATIC_BATCH_EFFICIENCY)
     figures = {"ttft_s": ttft, "tpot_s": tpot, "tpot_floor_s": floor, "itl_s": tpot, "prefill_s": prefill_s,
                "output_tokens_per_s": out_tps, "e2e_s": ttft + plan.gen_len * tpot,
                "mbu": min(1.0, floor / tpot), "decode_bytes_per_step": active_w + kv_read,

@@ -1,0 +1,81 @@
+"""advise decision matrix: ranking per symptom and applicability checks (in-process, no subprocess)."""
+
+from __future__ import annotations
+
+import pytest
+
+from clusteropt_cli.core.advise.api import advise, resolve_target
+from clusteropt_cli.core.advise.plan import InferPlan, TrainPlan
+from clusteropt_cli.errors import BadInputError
+from clusteropt_cli.modelspec import load_model_spec
+
+
+def _ids(result: dict, n: int | None = None) -> list[str]:
+    return [r["id"] for r in result["recommendations"]][:n]
+
+
+def test_oom_70b_on_8xh100_ranks_partitioning_offload_checkpointing_first() -> None:
+    target, _ = resolve_target("h100-sxm", gpus=8)
+    result = advise(load_model_spec("llama-3.1-70b"), target, TrainPlan(micro_batch=1, seq_len=4096), ["oom"])
+    assert result["memory"]["fits"] is False
+    assert set(_ids(result, 3)) <= {"zero-3", "cpu-offload", "nvme-offload", "activation-checkpointing"}
+    assert result["top_plan"]["memory"]["fits"] is True  # the stacked plan fits
+    assert result["top_plan"]["workload"]["zero"] == 3
+
+
+def test_high_ttft_chunked_prefill_first() -> None:
+    target, _ = resolve_target("h100-sxm")
+    result = advise(load_model_spec("llama-3.1-8b"), target, InferPlan(batch=32, prompt_len=2048), ["high-ttft"])
+    assert _ids(result)[0] == "chunked-prefill"
+    chunked = result["recommendations"][0]
+    assert chunked["predicted"]["ttft_s"] < result["time"]["ttft_s"] / 5
+
+
+def test_slow_tpot_speculative_quantization_kv() -> None:
+    target, _ = resolve_target("h100-sxm")
+    result = advise(load_model_spec("llama-3.1-8b"), target, InferPlan(batch=1, prompt_len=1024), ["slow-tpot"])
+    top = _ids(result, 4)
+    assert "speculative-decoding" in top and ({"awq", "gptq"} & set(top))
+    assert "kv-cache-quantization" in _ids(result)
+    # at batch 64 speculative decoding no longer pays: it is listed as not applicable
+    busy = advise(load_model_spec("llama-3.1-8b"), target, InferPlan(batch=64), ["slow-tpot"])
+    assert "speculative-decoding" in [n["id"] for n in busy["not_applicable"]]
+
+
+def test_low_throughput_continuous_batching_first() -> None:
+    target, _ = resolve_target("h100-sxm")
+    result = advise(load_model_spec("llama-3.1-8b"), target, InferPlan(batch=32, prompt_len=2048),
+                    ["low-throughput"])
+    ids = _ids(result)
+    assert ids[0] == "continuous-batching"
+    assert {"kv-cache-quantization", "awq"} <= set(ids)
+
+
+@pytest.mark.parametrize("symptom", ["oom", "low-mfu", "low-throughput", "slow-tpot", "high-ttft"])
+def test_fp8_never_for_a100(symptom: str) -> None:
+    target, _ = resolve_target("a100-80g", gpus=8)
+    spec = load_model_spec("llama-3.1-8b")
+    for plan in (TrainPlan(micro_batch=4, seq_len=4096), InferPlan(batch=16)):
+        result = advise(spec, target, plan, [symptom])
+        assert not {"fp8", "fp8-w8a8"} & set(_ids(result))
+        assert result["top_plan"]["workload"].get("precision") != "fp8"
+        assert result["top_plan"]["workload"].get("weights") != "fp8"
+
+
+def test_zero_needs_more_than_one_gpu() -> None:
+    target, _ = resolve_target("h200")
+    result = advise(load_model_spec("llama-3.1-8b"), target, TrainPlan(micro_batch=8, seq_len=4096), ["oom"])
+    assert not {"zero-1", "zero-2", "zero-3"} & set(_ids(result))
+    assert {"zero-1", "zero-2", "zero-3"} <= {n["id"] for n in result["not_applicable"]}
+    assert _ids(result)[0] in {"cpu-offload", "activation-checkpointing"}
+
+
+def test_impossible_plans_name_the_flag() -> None:
+    target, _ = resolve_target("h100-sxm", gpus=8)
+    spec = load_model_spec("llama-3.2-1b")
+    with pytest.raises(BadInputError, match="--pp 32 is more pipeline stages than the model's 16 layers"):
+        advise(spec, target, TrainPlan(pp=32))
+    with pytest.raises(BadInputError, match="--seq-len must be at least 1"):
+        advise(spec, target, TrainPlan(seq_len=0))
+    with pytest.raises(BadInputError, match="--offload needs DeepSpeed ZeRO"):
+        advise(spec, target, TrainPlan(offload="cpu"))

@@ -1,0 +1,106 @@
+"""advise memory/time models: published figures, the H200 anchors, and the CPU quantity measured for real."""
+
+from __future__ import annotations
+
+import pytest
+
+from clusteropt_cli.core.advise.memory import cpu_training_bytes, kv_cache_bytes, model_states, train_memory
+from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan
+from clusteropt_cli.core.advise.timing import bubble_fraction, train_time, zero_comm_bytes
+from clusteropt_cli.hardware import get_gpu
+from clusteropt_cli.modelspec import load_model_spec
+
+GiB = 1024**3
+
+
+def _states_total(n: float, zero: int, dp: int) -> float:
+    return sum(model_states(n, "bf16", "adamw", zero, dp, deepspeed=True).values())
+
+
+def test_70b_model_states_1_12_tb() -> None:
+    n = 70e9
+    assert _states_total(n, 0, 1) / 1e12 == pytest.approx(1.12, rel=0.01)
+    # torch autocast layout (fp32 weights + fp32 grads + Adam) is also 16 bytes/param
+    assert sum(model_states(n, "bf16", "adamw", 0, 1, deepspeed=False).values()) == 16 * n
+
+
+@pytest.mark.parametrize(("zero", "gb"), [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_7_5b_on_64_gpus(zero: int, gb: float) -> None:
+    assert _states_total(7.5e9, zero, 64) / 1e9 == pytest.approx(gb, rel=0.05)
+
+
+def test_gpt3_weights_and_llama2_kv() -> None:
+    gpt3 = load_model_spec("gpt3-175b")
+    assert gpt3.num_params * 2 / 1e9 == pytest.approx(350, rel=0.01)
+    llama2 = load_model_spec({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+                              "num_attention_heads": 32, "intermediate_size": 11008, "vocab_size": 32000})
+    assert kv_cache_bytes(llama2, InferPlan(batch=1, prompt_len=1, gen_len=0)) == 0.5 * 2**20
+
+
+def test_bubble_formulas() -> None:
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)  # (p-1)/(m+p-1)
+    assert bubble_fraction(4, 8, virtual_stages=2) == pytest.approx(3 / 16)  # (p-1)/(v*m)
+    assert bubble_fraction(1, 8) == 0.0
+
+
+def test_zero3_communication_is_1_5x_dp() -> None:
+    assert zero_comm_bytes(1e9, 3, 8) == pytest.approx(1.5 * zero_comm_bytes(1e9, 0, 8))
+    assert zero_comm_bytes(1e9, 2, 8) == zero_comm_bytes(1e9, 0, 8)
+
+
+def test_h200_anchor_within_10_percent() -> None:
+    """../shared/gpu/README.md: Llama-3.2-1B, 8 × 2048, AdamW fused, bf16 autocast: 73.8 GiB; checkpointing 42.5."""
+    spec, target = load_model_spec("llama-3.2-1b"), Target(get_gpu("h200"))
+    plain = train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048), target)
+    ckpt = train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048, activation_checkpointing=True), target)
+    assert plain.model_states_bytes / GiB == pytest.approx(18.4, rel=0.01)
+    assert plain.per_gpu_bytes / GiB == pytest.approx(73.8, rel=0.10)
+    assert ckpt.per_gpu_bytes / GiB == pytest.approx(42.5, rel=0.10)
+    assert plain.fits and ckpt.fits
+    # and on an 80 GB H100 the plain plan is called OOM while checkpointing fits
+    h100 = Target(get_gpu("h100-sxm"))
+    assert train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048), h100).fits is False
+    assert train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048, activation_checkpointing=True), h100).fits
+
+
+def test_h200_anchor_speed() -> None:
+    spec, target = load_model_spec("llama-3.2-1b"), Target(get_gpu("h200"))
+    tps = train_time(spec, TrainPlan(micro_batch=8, seq_len=2048), target).figures["tokens_per_s"]
+    tps_ckpt = train_time(spec, TrainPlan(micro_batch=8, seq_len=2048, activation_checkpointing=True),
+                          target).figures["tokens_per_s"]
+    assert tps == pytest.approx(46.6e3, rel=0.10)
+    assert tps_ckpt == pytest.approx(38.2e3, rel=0.10)
+
+
+def test_eager_attention_is_quadratic() -> None:
+    spec, target = load_model_spec("llama-3.2-1b"), Target(get_gpu("h200"))
+
+    def act(attn: str, seq: int) -> float:
+        return train_memory(spec, TrainPlan(micro_batch=1, seq_len=seq, attn=attn), target).breakdown["activations"]
+
+    assert act("sdpa", 4096) / act("sdpa", 2048) == pytest.approx(2.0, rel=0.02)
+    assert act("eager", 4096) / act("eager", 2048) > 2.5
+
+
+@pytest.mark.parametrize(("precision", "attn", "ckpt"), [("fp32", "sdpa", False), ("bf16", "sdpa", False),
+                                                        ("bf16", "eager", False), ("bf16", "sdpa", True)])
+def test_cpu_quantity_matches_measurement(precision: str, attn: str, ckpt: bool) -> None:
+    """Predicted CPU peak_mem_bytes vs saved_tensors_hooks on a real HF Llama (GQA, tied head)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from clusteropt_cli.core.advise.measure import measure_cpu_training_step
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, attn_implementation=attn)
+    model = LlamaForCausalLM(cfg)
+    if ckpt:
+        model.gradient_checkpointing_enable()
+    measured = measure_cpu_training_step(model, torch.randint(0, 512, (2, 64)), precision)
+    spec = load_model_spec(cfg.to_dict())
+    predicted = cpu_training_bytes(spec, TrainPlan(micro_batch=2, seq_len=64, precision=precision, attn=attn,
+                                                   activation_checkpointing=ckpt))
+    assert predicted["model_states"] == measured["model_states"]
+    assert predicted["saved_tensors"] == pytest.approx(measured["saved_tensors"], rel=0.01)
+    assert predicted["peak_mem_bytes"] == pytest.approx(measured["peak_mem_bytes"], rel=0.01)
