@@ -497,7 +497,8 @@ class Engine:
             raise EngineStoppedError(f"The engine failed: {self.error}", hint="Restart the server.")
         self.validate(request)
         with self._cond:
-            queued = len(self._incoming) + len(self._waiting)
+            # requests that will not find a free slot at the next step
+            queued = len(self._incoming) + len(self._waiting) - len(self._free_slots)
             if queued >= self.config.max_queue:
                 raise QueueFullError(f"The queue is full ({queued} requests waiting).",
                                      hint="Retry later or raise --max-queue.")

@@ -1,0 +1,153 @@
+"""The serve engine in-process: speculation rules, prompt lookup, text streaming, sampling options, vLLM argv."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from clusteropt_cli.core.serve.engine import (
+    Engine,
+    EngineConfig,
+    GenerationRequest,
+    QueueFullError,
+    TextStream,
+    _ngram_draft,
+)
+from clusteropt_cli.core.serve.sampling import accept_drafts, processed_probs
+from clusteropt_cli.core.serve.vllm import build_vllm_command
+from clusteropt_cli.errors import BadInputError
+from clusteropt_cli.recipe.schema.serve import ServeRecipe
+
+
+@pytest.fixture(scope="module")
+def engine(fixtures):
+    import torch
+
+    torch.set_num_threads(1)
+    eng = Engine(EngineConfig(model=str(fixtures.teacher), max_batch_size=8, max_model_len=256, prompt_lookup=3,
+                              speculative_max_batch=8, num_speculative_tokens=4, max_queue=4))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    import torch
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    target = torch.log(torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]]))
+    draft_probs = torch.tensor([[0.1, 0.1, 0.7, 0.1], [0.4, 0.1, 0.4, 0.1]])
+    params = SimpleNamespace(temperature=1.0, top_p=1.0, generator=gen)
+    counts = torch.zeros(4)
+    trials = 3000
+    for _ in range(trials):
+        draft = [int(torch.multinomial(draft_probs[0], 1, generator=gen)), 2]
+        out = accept_drafts(target, draft, draft_probs, params)
+        counts[out[0]] += 1
+    # the first emitted token follows the target p = [0.5, 0.2, 0.2, 0.1], not the draft q
+    assert torch.allclose(counts / trials, torch.tensor([0.5, 0.2, 0.2, 0.1]), atol=0.035)  # 3000 trials: 3σ ≈ 0.027
+
+
+def test_greedy_acceptance_and_prompt_lookup():
+    import torch
+
+    logits = torch.full((3, 8), -5.0)
+    logits[0, 4] = logits[1, 6] = logits[2, 1] = 5.0
+    greedy = SimpleNamespace(temperature=0.0, top_p=1.0, generator=None)
+    assert accept_drafts(logits, [4, 6], None, greedy) == [4, 6, 1]  # all accepted + bonus
+    assert accept_drafts(logits, [4, 2], None, greedy) == [4, 6]  # first mismatch replaced by the target's
+    assert _ngram_draft([1, 2, 3, 9, 9, 1, 2, 3], 3, 2) == [9, 9]
+    assert _ngram_draft([5, 6, 7], 3, 2) == []
+    probs = processed_probs(torch.tensor([2.0, 1.0, 0.0, -1.0]), 1.0, 0.7)
+    assert probs[2:].sum() == 0 and probs.sum().item() == pytest.approx(1.0)
+
+
+def test_text_stream_never_leaks_a_stop_string(fixtures):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(fixtures.tokenizer)
+    ids = tok.encode("return self.value\n\ndef other():", add_special_tokens=False)
+    stream = TextStream(tok, stop=["\n\ndef"])
+    text = "".join(stream.push([i]) for i in ids)
+    assert text == "return self.value"
+    assert stream.finish("return self.value") == ""
+
+
+def test_prompt_lookup_gives_identical_greedy_output(fixtures, engine):
+    from tests.integration.test_serve_helpers import eval_prompts, hf_greedy
+
+    prompts = [p + p[:12] for p in eval_prompts(fixtures, 6, seed=31)]  # repetition gives lookups something to find
+    expected = hf_greedy(fixtures.teacher, prompts, 20)
+    before = (engine.stats.spec_drafted, engine.stats.spec_accepted)
+    results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=20) for p in prompts])
+    assert [r.output_ids for r in results] == expected
+    assert engine.stats.spec_drafted > before[0] and engine.stats.spec_accepted > before[1]
+
+
+def test_sampling_options(engine):
+    prompt = list(range(40, 60))
+    a, b, c = engine.generate([GenerationRequest(prompt_ids=prompt, max_new_tokens=12, temperature=0.8, seed=s)
+                               for s in (1, 1, 2)])
+    assert a.output_ids == b.output_ids and len(a.output_ids) > 0
+    forced = engine.generate([GenerationRequest(prompt_ids=prompt, max_new_tokens=30, min_tokens=30)])[0]
+    assert forced.num_output_tokens == 30 and forced.finish_reason == "length"
+    handle = engine.submit(GenerationRequest(prompt_ids=prompt, max_new_tokens=200, ignore_eos=True))
+    first = next(iter(handle))
+    handle.cancel()
+    result = handle.result(timeout=30)
+    assert first and result.finish_reason == "abort" and result.num_output_tokens < 200
+    with pytest.raises(BadInputError):
+        engine.submit(GenerationRequest(prompt_ids=list(range(2, 300))))
+    with pytest.raises(BadInputError):
+        engine.submit(GenerationRequest(prompt_ids=[1, 2], max_new_tokens=0))
+
+
+def test_queue_full_is_refused(engine):
+    handles = []
+    with pytest.raises(QueueFullError):
+        for _ in range(8 + 4 + 1):  # 8 free slots + max_queue 4 → the 13th is refused
+            handles.append(engine.submit(GenerationRequest(prompt_ids=[3, 4, 5], max_new_tokens=50, ignore_eos=True)))
+    for h in handles:
+        h.cancel()
+    for h in handles:
+        h.result(timeout=30)
+
+
+def test_vllm_command_translation():
+    settings = ServeRecipe(model="/models/llama", engine="vllm", port=9000, api_key="k", dtype="bf16",
+                           max_batch_tokens=4096, max_batch_size=128, max_model_len=8192, kv_cache_dtype="fp8",
+                           quantization="compressed-tensors", tensor_parallel=4, pipeline_parallel=2,
+                           draft_model="/models/draft", num_speculative_tokens=3, speculative_max_batch=8,
+                           kv_cache_memory=20.0)
+    cmd = build_vllm_command(settings)
+    assert cmd[:3] == ["vllm", "serve", "/models/llama"]
+    pairs = {cmd[i]: cmd[i + 1] for i in range(3, len(cmd) - 1) if cmd[i].startswith("--")}
+    assert pairs["--host"] == "127.0.0.1" and pairs["--port"] == "9000" and pairs["--dtype"] == "bfloat16"
+    assert pairs["--max-num-batched-tokens"] == "4096" and pairs["--max-num-seqs"] == "128"
+    assert pairs["--tensor-parallel-size"] == "4" and pairs["--pipeline-parallel-size"] == "2"
+    assert pairs["--kv-cache-dtype"] == "fp8" and pairs["--quantization"] == "compressed-tensors"
+    assert pairs["--kv-cache-memory-bytes"] == str(20 * 2**30) and pairs["--api-key"] == "k"
+    assert "--enable-chunked-prefill" in cmd
+    spec = json.loads(pairs["--speculative-config"])
+    assert spec == {"model": "/models/draft", "num_speculative_tokens": 3, "disable_by_batch_size": 9}
+    ngram = build_vllm_command(ServeRecipe(model="m", prompt_lookup=4))
+    spec = json.loads(ngram[ngram.index("--speculative-config") + 1])
+    assert spec["method"] == "ngram" and spec["prompt_lookup_max"] == 4
+
+
+def test_cli_dry_run_and_validation(copt, fixtures):
+    r = copt("serve", "/models/llama", "--engine", "vllm", "--dry-run", "--prompt-lookup", "3", "--port", "9001")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("vllm serve /models/llama --host 127.0.0.1 --port 9001")
+    assert '"method":"ngram"' in r.stdout
+    r = copt("serve", "/models/llama", "--engine", "vllm", "--dry-run", "--json")
+    assert json.loads(r.stdout)["command"][:2] == ["vllm", "serve"]
+    r = copt("serve", "/no/such/model", "--engine", "transformers")
+    assert r.returncode == 2 and "not a local model directory" in r.stderr
+    r = copt("serve", str(fixtures.teacher), "--draft-model", str(fixtures.draft), "--prompt-lookup", "2")
+    assert r.returncode == 2 and "draft_model" in r.stderr
+    r = copt("serve", str(fixtures.teacher), "--engine", "vllm")
+    assert r.returncode == 2 and "vLLM" in r.stderr
