@@ -194,6 +194,12 @@ def model(
         "--activation-checkpointing/--no-activation-checkpointing", help="train: recompute activations.")] = None,
     optimizer: Annotated[Literal["adamw", "sgd"] | None, typer.Option(
         "--optimizer", help="train: torch AdamW (fused on GPU) or plain SGD. (default: adamw)")] = None,
+    loss_impl: Annotated[Literal["auto", "fused", "hf"] | None, typer.Option(
+        "--loss-impl", help="train: as copt train: fused chunked head + cross-entropy (auto) or the model's loss.")
+    ] = None,
+    compile_: Annotated[bool | None, typer.Option(
+        "--compile/--no-compile", help="train: torch.compile the decoder (warm-up then includes compilation).")
+    ] = None,
     attn: Annotated[Literal["sdpa", "eager"] | None, typer.Option("--attn", help="Attention implementation.")] = None,
     warmup: Annotated[int | None, typer.Option("--warmup", help="Untimed iterations first. (default: 2)")] = None,
     repeats: Annotated[int | None, typer.Option("--repeats", help="Timed iterations (median reported). (default: 5)")
@@ -223,7 +229,8 @@ def model(
     typed = {"model": model_path, "mode": mode, "device": device, "batch": batch, "prompt_len": prompt_len,
              "gen_len": gen_len, "dtype": dtype, "micro_batch": micro_batch, "seq_len": seq_len,
              "precision": precision, "activation_checkpointing": activation_checkpointing, "optimizer": optimizer,
-             "attn": attn, "warmup": warmup, "repeats": repeats, "trace": trace, "seed": seed,
+             "loss_impl": loss_impl, "compile": compile_, "attn": attn,
+             "warmup": warmup, "repeats": repeats, "trace": trace, "seed": seed,
              "memory_budget_bytes": int(memory_budget * GiB) if memory_budget is not None else None}
     values.update({k: v for k, v in typed.items() if v is not None})
     if "model" not in values:

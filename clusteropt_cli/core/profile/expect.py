@@ -104,7 +104,10 @@ def model_values_from_recipe(exp: Expectation) -> dict[str, Any]:
                 hint="Check this plan against the metrics.jsonl of 'copt train --recipe R.yaml' instead.")
         values.update(mode="train", micro_batch=r.micro_batch, seq_len=r.seq_len, precision=r.precision,
                       activation_checkpointing=r.activation_checkpointing, optimizer=r.optimizer,
-                      attn=r.attn if r.attn in ("sdpa", "eager") else "sdpa", seed=r.seed)
+                      attn=r.attn if r.attn in ("sdpa", "eager") else "sdpa", seed=r.seed,
+                      loss_impl=getattr(r, "loss_impl", "auto"))
+        compile_flag = getattr(r, "compile", False)
+        values["compile"] = (exp.gpu not in (None, "cpu")) if compile_flag is None else bool(compile_flag)
     else:
         values["mode"] = "infer"
     for key in ("batch", "prompt_len", "gen_len", "dtype", "micro_batch", "seq_len"):

@@ -137,7 +137,7 @@ def profile_model(s: ModelProfileSettings, log: Log | None = None) -> ProfileRep
         run_step, measured = _train_runner(model, s, device, precision, params)
         workload = {"micro_batch": s.micro_batch, "seq_len": s.seq_len, "precision": precision,
                     "activation_checkpointing": s.activation_checkpointing, "optimizer": s.optimizer,
-                    "attn": s.attn}
+                    "loss_impl": s.loss_impl, "compile": s.compile, "attn": s.attn}
     else:
         run_step, measured = _infer_runner(model, s, device)
         workload = {"batch": s.batch, "prompt_len": s.prompt_len, "gen_len": s.gen_len, "dtype": precision,
@@ -188,7 +188,7 @@ def profile_model(s: ModelProfileSettings, log: Log | None = None) -> ProfileRep
                             batch=s.batch if s.mode == "infer" else s.micro_batch)
     if measured.oom and measured.oom_message:
         verdict.evidence.append(measured.oom_message)
-    model_info = {"source": s.model, "name": getattr(model.config, "_name_or_path", None) or s.model,
+    model_info = {"source": s.model, "path": s.model, "name": getattr(model.config, "_name_or_path", None) or s.model,
                   "model_type": getattr(model.config, "model_type", None), "num_params": num_params,
                   "num_layers": getattr(model.config, "num_hidden_layers", None),
                   "hidden_size": getattr(model.config, "hidden_size", None),
@@ -251,26 +251,41 @@ def _infer_runner(model: Any, s: ModelProfileSettings, device: str):
 # ---- training ----------------------------------------------------------------------------------------------
 def _train_runner(model: Any, s: ModelProfileSettings, device: str, precision: str, params: list[Any]):
     """A callable running one optimizer step (forward, backward, optimizer) with phase times and CPU memory."""
+    from types import SimpleNamespace
+
     import torch
+
+    from clusteropt_cli.core.train.engines import build_optimizer
+    from clusteropt_cli.core.train.loop import default_loss_fn
 
     model.train()
     model.config.use_cache = False
     if s.activation_checkpointing:
         # On CPU the saved-tensor tracker sees the recomputation only with the reentrant form.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": device == "cpu"})
-    if s.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
-    else:
-        optimizer = torch.optim.SGD(params, lr=1e-3)
+    if s.compile:
+        model.get_decoder().compile()
+    # the same optimizer and loss as `copt train` (core/train), so a profile predicts a training run
+    optimizer = build_optimizer(SimpleNamespace(optimizer=s.optimizer, lr=1e-4), params, device)
+    loss_fn = default_loss_fn(SimpleNamespace(loss_impl=s.loss_impl, zero=0), model, "torch")
     scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
     autocast = (torch.autocast(device_type=device, dtype=torch_dtype(precision)) if precision != "fp32"
                 else nullcontext())
     gen = torch.Generator(device="cpu").manual_seed(s.seed)
     vocab = model.config.vocab_size
     input_ids = torch.randint(0, vocab, (s.micro_batch, s.seq_len), generator=gen).to(device)
+    batch = {"input_ids": input_ids, "labels": input_ids}
     measured = _Measured(samples={"step_time_s": [], "forward_s": [], "backward_s": [], "optimizer_s": []})
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     param_bytes = tensor_bytes(params)
+    head_out = {"bytes": 0}
+    head = model.get_output_embeddings()
+    if head is not None and device == "cpu":
+        # the logits the LM head returns (HF loss path); the fused loss never calls the head module
+        def record_head(_module: Any, _inputs: Any, output: Any) -> None:
+            head_out["bytes"] = max(head_out["bytes"], tensor_bytes([output]))
+
+        head.register_forward_hook(record_head)
 
     def run(record: bool) -> None:
         tracker = SavedTensorTracker(param_ptrs) if device == "cpu" else None
@@ -278,12 +293,12 @@ def _train_runner(model: Any, s: ModelProfileSettings, device: str, precision: s
         t0 = _now(device)
         with hooks:
             with autocast:
-                out = model(input_ids=input_ids, labels=input_ids)
-            loss = out.loss
+                loss, _ = loss_fn(model, batch)
             t1 = _now(device)
             extra_bytes = 0
             if tracker is not None:
-                extra_bytes = sum(tensor_bytes([t]) for t in (out.logits, loss) if not tracker.is_counted(t))
+                extra_bytes = tensor_bytes([loss]) + head_out["bytes"]
+                head_out["bytes"] = 0
             (scaler.scale(loss) if scaler is not None else loss).backward()
         t2 = _now(device)
         grad_bytes = tensor_bytes(p.grad for p in params if p.grad is not None)
@@ -295,7 +310,7 @@ def _train_runner(model: Any, s: ModelProfileSettings, device: str, precision: s
         optimizer.zero_grad(set_to_none=True)
         t3 = _now(device)
         loss_value = float(loss.detach())
-        del out, loss
+        del loss
         if record:
             measured.samples["step_time_s"].append(t3 - t0)
             measured.samples["forward_s"].append(t1 - t0)

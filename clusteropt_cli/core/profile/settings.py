@@ -38,6 +38,8 @@ class ModelProfileSettings:
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     activation_checkpointing: bool = False
     optimizer: Literal["adamw", "sgd"] = "adamw"
+    loss_impl: Literal["auto", "fused", "hf"] = "auto"  # as copt train: fused chunked head + CE when it applies
+    compile: bool = False  # torch.compile the decoder (as copt train does on CUDA by default)
     attn: Literal["sdpa", "eager"] = "sdpa"
     # measurement
     warmup: int = 2

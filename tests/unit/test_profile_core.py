@@ -1,0 +1,163 @@
+"""Unit tests of copt profile's core: statistics, saved-tensor memory tracking, settings, verdicts, --expect."""
+
+from __future__ import annotations
+
+import pytest
+
+from clusteropt_cli.core.profile.endpoint import RequestResult, completions_url, summarize_level
+from clusteropt_cli.core.profile.expect import (
+    Expectation,
+    compare_to_prediction,
+    load_expectation,
+    model_values_from_recipe,
+)
+from clusteropt_cli.core.profile.settings import EndpointSettings, ModelProfileSettings
+from clusteropt_cli.core.profile.stats import latency_summary, percentile, spread
+from clusteropt_cli.core.profile.verdict import endpoint_verdict, model_verdict
+from clusteropt_cli.core.profile_report import SYMPTOMS, HardwareInfo, ProfileReport, Verdict
+from clusteropt_cli.errors import BadInputError
+
+
+def test_percentiles_match_linear_interpolation():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 90) == pytest.approx(4.6)
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 5.0
+    sp = spread(values)
+    assert (sp.median, sp.min, sp.max, sp.n) == (3.0, 1.0, 5.0, 5)
+    assert latency_summary([]) == {}
+    assert latency_summary([1.0, 3.0])["mean"] == 2.0
+
+
+def test_saved_tensor_tracker_counts_live_storages_once_and_releases_them():
+    import torch
+
+    from clusteropt_cli.core.profile.memory import SavedTensorTracker
+
+    weight = torch.nn.Parameter(torch.randn(256, 256))
+    tracker = SavedTensorTracker({weight.untyped_storage().data_ptr()})
+    x = torch.randn(64, 256, requires_grad=True)
+    with tracker.hooks():
+        h = x @ weight  # saves x (64×256 fp32 = 64 KiB) and the parameter (excluded)
+        y = torch.tanh(h)  # saves its output y (64 KiB)
+        z = (y * y).sum()  # saves y twice: same storage, counted once
+        assert tracker.current == 2 * 64 * 256 * 4
+        z.backward()
+    assert tracker.peak == 2 * 64 * 256 * 4
+    del z, y, h
+    assert tracker.current == 0
+    assert weight.grad is not None
+
+
+def test_model_settings_report_every_problem_naming_flags():
+    with pytest.raises(BadInputError) as info:
+        ModelProfileSettings(model="m", batch=0, repeats=0, warmup=-1, trace=__import__("pathlib").Path("t.txt"),
+                             memory_budget_bytes=-1).validate()
+    text = info.value.message
+    for flag in ("--batch", "--repeats", "--warmup", "--trace", "--memory-budget"):
+        assert flag in text
+
+
+def test_endpoint_settings_defaults_and_problems():
+    s = EndpointSettings(url="http://h:1", model="m")
+    s.validate()
+    assert s.concurrency == [1] and s.requests_for(1) == 8 and s.requests_for(32) == 128 and s.requests_for(None) == 32
+    assert EndpointSettings(url="http://h", model="m", duration_s=2).requests_for(4) is None
+    with pytest.raises(BadInputError) as info:
+        EndpointSettings(url="ftp://h", model="", concurrency=[0], rate=[-1], prompt_len=0).validate()
+    for flag in ("--url", "--model", "--concurrency", "--rate", "--prompt-len"):
+        assert flag in info.value.message
+    assert completions_url("http://h:8000") == "http://h:8000/v1/completions"
+    assert completions_url("http://h:8000/v1/") == "http://h:8000/v1/completions"
+
+
+def _result(ttft: float, e2e: float, tokens: int) -> RequestResult:
+    return RequestResult(ok=True, ttft_s=ttft, e2e_s=e2e, output_tokens=tokens, itl_s=[(e2e - ttft) / (tokens - 1)]
+                         * (tokens - 1))
+
+
+def test_summarize_level_percentiles_goodput_and_errors():
+    results = [_result(0.1, 1.1, 11), _result(0.3, 2.3, 11), RequestResult(ok=False, error="http_500"),
+               RequestResult(ok=False, error="connect"), RequestResult(ok=False, error="connect")]
+    level = summarize_level(results, 2.0, concurrency=4, slo_ttft_s=0.2, slo_tpot_s=0.15)
+    assert (level.requests, level.completed) == (5, 2)
+    assert level.errors == {"http_500": 1, "connect": 2}
+    assert level.output_tokens_per_s == pytest.approx(22 / 2.0)
+    assert level.tpot_s["p50"] == pytest.approx((0.1 + 0.2) / 2)
+    assert level.ttft_s["p90"] == pytest.approx(0.1 + 0.9 * 0.2)
+    assert level.goodput == pytest.approx(0.5)  # only the first meets TTFT ≤ 200 ms
+
+
+def test_model_verdicts():
+    budget = model_verdict("train", {"peak_mem_bytes": 3e9, "mfu": 0.5}, device="cuda", memory_bytes=80e9,
+                           budget_bytes=2 * 1024**3, oom=False, batch=1)
+    assert budget.bottleneck == "memory-capacity-bound" and budget.symptoms == ["oom"]
+    near = model_verdict("train", {"peak_mem_bytes": 70e9, "peak_reserved_bytes": 79e9}, device="cuda",
+                         memory_bytes=80e9, budget_bytes=None, oom=False, batch=1)
+    assert near.bottleneck == "memory-capacity-bound"
+    compute = model_verdict("train", {"mfu": 0.5, "device_busy_frac": 0.95}, device="cuda", memory_bytes=80e9,
+                            budget_bytes=None, oom=False, batch=8)
+    assert compute.bottleneck == "compute-bound" and compute.symptoms == []
+    idle = model_verdict("train", {"mfu": 0.05, "device_busy_frac": 0.3}, device="cuda", memory_bytes=80e9,
+                         budget_bytes=None, oom=False, batch=1)
+    assert idle.bottleneck == "overhead-bound" and "low-mfu" in idle.symptoms
+    decode = model_verdict("infer", {"ttft_s": 0.01, "decode_s": 1.0, "mbu": 0.7, "mfu": 0.2,
+                                     "device_busy_frac": 0.9}, device="cuda", memory_bytes=80e9, budget_bytes=None,
+                           oom=False, batch=1)
+    assert decode.bottleneck == "memory-bandwidth-bound" and decode.symptoms == ["slow-tpot", "low-throughput"]
+    prefill = model_verdict("infer", {"ttft_s": 2.0, "decode_s": 0.5, "mbu": 0.1, "mfu": 0.6,
+                                      "device_busy_frac": 0.95}, device="cuda", memory_bytes=80e9,
+                            budget_bytes=None, oom=False, batch=64)
+    assert prefill.bottleneck == "compute-bound" and prefill.symptoms == ["high-ttft"]
+    for v in (budget, near, compute, idle, decode, prefill):
+        assert set(v.symptoms) <= set(SYMPTOMS)
+
+
+def test_endpoint_verdict_saturation_and_slo():
+    lo = summarize_level([_result(0.05, 0.5, 11)] * 4, 2.0, concurrency=1)
+    hi = summarize_level([_result(0.9, 3.0, 11)] * 4, 2.0, concurrency=16)
+    v = endpoint_verdict([lo, hi], slo_ttft_s=0.5, slo_tpot_s=None)
+    assert v.bottleneck == "compute-bound"
+    assert "high-ttft" in v.symptoms and "low-throughput" in v.symptoms
+
+
+def _report(metrics: dict) -> ProfileReport:
+    return ProfileReport(kind="model", mode="train", created_at="2026-01-01T00:00:00+00:00", copt_version="0",
+                         hardware=HardwareInfo(device="cpu"), metrics=metrics,
+                         verdict=Verdict(bottleneck="unknown"))
+
+
+def test_compare_to_prediction_pass_miss_and_unmeasured():
+    exp = Expectation(path="r.yaml", task="train", recipe=None,
+                      figures={"peak_mem_bytes": 100.0, "tokens_per_s": 1000.0, "mfu": 0.4})
+    comparison = compare_to_prediction(_report({"peak_mem_bytes": 108.0, "tokens_per_s": 500.0, "mfu": None}),
+                                       exp, tolerance=0.10)
+    by_name = {c.name: c for c in comparison.checks}
+    assert by_name["peak_mem_bytes"].status == "pass" and by_name["peak_mem_bytes"].rel_error == pytest.approx(0.08)
+    assert by_name["tokens_per_s"].status == "miss" and by_name["tokens_per_s"].rel_error == pytest.approx(-0.5)
+    assert by_name["mfu"].status == "not-measured"
+    assert not comparison.passed and [c.name for c in comparison.misses] == ["tokens_per_s"]
+    assert compare_to_prediction(_report({"peak_mem_bytes": 95.0}), Expectation(
+        path="r", task="train", recipe=None, figures={"peak_mem_bytes": 100.0}), 0.10).passed
+    with pytest.raises(BadInputError, match="none of the predicted figures"):
+        compare_to_prediction(_report({}), Expectation(path="r", task="train", recipe=None,
+                                                       figures={"ttft_s": 1.0}), 0.1)
+
+
+def test_expect_recipe_to_settings(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: train\nmodel: some/dir\nmicro_batch: 4\nseq_len: 256\nprecision: fp32\n"
+                      "activation_checkpointing: true\nprediction:\n  gpu: cpu\n  budget_bytes: 1000000\n"
+                      "  figures:\n    peak_mem_bytes: 123456\n")
+    exp = load_expectation(str(recipe))
+    values = model_values_from_recipe(exp)
+    assert values["mode"] == "train" and values["device"] == "cpu" and values["memory_budget_bytes"] == 1000000
+    assert (values["micro_batch"], values["seq_len"], values["activation_checkpointing"]) == (4, 256, True)
+    zero = tmp_path / "z.yaml"
+    zero.write_text("task: train\nmodel: m\nzero: 3\ngpus: 2\nprediction:\n  figures:\n    step_time_s: 1.0\n")
+    with pytest.raises(BadInputError, match="zero=3"):
+        model_values_from_recipe(load_expectation(str(zero)))
+    bare = tmp_path / "b.yaml"
+    bare.write_text("task: train\nmodel: m\n")
+    with pytest.raises(BadInputError, match="no prediction.figures"):
+        load_expectation(str(bare))
