@@ -97,7 +97,7 @@ class RequestHandle:
         self._chunks: deque[list[int]] = deque()
         self._result: GenerationResult | None = None
         self._cancelled = False
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event, bool]] = []
 
     # engine side
     def _push(self, token_ids: list[int], result: GenerationResult | None = None) -> None:
@@ -107,8 +107,11 @@ class RequestHandle:
             if result is not None:
                 self._result = result
             self._cond.notify_all()
-            waiters = list(self._waiters)
+            # streaming consumers wake per chunk; result-only waiters (wait()) wake once, at the end
+            waiters = [(loop, ev) for loop, ev, final in self._waiters if result is not None or not final]
         for loop, event in waiters:
+            if event.is_set():  # the consumer has not run since the last wake-up: no need to wake it again
+                continue
             try:
                 loop.call_soon_threadsafe(event.set)
             except RuntimeError:  # the loop is closed
@@ -131,10 +134,21 @@ class RequestHandle:
             return self._result
 
     async def wait(self) -> GenerationResult:
-        """Await the final result without blocking the event loop."""
-        async for _ in self:
-            pass
-        return self._result
+        """Await the final result without blocking the event loop (woken once, when the request ends)."""
+        if self._result is not None:
+            return self._result
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        with self._cond:
+            if self._result is not None:
+                return self._result
+            self._waiters.append((loop, event, True))
+        try:
+            await event.wait()
+            return self._result
+        finally:
+            with self._cond:
+                self._waiters = [w for w in self._waiters if w[1] is not event]
 
     def __iter__(self) -> Iterator[list[int]]:
         while True:
@@ -150,7 +164,7 @@ class RequestHandle:
         loop = asyncio.get_running_loop()
         event = asyncio.Event()
         with self._cond:
-            self._waiters.append((loop, event))
+            self._waiters.append((loop, event, False))
         try:
             while True:
                 event.clear()

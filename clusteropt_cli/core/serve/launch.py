@@ -23,7 +23,6 @@ def check_settings(settings: Any) -> None:
 
     require("fastapi", "serve")
     require("uvicorn", "serve")
-    require("prometheus_client", "serve")
     _check_model_dir(settings.model, "MODEL")
     if settings.draft_model:
         _check_model_dir(settings.draft_model, "--draft-model")

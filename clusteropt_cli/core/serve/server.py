@@ -33,9 +33,13 @@ class ServerMetrics(EngineObserver):
     """Prometheus metrics: HTTP requests, TTFT / ITL histograms, and the engine's gauges and counters."""
 
     def __init__(self, engine: Engine):
-        from prometheus_client import CollectorRegistry, Counter, Histogram
-
         self.engine = engine
+        try:
+            from prometheus_client import CollectorRegistry, Counter, Histogram
+        except ImportError:  # serving still works; /metrics says what is missing
+            self.registry = None
+            self.requests = _NoMetric()
+            return
         self.registry = CollectorRegistry()
         self.requests = Counter("copt_http_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
@@ -48,19 +52,32 @@ class ServerMetrics(EngineObserver):
         self.registry.register(_EngineCollector(engine))
 
     def on_first_token(self, ttft_s: float) -> None:
-        self.ttft.observe(ttft_s)
+        if self.registry is not None:
+            self.ttft.observe(ttft_s)
 
     def on_tokens(self, itl_s: float, count: int) -> None:
-        for _ in range(count):
-            self.itl.observe(itl_s)
+        if self.registry is not None:
+            for _ in range(count):
+                self.itl.observe(itl_s)
 
     def on_finish(self, result: GenerationResult) -> None:
-        self.e2e.observe(result.latency_s)
+        if self.registry is not None:
+            self.e2e.observe(result.latency_s)
 
-    def render(self) -> bytes:
+    def render(self) -> bytes | None:
+        if self.registry is None:
+            return None
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+class _NoMetric:
+    def labels(self, *args: Any) -> "_NoMetric":
+        return self
+
+    def inc(self, amount: float = 1) -> None:
+        pass
 
 
 class _EngineCollector:
@@ -172,7 +189,10 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body = metrics.render()
+        if body is None:
+            return error(503, "prometheus-client is not installed (pip install 'clusteropt-cli[serve]').")
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models():
