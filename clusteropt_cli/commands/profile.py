@@ -71,18 +71,18 @@ def fmt(name: str, value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _render_verdict(report: Any) -> None:
+def _render_verdict(report: Any, report_path: Path | None = None) -> None:
     v = report.verdict
     console.out.print(f"[bold]verdict:[/bold] {v.bottleneck}"
                       + (f"   [bold]symptoms:[/bold] {', '.join(v.symptoms)}" if v.symptoms else ""))
     for line in v.evidence:
         console.out.print(f"  - {line}", highlight=False)
     if v.symptoms:
-        console.out.print(f"next: copt advise --from-profile PROFILE.json  (or: copt advise "
+        console.out.print(f"next: copt advise --from-profile {report_path or 'PROFILE.json'}  (or: copt advise "
                           f"{' '.join('--symptom ' + s for s in v.symptoms)})", highlight=False)
 
 
-def _render_model(report: Any) -> None:
+def _render_model(report: Any, report_path: Path | None = None) -> None:
     hw = report.hardware
     head = [("model", f"{report.model.get('source')} ({report.model.get('num_params'):,} params, "
                       f"{'random' if report.model.get('random_weights') else 'trained'} weights)"),
@@ -111,10 +111,10 @@ def _render_model(report: Any) -> None:
                                          op.calls] for op in report.top_ops[:10]]))
     if report.trace_file:
         console.out.print(f"trace: {report.trace_file} (open in https://ui.perfetto.dev or chrome://tracing)")
-    _render_verdict(report)
+    _render_verdict(report, report_path)
 
 
-def _render_endpoint(report: Any) -> None:
+def _render_endpoint(report: Any, report_path: Path | None = None) -> None:
     rows = []
     for lv in report.levels:
         load = f"c={lv.concurrency}" if lv.concurrency is not None else f"{lv.rate}/s"
@@ -133,7 +133,7 @@ def _render_endpoint(report: Any) -> None:
                "TPOT ms p50/90", "E2E ms p50/99", "errors"]
     console.out.print(console.grid(f"copt profile endpoint: {report.model.get('name')} @ "
                                    f"{report.workload.get('url')}", headers, rows))
-    _render_verdict(report)
+    _render_verdict(report, report_path)
 
 
 def _render_check(comparison: Any) -> None:
@@ -147,7 +147,7 @@ def _render_check(comparison: Any) -> None:
                                    ["figure", "predicted", "measured", "error", "status"], rows))
 
 
-def _finish(report: Any, comparison: Any, as_json: bool, render: Any) -> None:
+def _finish(report: Any, comparison: Any, as_json: bool, render: Any, report_path: Path | None = None) -> None:
     """Print (JSON or tables), then fail with exit 6 when the check missed."""
     if as_json:
         if comparison is None:
@@ -158,7 +158,7 @@ def _finish(report: Any, comparison: Any, as_json: bool, render: Any) -> None:
                                           "figures": comparison.checks},
                                 "profile": report})
     else:
-        render(report)
+        render(report, report_path)
         if comparison is not None:
             _render_check(comparison)
     for check in (comparison.checks if comparison is not None else []):
@@ -248,7 +248,7 @@ def model(
         from clusteropt_cli.core.profile.expect import compare_to_prediction
 
         comparison = compare_to_prediction(report, expectation, tolerance)
-    _finish(report, comparison, json_out, _render_model)
+    _finish(report, comparison, json_out, _render_model, report_path)
 
 
 # ---- profile endpoint --------------------------------------------------------------------------------------
@@ -345,4 +345,4 @@ def endpoint(
         from clusteropt_cli.core.profile.expect import compare_to_prediction
 
         comparison = compare_to_prediction(report, expectation, tolerance)
-    _finish(report, comparison, json_out, _render_endpoint)
+    _finish(report, comparison, json_out, _render_endpoint, report_path)
