@@ -20,6 +20,21 @@ def processed_probs(logits, temperature: float, top_p: float):
     return probs
 
 
+def to_host(ids) -> list[int]:
+    """Device ids → Python ints. On CUDA the wait happens with the GIL released (pinned copy + event), so the
+    server's event loop keeps running while the GPU finishes the step."""
+    import torch
+
+    if ids.device.type != "cuda":
+        return ids.tolist()
+    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+    host.copy_(ids, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()
+
+
 def suppress(logits, token_ids: list[int]) -> None:
     """Forbid tokens in place (min_tokens keeps EOS/stop ids out until enough tokens were produced)."""
     if token_ids:
@@ -35,7 +50,7 @@ def sample_rows(logits, params: list[Any], generator=None) -> list[int]:
     greedy = [i for i, p in enumerate(params) if p.temperature <= 0]
     if greedy:
         rows = logits if len(greedy) == n else logits[greedy]
-        for i, tok in zip(greedy, rows.argmax(-1).tolist(), strict=True):
+        for i, tok in zip(greedy, to_host(rows.argmax(-1)), strict=True):
             out[i] = tok
     seeded = [i for i, p in enumerate(params) if p.temperature > 0 and p.generator is not None]
     for i in seeded:

@@ -407,9 +407,12 @@ def run_server(engine: Engine, *, host: str, port: int, served_model_name: str, 
     """Serve until SIGTERM/SIGINT; then drain (no new requests, in-flight ones finish) and return 0."""
     import contextlib
     import signal
+    import sys
 
     import uvicorn
 
+    # the engine thread and the event loop share the GIL: switch often so HTTP I/O is not starved by the scheduler
+    sys.setswitchinterval(0.0005)
     metrics = ServerMetrics(engine)
     engine.observer = metrics
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics=metrics)

@@ -1,0 +1,369 @@
+#!/usr/bin/env python3
+"""copt serve on the H200: throughput against HF static batching, batch-1 decode against the bandwidth floor.
+
+Run from the repo root:  python3 bench/gpu_serve.py --out $OUT/serve.json   (≤ 5 minutes)
+
+Model: the Llama-3.2-1B shape in bf16 with random weights (saved to a temporary model dir with a word-level
+tokenizer, so the real `copt serve` command can load it). Workload: 256 requests, prompts of 32–256 random
+tokens, 128 output tokens each (ignore_eos), greedy.
+
+Cases (each guarded; GPU memory freed between them):
+  hf_static        transformers generate(), static batches of 64, left-padded (the baseline)
+  engine           copt's engine in-process (Engine.generate), plus batch-1 decode ms/token
+  http_stream      `copt serve` subprocess, 256 concurrent streaming requests over HTTP: the headline
+                   output tok/s, TTFT and inter-token-latency percentiles (client-side)
+  http_plain       the same, non-streaming
+  http_batch1      one streaming request of 256 tokens at a time: decode ms/token through the server
+Ratios are against hf_static measured in the same run; batch-1 against weights-bytes / 4.26 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+             intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+             max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001, pad_token_id=128004)
+COPY_BW = 4.26e12  # measured device copy bandwidth on the H200 (shared/gpu/README.md)
+NUM_REQUESTS, OUT_TOKENS, PROMPT_MIN, PROMPT_MAX = 256, 128, 32, 256
+MAX_MODEL_LEN = 512
+KV_GIB = 16.0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_gpu() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float | None]:
+    if not values:
+        return {f"p{p}": None for p in ps}
+    s = sorted(values)
+    return {f"p{p}": s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] for p in ps}
+
+
+def make_model_dir(path: Path, small: bool = False) -> dict:
+    """Random-weight bf16 Llama (1B shape) + a word-level tokenizer covering its vocabulary."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    shape = dict(SHAPE)
+    if small:  # --smoke on a CPU: same code path, tiny sizes
+        shape.update(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     intermediate_size=256, vocab_size=1024, bos_token_id=1000, eos_token_id=1001, pad_token_id=1004)
+    config = LlamaConfig(**shape)
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.eval()
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=f"t{shape['bos_token_id']}",
+                                   eos_token=f"t{shape['eos_token_id']}", pad_token=f"t{shape['pad_token_id']}")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(path)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"model": model, "weight_bytes": weight_bytes, "vocab": config.vocab_size}
+
+
+def workload(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, min(vocab, 128000)) for _ in range(rng.randint(PROMPT_MIN, PROMPT_MAX))]
+            for _ in range(n)]
+
+
+# ---- baseline ------------------------------------------------------------------------------------------
+def bench_hf_static(model, prompts: list[list[int]], batch: int = 64, out_tokens: int = OUT_TOKENS) -> dict:
+    import torch
+
+    pad = model.config.pad_token_id
+
+    def run(chunk: list[list[int]]) -> int:
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=out_tokens, min_new_tokens=out_tokens,
+                             do_sample=False, pad_token_id=pad)
+        return (out.shape[1] - width) * len(chunk)
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    with torch.inference_mode():
+        run(prompts[:4])  # warm-up
+        sync()
+        t0 = time.perf_counter()
+        tokens = sum(run(prompts[i : i + batch]) for i in range(0, len(prompts), batch))
+        sync()
+        wall = time.perf_counter() - t0
+    return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall, "batch": batch}
+
+
+def reference_tokens(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            gen = model.generate(input_ids=torch.tensor([p], device=model.device), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=model.config.pad_token_id)
+            out.append(gen[0, len(p):].tolist())
+    return out
+
+
+# ---- in-process engine ---------------------------------------------------------------------------------
+def bench_engine(model_dir: Path, prompts: list[list[int]], reference: list[list[int]], cuda_graphs: bool) -> dict:
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
+
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=str(model_dir), max_batch_size=NUM_REQUESTS, max_model_len=MAX_MODEL_LEN,
+                                 kv_cache_memory_gib=KV_GIB, max_batch_tokens=4096, cuda_graphs=cuda_graphs))
+    engine.start()
+    startup = time.perf_counter() - t0
+    try:
+        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=OUT_TOKENS, ignore_eos=True) for p in prompts]
+        engine.generate(reqs[:8])  # warm-up
+        t0 = time.perf_counter()
+        results = engine.generate(reqs)
+        wall = time.perf_counter() - t0
+        tokens = sum(r.num_output_tokens for r in results)
+        check = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=len(ref), ignore_eos=True)
+                                 for p, ref in zip(prompts[: len(reference)], reference, strict=True)])
+        first = [r.output_ids[:1] == ref[:1] for r, ref in zip(check, reference, strict=True)]
+        full = [r.output_ids == ref for r, ref in zip(check, reference, strict=True)]
+        per_token = []
+        for _ in range(3):
+            r = engine.generate([GenerationRequest(prompt_ids=prompts[0][:32], max_new_tokens=256,
+                                                   ignore_eos=True)])[0]
+            per_token.append((r.latency_s - r.ttft_s) / (r.num_output_tokens - 1))
+        ttfts = [r.ttft_s for r in results]
+        return {"startup_s": startup, "graphs": engine.stats.graphs_captured, "slots": engine.num_slots,
+                "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+                "ttft_s": percentiles(ttfts), "batch1_ms_per_token": 1000 * sorted(per_token)[1],
+                "hf_agreement": {"first_token": sum(first) / len(first), "all_tokens": sum(full) / len(full),
+                                 "requests": len(full)}}
+    finally:
+        engine.stop()
+        del engine
+        free_gpu()
+
+
+# ---- through HTTP --------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: Path, port: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
+    cmd = [sys.executable, "-m", "clusteropt_cli", "serve", str(model_dir), "--port", str(port),
+           "--max-batch-size", str(NUM_REQUESTS), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory",
+           str(KV_GIB), "--max-batch-tokens", "4096", "--served-model-name", "llama-1b-shape",
+           "--max-queue", "4096"]
+    log("starting: " + " ".join(cmd))
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+async def _request(client, url: str, prompt: list[int], max_tokens: int, stream: bool) -> dict:
+    body = {"model": "llama-1b-shape", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    t0 = time.perf_counter()
+    if not stream:
+        r = await client.post(url + "/v1/completions", json=body)
+        r.raise_for_status()
+        data = r.json()
+        return {"tokens": data["usage"]["completion_tokens"], "latency": time.perf_counter() - t0, "times": []}
+    body["stream_options"] = {"include_usage": True}
+    times, tokens = [], 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("usage"):
+                tokens = obj["usage"]["completion_tokens"]
+            if obj["choices"] and obj["choices"][0]["text"]:
+                times.append(time.perf_counter())
+    return {"tokens": tokens, "latency": time.perf_counter() - t0, "times": [t - t0 for t in times]}
+
+
+async def _load(url: str, prompts: list[list[int]], max_tokens: int, stream: bool) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*[_request(client, url, p, max_tokens, stream) for p in prompts])
+        wall = time.perf_counter() - t0
+    tokens = sum(o["tokens"] for o in out)
+    res = {"requests": len(out), "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
+    if stream:
+        ttft = [o["times"][0] for o in out if o["times"]]
+        itl = [b - a for o in out for a, b in zip(o["times"], o["times"][1:], strict=False)]
+        res["ttft_s"] = percentiles(ttft)
+        res["itl_s"] = percentiles(itl)
+        res["tpot_s"] = percentiles([(o["times"][-1] - o["times"][0]) / (len(o["times"]) - 1) for o in out
+                                     if len(o["times"]) > 1])
+    return res
+
+
+def bench_http(model_dir: Path, prompts: list[list[int]]) -> dict:
+    import httpx
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(model_dir, port)
+    t0 = time.perf_counter()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"copt serve exited {proc.returncode}: {proc.stderr.read()[-4000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - t0 > 240:
+                raise RuntimeError("copt serve did not come up within 240 s")
+            time.sleep(0.5)
+        out: dict = {"startup_s": time.perf_counter() - t0}
+        asyncio.run(_load(url, prompts[:16], 16, True))  # warm-up
+        for name, stream in (("http_stream", True), ("http_plain", False)):
+            try:
+                out[name] = asyncio.run(_load(url, prompts, OUT_TOKENS, stream))
+                log(f"{name}: {out[name]['output_tokens_per_s']:.0f} tok/s")
+            except Exception as exc:  # noqa: BLE001
+                out[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        try:
+            runs = [asyncio.run(_load(url, [prompts[1][:32]], 256, True)) for _ in range(3)]
+            ms = sorted(1000 * r["tpot_s"]["p50"] for r in runs)
+            out["http_batch1"] = {"ms_per_token": ms[1], "runs_ms": ms, "ttft_s": runs[1]["ttft_s"]["p50"]}
+        except Exception as exc:  # noqa: BLE001
+            out["http_batch1"] = {"error": f"{type(exc).__name__}: {exc}"}
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        out["server_metrics"] = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                                 if line.startswith(("copt_engine_steps_total", "copt_generation_tokens_total",
+                                                     "copt_prefill_chunks_total", "copt_kv_cache_slots"))}
+        return out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out_code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out_code = "killed"
+        log(f"server exit status: {out_code}")
+        tail = proc.stderr.read()[-2000:] if proc.stderr else ""
+        if tail:
+            log("server stderr tail:\n" + tail)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/serve_gpu.json"))
+    parser.add_argument("--smoke", action="store_true", help="tiny model, few requests (checks the script on CPU)")
+    args = parser.parse_args()
+    global NUM_REQUESTS, OUT_TOKENS, KV_GIB
+    if args.smoke:
+        NUM_REQUESTS, OUT_TOKENS, KV_GIB = 16, 16, 0.05
+
+    import torch
+
+    results: dict = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                     "workload": {"requests": NUM_REQUESTS, "prompt_tokens": [PROMPT_MIN, PROMPT_MAX],
+                                  "output_tokens": OUT_TOKENS, "greedy": True, "ignore_eos": True}}
+    tmp = Path(tempfile.mkdtemp(prefix="copt-serve-bench-"))
+    model_dir = tmp / "llama-1b-shape"
+    t0 = time.perf_counter()
+    made = make_model_dir(model_dir, small=args.smoke)
+    model = made["model"]
+    results["model"] = {"shape": "llama-3.2-1b" if not args.smoke else "tiny", "weight_bytes": made["weight_bytes"],
+                        "setup_s": time.perf_counter() - t0}
+    floor_ms = 1000 * made["weight_bytes"] / COPY_BW
+    results["batch1_floor_ms"] = floor_ms
+    prompts = workload(made["vocab"], NUM_REQUESTS)
+
+    reference = []
+    try:
+        results["hf_static"] = bench_hf_static(model, prompts)
+        log(f"hf_static: {results['hf_static']['output_tokens_per_s']:.0f} tok/s")
+        reference = reference_tokens(model, prompts[:4], 16)
+    except Exception as exc:  # noqa: BLE001
+        results["hf_static"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    del model, made
+    free_gpu()
+
+    try:
+        results["engine"] = bench_engine(model_dir, prompts, reference, cuda_graphs=torch.cuda.is_available())
+        log(f"engine: {results['engine']['output_tokens_per_s']:.0f} tok/s, "
+            f"batch-1 {results['engine']['batch1_ms_per_token']:.2f} ms/token")
+    except Exception as exc:  # noqa: BLE001
+        results["engine"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        free_gpu()
+
+    try:
+        results.update(bench_http(model_dir, prompts))
+    except Exception as exc:  # noqa: BLE001
+        results["http"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+
+    base = results.get("hf_static", {}).get("output_tokens_per_s")
+    rows = []
+    for name in ("hf_static", "engine", "http_stream", "http_plain"):
+        tps = results.get(name, {}).get("output_tokens_per_s")
+        ratio = tps / base if (tps and base) else None
+        results.setdefault(name, {})["ratio_vs_hf_static"] = ratio
+        rows.append((name, tps, ratio))
+    b1_engine = results.get("engine", {}).get("batch1_ms_per_token")
+    b1_http = results.get("http_batch1", {}).get("ms_per_token")
+    results["batch1_vs_floor"] = {"engine": b1_engine / floor_ms if b1_engine else None,
+                                  "http": b1_http / floor_ms if b1_http else None}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, default=str))
+
+    print(f"\ncopt serve benchmark — {results['gpu']}, {results['date']}")
+    print(f"{'case':<14}{'output tok/s':>14}{'× HF static':>13}")
+    for name, tps, ratio in rows:
+        print(f"{name:<14}{(f'{tps:,.0f}' if tps else 'error'):>14}{(f'{ratio:.2f}' if ratio else '-'):>13}")
+    stream = results.get("http_stream", {})
+    if "ttft_s" in stream:
+        t, i = stream["ttft_s"], stream["itl_s"]
+        print(f"http_stream TTFT p50/p90/p99 (s): {t['p50']:.3f} / {t['p90']:.3f} / {t['p99']:.3f}")
+        print(f"http_stream ITL  p50/p90/p99 (ms): {1e3 * i['p50']:.2f} / {1e3 * i['p90']:.2f} / {1e3 * i['p99']:.2f}")
+    print(f"batch-1 decode ms/token: engine {b1_engine and f'{b1_engine:.2f}'}, "
+          f"http {b1_http and f'{b1_http:.2f}'}, floor {floor_ms:.2f}")
+    print(f"results: {args.out}")
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
