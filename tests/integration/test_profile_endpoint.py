@@ -177,7 +177,7 @@ def test_endpoint_against_copt_serve(fixtures, tmp_path):
         proc = subprocess.run(
             [sys.executable, "-m", "clusteropt_cli", "profile", "endpoint", "--url", f"http://127.0.0.1:{port}",
              "--model", "teacher", "--concurrency", "1,4", "--num-requests", "8", "--prompt-len", "32",
-             "--gen-len", "16", "--tokenizer", str(fixtures.tokenizer), "--json"],
+             "--gen-len", "8", "--tokenizer", str(fixtures.tokenizer), "--json"],
             capture_output=True, text=True, env=env, timeout=180)
         assert proc.returncode == 0, proc.stderr
         doc = json.loads(proc.stdout)

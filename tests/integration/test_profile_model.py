@@ -87,9 +87,10 @@ def test_cli_infer_json_report_and_trace(fixtures, tmp_path, capsys):
     assert code == 2 and "--overwrite" in err
 
 
-def test_cli_memory_budget_then_expect_pass_and_miss(train_profiles, fixtures, tmp_path, capsys):
-    """The closed loop on CPU: a step over a stated budget → memory-capacity-bound/oom; a recipe predicting the
-    checkpointed step's peak → --expect passes; a wrong prediction → exit 6 with the comparison in JSON."""
+def test_cli_memory_budget_then_expect_miss(train_profiles, fixtures, tmp_path, capsys):
+    """A step over a stated budget → memory-capacity-bound/oom; a recipe whose prediction is off by 2× → --expect
+    runs the recipe's (checkpointed) step and exits 6 with the comparison in JSON. (The passing case runs in
+    test_profile_advise.py and test_profile_core.py.)"""
     common = ["--mode", "train", "--micro-batch", "2", "--seq-len", "64", "--warmup", "0", "--repeats", "1",
               "--loss-impl", "hf"]
     code, out, err = _run_main(["profile", "model", str(fixtures.teacher), *common, "--memory-budget", "0.0195",
@@ -108,14 +109,9 @@ def test_cli_memory_budget_then_expect_pass_and_miss(train_profiles, fixtures, t
                         "    mfu: 0.5\n")
         return str(path)
 
-    # the checkpointed step's peak (same shape, measured by the module fixture): the recipe predicts it within 3%
+    # the checkpointed step's peak (same shape, measured by the module fixture; deterministic on CPU)
     ckpt_peak = train_profiles[1].metrics["peak_mem_bytes"]
     assert ckpt_peak < 0.0195 * 1024**3 < over["metrics"]["peak_mem_bytes"]
-    code, out, err = _run_main(["profile", "model", "--expect", recipe("ok.yaml", ckpt_peak * 1.03), "--warmup",
-                                "0", "--repeats", "1"], capsys)
-    assert code == 0, err
-    assert "predicted vs measured" in out and "pass" in out and "not measured" in err
-    assert "memory-capacity-bound" not in out  # the checkpointed step fits the 0.0195 GiB budget
     code, out, err = _run_main(["profile", "model", "--expect", recipe("bad.yaml", ckpt_peak / 2), "--warmup", "0",
                                 "--repeats", "1", "--json"], capsys)
     assert code == 6, err
