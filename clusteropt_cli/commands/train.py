@@ -83,7 +83,9 @@ def train(
 
     from clusteropt_cli.core.train.validate import validate_train
 
-    validate_train(settings, overwrite=overwrite, device_type=None if dry_run else _device_type())
+    # the hardware check imports torch: a launching parent leaves it to the ranks, which check before any work
+    launching = settings.gpus * settings.nodes > 1
+    validate_train(settings, overwrite=overwrite, device_type=None if dry_run or launching else _device_type())
     plan = plan_launch(settings, sys.argv[1:] if _argv_is_ours() else _rebuild_argv(settings, json_out))
     if dry_run:
         _render_dry_run(settings, plan, json_out)

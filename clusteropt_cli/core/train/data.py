@@ -78,7 +78,7 @@ class PackedDataset:
 def build_text_dataset(path: str | Path, tokenizer: Any, seq_len: int, text_field: str = "text") -> PackedDataset:
     """Read, tokenize (no special tokens, eos between documents) and pack a text file into seq_len blocks."""
     texts = read_texts(path, text_field)
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
     return PackedDataset(pack_token_ids(encoded, seq_len, tokenizer.eos_token_id))
 
 

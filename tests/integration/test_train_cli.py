@@ -1,0 +1,153 @@
+"""copt train through the CLI: 2-process ZeRO-2/ZeRO-3+offload and pipelines on CPU (gloo), kill -9 and resume,
+--dry-run for a 2-node hostfile, and validation before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def _common(fixtures, out, model="student", steps=6, micro_batch=4, extra=()):
+    return ["train", "--model", str(getattr(fixtures, model) / "config.json"), "--tokenizer", str(fixtures.tokenizer),
+            "--data", str(fixtures.train_text), "--output", str(out), "--seq-len", "64", "--micro-batch",
+            str(micro_batch), "--max-steps", str(steps), "--lr", "3e-3", "--schedule", "constant",
+            "--precision", "fp32", "--json", *extra]
+
+
+def _run(copt, args):
+    proc = copt(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def single_process_losses(fixtures, tmp_path_factory):
+    """The reference loss curves of one process (in this process) on the same global batch (4 sequences per step;
+    constant LR, so the first steps do not depend on the run's length): student 12 steps, teacher 6."""
+    from clusteropt_cli.core.train import build_text_dataset, run_training
+    from clusteropt_cli.core.train.model import load_model, load_tokenizer, resolve_model_source
+    from clusteropt_cli.recipe.schema.train import TrainRecipe
+
+    tokenizer = load_tokenizer(resolve_model_source(str(fixtures.student), str(fixtures.tokenizer)))
+    dataset = build_text_dataset(fixtures.train_text, tokenizer, 64)
+    out = {}
+    for model, steps in (("student", 12), ("teacher", 6)):
+        recipe = TrainRecipe(model=str(getattr(fixtures, model) / "config.json"), seq_len=64, micro_batch=4,
+                             max_steps=steps, lr=3e-3, schedule="constant", precision="fp32")
+        source = resolve_model_source(recipe.model, str(fixtures.tokenizer))
+        result = run_training(recipe, load_model(source, seed=0), dataset, tmp_path_factory.mktemp(model),
+                              save_final=False)
+        out[model] = result.losses
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_args", [["--zero", "2"], ["--zero", "3", "--offload", "cpu"]],
+                         ids=["zero2", "zero3-offload"])
+def test_zero_with_two_processes(copt, fixtures, tmp_path, single_process_losses, zero_args):
+    out = tmp_path / "out"
+    result = _run(copt, _common(fixtures, out, micro_batch=2, extra=["--gpus", "2", *zero_args]))
+    assert result["world_size"] == 2 and result["engine"].startswith(f"deepspeed-zero{zero_args[1]}")
+    assert result["final_loss"] < result["first_loss"] - 0.15
+    # 2 ranks × 2 sequences = the single process's 4: the same curve
+    assert result["losses"] == pytest.approx(single_process_losses["student"][:6], abs=2e-3)
+    cfg = json.loads((out / "ds_config.json").read_text())
+    assert cfg["zero_optimization"]["stage"] == int(zero_args[1]) and cfg["train_batch_size"] == 4
+    if "--offload" in zero_args:
+        assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)  # ZeRO-3 partitions were gathered for the save
+    assert sum(p.numel() for p in model.parameters()) == 229696
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [["1f1b"], ["interleaved-1f1b", "--virtual-stages", "2"]],
+                         ids=["1f1b", "interleaved"])
+def test_pipeline_two_ranks_matches_single_process(copt, fixtures, tmp_path, single_process_losses, schedule):
+    result = _run(copt, _common(fixtures, tmp_path / "out", model="teacher",
+                                extra=["--gpus", "2", "--pipeline-stages", "2", "--pipeline-schedule", *schedule]))
+    assert result["engine"].startswith(f"pipeline-{schedule[0]}")
+    assert result["losses"] == pytest.approx(single_process_losses["teacher"], abs=1e-4)
+    assert result["final_loss"] < result["first_loss"] - 0.15
+
+
+@pytest.mark.slow
+def test_kill_9_and_resume_continues_the_same_curve(fixtures, tmp_path, single_process_losses):
+    out = tmp_path / "out"
+    args = _common(fixtures, out, steps=12, extra=["--save-every", "3"])
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "clusteropt_cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if (out / "checkpoints" / "step-6" / "meta.json").exists():
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run finished before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (out / "model.safetensors").exists()  # nothing final was written
+    rows_before = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    resumed = subprocess.run([sys.executable, "-m", "clusteropt_cli", *args, "--resume"], capture_output=True,
+                             text=True, env=env, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    result = json.loads(resumed.stdout)
+    assert result["resumed_from"] is not None and result["resumed_from"] >= 6
+    assert len(rows_before) - result["resumed_from"] <= 3 + 1  # at most one save interval (+ a cut row) lost
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    # the same curve as the uninterrupted reference run
+    assert [r["loss"] for r in rows] == pytest.approx(single_process_losses["student"], abs=1e-5)
+    assert (out / "model.safetensors").exists()
+
+
+def test_dry_run_two_node_hostfile(copt, fixtures, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=8\nnode-b slots=8\n")
+    proc = copt(*_common(fixtures, tmp_path / "out", extra=["--gpus", "8", "--nodes", "2", "--hostfile",
+                                                            str(hostfile), "--zero", "3", "--offload", "cpu",
+                                                            "--dry-run"]))
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["launcher"] == "deepspeed" and plan["world_size"] == 16 and plan["master_addr"] == "node-a"
+    cmd = plan["command"]
+    assert cmd[0] == "deepspeed" and cmd[cmd.index("--hostfile") + 1] == str(hostfile)
+    assert cmd[cmd.index("--num_nodes") + 1] == "2" and cmd[cmd.index("--num_gpus") + 1] == "8"
+    assert cmd[cmd.index("--module") + 1] == "clusteropt_cli" and "train" in cmd
+    assert plan["deepspeed_config"]["train_batch_size"] == 4 * 16
+    assert plan["deepspeed_config"]["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+    text = copt(*[a for a in _common(fixtures, tmp_path / "out", extra=[
+        "--gpus", "8", "--nodes", "2", "--hostfile", str(hostfile), "--launcher", "torchrun", "--dry-run"])
+        if a != "--json"])
+    assert text.returncode == 0, text.stderr
+    assert "--rdzv-endpoint node-a:29500" in text.stdout and "on every node" in text.stdout
+
+
+def test_bad_inputs_fail_before_any_work(copt, fixtures, tmp_path):
+    proc = copt("train", "--model", str(fixtures.student), "--data", str(tmp_path / "missing.txt"), "--output",
+                str(tmp_path / "o"), "--seq-len", "4096", "--pipeline-stages", "4", "--gpus", "4")
+    assert proc.returncode == 2
+    for needle in ("--data", "missing.txt", "--seq-len: 4096 exceeds", "max_position_embeddings (1024)",
+                   "--pipeline-stages: 4 stages", "2 layers"):
+        assert needle in proc.stderr, proc.stderr
+    proc = copt("train", "--model", str(fixtures.student), "--data", str(fixtures.train_text), "--output",
+                str(tmp_path / "o"), "--zero", "3", "--pipeline-stages", "2", "--gpus", "2")
+    assert proc.returncode == 2 and "ZeRO-3 cannot be combined" in proc.stderr
+    proc = copt("train", "--model", str(fixtures.student), "--data", str(fixtures.train_text), "--output",
+                str(tmp_path / "o"), "--precision", "fp8")
+    assert proc.returncode == 4 and "compute capability >= 8.9" in proc.stderr
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,166 @@
+"""copt train core on CPU, in-process: data, schedule, fused loss, and the loop in each single-process mode."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from clusteropt_cli.core.train import DataCursor, pack_token_ids, read_metrics, read_texts, run_training
+from clusteropt_cli.core.train.deepspeed_config import deepspeed_config
+from clusteropt_cli.core.train.engines import lr_lambda
+from clusteropt_cli.errors import BadInputError, UnsupportedHardwareError
+from clusteropt_cli.recipe.schema.train import TrainRecipe
+
+
+def _recipe(fixtures, tmp_path, **kw) -> TrainRecipe:
+    base = dict(model=str(fixtures.student / "config.json"), tokenizer=str(fixtures.tokenizer),
+                data=str(fixtures.train_text), output=str(tmp_path / "out"), seq_len=64, micro_batch=4,
+                max_steps=8, lr=3e-3, warmup_steps=0, precision="fp32")
+    base.update(kw)
+    return TrainRecipe(**base)
+
+
+@pytest.fixture(scope="module")
+def data64(fixtures):
+    """(tokenizer, 64-token blocks of the fixture text), tokenized once for the module."""
+    from clusteropt_cli.core.train import build_text_dataset
+    from clusteropt_cli.core.train.model import load_tokenizer, resolve_model_source
+
+    tokenizer = load_tokenizer(resolve_model_source(str(fixtures.student), str(fixtures.tokenizer)))
+    return tokenizer, build_text_dataset(fixtures.train_text, tokenizer, 64)
+
+
+def _train(recipe: TrainRecipe, data64):
+    from clusteropt_cli.core.train.model import load_model, resolve_model_source
+
+    tokenizer, dataset = data64
+    source = resolve_model_source(recipe.model, recipe.tokenizer)
+    return run_training(recipe, load_model(source, seed=recipe.seed), dataset, recipe.output, tokenizer=tokenizer)
+
+
+def test_read_and_pack(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n\n{"text": "two"}\n')
+    assert read_texts(tmp_path / "a.jsonl") == ["one", "two"]
+    (tmp_path / "b.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(BadInputError, match="b.jsonl:1"):
+        read_texts(tmp_path / "b.jsonl")
+    with pytest.raises(BadInputError, match="does not exist"):
+        read_texts(tmp_path / "missing.txt")
+    blocks = pack_token_ids([[1, 2, 3], [4, 5]], seq_len=3, eos_id=0)
+    assert blocks.tolist() == [[1, 2, 3], [0, 4, 5]]  # eos between documents, the tail [0] dropped
+    with pytest.raises(BadInputError, match="fewer than one block"):
+        pack_token_ids([[1]], seq_len=8, eos_id=None)
+
+
+def test_cursor_is_deterministic_and_resumable():
+    full = DataCursor(10, seed=3)
+    seq = [full.next_indices(4) for _ in range(5)]  # crosses two epoch boundaries
+    assert sorted(seq[0] + seq[1] + seq[2][:2]) == list(range(10))
+    resumed = DataCursor(10, seed=3)
+    resumed.next_indices(4), resumed.next_indices(4)
+    state = resumed.state_dict()
+    again = DataCursor(10, seed=3)
+    again.load_state_dict(state)
+    assert [again.next_indices(4) for _ in range(3)] == seq[2:]
+    with pytest.raises(BadInputError, match="blocks"):
+        DataCursor(11).load_state_dict(state)
+
+
+def test_lr_schedule():
+    r = TrainRecipe(model="m", lr=1.0, warmup_steps=2, min_lr_ratio=0.1, schedule="cosine")
+    f = lr_lambda(r, total_steps=12)
+    assert f(0) == pytest.approx(0.5) and f(1) == pytest.approx(1.0)
+    assert f(2) == pytest.approx(1.0) and f(12) == pytest.approx(0.1)
+    assert f(7) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def test_fused_cross_entropy_matches_full_logits():
+    import torch
+
+    from clusteropt_cli.core.train.losses import fused_linear_cross_entropy
+
+    torch.manual_seed(0)
+    h = torch.randn(300, 32, requires_grad=True)
+    w = torch.randn(100, 32, requires_grad=True)
+    labels = torch.randint(0, 100, (300,))
+    labels[::7] = -100
+    fused = fused_linear_cross_entropy(h, w, labels, chunk_tokens=64)
+    (fused * 3).backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    ref = torch.nn.functional.cross_entropy(h @ w.t(), labels, ignore_index=-100)
+    (ref * 3).backward()
+    assert fused.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert torch.allclose(gh, h.grad, atol=1e-6) and torch.allclose(gw, w.grad, atol=1e-6)
+
+
+def test_deepspeed_config_zero3_offload():
+    r = TrainRecipe(model="m", zero=3, offload="cpu", micro_batch=2, grad_accum=4, precision="fp16", grad_clip=1.0)
+    cfg = deepspeed_config(r, world_size=2)
+    assert cfg["train_batch_size"] == 16 and cfg["zero_optimization"]["stage"] == 3
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert cfg["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert cfg["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    assert cfg["optimizer"]["type"] == "AdamW"  # DeepSpeedCPUAdam under offload
+
+
+def test_schema_rejects_bad_parallel_plans():
+    with pytest.raises(ValueError, match="ZeRO-3 cannot be combined"):
+        TrainRecipe(model="m", zero=3, pipeline_stages=2, gpus=2)
+    with pytest.raises(ValueError, match="one stage per rank"):
+        TrainRecipe(model="m", pipeline_stages=2, gpus=1)
+
+
+def test_fp8_needs_a_capable_gpu():
+    from clusteropt_cli.core.train.precision import check_precision_supported
+
+    with pytest.raises(UnsupportedHardwareError, match="compute capability >= 8.9"):
+        check_precision_supported("fp8", "cpu")
+
+
+def _check_run(result, out, steps=8):
+    assert result.steps == steps and result.engine == "torch"
+    assert result.first_loss > 6.8  # random init: ln(1024) = 6.93
+    assert result.final_loss < result.first_loss - 0.25, result.losses
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for key in ("loss", "lr", "tokens_per_s", "mfu", "peak_mem_bytes"):
+        assert key in rows[0]
+    assert rows[0]["mfu"] is None  # CPU
+    assert rows[-1]["peak_mem_bytes"] > 0
+    assert json.loads((out / "train_result.json").read_text())["steps"] == steps
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_loss_falls_in_mixed_precision(fixtures, tmp_path, data64, precision):
+    result = _train(_recipe(fixtures, tmp_path, precision=precision), data64)
+    rows = _check_run(result, tmp_path / "out")
+    if precision == "fp16":
+        assert rows[0]["loss_scale"] >= 1.0  # dynamic loss scaling is on
+
+
+@pytest.mark.slow
+def test_loss_falls_fp32_and_checkpointing_keeps_the_curve_with_less_memory(fixtures, tmp_path, data64):
+    plain = _train(_recipe(fixtures, tmp_path / "a"), data64)
+    _check_run(plain, tmp_path / "a" / "out")
+    ckpt = _train(_recipe(fixtures, tmp_path / "b", activation_checkpointing=True), data64)
+    _check_run(ckpt, tmp_path / "b" / "out")
+    assert ckpt.losses == pytest.approx(plain.losses, abs=1e-4)
+    assert ckpt.peak_mem_bytes < plain.peak_mem_bytes
+
+
+@pytest.mark.slow
+def test_final_model_loads_with_from_pretrained(fixtures, tmp_path, data64):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = _train(_recipe(fixtures, tmp_path, model=str(fixtures.student), max_steps=2, lr=1e-4), data64)
+    out = tmp_path / "out"
+    assert result.model_saved and (out / "model.safetensors").exists()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert model.config.num_hidden_layers == 2 and tok.eos_token == "<|endoftext|>"
+    assert not list(out.glob(".final-*"))
