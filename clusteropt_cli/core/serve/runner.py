@@ -282,12 +282,24 @@ class ModelRunner:
             return 0
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for kv_len in reversed(self.kv_lengths):
-                for bucket in reversed(self._batch_buckets):
-                    self._graph_for(bucket, kv_len)
-        torch.cuda.synchronize()
+        try:
+            with torch.inference_mode():
+                for kv_len in reversed(self.kv_lengths):
+                    for bucket in reversed(self._batch_buckets):
+                        self._graph_for(bucket, kv_len)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a model whose step cannot be captured still serves, eagerly
+            import warnings
+
+            warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {exc}); decoding eagerly", stacklevel=2)
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+            self._graphs.clear()
+            self.use_graphs = False
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         return len(self._graphs)
+
+    graph_error: str | None = None
 
     _batch_buckets: list[int] = []
 
