@@ -163,6 +163,7 @@ def bench_engine(model_dir: Path, prompts: list[list[int]], reference: list[list
             per_token.append((r.latency_s - r.ttft_s) / (r.num_output_tokens - 1))
         ttfts = [r.ttft_s for r in results]
         return {"startup_s": startup, "graphs": engine.stats.graphs_captured, "slots": engine.num_slots,
+                "graph_error": engine.runner.graph_error,
                 "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
                 "ttft_s": percentiles(ttfts), "batch1_ms_per_token": 1000 * sorted(per_token)[1],
                 "hf_agreement": {"first_token": sum(first) / len(first), "all_tokens": sum(full) / len(full),
