@@ -37,7 +37,7 @@ class Spread(_Model):
 
 
 class HardwareInfo(_Model):
-    device: Literal["cuda", "cpu"]
+    device: Literal["cuda", "cpu", "remote"]  # remote: an endpoint measured over HTTP
     name: str | None = None  # e.g. "NVIDIA H200"
     catalog: str | None = None  # hardware.CATALOG key when known
     count: int = 1

@@ -276,7 +276,7 @@ def _server_hardware(url: str) -> HardwareInfo:
             return HardwareInfo(device="cuda", name=gpus[0].name, catalog=gpus[0].catalog, count=len(gpus),
                                 memory_bytes=gpus[0].memory_bytes)
         return HardwareInfo(device="cpu", name=f"local server at {url}")
-    return HardwareInfo(device="cuda", name=f"remote server at {url} (hardware not visible over HTTP)")
+    return HardwareInfo(device="remote", name=f"server at {url} (hardware not visible over HTTP)")
 
 
 async def _run(s: EndpointSettings, prompts: list[str], log: Log) -> list[EndpointLevel]:
