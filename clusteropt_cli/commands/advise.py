@@ -143,6 +143,8 @@ def advise(
         if gpu is None:
             gpu = "cpu" if report.hardware.device == "cpu" else report.hardware.catalog
         gpus = gpus or report.hardware.count
+        if memory_budget is None and wl.get("memory_budget_bytes"):
+            memory_budget = wl["memory_budget_bytes"] / 1024**3  # the budget the profile was measured against
 
     target, notes = api.resolve_target(gpu, gpus, nodes, memory_budget, gpu_hour_usd)
     if model is None and not recipe:
