@@ -153,9 +153,11 @@ def _run_rank(settings: Any, json_out: bool) -> None:
     import os
 
     from clusteropt_cli.core.train import build_text_dataset, run_training
+    from clusteropt_cli.core.train.launch import is_launched_child
     from clusteropt_cli.core.train.model import load_model, load_tokenizer
     from clusteropt_cli.core.train.validate import check_hardware, validate_train
 
+    launched = is_launched_child()  # under a launcher the parent renders the result
     rank = int(os.environ.get("RANK", "0"))
     source = validate_train(settings, check_output=False)
     check_hardware(settings, _device_type())
@@ -169,7 +171,7 @@ def _run_rank(settings: Any, json_out: bool) -> None:
                         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters ({source.kind})")
         callbacks = [_ProgressCallback(stack)] if rank == 0 else []
         result = run_training(settings, model, dataset, settings.output, tokenizer=tokenizer, callbacks=callbacks)
-    if rank == 0 and "WORLD_SIZE" not in os.environ:
+    if rank == 0 and not launched:
         _render_result(console.to_jsonable(result), json_out)
 
 

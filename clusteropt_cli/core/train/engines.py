@@ -187,6 +187,31 @@ class TorchEngine:
         return None  # the model itself holds the full weights on every rank
 
 
+def _quiet_deepspeed_logs() -> None:
+    """DeepSpeed logs to stdout; send them to stderr (stdout carries copt's results) and keep warnings only."""
+    import logging
+    import sys
+
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.__stdout__:
+            handler.setStream(sys.stderr)
+
+
+def _single_process_rendezvous() -> None:
+    import os
+    import socket
+
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+
+
 class DeepSpeedEngine:
     """DeepSpeed ZeRO 1/2/3 (+ CPU/NVMe offload) through deepspeed.initialize with copt's generated config."""
 
@@ -202,7 +227,10 @@ class DeepSpeedEngine:
         self.options, self.ctx, self.model, self.config = options, ctx, model, config
         if config_path is not None and ctx.is_main:
             Path(config_path).write_text(json.dumps(config, indent=2))
-        if ctx.world_size > 1 or not torch.distributed.is_initialized():
+        _quiet_deepspeed_logs()
+        if ctx.world_size == 1 and not torch.distributed.is_initialized():
+            _single_process_rendezvous()  # ZeRO-Offload on one device still needs a (1-rank) process group
+        if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend=ctx.backend or ("nccl" if ctx.device_type == "cuda" else "gloo"),
                                        verbose=False)
         module = make_loss_module(model, loss_fn)
