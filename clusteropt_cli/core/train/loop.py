@@ -178,6 +178,9 @@ def run_training(
     output_dir = Path(output_dir)
     world = int(options.gpus) * int(options.nodes)
     ctx = setup_distributed(world)
+    from clusteropt_cli.core.train.precision import check_precision_supported
+
+    check_precision_supported(options.precision, ctx.device_type)  # fp8/bf16 support, before any work
     log = lambda message: _emit(callbacks, "on_log", message) if ctx.is_main else None  # noqa: E731
     kind = _engine_kind(options)
     if kind == "pipeline" and loss_fn is not None:

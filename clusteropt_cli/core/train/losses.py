@@ -23,6 +23,39 @@ def hf_causal_lm_loss(model: Any, batch: dict[str, Any]) -> tuple[Any, dict[str,
     return model(**kwargs).loss, {}
 
 
+def _ce_and_grad(logits, labels, ok):  # noqa: ANN001, ANN202 - tensors
+    """Summed CE of one chunk of logits and d(sum CE)/d logits (softmax - onehot, zero on ignored rows), in the
+    logits' dtype. Elementwise only: on CUDA it is compiled into a few fused kernels."""
+    import torch
+
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    safe = torch.where(ok, labels, torch.zeros_like(labels))
+    target = x.gather(1, safe[:, None]).squeeze(1)
+    loss = ((lse - target) * ok).sum()
+    probs = torch.exp(x - lse[:, None])
+    grad = probs.scatter_add(1, safe[:, None], -torch.ones_like(lse)[:, None]) * ok[:, None]
+    return loss, grad.to(logits.dtype)
+
+
+_KERNELS: dict[str, Any] = {}
+
+
+def _ce_kernel(device_type: str):
+    """`_ce_and_grad`, compiled on CUDA (falls back to eager if compilation is unavailable)."""
+    if device_type not in _KERNELS:
+        kernel = _ce_and_grad
+        if device_type == "cuda":
+            try:
+                import torch
+
+                kernel = torch.compile(_ce_and_grad, dynamic=False)
+            except Exception:  # noqa: BLE001 - eager still computes the same thing
+                kernel = _ce_and_grad
+        _KERNELS[device_type] = kernel
+    return _KERNELS[device_type]
+
+
 def _fused_linear_cross_entropy_function():
     import torch
 
@@ -35,28 +68,30 @@ def _fused_linear_cross_entropy_function():
             valid = labels != IGNORE_INDEX
             n_valid = valid.sum().clamp(min=1)
             w = weight.to(compute_dtype)
-            grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
+            grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
             loss_sum = torch.zeros((), device=hidden.device, dtype=torch.float32)
+            kernel = _ce_kernel(hidden.device.type)
+            fp32_out = compute_dtype != torch.float32 and _has_out_dtype(hidden.device)
             for start in range(0, n_tokens, chunk_tokens):
                 h = hidden[start : start + chunk_tokens].to(compute_dtype)
-                lab = labels[start : start + chunk_tokens]
-                ok = valid[start : start + chunk_tokens]
-                logits = (h @ w.t()).float()
-                lse = torch.logsumexp(logits, dim=-1)
-                safe = torch.where(ok, lab, torch.zeros_like(lab))
-                target_logit = logits.gather(1, safe[:, None]).squeeze(1)
-                loss_sum += ((lse - target_logit) * ok).sum()
-                # d(sum CE)/d logits = softmax - onehot, zero on ignored rows
-                grad = logits.sub_(lse[:, None]).exp_()
-                grad.scatter_add_(1, safe[:, None], -torch.ones_like(lse)[:, None])
-                grad.mul_(ok[:, None])
-                grad = grad.to(compute_dtype)
+                logits = h @ w.t()
+                try:
+                    chunk_loss, grad = kernel(logits, labels[start : start + chunk_tokens],
+                                              valid[start : start + chunk_tokens])
+                except Exception:  # noqa: BLE001 - a compile failure: use (and keep) the eager kernel
+                    if kernel is _ce_and_grad:
+                        raise
+                    kernel = _KERNELS[hidden.device.type] = _ce_and_grad
+                    chunk_loss, grad = kernel(logits, labels[start : start + chunk_tokens],
+                                              valid[start : start + chunk_tokens])
+                loss_sum += chunk_loss
+                del logits
                 if grad_hidden is not None:
                     grad_hidden[start : start + chunk_tokens] = (grad @ w).to(hidden.dtype)
                 if grad_weight is not None:
-                    if _has_out_dtype():
-                        grad_weight.addmm_(grad.t(), h, out_dtype=torch.float32)
+                    if fp32_out:  # bf16 inputs, fp32 accumulation in the GEMM itself
+                        grad_weight = torch.addmm(grad_weight, grad.t(), h, out_dtype=torch.float32)
                     else:
                         grad_weight.add_((grad.t() @ h).float())
             scale = 1.0 / n_valid.to(torch.float32)
@@ -79,23 +114,23 @@ def _fused_linear_cross_entropy_function():
 
 
 _FUNCTION = None
-_OUT_DTYPE: bool | None = None
+_OUT_DTYPE: dict[str, bool] = {}
 
 
-def _has_out_dtype() -> bool:
-    """Whether Tensor.addmm_ accepts out_dtype (newer torch); otherwise the product is upcast after the matmul."""
-    global _OUT_DTYPE
-    if _OUT_DTYPE is None:
+def _has_out_dtype(device: Any) -> bool:
+    """Whether torch.addmm takes out_dtype (bf16 × bf16 → fp32) on this device (CUDA in recent torch)."""
+    key = device.type
+    if key not in _OUT_DTYPE:
         import torch
 
         try:
-            a = torch.zeros(1, 1, dtype=torch.float32)
-            a.addmm_(torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16),
-                     out_dtype=torch.float32)
-            _OUT_DTYPE = True
-        except (TypeError, RuntimeError):
-            _OUT_DTYPE = False
-    return _OUT_DTYPE
+            a = torch.zeros(1, 1, dtype=torch.float32, device=device)
+            b = torch.zeros(1, 1, dtype=torch.bfloat16, device=device)
+            torch.addmm(a, b, b, out_dtype=torch.float32)
+            _OUT_DTYPE[key] = True
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE[key] = False
+    return _OUT_DTYPE[key]
 
 
 def fused_linear_cross_entropy(hidden: Any, weight: Any, labels: Any, *, chunk_tokens: int = 2048,
@@ -127,8 +162,8 @@ def make_fused_causal_lm_loss(chunk_tokens: int | None = None):
         dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
             else hidden.dtype
         vocab = head.weight.shape[0]
-        # keep one fp32 chunk of logits at ~256 MiB
-        chunk = chunk_tokens or max(256, (256 * 2**20) // (4 * vocab))
+        # one chunk of fp32 logits ≈ 1 GiB (2048 tokens of a 128k vocabulary)
+        chunk = chunk_tokens or max(256, 2**30 // (4 * vocab))
         loss = fused_linear_cross_entropy(hidden, head.weight, labels, chunk_tokens=chunk, compute_dtype=dtype)
         return loss, {}
 

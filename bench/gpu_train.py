@@ -1,0 +1,292 @@
+"""copt train on the H200: tokens/s and peak memory of a Llama-3.2-1B-shaped model (random weights), micro-batch
+8 × 2048, bf16 autocast over fp32 weights, against a plain PyTorch loop measured in the same run, plus
+`copt advise`'s predictions for each case.
+
+    python3 bench/gpu_train.py --out $OUT/train.json                      # baseline vs copt defaults (1 GPU)
+    python3 bench/gpu_train.py --mode techniques --out $OUT/train_tech.json  # checkpointing, ZeRO-3+offload, fp8
+    python3 bench/gpu_train.py --mode zero --out $OUT/train_zero.json       # 2 GPUs: ZeRO-2/3 per-GPU memory
+
+Each case runs in its own process (clean peak-memory counters, a crash or OOM costs only that case) and is
+guarded (the error is recorded, the others go on). Each mode fits in 5 minutes on one H200 (the first
+torch.compile of the model takes ~40 s; DeepSpeed's cpu_adam compiles ~50 s on first use).
+DeepSpeed needs TORCH_CUDA_ARCH_LIST=9.0 on the H200 (set here when missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+
+MICRO_BATCH, SEQ_LEN = 8, 2048
+GiB = 1024**3
+LLAMA_1B = dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+                tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5)
+
+# name → (kind, settings). kind "baseline": the plain PyTorch loop; "copt": run_training in this process;
+# "copt-dist": run_training under torchrun on 2 GPUs.
+CASES: dict[str, tuple[str, dict]] = {
+    "baseline_eager": ("baseline", dict(compile=False, checkpointing=False)),
+    "baseline_compile": ("baseline", dict(compile=True, checkpointing=False)),
+    "copt_default": ("copt", dict()),
+    "copt_hf_loss": ("copt", dict(loss_impl="hf")),
+    "copt_checkpointing": ("copt", dict(activation_checkpointing=True)),
+    "copt_zero3_offload": ("copt", dict(zero=3, offload="cpu", activation_checkpointing=True)),
+    "copt_fp8": ("copt", dict(precision="fp8")),
+    "copt_eager_1gpu": ("copt", dict(compile=False)),
+    "copt_zero2_2gpu": ("copt-dist", dict(zero=2, gpus=2)),
+    "copt_zero3_2gpu": ("copt-dist", dict(zero=3, gpus=2)),
+}
+MODES = {
+    "single": ["baseline_eager", "baseline_compile", "copt_default", "copt_hf_loss"],
+    "techniques": ["baseline_eager", "copt_checkpointing", "copt_zero3_offload", "copt_fp8"],
+    "zero": ["copt_eager_1gpu", "copt_zero2_2gpu", "copt_zero3_2gpu"],
+}
+STEPS = {"baseline": 10, "copt": 10, "copt-dist": 8}
+WARMUP = 3  # steps left out of the speed figure (compilation, allocator warm-up)
+
+
+def build_model():
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        from clusteropt_cli.modelspec import load_model_spec
+
+        cfg = load_model_spec("llama-3.2-1b").to_hf_config()
+        cfg = {k: v for k, v in cfg.items() if k not in ("torch_dtype", "dtype", "architectures")}
+    except Exception:  # noqa: BLE001 - the explicit shape is the same model
+        cfg = dict(LLAMA_1B)
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return model
+
+
+def random_blocks(n_blocks: int, vocab: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (n_blocks, SEQ_LEN), generator=g)
+
+
+def run_baseline(settings: dict) -> dict:
+    """The plain loop: HF forward with labels, bf16 autocast over fp32 weights, fused AdamW (optionally compiled,
+    optionally with HF gradient checkpointing)."""
+    import torch
+
+    model = build_model().cuda()
+    if settings.get("checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    step_model = torch.compile(model) if settings.get("compile") else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    data = random_blocks(MICRO_BATCH * STEPS["baseline"], model.config.vocab_size)
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(STEPS["baseline"]):
+        batch = data[step * MICRO_BATCH : (step + 1) * MICRO_BATCH].cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    timed = times[WARMUP:]
+    step_time = sum(timed) / len(timed)
+    return {"tokens_per_s": MICRO_BATCH * SEQ_LEN / step_time, "step_time_s": step_time,
+            "peak_mem_bytes": torch.cuda.max_memory_allocated(), "peak_reserved_bytes":
+            torch.cuda.max_memory_reserved(), "first_step_s": times[0], "final_loss": float(loss)}
+
+
+def run_copt(settings: dict, world: int = 1) -> dict:
+    """copt train's loop (run_training) with its defaults plus `settings`."""
+    import tempfile
+
+    import torch
+
+    from clusteropt_cli.core.train import PackedDataset, read_metrics, run_training
+    from clusteropt_cli.recipe.schema.train import TrainRecipe
+
+    steps = STEPS["copt-dist" if world > 1 else "copt"]
+    options = TrainRecipe(model="llama-3.2-1b", micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, max_steps=steps,
+                          lr=1e-4, warmup_steps=0, precision=settings.pop("precision", "bf16"), **settings)
+    model = build_model()
+    dataset = PackedDataset(random_blocks(MICRO_BATCH * steps * world, model.config.vocab_size))
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run_training(options, model, dataset, tmp, save_final=False)
+        rows = read_metrics(Path(tmp) / "metrics.jsonl") if int(os.environ.get("RANK", "0")) == 0 else []
+    timed = rows[WARMUP:] or rows
+    step_time = sum(r["step_time_s"] for r in timed) / max(1, len(timed))
+    out = {"engine": result.engine, "world_size": result.world_size,
+           "tokens_per_s": (MICRO_BATCH * SEQ_LEN * world / step_time) if rows else None,
+           "step_time_s": step_time if rows else None,
+           "mfu": (sum(r["mfu"] for r in timed) / len(timed)) if rows and timed[0].get("mfu") is not None else None,
+           "peak_mem_bytes": torch.cuda.max_memory_allocated(), "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+           "first_step_s": rows[0]["step_time_s"] if rows else None, "final_loss": result.final_loss,
+           "losses": result.losses}
+    if world > 1:  # every rank's peak: ZeRO's per-GPU memory
+        import torch.distributed as dist
+
+        peaks = [None] * world
+        if not dist.is_initialized():
+            dist.init_process_group("nccl")
+        dist.all_gather_object(peaks, out["peak_mem_bytes"])
+        out["per_rank_peak_mem_bytes"] = peaks
+    return out
+
+
+def advise_prediction(name: str) -> dict | None:
+    """What `copt advise` predicts for the case on an H200 (memory per GPU and tokens/s)."""
+    try:
+        from clusteropt_cli.core.advise.api import evaluate_train, resolve_target
+        from clusteropt_cli.core.advise.plan import TrainPlan
+        from clusteropt_cli.modelspec import load_model_spec
+
+        kind, settings = CASES[name]
+        gpus = settings.get("gpus", 1)
+        plan = TrainPlan(micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, precision=settings.get("precision", "bf16"),
+                         zero=settings.get("zero", 0), offload=settings.get("offload", "none"),
+                         activation_checkpointing=bool(settings.get("activation_checkpointing",
+                                                                    settings.get("checkpointing", False))),
+                         compile=bool(settings.get("compile", kind != "copt-dist" and not settings.get("zero"))))
+        target, _ = resolve_target("h200", gpus=gpus)
+        result = evaluate_train(load_model_spec("llama-3.2-1b"), plan, target)
+        return {"peak_mem_bytes": result["memory"].get("per_gpu_bytes"),
+                "tokens_per_s": result["time"].get("tokens_per_s"), "mfu": result["time"].get("mfu")}
+    except Exception as exc:  # noqa: BLE001 - a prediction that cannot be made is recorded, not fatal
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def worker(name: str, out_path: Path) -> None:
+    """Run one case in this process and write its JSON (rank 0 only under torchrun)."""
+    import torch
+
+    kind, settings = CASES[name]
+    settings = dict(settings)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        if kind == "baseline":
+            result = run_baseline(settings)
+        else:
+            result = run_copt(settings, world=world)
+        result["ok"] = True
+    except Exception as exc:  # noqa: BLE001 - recorded in the results
+        import traceback
+
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:],
+                  "peak_mem_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}
+    if int(os.environ.get("RANK", "0")) == 0:
+        out_path.write_text(json.dumps(result))
+
+
+def run_case(name: str, tmp: Path, timeout: float) -> dict:
+    kind, settings = CASES[name]
+    out = tmp / f"{name}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--worker-out", str(out)]
+    if kind == "copt-dist":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(settings.get("gpus", 2)), str(Path(__file__).resolve()), "--worker", name, "--worker-out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        tail = (proc.stdout + proc.stderr)[-2500:]
+        result = json.loads(out.read_text()) if out.exists() else {"ok": False, "error": f"exit {proc.returncode}",
+                                                                  "log_tail": tail}
+        if not result.get("ok"):
+            result.setdefault("log_tail", tail)
+    except subprocess.TimeoutExpired:
+        result = {"ok": False, "error": f"timed out after {timeout:.0f} s"}
+    result["wall_s"] = time.time() - t0
+    result["advise"] = advise_prediction(name)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "train.json")
+    parser.add_argument("--mode", choices=sorted(MODES), default="single")
+    parser.add_argument("--zero", action="store_true", help="same as --mode zero (2 GPUs)")
+    parser.add_argument("--cases", help="comma-separated case names (overrides --mode)")
+    parser.add_argument("--budget-s", type=float, default=285.0, help="wall-clock budget for the whole mode")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.worker_out)
+        return
+
+    import tempfile
+
+    import torch
+
+    mode = "zero" if args.zero else args.mode
+    names = args.cases.split(",") if args.cases else MODES[mode]
+    started = time.time()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    report = {"bench": "gpu_train", "mode": mode, "date": time.strftime("%Y-%m-%d"), "gpu": gpu,
+              "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+              "shape": {"model": "llama-3.2-1b (random weights)", "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN,
+                        "precision": "bf16 autocast over fp32 weights"}, "cases": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            left = args.budget_s - (time.time() - started)
+            if left < 30:
+                report["cases"][name] = {"ok": False, "error": "skipped: out of the mode's time budget"}
+                continue
+            if CASES[name][0] == "copt-dist" and torch.cuda.device_count() < CASES[name][1].get("gpus", 2):
+                report["cases"][name] = {"ok": False, "error": f"needs {CASES[name][1].get('gpus', 2)} GPUs"}
+                continue
+            report["cases"][name] = run_case(name, Path(tmp), timeout=min(left, 240))
+            print(f"[{time.time() - started:5.0f}s] {name}: "
+                  f"{'ok' if report['cases'][name].get('ok') else report['cases'][name].get('error')}", flush=True)
+    base = report["cases"].get("baseline_eager", {})
+    single = report["cases"].get("copt_eager_1gpu", {})
+    for name, case in report["cases"].items():
+        if case.get("ok") and base.get("ok") and case.get("tokens_per_s"):
+            case["speed_vs_baseline_eager"] = case["tokens_per_s"] / base["tokens_per_s"]
+            case["memory_vs_baseline_eager"] = case["peak_mem_bytes"] / base["peak_mem_bytes"]
+        if case.get("ok") and single.get("ok") and name != "copt_eager_1gpu":
+            case["memory_vs_single_gpu"] = case["peak_mem_bytes"] / single["peak_mem_bytes"]
+        pred = case.get("advise") or {}
+        if case.get("ok") and pred.get("peak_mem_bytes"):
+            case["measured_over_predicted_memory"] = case["peak_mem_bytes"] / pred["peak_mem_bytes"]
+        if case.get("ok") and pred.get("tokens_per_s") and case.get("tokens_per_s"):
+            case["measured_over_predicted_tokens_per_s"] = case["tokens_per_s"] / pred["tokens_per_s"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+
+    print(f"\ncopt train bench ({mode}) on {gpu}, Llama-3.2-1B shape, {MICRO_BATCH} x {SEQ_LEN}, {report['date']}")
+    print(f"{'case':22} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} {'x base':>7} {'pred GiB':>9} {'pred tok/s':>10}")
+    for name, case in report["cases"].items():
+        if not case.get("ok"):
+            print(f"{name:22} FAILED: {str(case.get('error'))[:90]}")
+            continue
+        pred = case.get("advise") or {}
+        mfu = case.get("mfu")
+        nan = float("nan")
+        print(f"{name:22} {case['tokens_per_s'] or 0:9,.0f} {mfu if mfu is not None else nan:6.3f} "
+              f"{case['peak_mem_bytes'] / GiB:9.1f} {case.get('speed_vs_baseline_eager', nan):7.2f} "
+              f"{(pred.get('peak_mem_bytes') or nan) / GiB:9.1f} {pred.get('tokens_per_s') or nan:10,.0f}")
+        if case.get("per_rank_peak_mem_bytes"):
+            print(f"{'':22} per-rank peak GiB: {[round(p / GiB, 1) for p in case['per_rank_peak_mem_bytes']]}")
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
