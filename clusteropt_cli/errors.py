@@ -89,6 +89,8 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "deepspeed": "train",
     "fastapi": "serve",
     "uvicorn": "serve",
+    "prometheus_client": "serve",
+    "httpx": "profile",
     "trl": "distill",
     "matplotlib": "profile",
     "openai": "dev",
