@@ -89,6 +89,15 @@ def _progress_callbacks(description: str):
     return managed()
 
 
+def _library_output_to_stderr():
+    """Keep stdout for the result: libraries print there (deepspeed's import banner, via accelerate in
+    save_pretrained), which would break --json."""
+    import contextlib
+    import sys
+
+    return contextlib.redirect_stdout(sys.stderr)
+
+
 def _fmt(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -148,7 +157,7 @@ def logits(
     check_logits_inputs(settings)  # every input problem before any model is loaded
     if out_dir.exists() and not settings.resume and not overwrite:
         prepare_output_dir(out_dir, overwrite=False, resume=False)
-    with _progress_callbacks(f"distill {settings.loss}") as callbacks:
+    with _library_output_to_stderr(), _progress_callbacks(f"distill {settings.loss}") as callbacks:
         result = distill_logits(settings, output_dir=out_dir, overwrite=overwrite, callbacks=callbacks)
     if json_out:
         console.print_json(result)
@@ -205,7 +214,7 @@ def traces(
               "gen_batch": batch, "teacher_dtype": teacher_dtype, "seed": seed}
     settings = load_settings("distill", recipe, overrides, values)
     out = _require_output(settings)
-    with console.progress_bar("traces (prompts)", None) as advance:
+    with _library_output_to_stderr(), console.progress_bar("traces (prompts)", None) as advance:
         def on_batch(done: int, total: int) -> None:
             advance(0, f"{done}/{total} prompts")
 
@@ -263,7 +272,7 @@ def sft(
     out_dir = _require_output(settings)
     if out_dir.exists() and not settings.resume and not overwrite:
         prepare_output_dir(out_dir, overwrite=False, resume=False)
-    with _progress_callbacks("distill sft") as callbacks:
+    with _library_output_to_stderr(), _progress_callbacks("distill sft") as callbacks:
         result = distill_sft(settings, output_dir=out_dir, overwrite=overwrite, callbacks=callbacks)
     if json_out:
         console.print_json(result)

@@ -26,6 +26,7 @@ def test_split_and_extract():
     assert split_reasoning("<think>\n2 and 3 make 5\n</think>\nThe answer is 5.") == ("2 and 3 make 5",
                                                                                        "The answer is 5.")
     assert split_reasoning("<think>never closed") == (None, None)
+    assert split_reasoning(" no tags at all ") == (None, "no tags at all")
     assert extract_answer("so \\boxed{12} and then \\boxed{42}") == "42"
     assert extract_answer("Some words.\nFinal answer: 7.") == "7"
     assert extract_answer("  blue  ") == "blue"

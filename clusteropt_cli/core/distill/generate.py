@@ -1,6 +1,6 @@
-"""The one place `distill traces` generates text. It goes through copt serve's in-process engine
-(clusteropt_cli.core.serve.engine, continuous batching) when that is importable; `generate_with_hf` is the
-fallback used only until then (plain batched `model.generate`)."""
+"""The one place `distill traces` generates text: copt serve's in-process engine
+(clusteropt_cli.core.serve.engine.Engine: continuous batching over a slot KV cache, chunked prefill, CUDA graphs
+on GPU). Every sample of every prompt is one GenerationRequest; the engine batches them itself."""
 
 from __future__ import annotations
 
@@ -22,59 +22,15 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
     return ids
 
 
-def _trim(tokens: list[int], stops: set[int], pad_id: int | None) -> tuple[list[int], str]:
-    """Cut a generated sequence at its first stop token (excluded); finish_reason stop/length."""
-    for i, token in enumerate(tokens):
-        if token in stops:
-            return tokens[:i], "stop"
-    if pad_id is not None:
-        while tokens and tokens[-1] == pad_id:
-            tokens = tokens[:-1]
-    return tokens, "length"
-
-
-def generate_with_hf(model: Any, tokenizer: Any, prompts: list[str], sampling: SamplingSettings,
-                     batch_size: int = 16) -> list[list[Generation]]:
-    """Batched `model.generate` with left padding; `sampling.samples` sequences per prompt."""
-    import torch
-
-    stops = stop_token_ids(tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    device = next(model.parameters()).device
-    tokenizer.padding_side = "left"
-    results: list[list[Generation]] = []
-    generator_seed = sampling.seed
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        torch.manual_seed(generator_seed + start)
-        do_sample = sampling.temperature > 0
-        kwargs: dict[str, Any] = dict(max_new_tokens=sampling.max_new_tokens, do_sample=do_sample,
-                                      num_return_sequences=sampling.samples, eos_token_id=stops, pad_token_id=pad_id)
-        if do_sample:
-            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0)
-        with torch.no_grad():
-            out = model.generate(**enc, **kwargs)
-        new = out[:, enc["input_ids"].shape[1]:].tolist()
-        for i in range(len(chunk)):
-            samples = []
-            for row in new[i * sampling.samples : (i + 1) * sampling.samples]:
-                tokens, reason = _trim(row, set(stops), pad_id)
-                samples.append(Generation(tokenizer.decode(tokens, skip_special_tokens=False), len(tokens), reason))
-            results.append(samples)
-    return results
-
-
 class TeacherGenerator:
-    """Loads the teacher once and generates traces for batches of formatted prompts."""
+    """Loads the teacher into copt serve's engine once and generates traces for batches of formatted prompts."""
 
-    def __init__(self, teacher: Path, *, dtype: str = "auto", device: str | None = None, batch_size: int = 16):
+    def __init__(self, teacher: Path, *, dtype: str = "auto", device: str | None = None, max_batch_size: int = 64):
         self.teacher = Path(teacher)
         self.dtype = dtype
         self.device = device
-        self.batch_size = batch_size
-        self.backend = "hf-generate"
-        self._model: Any = None
+        self.max_batch_size = max_batch_size
+        self.engine: Any = None
         self._tokenizer: Any = None
 
     @property
@@ -93,16 +49,66 @@ class TeacherGenerator:
                                            add_generation_prompt=True)
         return prompt + "\n"
 
-    def _load(self) -> Any:
-        if self._model is None:
-            from clusteropt_cli.core.distill.logits import load_causal_lm, pick_device
+    def _engine(self, max_len: int) -> Any:
+        """Start the engine sized for the longest sequence needed (restarted only if a longer one comes)."""
+        if self.engine is not None and self.engine.max_model_len >= max_len:
+            return self.engine
+        if self.engine is not None:
+            self.engine.stop()
+        from clusteropt_cli.core.distill.vocab import read_config
+        from clusteropt_cli.core.serve.engine import Engine
+        from clusteropt_cli.recipe.schema.serve import ServeRecipe
 
-            device = self.device or pick_device()
-            self._model = load_causal_lm(self.teacher, self.dtype, device).eval()
-        return self._model
+        config = read_config(self.teacher)
+        context = int(config.get("max_position_embeddings") or max_len)
+        if max_len > context:
+            from clusteropt_cli.errors import BadInputError
+
+            raise BadInputError(f"A prompt plus --max-new-tokens needs {max_len} tokens; the teacher's context is "
+                                f"{context}.", hint="Lower --max-new-tokens or shorten the prompts.")
+        settings = ServeRecipe(model=str(self.teacher), dtype=self.dtype, max_batch_size=self.max_batch_size,
+                               max_model_len=max_len)
+        self.engine = Engine.from_settings(settings, device=self.device).start()
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+            self.engine = None
 
     def __call__(self, prompts: list[str], sampling: SamplingSettings) -> list[list[Generation]]:
-        return generate_with_hf(self._load(), self.tokenizer, prompts, sampling, self.batch_size)
+        from clusteropt_cli.core.serve.engine import GenerationRequest
+
+        tok = self.tokenizer
+        encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        longest = max(len(ids) for ids in encoded) + sampling.max_new_tokens + 1
+        engine = self._engine(longest)
+        stops = stop_token_ids(tok)
+        requests = [
+            GenerationRequest(prompt_ids=ids, max_new_tokens=sampling.max_new_tokens,
+                              temperature=sampling.temperature, top_p=sampling.top_p,
+                              seed=sampling.seed * 1_000_003 + hash_ids(ids) * 131 + k,
+                              stop_token_ids=stops, speculative=False)
+            for ids in encoded for k in range(sampling.samples)
+        ]
+        results = engine.generate(requests)
+        failed = [r for r in results if r.finish_reason in ("error", "abort")]
+        if failed:
+            raise RuntimeError(f"the serve engine failed on {len(failed)} request(s): {failed[0].error}")
+        out: list[list[Generation]] = []
+        for i in range(len(prompts)):
+            group = results[i * sampling.samples : (i + 1) * sampling.samples]
+            out.append([Generation(tok.decode(r.output_ids, skip_special_tokens=False), len(r.output_ids),
+                                   "stop" if r.finish_reason == "stop" else "length") for r in group])
+        return out
+
+
+def hash_ids(ids: list[int]) -> int:
+    """A small stable hash of a prompt's ids (per-prompt sampling seeds that do not depend on batch order)."""
+    value = 0
+    for token in ids:
+        value = (value * 1_000_003 + token) % 2_147_483_647
+    return value
 
 
 def distill_traces(settings: Any, *, output: Path, overwrite: bool = False, on_batch: Any = None,
@@ -125,8 +131,13 @@ def distill_traces(settings: Any, *, output: Path, overwrite: bool = False, on_b
         raise BadInputError(f"--output {output} is a directory.", hint="Pass a file path such as traces.jsonl.")
     sampling = SamplingSettings(samples=settings.samples, max_new_tokens=settings.max_new_tokens,
                                 temperature=settings.sample_temperature, top_p=settings.top_p, seed=settings.seed)
-    teacher = generator or TeacherGenerator(Path(settings.teacher), dtype=settings.teacher_dtype)
-    return run_traces(prompts, output, teacher, teacher.format_prompt, teacher=str(settings.teacher),
-                      sampling=sampling, verify=settings.verify, default_match=settings.match,
-                      think_prefix=(THINK_OPEN + "\n") if settings.think else "", batch_prompts=settings.gen_batch,
-                      overwrite=overwrite, on_batch=on_batch)
+    teacher = generator or TeacherGenerator(Path(settings.teacher), dtype=settings.teacher_dtype,
+                                            max_batch_size=min(64, settings.gen_batch * settings.samples))
+    try:
+        return run_traces(prompts, output, teacher, teacher.format_prompt, teacher=str(settings.teacher),
+                          sampling=sampling, verify=settings.verify, default_match=settings.match,
+                          think_prefix=(THINK_OPEN + "\n") if settings.think else "",
+                          batch_prompts=settings.gen_batch, overwrite=overwrite, on_batch=on_batch)
+    finally:
+        if generator is None:
+            teacher.close()

@@ -118,8 +118,12 @@ def make_distill_loss_fn(teacher: Any, config: DistillLossConfig, shared_logits:
 
 
 def mean_kl_to_teacher(student: Any, teacher: Any, blocks: Any, *, batch: int = 16, temperature: float = 1.0,
-                       shared_logits: int | None = None) -> float:
-    """Mean per-token KL(teacher ‖ student) at temperature T over [n, seq_len] token blocks (all positions)."""
+                       shared_logits: int | None = None, loss: str = "forward-kl", top_k: int | None = None) -> float:
+    """Mean per-token divergence of the student from the teacher over [n, seq_len] token blocks (all positions).
+
+    Default: KL(teacher ‖ student) at T=1, the figure `distill logits --eval-data` reports; `loss`, `temperature`
+    and `top_k` select any of the training divergences instead (without the T² factor).
+    """
     import torch
 
     student.eval()
@@ -133,7 +137,7 @@ def mean_kl_to_teacher(student: Any, teacher: Any, blocks: Any, *, batch: int = 
             t = teacher(input_ids=x.to(next(teacher.parameters()).device)).logits.to(device)
             if shared_logits is not None:
                 s, t = s[..., :shared_logits], t[..., :shared_logits]
-            div = per_token_divergence(s, t, loss="forward-kl", temperature=temperature)
+            div = per_token_divergence(s, t, loss=loss, temperature=temperature, top_k=top_k)
             total += float(div.sum())
             count += div.numel()
     return total / max(count, 1)
@@ -206,7 +210,7 @@ def distill_logits(settings: DistillRecipe, *, output_dir: Path, overwrite: bool
     return result
 
 
-EVAL_BLOCKS = 32
+EVAL_BLOCKS = 16
 
 
 def _train_summary(train: Any) -> dict[str, Any]:

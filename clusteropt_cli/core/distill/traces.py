@@ -111,10 +111,11 @@ def read_prompts(path: str | Path, *, flag: str = "--prompts") -> list[PromptRec
 def split_reasoning(completion: str) -> tuple[str | None, str | None]:
     """(reasoning, final answer text) of a completion; the answer is what follows the last </think>.
 
-    A completion that never closes its thinking has no answer (None): R1-style rejection treats it as wrong.
+    A completion that opens <think> but never closes it has no answer (None): R1-style rejection treats it as
+    wrong. A completion without any think tags (generated with --no-think) is all answer.
     """
     if THINK_CLOSE not in completion:
-        return None, None
+        return (None, None) if THINK_OPEN in completion else (None, completion.strip())
     head, _, tail = completion.rpartition(THINK_CLOSE)
     reasoning = head.split(THINK_OPEN, 1)[1] if THINK_OPEN in head else head
     return reasoning.strip(), tail.strip()
