@@ -164,3 +164,30 @@ def test_final_model_loads_with_from_pretrained(fixtures, tmp_path, data64):
     tok = AutoTokenizer.from_pretrained(out)
     assert model.config.num_hidden_layers == 2 and tok.eos_token == "<|endoftext|>"
     assert not list(out.glob(".final-*"))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_cpu_peak_memory_matches_the_shared_definition(fixtures, tmp_path, checkpointing):
+    """peak_mem_bytes on CPU = states + saved tensors + logits buffers (shared_api.md): with the model's own loss it
+    equals `copt advise --gpu cpu`'s prediction; the fused loss holds less (no saved log-softmax)."""
+    import torch
+
+    from clusteropt_cli.core.advise.api import evaluate_train, resolve_target
+    from clusteropt_cli.core.advise.plan import TrainPlan
+    from clusteropt_cli.core.train import PackedDataset
+    from clusteropt_cli.core.train.model import load_model, resolve_model_source
+    from clusteropt_cli.modelspec import load_model_spec
+
+    source = resolve_model_source(str(fixtures.teacher))
+    dataset = PackedDataset(torch.randint(0, 1024, (8, 128), generator=torch.Generator().manual_seed(0)))
+    measured = {}
+    for loss_impl in ("hf", "fused"):
+        recipe = TrainRecipe(model="t", seq_len=128, micro_batch=4, max_steps=1, precision="bf16",
+                             activation_checkpointing=checkpointing, loss_impl=loss_impl)
+        measured[loss_impl] = run_training(recipe, load_model(source), dataset, tmp_path / loss_impl,
+                                           save_final=False).peak_mem_bytes
+    target, _ = resolve_target("cpu")
+    plan = TrainPlan(micro_batch=4, seq_len=128, precision="bf16", activation_checkpointing=checkpointing)
+    predicted = evaluate_train(load_model_spec(str(fixtures.teacher)), plan, target)["memory"]["per_gpu_bytes"]
+    assert measured["hf"] == pytest.approx(predicted, rel=0.01)
+    assert measured["fused"] < measured["hf"]

@@ -106,6 +106,7 @@ def prepare_model(options: Any, model: Any, device_type: str, *, for_deepspeed: 
 
     config = model.config
     config.use_cache = False
+    model.train()  # from_pretrained returns eval mode: dropout and HF's checkpointing need train mode
     if getattr(options, "attn", None) and hasattr(model, "set_attn_implementation"):
         try:
             model.set_attn_implementation(options.attn)
@@ -292,7 +293,8 @@ def run_training(
                 peak = int(torch.cuda.max_memory_allocated(ctx.device))
                 reserved = int(torch.cuda.max_memory_reserved(ctx.device))
             elif cpu_activation_bytes is not None or kind == "pipeline":
-                peak = model_state_bytes(engine.model, engine.optimizer) + int(cpu_activation_bytes or 0)
+                peak = model_state_bytes(engine.model, engine.optimizer, full_gradients=kind != "deepspeed") + \
+                    int(cpu_activation_bytes or 0)
             elapsed = time.perf_counter() - t0
             step_times.append(elapsed)
             losses.append(loss_value)

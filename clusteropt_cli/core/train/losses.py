@@ -39,6 +39,7 @@ def _ce_and_grad(logits, labels, ok):  # noqa: ANN001, ANN202 - tensors
 
 
 _KERNELS: dict[str, Any] = {}
+LAST_CHUNK_BUFFER_BYTES = 0  # logits + fp32 copy of the largest chunk of the last call (CPU memory accounting)
 
 
 def _ce_kernel(device_type: str):
@@ -76,6 +77,9 @@ def _fused_linear_cross_entropy_function():
             for start in range(0, n_tokens, chunk_tokens):
                 h = hidden[start : start + chunk_tokens].to(compute_dtype)
                 logits = h @ w.t()
+                global LAST_CHUNK_BUFFER_BYTES
+                LAST_CHUNK_BUFFER_BYTES = max(LAST_CHUNK_BUFFER_BYTES, logits.numel() * (
+                    logits.element_size() + (4 if logits.dtype != torch.float32 else 0)))
                 try:
                     chunk_loss, grad = kernel(logits, labels[start : start + chunk_tokens],
                                               valid[start : start + chunk_tokens])

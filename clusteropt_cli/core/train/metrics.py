@@ -31,12 +31,16 @@ def peak_flops_per_device(precision: str, device_type: str) -> float | None:
     return spec.peak_flops(precision) if spec else None
 
 
-def model_state_bytes(model: Any, optimizer: Any) -> int:
+def model_state_bytes(model: Any, optimizer: Any, full_gradients: bool = False) -> int:
     """Bytes of parameters, gradients and optimizer states held by this process (unique storages; ZeRO-3
-    partitions counted as the local shard)."""
+    partitions counted as the local shard). `full_gradients`: count one gradient per trainable parameter even
+    when it was freed after the step (zero_grad(set_to_none=True)): it exists at the peak, during backward."""
     import torch
 
     seen: dict[int, int] = {}
+    grad_bytes = 0
+    if full_gradients:
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     def add(t: Any) -> None:
         if isinstance(t, torch.Tensor) and t.numel() > 0:
@@ -45,14 +49,16 @@ def model_state_bytes(model: Any, optimizer: Any) -> int:
 
     for p in model.parameters():
         add(getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else p)
-        add(p.grad)
+        if not full_gradients:
+            add(p.grad)
     base = optimizer
     while hasattr(base, "optimizer") and base.optimizer is not base:  # DeepSpeed wrappers → the torch optimizer
         base = base.optimizer
     for group in getattr(base, "param_groups", []):
         for p in group["params"]:
             add(p)
-            add(p.grad)
+            if not full_gradients:
+                add(p.grad)
     for state in getattr(base, "state", {}).values():
         for value in state.values():
             add(value)
@@ -61,17 +67,21 @@ def model_state_bytes(model: Any, optimizer: Any) -> int:
         for t in (value.values() if isinstance(value, dict) else value or []):
             for leaf in (t if isinstance(t, list) else [t]):
                 add(leaf)
-    return int(sum(seen.values()))
+    return int(sum(seen.values())) + grad_bytes
 
 
 class SavedTensorMeter:
-    """Counts the bytes of tensors autograd saves for backward (unique storages) during one forward.
+    """The activation part of the CPU peak (shared_api.md): bytes of the unique non-parameter storages autograd
+    saves for backward during one forward, plus the logits buffers (the logits the LM head returns and their fp32
+    upcast when they are not fp32; for the fused loss, the chunk of logits it holds at once).
 
     With activation checkpointing, the checkpointed layers' inputs are what stays alive; they are counted
-    through forward pre-hooks on the checkpointed layers (`watch_layers`)."""
+    through forward pre-hooks on the checkpointed layers."""
 
     def __init__(self) -> None:
         self.storages: dict[int, int] = {}
+        self.logits_bytes = 0
+        self._params: set[int] = set()
 
     def _add(self, t: Any) -> None:
         import torch
@@ -81,11 +91,16 @@ class SavedTensorMeter:
                 storage = t.untyped_storage()
             except (RuntimeError, NotImplementedError):
                 return
-            self.storages[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in self._params:
+                self.storages[storage.data_ptr()] = storage.nbytes()
+
+    @property
+    def saved_bytes(self) -> int:
+        return int(sum(self.storages.values()))
 
     @property
     def bytes(self) -> int:
-        return int(sum(self.storages.values()))
+        return self.saved_bytes + int(self.logits_bytes)
 
     @contextmanager
     def watch(self, model: Any = None, checkpointed: bool = False):
@@ -99,17 +114,31 @@ class SavedTensorMeter:
             for value in (*args, *kwargs.values()):
                 self._add(value)
 
+        def count_logits(_module: Any, _args: tuple, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                extra = output.numel() * 4 if output.dtype != torch.float32 else 0
+                self.logits_bytes = max(self.logits_bytes, output.numel() * output.element_size() + extra)
+
+        from clusteropt_cli.core.train import losses
+
         handles = []
+        if model is not None:
+            self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            if head is not None:
+                handles.append(head.register_forward_hook(count_logits))
         if checkpointed and model is not None:
             for module in model.modules():
                 if getattr(module, "gradient_checkpointing", False):
                     handles.append(module.register_forward_pre_hook(count_inputs, with_kwargs=True))
+        losses.LAST_CHUNK_BUFFER_BYTES = 0
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 yield self
         finally:
             for h in handles:
                 h.remove()
+            self.logits_bytes = max(self.logits_bytes, losses.LAST_CHUNK_BUFFER_BYTES)
 
 
 class MetricsWriter:
