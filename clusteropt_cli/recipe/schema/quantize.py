@@ -8,36 +8,59 @@ from pydantic import Field, PositiveInt, model_validator
 
 from clusteropt_cli.recipe.schema.base import Prediction, Strict
 
+# Which backend can run which method (the llm-compressor backend runs them all).
+BACKEND_METHODS: dict[str, tuple[str, ...]] = {
+    "llmcompressor": ("awq", "gptq", "fp8", "int8", "rtn"),
+    "gptqmodel": ("awq", "gptq"),
+    "auto-gptq": ("gptq",),
+    "autoawq": ("awq",),
+}
+CALIBRATED_METHODS = ("awq", "gptq", "int8")
+
 
 class QuantizeRecipe(Strict):
     """copt quantize."""
 
     task: Literal["quantize"] = "quantize"
-    model: str
-    output: str | None = None
+    model: str = Field(description="Local Hugging Face model directory (with config.json).")
+    output: str | None = Field(None, description="Output directory (default ./<model>-<method>-w<bits>[g<group>]).")
     method: Literal["awq", "gptq", "fp8", "int8", "rtn"] = "awq"
     bits: Literal[2, 3, 4, 8] | None = Field(
         None, description="Weight bits; default 4 for awq/gptq/rtn, 8 for fp8/int8."
     )
-    group_size: int = Field(128, description="Columns sharing one scale; -1 for per-channel.")
-    symmetric: bool = True
+    group_size: int = Field(128, description="Columns sharing one scale; -1 for per-channel (awq/gptq/rtn).")
+    symmetric: bool = Field(True, description="Symmetric integer weights (no zero point); awq/gptq/rtn.")
     calib: str | None = Field(None, description=".txt (one sample a line) or .jsonl with a text field.")
-    num_samples: PositiveInt = 128
-    seq_len: PositiveInt = 512
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+    num_samples: PositiveInt = Field(128, description="Calibration samples used (the first N of --calib).")
+    seq_len: PositiveInt = Field(512, description="Tokens per calibration sample (longer ones are truncated).")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"],
+                              description="Modules kept in full precision (names or re:regex).")
     backend: Literal["llmcompressor", "gptqmodel", "auto-gptq", "autoawq"] = "llmcompressor"
     eval: str | None = Field(None, description="Text file for perplexity before and after.")
-    compare_rtn: bool = False
+    eval_tokens: PositiveInt = Field(32768, description="At most this many --eval tokens are scored.")
+    compare_rtn: bool = Field(False, description="Also score round-to-nearest at the same bits (needs eval).")
     prediction: Prediction | None = None
 
     @model_validator(mode="after")
     def _check_bits(self) -> QuantizeRecipe:
+        problems = []
         if self.method in ("fp8", "int8") and self.bits not in (None, 8):
-            raise ValueError(f"bits: method {self.method} is W8A8; bits must be 8 (got {self.bits})")
+            problems.append(f"bits: method {self.method} is W8A8; bits must be 8 (got {self.bits})")
         if self.group_size == 0 or self.group_size < -1:
-            raise ValueError("group_size: must be positive or -1 (per-channel)")
+            problems.append("group_size: must be positive or -1 (per-channel)")
+        if self.method not in BACKEND_METHODS[self.backend]:
+            problems.append(f"backend: {self.backend} does not run method {self.method} "
+                            f"(it runs {', '.join(BACKEND_METHODS[self.backend])}; llmcompressor runs all)")
+        if self.compare_rtn and not self.eval:
+            problems.append("compare_rtn: needs eval (a text file to measure perplexity on)")
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @property
     def weight_bits(self) -> int:
         return self.bits or (8 if self.method in ("fp8", "int8") else 4)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method in CALIBRATED_METHODS
