@@ -2,7 +2,8 @@
 launcher) with the same arguments; every rank then calls run_training. No process management of our own.
 
 - one node, N processes: `torchrun --standalone --nproc-per-node N -m clusteropt_cli train ARGS`
-  (or `deepspeed --num_gpus N --module clusteropt_cli train ARGS` with --launcher deepspeed)
+  (or `deepspeed --num_gpus N --no_local_rank --module clusteropt_cli train ARGS` with --launcher deepspeed;
+  ranks read LOCAL_RANK from the environment, so no --local_rank argument is passed)
 - M nodes with a hostfile and the deepspeed launcher: one command on the first host, which starts the others
   over ssh/pdsh: `deepspeed --hostfile H --num_nodes M --num_gpus N --master_addr A --master_port P --module ...`
 - M nodes with torchrun: the same command on every node, meeting at a c10d rendezvous on the first host.
@@ -111,7 +112,7 @@ def plan_launch(options: Any, copt_args: list[str], python: str | None = None) -
         if hosts:
             command += ["--hostfile", str(Path(options.hostfile).resolve()), "--num_nodes", str(options.nodes)]
         command += ["--num_gpus", str(options.gpus), "--master_addr", master_addr, "--master_port", str(port),
-                    "--module", "clusteropt_cli", *copt_args]
+                    "--no_local_rank", "--module", "clusteropt_cli", *copt_args]
         return LaunchPlan("deepspeed", world, options.nodes, options.gpus, command, hosts=hosts,
                           master_addr=master_addr, master_port=port, env=env)
     command = [python, "-m", "torch.distributed.run"]
@@ -127,13 +128,14 @@ def plan_launch(options: Any, copt_args: list[str], python: str | None = None) -
 
 
 def run_launch(plan: LaunchPlan) -> int:
-    """Run the launcher in the foreground (its output passes through) and return its exit code."""
+    """Run the launcher in the foreground and return its exit code. All of its output goes to stderr: stdout is
+    reserved for the result, which the parent reads from the run's train_result.json."""
     import subprocess
 
     env = {**os.environ, **plan.env}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, plan.procs_per_node))))
     try:
-        return subprocess.call(plan.command, env=env)
+        return subprocess.call(plan.command, env=env, stdout=sys.stderr.fileno())
     except FileNotFoundError:
         raise BadInputError(f"The launcher '{plan.command[0]}' is not on PATH.",
                             hint="pip install 'clusteropt-cli[train]' (deepspeed) or use --launcher torchrun") from None
