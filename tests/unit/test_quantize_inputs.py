@@ -1,0 +1,150 @@
+"""copt quantize refuses bad inputs up front: a clear message, a non-zero exit, nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clusteropt_cli.app import main
+from clusteropt_cli.core.quantize.calib import read_calibration_texts, read_eval_text
+from clusteropt_cli.errors import BadInputError
+
+
+def _copt(capsys, *args: str) -> tuple[int, str, str]:
+    """Run the app in process (no subprocess start-up); returns (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A directory that passes the model checks (config.json + a weights file); never loaded by these tests."""
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 128,
+                                                 "intermediate_size": 384, "num_attention_heads": 4}))
+    (path / "model.safetensors").write_bytes(b"\0" * 16)
+    return path
+
+
+@pytest.fixture
+def calib(tmp_path):
+    path = tmp_path / "calib.txt"
+    path.write_text("def f(x):\n    return x + 1\n")
+    return path
+
+
+def _cases(tmp_path, model_dir, calib):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "ok"}\n{"text": \n')
+    no_text = tmp_path / "no_text.jsonl"
+    no_text.write_text('{"prompt": "x"}\n')
+    m = str(model_dir)
+    return {
+        "missing model dir": ([str(tmp_path / "nope"), "--method", "rtn"], 2, "no such directory"),
+        "empty calib": ([m, "--method", "gptq", "--calib", str(empty)], 2, "holds no text samples"),
+        "malformed calib": ([m, "--method", "awq", "--calib", str(broken)], 2, "line 2 is not valid JSON"),
+        "calib without text": ([m, "--method", "awq", "--calib", str(no_text)], 2, "no string 'text' field"),
+        "missing calib file": ([m, "--method", "awq", "--calib", str(tmp_path / "x.txt")], 2, "no such file"),
+        "no calib for awq": ([m, "--method", "awq"], 2, "--calib is required for awq"),
+        "fp8 at 3 bits": ([m, "--method", "fp8", "--bits", "3"], 2, "bits must be 8"),
+        "unknown method": ([m, "--method", "nf4"], 2, "method"),
+        "group does not divide": ([m, "--method", "rtn", "--group-size", "96"], 2, "hidden_size"),
+        "compare-rtn without eval": ([m, "--method", "rtn", "--compare-rtn"], 2, "compare_rtn: needs eval"),
+        "eval file missing": ([m, "--method", "rtn", "--eval", str(tmp_path / "e.txt")], 2, "--eval"),
+        "backend cannot run fp8": ([m, "--method", "fp8", "--backend", "gptqmodel"], 2, "does not run method"),
+        "archived backend absent": ([m, "--method", "gptq", "--backend", "auto-gptq", "--calib", str(calib)], 3,
+                                    "gptqmodel"),
+        "model has no weights": ([str(tmp_path)], 2, "config.json"),
+    }
+
+
+CASE_NAMES = ["missing model dir", "empty calib", "malformed calib", "calib without text", "missing calib file",
+              "no calib for awq", "fp8 at 3 bits", "unknown method", "group does not divide",
+              "compare-rtn without eval", "eval file missing", "backend cannot run fp8", "archived backend absent",
+              "model has no weights"]
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_bad_input_is_refused_before_any_work(case, tmp_path, model_dir, calib, capsys):
+    args, code, needle = _cases(tmp_path, model_dir, calib)[case]
+    if case == "archived backend absent":
+        import importlib.util
+
+        if importlib.util.find_spec("auto_gptq") is not None:
+            pytest.skip("auto-gptq is installed here")
+    out_dir = tmp_path / "out"
+    rc, out, err = _copt(capsys, "quantize", *args, "--output", str(out_dir))
+    assert rc == code, err
+    assert needle in err
+    assert "error:" in err and "hint:" in err and "Traceback" not in err
+    assert out == ""
+    assert not out_dir.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_existing_output_is_not_overwritten(tmp_path, model_dir, capsys):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "keep.txt").write_text("mine")
+    rc, _, err = _copt(capsys, "quantize", str(model_dir), "--method", "rtn", "--output", str(out_dir))
+    assert rc == 2 and "already exists" in err and "--overwrite" in err
+    assert (out_dir / "keep.txt").read_text() == "mine"
+
+
+def test_calibration_files_txt_and_jsonl(tmp_path):
+    txt = tmp_path / "c.txt"
+    txt.write_text("a\n\nb\nc\n")
+    assert read_calibration_texts(txt, 2) == ["a", "b"]
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text('{"text": "x\\ny"}\n\n{"text": ""}\n{"text": "z"}\n')
+    assert read_calibration_texts(jsonl, 10) == ["x\ny", "z"]
+    with pytest.raises(BadInputError, match="not valid JSON"):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text("[1, 2\n")
+        read_calibration_texts(bad, 1)
+    with pytest.raises(BadInputError, match="not UTF-8"):
+        binary = tmp_path / "b.txt"
+        binary.write_bytes(b"\xff\xfe\x00abc")
+        read_calibration_texts(binary, 1)
+    with pytest.raises(BadInputError, match="is empty"):
+        blank = tmp_path / "e.txt"
+        blank.write_text("  \n")
+        read_eval_text(blank)
+
+
+def test_schema_defaults_and_cross_checks():
+    from clusteropt_cli.recipe.load import load_settings
+
+    s = load_settings("quantize", None, None, {"model": "m", "method": "gptq"})
+    assert (s.weight_bits, s.group_size, s.symmetric, s.ignore, s.backend) == (4, 128, True, ["lm_head"],
+                                                                               "llmcompressor")
+    assert load_settings("quantize", None, None, {"model": "m", "method": "fp8"}).weight_bits == 8
+    assert load_settings("quantize", None, ["group_size=64"], {"model": "m", "method": "rtn"}).group_size == 64
+    from clusteropt_cli.errors import RecipeError
+
+    with pytest.raises(RecipeError) as exc:
+        load_settings("quantize", None, None, {"model": "m", "method": "int8", "bits": 4, "group_size": 0,
+                                               "backend": "autoawq"})
+    text = str(exc.value)
+    assert "bits must be 8" in text and "group_size" in text and "autoawq does not run method int8" in text
+
+
+def test_shipped_quantize_recipes_validate():
+    from clusteropt_cli.recipe.load import load_settings
+
+    for name in ("quantize-awq-w4a16", "quantize-gptq-w4a16", "quantize-fp8-w8a8"):
+        settings = load_settings("quantize", name, None, {"model": "/some/model"})
+        assert settings.model == "/some/model"
+
+
+def test_help_lists_every_flag(capsys):
+    rc, out, _ = _copt(capsys, "quantize", "--help")
+    assert rc == 0
+    for flag in ("--method", "--bits", "--group-size", "--symmetric", "--calib", "--num-samples", "--seq-len",
+                 "--ignore", "--backend", "--eval", "--compare-rtn", "--recipe", "--json", "--overwrite"):
+        assert flag in out
