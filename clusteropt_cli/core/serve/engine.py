@@ -100,7 +100,10 @@ class RequestHandle:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event, bool]] = []
 
     # engine side
-    def _push(self, token_ids: list[int], result: GenerationResult | None = None) -> None:
+    def _push(self, token_ids: list[int], result: GenerationResult | None = None,
+              wakes: dict[Any, list[Any]] | None = None) -> None:
+        """Hand new tokens (and the final result) to the consumers. With `wakes`, asyncio consumers are not woken
+        here but collected per event loop, so the engine wakes each loop once per step (`_wake_all`)."""
         with self._cond:
             if token_ids:
                 self._chunks.append(list(token_ids))
@@ -111,6 +114,9 @@ class RequestHandle:
             waiters = [(loop, ev) for loop, ev, final in self._waiters if result is not None or not final]
         for loop, event in waiters:
             if event.is_set():  # the consumer has not run since the last wake-up: no need to wake it again
+                continue
+            if wakes is not None:
+                wakes.setdefault(loop, []).append(event)
                 continue
             try:
                 loop.call_soon_threadsafe(event.set)
@@ -172,8 +178,8 @@ class RequestHandle:
                     chunks = list(self._chunks)
                     self._chunks.clear()
                     finished = self._result is not None
-                for chunk in chunks:
-                    yield chunk
+                if chunks:  # everything that arrived since the last wake-up as one chunk (fewer events when behind)
+                    yield chunks[0] if len(chunks) == 1 else [t for c in chunks for t in c]
                 if finished and not chunks:
                     return
                 if not chunks:
@@ -181,6 +187,20 @@ class RequestHandle:
         finally:
             with self._cond:
                 self._waiters = [w for w in self._waiters if w[1] is not event]
+
+
+def _set_events(events: list[Any]) -> None:
+    for event in events:
+        event.set()
+
+
+def _wake_all(wakes: dict[Any, list[Any]]) -> None:
+    """One call_soon_threadsafe per event loop for all the handles a step touched (not one per token)."""
+    for loop, events in wakes.items():
+        try:
+            loop.call_soon_threadsafe(_set_events, events)
+        except RuntimeError:  # the loop is closed
+            pass
 
 
 class TextStream:
@@ -238,6 +258,18 @@ class EngineStats:
     spec_accepted: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     graphs_captured: int = 0
+    # wall seconds the engine thread spent per phase of its steps (where the time goes; see `phase_report`)
+    phase_s: dict[str, float] = field(default_factory=dict)
+
+    def add_phase(self, name: str, seconds: float) -> None:
+        self.phase_s[name] = self.phase_s.get(name, 0.0) + seconds
+
+    def phase_report(self) -> dict[str, float]:
+        """Seconds per phase plus ms per step (engine steps) — for benchmarks."""
+        out = {k: round(v, 4) for k, v in sorted(self.phase_s.items())}
+        out["steps"] = self.steps
+        out["decode_steps"] = self.decode_steps
+        return out
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -343,6 +375,7 @@ class Engine:
         self._ids = itertools.count()
         self.stats = EngineStats()
         self.error: BaseException | None = None
+        self._wakes: dict[Any, list[Any]] | None = None  # asyncio wake-ups collected during a step
 
     @classmethod
     def from_settings(cls, settings: Any, observer: EngineObserver | None = None, device: str | None = None) -> Engine:
@@ -555,6 +588,7 @@ class Engine:
                 if not self._running and not self._waiting:
                     self._cond.wait(timeout=0.1)
                     continue
+            self._wakes = {}
             try:
                 with torch.inference_mode():
                     self._step()
@@ -565,15 +599,23 @@ class Engine:
                 for seq in list(self._running):
                     self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
                 self._running.clear()
+            finally:
+                wakes, self._wakes = self._wakes, None
+                if wakes:
+                    _wake_all(wakes)
 
     def _step(self) -> None:
         stats = self.stats
+        clock = time.perf_counter
+        t0 = clock()
         # 1. cancellations
-        for seq in [s for s in self._running if s.handle._cancelled]:
-            self._finish(seq, "abort")
-        for seq in [s for s in self._waiting if s.handle._cancelled]:
-            self._waiting.remove(seq)
-            self._finish(seq, "abort")
+        if any(s.handle._cancelled for s in self._running):
+            for seq in [s for s in self._running if s.handle._cancelled]:
+                self._finish(seq, "abort")
+        if any(s.handle._cancelled for s in self._waiting):
+            for seq in [s for s in self._waiting if s.handle._cancelled]:
+                self._waiting.remove(seq)
+                self._finish(seq, "abort")
         # 2. admission into free slots
         while self._waiting and self._free_slots:
             seq = self._waiting.popleft()
@@ -581,31 +623,40 @@ class Engine:
             self._running.append(seq)
         # 3. decode (or speculate) for generating sequences
         decoding = [s for s in self._running if s.out and s.finish_reason is None]
+        t1 = clock()
+        stats.add_phase("schedule", t1 - t0)
         if decoding:
             use_spec = (self.draft_runner is not None or self.config.prompt_lookup) and (
                 len(decoding) <= self.config.speculative_max_batch)
             if use_spec:
                 self._spec_step(decoding)
+                stats.add_phase("speculative", clock() - t1)
             else:
                 self._decode_step(decoding)
         # 4. chunked prefill with the remaining token budget
         budget = max(self.max_batch_tokens - len(decoding), 16)
         chunks = []
         for seq in self._running:
-            if seq.out or seq.finish_reason is not None or budget <= 0:
+            if budget <= 0:
+                break
+            if seq.out or seq.finish_reason is not None:
                 continue
             n = min(len(seq.prompt) - seq.num_computed, budget)
             chunks.append((seq, n))
             budget -= n
         if chunks:
             self._prefill_step(chunks)
+        t2 = clock()
         stats.steps += 1
         stats.running = len(self._running)
         stats.waiting = len(self._waiting) + len(self._incoming)
         used = sum(s.length for s in self._running)
         stats.kv_cache_usage = used / max(1, stats.kv_cache_tokens)
+        stats.add_phase("bookkeeping", clock() - t2)
 
     def _prefill_step(self, chunks: list[tuple[_Seq, int]]) -> None:
+        clock = time.perf_counter
+        t0 = clock()
         packed, wanted, done = [], [], []
         for seq, n in chunks:
             start = seq.num_computed
@@ -615,25 +666,44 @@ class Engine:
             if last:
                 done.append(seq)
         logits = self.runner.forward_packed(packed, wanted)
+        if self.runner.device.type == "cuda":  # attribute the prefill's GPU time to prefill (one sync per chunk step)
+            import torch
+
+            torch.cuda.synchronize()
         for seq, n in chunks:
             seq.num_computed += n
         self.stats.prefill_chunks += len(chunks)
         self.stats.prompt_tokens += sum(n for _, n in chunks)
+        t1 = clock()
+        self.stats.add_phase("prefill_forward", t1 - t0)
         if done:
             self._suppress_early_stops(logits, done)
-            for seq, tok in zip(done, self._sample(logits, done), strict=True):
+            tokens = self._sample(logits, done)
+            t2 = clock()
+            self.stats.add_phase("prefill_sample_sync", t2 - t1)
+            for seq, tok in zip(done, tokens, strict=True):
                 self._emit(seq, [tok])
+            self.stats.add_phase("emit", clock() - t2)
 
     def _decode_step(self, seqs: list[_Seq]) -> None:
+        clock = time.perf_counter
+        t0 = clock()
         logits = self.runner.forward_decode([s.slot for s in seqs], [s.length - 1 for s in seqs],
                                             [s.last_token() for s in seqs])
         for s in seqs:
             s.num_computed += 1
+        t1 = clock()
         self._suppress_early_stops(logits, seqs)
         tokens = self._sample(logits, seqs)
+        t2 = clock()
         self.stats.decode_steps += 1
         for seq, tok in zip(seqs, tokens, strict=True):
             self._emit(seq, [tok])
+        t3 = clock()
+        stats = self.stats
+        stats.add_phase("decode_forward", t1 - t0)
+        stats.add_phase("decode_sample_sync", t2 - t1)
+        stats.add_phase("emit", t3 - t2)
 
     def _suppress_early_stops(self, logits, seqs: list[_Seq]) -> None:
         from clusteropt_cli.core.serve.sampling import suppress
@@ -771,7 +841,7 @@ class Engine:
         if seq.finish_reason is not None:
             self._finish(seq, seq.finish_reason, pushed=new)
         elif new:
-            seq.handle._push(new)
+            seq.handle._push(new, wakes=self._wakes)
 
     def _hit_stop_string(self, seq: _Seq) -> bool:
         text = self.tokenizer.decode(seq.out, skip_special_tokens=True)
@@ -800,7 +870,7 @@ class Engine:
             stop_reason=seq.stop_reason, ttft_s=(seq.t_first - seq.t_arrival) if seq.t_first else None,
             latency_s=now - seq.t_arrival, spec_drafted=seq.drafted, spec_accepted=seq.accepted, error=error)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-        seq.handle._push(pushed or [], result)
+        seq.handle._push(pushed or [], result, wakes=self._wakes)
         try:
             self.observer.on_finish(result)
         except Exception:  # noqa: BLE001 - metrics must never break generation

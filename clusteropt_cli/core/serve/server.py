@@ -106,6 +106,11 @@ class _EngineCollector:
             ("copt_spec_decode_accepted_tokens", "Draft tokens accepted", s.spec_accepted),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        phases = CounterMetricFamily("copt_engine_phase_seconds", "Engine-thread wall time per step phase",
+                                     labels=["phase"])
+        for phase, seconds in sorted(dict(s.phase_s).items()):
+            phases.add_metric([phase], seconds)
+        yield phases
         finished = CounterMetricFamily("copt_request_finished", "Finished requests by reason", labels=["reason"])
         for reason, count in sorted(s.finished.items()):
             finished.add_metric([reason], count)
