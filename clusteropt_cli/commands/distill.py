@@ -98,6 +98,52 @@ def _library_output_to_stderr():
     return contextlib.redirect_stdout(sys.stderr)
 
 
+def _run_maybe_launched(settings: Any, subcommand: str, overwrite: bool, run_here: Any) -> Any:
+    """Run in this process, or (--gpus/--nodes > 1) relaunch copt under copt train's launcher (torchrun or
+    deepspeed) with the same arguments; every rank runs `run_here`, the parent reads distill_result.json."""
+    import json
+    import shutil
+    import sys
+
+    from clusteropt_cli import console
+    from clusteropt_cli.core.distill.logits import RESULT_FILE, prepare_output_dir
+    from clusteropt_cli.core.train.launch import is_launched_child, plan_launch, run_launch
+    from clusteropt_cli.errors import CoptError
+
+    if is_launched_child():
+        run_here()
+        return None
+    out = Path(settings.output)
+    argv = sys.argv[1:] if "distill" in sys.argv[1:] else ["distill", subcommand] + [
+        f"{k}={v}" for k, v in settings.model_dump(exclude_none=True, exclude={"task", "prediction", "mode"}).items()]
+    plan = plan_launch(settings, argv)
+    if plan.launcher == "none":
+        return run_here()
+    if not settings.resume:
+        if overwrite and out.exists():
+            shutil.rmtree(out)
+        prepare_output_dir(out, overwrite=False, resume=False)
+    console.log(f"launching {plan.world_size} processes with {plan.launcher}: {plan.shell}")
+    code = run_launch(plan)
+    if code != 0:
+        raise CoptError(f"The distillation processes exited with code {code} (their errors are printed above).",
+                        hint="fix the error above; with --save-every, rerun with --resume to continue")
+    return json.loads((out / RESULT_FILE).read_text())
+
+
+def _is_rank() -> bool:
+    from clusteropt_cli.core.train.launch import is_launched_child
+
+    return is_launched_child()
+
+
+class _Obj:
+    """Attribute access over a result dict (a dataclass here, or distill_result.json from a launched run)."""
+
+    def __init__(self, data: dict[str, Any]):
+        self.__dict__.update(data)
+
+
 def _fmt(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -155,13 +201,19 @@ def logits(
     settings = load_settings("distill", recipe, overrides, values)
     out_dir = _require_output(settings)
     check_logits_inputs(settings)  # every input problem before any model is loaded
-    if out_dir.exists() and not settings.resume and not overwrite:
+    if out_dir.exists() and not settings.resume and not overwrite and not _is_rank():
         prepare_output_dir(out_dir, overwrite=False, resume=False)
-    with _library_output_to_stderr(), _progress_callbacks(f"distill {settings.loss}") as callbacks:
-        result = distill_logits(settings, output_dir=out_dir, overwrite=overwrite, callbacks=callbacks)
+    def run_here() -> Any:
+        with _library_output_to_stderr(), _progress_callbacks(f"distill {settings.loss}") as callbacks:
+            return distill_logits(settings, output_dir=out_dir, overwrite=overwrite, callbacks=callbacks)
+
+    result = _run_maybe_launched(settings, "logits", overwrite, run_here)
+    if result is None:  # a rank under a launcher: the parent renders
+        return
     if json_out:
         console.print_json(result)
         return
+    result = _Obj(console.to_jsonable(result))
     train = result.train
     rows = [("output", result.output), ("teacher", result.teacher), ("student", result.student),
             ("loss", f"{result.loss} (T={result.temperature:g}, alpha={result.alpha:g}"
@@ -270,13 +322,19 @@ def sft(
                                  lr, zero, offload, gpus, save_every, resume, seed)}
     settings = load_settings("distill", recipe, overrides, values)
     out_dir = _require_output(settings)
-    if out_dir.exists() and not settings.resume and not overwrite:
+    if out_dir.exists() and not settings.resume and not overwrite and not _is_rank():
         prepare_output_dir(out_dir, overwrite=False, resume=False)
-    with _library_output_to_stderr(), _progress_callbacks("distill sft") as callbacks:
-        result = distill_sft(settings, output_dir=out_dir, overwrite=overwrite, callbacks=callbacks)
+    def run_here() -> Any:
+        with _library_output_to_stderr(), _progress_callbacks("distill sft") as callbacks:
+            return distill_sft(settings, output_dir=out_dir, overwrite=overwrite, callbacks=callbacks)
+
+    result = _run_maybe_launched(settings, "sft", overwrite, run_here)
+    if result is None:
+        return
     if json_out:
         console.print_json(result)
         return
+    result = _Obj(console.to_jsonable(result))
     train = result.train
     rows = [("output", result.output), ("student", result.student), ("traces", result.traces),
             ("examples", f"{result.examples} ({result.dropped} dropped: prompt longer than --seq-len)"),

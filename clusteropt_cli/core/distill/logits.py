@@ -7,6 +7,7 @@ runs the teacher (eval mode, no gradients, optionally in lower precision) and mi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,9 +21,33 @@ if TYPE_CHECKING:
 
 
 def pick_device() -> str:
+    """cuda:LOCAL_RANK under a launcher, cuda on one GPU, else cpu."""
+    import os
+
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+
+
+RESULT_FILE = "distill_result.json"
+
+
+def is_main_process() -> bool:
+    import os
+
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def write_result(output_dir: Path, result: Any) -> None:
+    """distill_result.json next to the model (rank 0): what the parent of a multi-process run renders."""
+    import dataclasses
+
+    from clusteropt_cli.core.io import atomic_write_text
+
+    if is_main_process():
+        atomic_write_text(Path(output_dir) / RESULT_FILE, json.dumps(dataclasses.asdict(result), indent=2))
 
 
 def torch_dtype(name: str, device: str, precision: str = "fp32") -> Any:
@@ -183,7 +208,10 @@ def distill_logits(settings: DistillRecipe, *, output_dir: Path, overwrite: bool
     eval_text = eval_text or settings.eval_data
     if eval_text is not None and not Path(eval_text).is_file():
         raise BadInputError(f"--eval-data {eval_text} does not exist.", hint="Pass a held-out .txt/.jsonl file.")
-    prepare_output_dir(output_dir, overwrite=overwrite, resume=settings.resume)
+    from clusteropt_cli.core.train.launch import is_launched_child
+
+    if not is_launched_child():  # under a launcher the parent prepared it
+        prepare_output_dir(output_dir, overwrite=overwrite, resume=settings.resume)
     tokenizer = load_tokenizer(Path(settings.teacher))
     dataset = build_text_dataset(settings.data, tokenizer, settings.seq_len)
     device = pick_device()
@@ -207,6 +235,7 @@ def distill_logits(settings: DistillRecipe, *, output_dir: Path, overwrite: bool
     if eval_blocks is not None:
         trained = load_causal_lm(output_dir, "fp32", device)
         result.eval_kl_after = mean_kl_to_teacher(trained, teacher, eval_blocks, shared_logits=shared)
+    write_result(output_dir, result)
     return result
 
 

@@ -138,6 +138,7 @@ def distill_sft(settings: Any, *, output_dir: Any, overwrite: bool = False, call
         pick_device,
         prepare_output_dir,
         resolve_student,
+        write_result,
     )
     from clusteropt_cli.core.distill.traces import iter_kept, read_traces
     from clusteropt_cli.core.distill.vocab import has_tokenizer, load_tokenizer
@@ -153,7 +154,10 @@ def distill_sft(settings: Any, *, output_dir: Any, overwrite: bool = False, call
         raise BadInputError(f"--student {settings.student} has no tokenizer files.",
                             hint="SFT renders the traces with the student's chat template: pass a model directory "
                                  "that holds its tokenizer.")
-    prepare_output_dir(Path(output_dir), overwrite=overwrite, resume=settings.resume)
+    from clusteropt_cli.core.train.launch import is_launched_child
+
+    if not is_launched_child():  # under a launcher the parent prepared it
+        prepare_output_dir(Path(output_dir), overwrite=overwrite, resume=settings.resume)
     tokenizer = load_tokenizer(tokenizer_dir)
     dataset = build_sft_dataset(rows, tokenizer, settings.seq_len)
     eval_set = build_sft_dataset(eval_rows, tokenizer, settings.seq_len) if eval_rows else None
@@ -170,4 +174,5 @@ def distill_sft(settings: Any, *, output_dir: Any, overwrite: bool = False, call
     result.steps = int(train.steps)
     if eval_set is not None:
         result.eval_loss_after = completion_loss(load_causal_lm(output_dir, "fp32", device), eval_set)
+    write_result(Path(output_dir), result)
     return result
