@@ -88,6 +88,24 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.transpose(1, 2), None
 
 
+_SDPA_BACKENDS: list[Any] | None = None
+
+
+def _sdpa_backends():
+    """Flash / memory-efficient / math SDPA, never cuDNN.
+
+    On Hopper with a recent cuDNN, torch puts cuDNN attention first, and cuDNN builds (tens of ms of host time)
+    and caches an execution graph per distinct (batch, query length, key length): every packed prefill segment
+    has its own length, so prefill would spend seconds building graphs. Flash/efficient kernels take any shape.
+    """
+    global _SDPA_BACKENDS
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if _SDPA_BACKENDS is None:
+        _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(_SDPA_BACKENDS)
+
+
 def register_attention() -> None:
     """Make `copt_slots` a valid transformers attention implementation (idempotent)."""
     from transformers import AttentionInterface
@@ -193,7 +211,8 @@ class ModelRunner:
 
     # ---- forwards ----------------------------------------------------------------------------------------
     def _hidden(self, input_ids, position_ids, step: StepContext):
-        out = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, copt_step=step)
+        with _sdpa_backends():
+            out = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, copt_step=step)
         return out.last_hidden_state
 
     def forward_packed(self, chunks: list[tuple[int, int, list[int]]], logits_for: list[list[int]]):
