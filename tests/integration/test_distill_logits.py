@@ -102,3 +102,18 @@ def test_cli_json_output_and_refuses_existing_output(fixtures, tmp_path, copt):
     assert model.config.vocab_size == 1024
     again = copt(*args)
     assert again.returncode == 2 and "--overwrite" in again.stderr
+
+
+def test_save_and_resume_through_the_train_loop(fixtures, tmp_path):
+    from clusteropt_cli.errors import BadInputError
+
+    budget = {**BUDGET, "max_steps": 4, "seq_len": 32, "micro_batch": 4, "save_every": 2}
+    first = run(fixtures, tmp_path, "out", budget=budget, eval_text=False, alpha=0.5)
+    assert first.steps == 4 and (tmp_path / "out" / "checkpoints" / "step-2").is_dir()
+    with pytest.raises(BadInputError) as info:  # an existing output is never clobbered silently
+        run(fixtures, tmp_path, "out", budget=budget, eval_text=False, alpha=0.5)
+    assert "--resume" in info.value.hint
+    resumed = run(fixtures, tmp_path, "out", budget={**budget, "resume": True}, eval_text=False, alpha=0.5)
+    assert resumed.train["resumed_from"] == 2 and resumed.train["start_step"] == 2 and resumed.steps == 2
+    result = json.loads((tmp_path / "out" / "distill_result.json").read_text())
+    assert result["train"]["resumed_from"] == 2
