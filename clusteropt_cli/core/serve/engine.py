@@ -24,6 +24,7 @@ instead when few sequences run), and (4) spends the rest of the `max_batch_token
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import threading
 import time
@@ -459,7 +460,7 @@ class Engine:
         self.stats.graphs_captured = self.runner.capture_graphs(slots)
         self.eos_ids = self._eos_ids()
         self.model_name = cfg.model
-        self._free_slots = list(range(slots - 1, -1, -1))
+        self._free_slots = list(range(slots))  # a min-heap: lowest slot first keeps decode batches small
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(0)
         self._loaded = True
@@ -619,7 +620,7 @@ class Engine:
         # 2. admission into free slots
         while self._waiting and self._free_slots:
             seq = self._waiting.popleft()
-            seq.slot = self._free_slots.pop()
+            seq.slot = heapq.heappop(self._free_slots)
             self._running.append(seq)
         # 3. decode (or speculate) for generating sequences
         decoding = [s for s in self._running if s.out and s.finish_reason is None]
@@ -859,7 +860,7 @@ class Engine:
         if seq in self._running:
             self._running.remove(seq)
         if seq.slot >= 0:
-            self._free_slots.append(seq.slot)
+            heapq.heappush(self._free_slots, seq.slot)
             seq.slot = -1
         text = seq.text
         if text is None and getattr(self, "tokenizer", None) is not None:

@@ -6,8 +6,9 @@ and we (1) write key/value into a per-slot static cache and (2) attend over the 
 
 * packed steps: the tokens of several sequences (prefill chunks, speculative verification windows) are
   concatenated into one `[1, T]` row; each segment attends causally to its own slot only;
-* decode steps: `[B, 1]` with one token per running sequence, static shapes, so that on CUDA a step is
-  captured once per batch-size (and context-length) bucket and replayed as a CUDA graph.
+* decode steps: `[B, 1]` with row i = slot i for slots 0..B-1 (slots not decoding write a scratch column and are
+  ignored), so attention reads the cache in place; static shapes, so that on CUDA a step is captured once per
+  slot-count (and context-length) bucket and replayed as a CUDA graph. Slots are handed out lowest first.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class StepContext:
     mode: str  # "packed" or "decode"
     segments: list[Segment] = field(default_factory=list)
     masks: list[Any] = field(default_factory=list)  # packed: per-segment bool mask or None (pure causal)
-    slot_ids: Any = None  # decode: [B] long
-    positions: Any = None  # decode: [B] long
+    slot_ids: Any = None  # decode: [B] long, arange(B) (row i is slot i)
+    positions: Any = None  # decode: [B] long (the scratch column for rows whose slot is not decoding)
     mask: Any = None  # decode: [B, 1, 1, L] bool
     kv_len: int = 0  # decode: L, the context bucket
 
@@ -56,11 +57,12 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
     num_heads, head_dim = query.shape[1], query.shape[-1]
     kv_heads = key.shape[1]
     if step.mode == "decode":
+        # slot-major: row i is slot i, so the cache is attended in place (a view, no per-step gather of K/V)
         batch = query.shape[0]
         k_cache[step.slot_ids, :, step.positions] = key[:, :, 0]
         v_cache[step.slot_ids, :, step.positions] = value[:, :, 0]
-        keys = k_cache[:, :, : step.kv_len].index_select(0, step.slot_ids)
-        values = v_cache[:, :, : step.kv_len].index_select(0, step.slot_ids)
+        keys = k_cache[:batch, :, : step.kv_len]
+        values = v_cache[:batch, :, : step.kv_len]
         # one query per sequence: fold the GQA group into the query-length axis (no K/V repeat needed)
         q = query.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, scale=scaling)
@@ -193,8 +195,9 @@ class ModelRunner:
         import torch
 
         self.num_slots = int(num_slots)
-        self.scratch_slot = self.num_slots  # padding rows of a decode graph write here
-        shape = (self.num_slots + 1, self.kv_heads, self.max_len, self.head_dim)
+        self.scratch_slot = self.num_slots
+        self.scratch_pos = self.max_len  # decode rows of slots that are not decoding write this column
+        shape = (self.num_slots + 1, self.kv_heads, self.max_len + 1, self.head_dim)
         self.caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                         torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
 
@@ -255,30 +258,40 @@ class ModelRunner:
                 return size
         return self.max_len
 
-    def _decode_eager(self, input_ids, positions, slot_ids, kv_len: int):
+    def _decode_eager(self, input_ids, positions, kv_len: int):
+        """Decode rows 0..B-1 = slots 0..B-1 (B = len(input_ids)); returns float32 logits [B, V]."""
         import torch
 
+        rows = torch.arange(input_ids.shape[0], device=self.device)
         mask = (torch.arange(kv_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
-        step = StepContext(caches=self.caches, mode="decode", slot_ids=slot_ids, positions=positions, mask=mask,
+        step = StepContext(caches=self.caches, mode="decode", slot_ids=rows, positions=positions, mask=mask,
                            kv_len=kv_len)
         hidden = self._hidden(input_ids[:, None], positions[:, None], step)
         return self.lm_head(hidden[:, -1]).float()
 
     def forward_decode(self, slots: list[int], positions: list[int], tokens: list[int]):
-        """One token for each of len(slots) sequences; returns float32 logits [B, V]."""
+        """One token for each of len(slots) sequences; returns float32 logits [len(slots), V] in that order."""
         import torch
 
-        batch = len(slots)
+        n = len(slots)
+        rows = max(slots) + 1
         kv_len = self._kv_bucket(max(positions))
         with torch.inference_mode():
+            logits = None
             if self.use_graphs:
-                graph = self._graph_for(batch, kv_len)
+                graph = self._graph_for(rows, kv_len)
                 if graph is not None:
-                    return graph.run(slots, positions, tokens)[:batch]
-            dev = self.device
-            return self._decode_eager(torch.tensor(tokens, dtype=torch.long, device=dev),
-                                      torch.tensor(positions, dtype=torch.long, device=dev),
-                                      torch.tensor(slots, dtype=torch.long, device=dev), kv_len)
+                    logits = graph.run(slots, positions, tokens)
+            if logits is None:
+                ids = torch.zeros(rows, dtype=torch.long)
+                pos = torch.full((rows,), self.scratch_pos, dtype=torch.long)
+                index = torch.tensor(slots, dtype=torch.long)
+                ids[index] = torch.tensor(tokens, dtype=torch.long)
+                pos[index] = torch.tensor(positions, dtype=torch.long)
+                logits = self._decode_eager(ids.to(self.device), pos.to(self.device), kv_len)
+            if rows == n and slots[0] == 0 and slots == sorted(slots):  # rows already in slot order
+                return logits[:n]
+            return logits.index_select(0, torch.tensor(slots, dtype=torch.long, device=self.device))
 
     # ---- CUDA graphs -------------------------------------------------------------------------------------
     def _graph_for(self, batch: int, kv_len: int) -> _DecodeGraph | None:
@@ -324,7 +337,7 @@ class ModelRunner:
 
 
 class _DecodeGraph:
-    """One captured decode step for a fixed (batch bucket, context bucket); padding rows use the scratch slot."""
+    """One captured decode step over slots 0..batch-1 for a fixed context bucket."""
 
     def __init__(self, runner: ModelRunner, batch: int, kv_len: int):
         import torch
@@ -332,35 +345,29 @@ class _DecodeGraph:
         self.runner, self.batch = runner, batch
         dev = runner.device
         self.input_ids = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.slot_ids = torch.full((batch,), runner.scratch_slot, dtype=torch.long, device=dev)
-        self.host = torch.zeros(3, batch, dtype=torch.long).pin_memory()
+        self.positions = torch.full((batch,), runner.scratch_pos, dtype=torch.long, device=dev)
+        self.host = torch.zeros(2, batch, dtype=torch.long).pin_memory()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up kernels / allocator outside the capture
-                runner._decode_eager(self.input_ids, self.positions, self.slot_ids, kv_len)
+                runner._decode_eager(self.input_ids, self.positions, kv_len)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=runner._graph_pool):
-            self.logits = runner._decode_eager(self.input_ids, self.positions, self.slot_ids, kv_len)
+            self.logits = runner._decode_eager(self.input_ids, self.positions, kv_len)
 
     def run(self, slots: list[int], positions: list[int], tokens: list[int]):
         import torch
 
-        n = len(slots)
-        pad = self.batch - n
         host = self.host
-        host[0, :n] = torch.tensor(tokens, dtype=torch.long)
-        host[1, :n] = torch.tensor(positions, dtype=torch.long)
-        host[2, :n] = torch.tensor(slots, dtype=torch.long)
-        if pad:
-            host[0, n:] = 0
-            host[1, n:] = 0
-            host[2, n:] = self.runner.scratch_slot
+        host[0].zero_()
+        host[1].fill_(self.runner.scratch_pos)
+        index = torch.tensor(slots, dtype=torch.long)
+        host[0, index] = torch.tensor(tokens, dtype=torch.long)
+        host[1, index] = torch.tensor(positions, dtype=torch.long)
         self.input_ids.copy_(host[0], non_blocking=True)
         self.positions.copy_(host[1], non_blocking=True)
-        self.slot_ids.copy_(host[2], non_blocking=True)
         self.graph.replay()
         return self.logits
 
