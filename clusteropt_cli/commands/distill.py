@@ -200,9 +200,9 @@ def logits(
                                  lr, zero, offload, gpus, save_every, resume, seed)}
     settings = load_settings("distill", recipe, overrides, values)
     out_dir = _require_output(settings)
-    check_logits_inputs(settings)  # every input problem before any model is loaded
     if out_dir.exists() and not settings.resume and not overwrite and not _is_rank():
         prepare_output_dir(out_dir, overwrite=False, resume=False)
+    check_logits_inputs(settings)  # every input problem before any model is loaded
     def run_here() -> Any:
         with _library_output_to_stderr(), _progress_callbacks(f"distill {settings.loss}") as callbacks:
             return distill_logits(settings, output_dir=out_dir, overwrite=overwrite, callbacks=callbacks)

@@ -111,8 +111,6 @@ def test_traces_cli_resumes_and_skips_done_prompts(fixtures, tmp_path, copt):
     after = out.read_text()
     assert after.startswith(before)  # earlier traces untouched
     assert [r["prompt_id"] for r in read_jsonl(out)] == ["x", "x", "y", "y", "z", "z"]
-    changed = copt(*args[:-1], "--samples", "3", "--json")
-    assert changed.returncode == 2 and "samples" in changed.stderr and "--overwrite" in changed.stderr
 
 
 def test_sft_lowers_the_students_loss_on_held_out_traces(fixtures, teacher_traces, tmp_path):
