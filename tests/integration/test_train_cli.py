@@ -54,7 +54,9 @@ def single_process_losses(fixtures, tmp_path_factory):
                          ids=["zero2", "zero3-offload"])
 def test_zero_with_two_processes(copt, fixtures, tmp_path, single_process_losses, zero_args):
     out = tmp_path / "out"
-    result = _run(copt, _common(fixtures, out, micro_batch=2, extra=["--gpus", "2", *zero_args]))
+    zero3 = "--offload" in zero_args
+    extra = ["--gpus", "2", *zero_args, *(["--save-every", "3"] if zero3 else [])]
+    result = _run(copt, _common(fixtures, out, micro_batch=2, extra=extra))
     assert result["world_size"] == 2 and result["engine"].startswith(f"deepspeed-zero{zero_args[1]}")
     assert result["final_loss"] < result["first_loss"] - 0.15
     # 2 ranks × 2 sequences = the single process's 4: the same curve
@@ -67,6 +69,10 @@ def test_zero_with_two_processes(copt, fixtures, tmp_path, single_process_losses
 
     model = AutoModelForCausalLM.from_pretrained(out)  # ZeRO-3 partitions were gathered for the save
     assert sum(p.numel() for p in model.parameters()) == 229696
+    if zero3:  # DeepSpeed's partitioned checkpoint of step 3 resumes onto the same curve
+        resumed = _run(copt, _common(fixtures, out, micro_batch=2, extra=[*extra, "--resume"]))
+        assert resumed["resumed_from"] == 3
+        assert resumed["losses"] == pytest.approx(result["losses"][3:], abs=1e-6)
 
 
 @pytest.mark.slow
