@@ -136,6 +136,56 @@ def reference_tokens(model, prompts: list[list[int]], n: int) -> list[list[int]]
     return out
 
 
+# ---- where the engine thread's time goes ---------------------------------------------------------------
+def phase_mark(engine) -> tuple[dict[str, float], int, int]:
+    s = engine.stats
+    return dict(s.phase_s), s.steps, s.decode_steps
+
+
+def phase_delta(engine, mark: tuple[dict[str, float], int, int]) -> dict:
+    """Engine-thread seconds per phase since `mark`, plus steps: decode_forward = host launch of the decode graph,
+    decode_sample_sync = waiting for the GPU + sampling, prefill_forward = packed prefill incl. its GPU time,
+    emit = handing tokens to requests (stop checks, streaming wake-ups)."""
+    before, steps, dsteps = mark
+    s = engine.stats
+    return phases_from({k: v - before.get(k, 0.0) for k, v in s.phase_s.items()}, s.steps - steps,
+                       s.decode_steps - dsteps)
+
+
+def phases_from(seconds: dict[str, float], steps: int, decode_steps: int) -> dict:
+    return {"steps": steps, "decode_steps": decode_steps, "seconds": {k: round(v, 4) for k, v in seconds.items()},
+            "ms_per_step": {k: round(1000 * v / max(1, steps), 3) for k, v in seconds.items()}}
+
+
+def server_phases(url: str) -> tuple[dict[str, float], float, float]:
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    phases, steps, dsteps = {}, 0.0, 0.0
+    for line in text.splitlines():
+        if line.startswith("copt_engine_phase_seconds_total{"):
+            phases[line.split('"')[1]] = float(line.split()[-1])
+        elif line.startswith("copt_engine_steps_total "):
+            steps = float(line.split()[-1])
+    return phases, steps, dsteps
+
+
+def server_phase_delta(url: str, mark: tuple[dict[str, float], float, float]) -> dict:
+    now, steps, _ = server_phases(url)
+    return phases_from({k: v - mark[0].get(k, 0.0) for k, v in now.items()}, int(steps - mark[1]), 0)
+
+
+def print_phases(name: str, ph: dict | None) -> None:
+    if not ph or "seconds" not in ph:
+        return
+    total = sum(ph["seconds"].values())
+    wall = ph.get("wall_s") or ph.get("wall_s_client")
+    parts = ", ".join(f"{k} {v:.2f}s ({ph['ms_per_step'][k]:.2f} ms/step)"
+                      for k, v in sorted(ph["seconds"].items(), key=lambda kv: -kv[1]) if v >= 0.005)
+    of_wall = f" of {wall:.2f} s wall" if wall else ""
+    print(f"  phases {name}: {ph['steps']} steps, {total:.2f} s on the engine thread{of_wall}: {parts}")
+
+
 # ---- in-process engine ---------------------------------------------------------------------------------
 def bench_engine(model_dir: Path, prompts: list[list[int]], reference: list[list[int]], cuda_graphs: bool) -> dict:
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
@@ -148,21 +198,27 @@ def bench_engine(model_dir: Path, prompts: list[list[int]], reference: list[list
     try:
         reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=OUT_TOKENS, ignore_eos=True) for p in prompts]
         engine.generate(reqs[:8])  # warm-up
+        mark = phase_mark(engine)
         t0 = time.perf_counter()
         results = engine.generate(reqs)
         wall = time.perf_counter() - t0
+        phases = phase_delta(engine, mark)
+        phases["wall_s"] = round(wall, 3)
         tokens = sum(r.num_output_tokens for r in results)
         check = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=len(ref), ignore_eos=True)
                                  for p, ref in zip(prompts[: len(reference)], reference, strict=True)])
         first = [r.output_ids[:1] == ref[:1] for r, ref in zip(check, reference, strict=True)]
         full = [r.output_ids == ref for r, ref in zip(check, reference, strict=True)]
         per_token = []
+        mark = phase_mark(engine)
         for _ in range(3):
             r = engine.generate([GenerationRequest(prompt_ids=prompts[0][:32], max_new_tokens=256,
                                                    ignore_eos=True)])[0]
             per_token.append((r.latency_s - r.ttft_s) / (r.num_output_tokens - 1))
+        phases_b1 = phase_delta(engine, mark)
         ttfts = [r.ttft_s for r in results]
         return {"startup_s": startup, "graphs": engine.stats.graphs_captured, "slots": engine.num_slots,
+                "phases": phases, "phases_batch1": phases_b1,
                 "graph_error": engine.runner.graph_error,
                 "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
                 "ttft_s": percentiles(ttfts), "batch1_ms_per_token": 1000 * sorted(per_token)[1],
@@ -258,14 +314,19 @@ def bench_http(model_dir: Path, prompts: list[list[int]]) -> dict:
         asyncio.run(_load(url, prompts[:16], 16, True))  # warm-up
         for name, stream in (("http_stream", True), ("http_plain", False)):
             try:
+                mark = server_phases(url)
                 out[name] = asyncio.run(_load(url, prompts, OUT_TOKENS, stream))
+                out[name]["phases"] = server_phase_delta(url, mark)
+                out[name]["phases"]["wall_s_client"] = round(out[name]["wall_s"], 3)
                 log(f"{name}: {out[name]['output_tokens_per_s']:.0f} tok/s")
             except Exception as exc:  # noqa: BLE001
                 out[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         try:
+            mark = server_phases(url)
             runs = [asyncio.run(_load(url, [prompts[1][:32]], 256, True)) for _ in range(3)]
             ms = sorted(1000 * r["tpot_s"]["p50"] for r in runs)
-            out["http_batch1"] = {"ms_per_token": ms[1], "runs_ms": ms, "ttft_s": runs[1]["ttft_s"]["p50"]}
+            out["http_batch1"] = {"ms_per_token": ms[1], "runs_ms": ms, "ttft_s": runs[1]["ttft_s"]["p50"],
+                                  "phases": server_phase_delta(url, mark)}
         except Exception as exc:  # noqa: BLE001
             out["http_batch1"] = {"error": f"{type(exc).__name__}: {exc}"}
         metrics = httpx.get(url + "/metrics", timeout=10).text
@@ -360,6 +421,16 @@ def main() -> None:
         print(f"http_stream ITL  p50/p90/p99 (ms): {1e3 * i['p50']:.2f} / {1e3 * i['p90']:.2f} / {1e3 * i['p99']:.2f}")
     print(f"batch-1 decode ms/token: engine {b1_engine and f'{b1_engine:.2f}'}, "
           f"http {b1_http and f'{b1_http:.2f}'}, floor {floor_ms:.2f}")
+    eng = results.get("engine", {})
+    if "ttft_s" in eng:
+        print(f"engine: startup {eng['startup_s']:.1f} s, {eng['graphs']} graphs"
+              f"{' (capture error: ' + str(eng['graph_error']) + ')' if eng.get('graph_error') else ''}, "
+              f"TTFT p50/p99 {eng['ttft_s']['p50']:.3f}/{eng['ttft_s']['p99']:.3f} s, "
+              f"HF agreement {eng['hf_agreement']}")
+    print_phases("engine (all requests)", eng.get("phases"))
+    print_phases("engine (batch 1)", eng.get("phases_batch1"))
+    for name in ("http_stream", "http_plain", "http_batch1"):
+        print_phases(f"server {name}", results.get(name, {}).get("phases"))
     print(f"results: {args.out}")
     import shutil
 
