@@ -44,6 +44,12 @@ def _tail_log_mass(log_probs_topk: torch.Tensor) -> torch.Tensor:
     return torch.log((-torch.expm1(covered)).clamp(min=1e-30))
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / T, without a copy when they are fp32 already and T is 1 (vocab-sized tensors are large)."""
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def teacher_topk(teacher_logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher's k most likely tokens: (log-probs at temperature T over the full vocabulary, indices).
 
@@ -51,7 +57,7 @@ def teacher_topk(teacher_logits: torch.Tensor, k: int, temperature: float = 1.0)
     """
     import torch
 
-    log_probs = torch.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    log_probs = torch.log_softmax(_scaled(teacher_logits, temperature), dim=-1)
     values, indices = torch.topk(log_probs, k=min(k, log_probs.size(-1)), dim=-1)
     return values, indices
 
@@ -95,11 +101,11 @@ def per_token_divergence(
     """
     import torch
 
-    log_q_full = torch.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_q_full = torch.log_softmax(_scaled(student_logits, temperature), dim=-1)
     if teacher_topk_values is None and top_k is None:
         if teacher_logits is None:
             raise ValueError("per_token_divergence needs teacher_logits or teacher_topk_values")
-        log_p = torch.log_softmax(teacher_logits.float() / temperature, dim=-1)
+        log_p = torch.log_softmax(_scaled(teacher_logits, temperature), dim=-1)
         return _divergence(log_p, log_q_full, loss)
     if teacher_topk_values is None:
         teacher_topk_values, teacher_topk_indices = teacher_topk(teacher_logits, top_k, temperature)
@@ -131,13 +137,14 @@ def distillation_loss(
     import torch
 
     s_logits, s_labels = shift_for_next_token(student_logits, labels)
+    s_logits = s_logits.float()  # one fp32 copy shared by the CE and the divergence
     mask = s_labels != IGNORE_INDEX
     count = mask.sum().clamp(min=1)
     parts: dict[str, float] = {}
     total = student_logits.new_zeros((), dtype=torch.float32)
     if config.alpha < 1.0:
         ce = torch.nn.functional.cross_entropy(
-            s_logits.float().reshape(-1, s_logits.size(-1)), s_labels.reshape(-1), ignore_index=IGNORE_INDEX,
+            s_logits.reshape(-1, s_logits.size(-1)), s_labels.reshape(-1), ignore_index=IGNORE_INDEX,
             reduction="sum") / count
         total = total + (1.0 - config.alpha) * ce
         parts["ce_loss"] = float(ce.detach())
