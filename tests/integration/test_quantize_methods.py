@@ -14,15 +14,17 @@ import pytest
 pytestmark = pytest.mark.slow
 
 CALIB_SAMPLES = 16  # 16 × 128 tokens of the training text (the eval text is held out)
+AWQ_SAMPLES = 8  # AWQ's grid search replays every sample 20 times per mapping: the slowest method on CPU
+INT8_SAMPLES = 8  # SmoothQuant + GPTQ W8A8 are two calibration passes
 SEQ_LEN = 128
 EVAL_TOKENS = 8192  # the fixture's own held-out eval set: 64 blocks of 128
 # Method → recipe fields. Integer methods at 3 bits, group 64 (divides hidden 128 and intermediate 384).
 CASES = {
-    "awq": dict(method="awq", bits=3, group_size=64, compare_rtn=True),
+    "awq": dict(method="awq", bits=3, group_size=64, compare_rtn=True, num_samples=AWQ_SAMPLES),
     "gptq": dict(method="gptq", bits=3, group_size=64),
     "rtn": dict(method="rtn", bits=3, group_size=64),
     "fp8": dict(method="fp8"),
-    "int8": dict(method="int8"),
+    "int8": dict(method="int8", num_samples=INT8_SAMPLES),
 }
 # Closeness of the reloaded model's next-token distribution to the original's on held-out text:
 # mean KL(original || quantized) in nats per token, and top-1 agreement. 8-bit formats are near-lossless;
@@ -54,9 +56,9 @@ def quantized(fixtures, calib_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
     results = {}
     for name, fields in CASES.items():
+        fields = {"num_samples": CALIB_SAMPLES, **fields}
         settings = QuantizeRecipe(model=str(fixtures.teacher), output=str(root / name), calib=str(calib_file),
-                                  num_samples=CALIB_SAMPLES, seq_len=SEQ_LEN, eval=str(fixtures.eval_text),
-                                  eval_tokens=EVAL_TOKENS, **fields)
+                                  seq_len=SEQ_LEN, eval=str(fixtures.eval_text), eval_tokens=EVAL_TOKENS, **fields)
         results[name] = (run(plan(settings)), root / name)
     return results
 
@@ -113,7 +115,8 @@ def test_report_records_the_run(method, quantized, fixtures):
     assert on_disk["size_before_bytes"] > 0 and on_disk["size_after_bytes"] > 0
     # fp32 → 3-bit packed (embeddings and lm_head stay fp32): well under half; 8-bit formats: under 40 %
     assert on_disk["size_after_bytes"] < on_disk["size_before_bytes"] * (0.5 if on_disk["bits"] == 3 else 0.6)
-    assert on_disk["calib_samples"] == (CALIB_SAMPLES if method in ("awq", "gptq", "int8") else 0)
+    expected = {"awq": AWQ_SAMPLES, "gptq": CALIB_SAMPLES, "int8": INT8_SAMPLES}.get(method, 0)
+    assert on_disk["calib_samples"] == expected
     assert on_disk["eval_tokens"] == EVAL_TOKENS - EVAL_TOKENS // SEQ_LEN
     assert on_disk["ppl_before"] == pytest.approx(report.ppl_before)
     # the fixture teacher's held-out loss is ≈4.1 nats (ppl ≈ 60); quantization only adds a little
