@@ -682,8 +682,7 @@ class Engine:
             tokens = self._sample(logits, done)
             t2 = clock()
             self.stats.add_phase("prefill_sample_sync", t2 - t1)
-            for seq, tok in zip(done, tokens, strict=True):
-                self._emit(seq, [tok])
+            self._emit_one_each(done, tokens)
             self.stats.add_phase("emit", clock() - t2)
 
     def _decode_step(self, seqs: list[_Seq]) -> None:
@@ -698,8 +697,7 @@ class Engine:
         tokens = self._sample(logits, seqs)
         t2 = clock()
         self.stats.decode_steps += 1
-        for seq, tok in zip(seqs, tokens, strict=True):
-            self._emit(seq, [tok])
+        self._emit_one_each(seqs, tokens)
         t3 = clock()
         stats = self.stats
         stats.add_phase("decode_forward", t1 - t0)
@@ -815,8 +813,26 @@ class Engine:
         return drafts, probs
 
     # ---- output ------------------------------------------------------------------------------------------
-    def _emit(self, seq: _Seq, tokens: list[int]) -> None:
+    def _emit_one_each(self, seqs: list[_Seq], tokens: list[int]) -> None:
+        """One new token per sequence (a decode step): the common case inline, anything special via `_emit`."""
         now = time.perf_counter()
+        on_tokens = self.observer.on_tokens
+        wakes = self._wakes
+        plain = 0
+        for seq, tok in zip(seqs, tokens, strict=True):
+            if (seq.t_first is None or seq.req.stop or tok in seq.stop_ids
+                    or len(seq.out) + 1 >= seq.max_new):
+                self._emit(seq, [tok], now)
+                continue
+            seq.out.append(tok)
+            plain += 1
+            on_tokens(now - seq.t_last, 1)
+            seq.t_last = now
+            seq.handle._push([tok], wakes=wakes)
+        self.stats.generated_tokens += plain
+
+    def _emit(self, seq: _Seq, tokens: list[int], now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
         new: list[int] = []
         for tok in tokens:
             if tok in seq.stop_ids:

@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ class ServerMetrics(EngineObserver):
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self._itl_pending: deque[tuple[float, int]] = deque()
         try:
             from prometheus_client import CollectorRegistry, Counter, Histogram
         except ImportError:  # serving still works; /metrics says what is missing
@@ -56,7 +58,19 @@ class ServerMetrics(EngineObserver):
             self.ttft.observe(ttft_s)
 
     def on_tokens(self, itl_s: float, count: int) -> None:
+        # called per token on the engine thread: only queue the sample; the histogram takes it at scrape time
         if self.registry is not None:
+            self._itl_pending.append((itl_s, count))
+            if len(self._itl_pending) >= 100_000:
+                self._drain_itl()
+
+    def _drain_itl(self) -> None:
+        pending = self._itl_pending
+        while pending:
+            try:
+                itl_s, count = pending.popleft()
+            except IndexError:
+                break
             for _ in range(count):
                 self.itl.observe(itl_s)
 
@@ -67,6 +81,7 @@ class ServerMetrics(EngineObserver):
     def render(self) -> bytes | None:
         if self.registry is None:
             return None
+        self._drain_itl()
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
