@@ -118,3 +118,37 @@ def test_gradient_flows_to_student_only():
     assert s.grad is not None and s.grad.abs().sum() > 0
     # d KL(p||q)/d logits_q = q - p at the distilled position
     assert s.grad[0, 0].tolist() == pytest.approx([q - p for p, q in zip(P, Q, strict=True)], abs=1e-6)
+
+
+def _tiny_llama(hidden: int, layers: int, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=hidden, num_hidden_layers=layers,
+                                        num_attention_heads=2, num_key_value_heads=1, intermediate_size=2 * hidden,
+                                        max_position_embeddings=64, tie_word_embeddings=False))
+
+
+@pytest.mark.parametrize("cfg", [
+    DistillLossConfig("forward-kl", 2.0, 0.5, None), DistillLossConfig("reverse-kl", 1.0, 1.0, None),
+    DistillLossConfig("jsd", 1.5, 0.7, 8), DistillLossConfig("forward-kl", 1.0, 0.0, None),
+], ids=["fkl-mixed", "rkl", "jsd-top8", "ce-only"])
+def test_chunked_loss_matches_full_logits_loss_and_gradients(cfg):
+    pytest.importorskip("transformers")
+    from clusteropt_cli.core.distill.logits import make_distill_loss_fn
+
+    teacher, student = _tiny_llama(32, 2, 0), _tiny_llama(16, 1, 1)
+    ids = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(5))
+    labels = ids.clone()
+    labels[0, :4] = -100  # a prompt part without loss
+    batch = {"input_ids": ids, "labels": labels}
+    full_loss, full_parts = make_distill_loss_fn(teacher, cfg, chunk_tokens=0)(student, batch)
+    full_loss.backward()
+    full_grads = [p.grad.clone() for p in student.parameters()]
+    student.zero_grad()
+    chunk_loss, chunk_parts = make_distill_loss_fn(teacher, cfg, chunk_tokens=7)(student, batch)  # 30 rows: 7,7,..,2
+    chunk_loss.backward()
+    assert chunk_loss.item() == pytest.approx(full_loss.item(), rel=1e-5)
+    assert chunk_parts == pytest.approx(full_parts, rel=1e-5)
+    for full, p in zip(full_grads, student.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, full, rtol=1e-4, atol=1e-6)

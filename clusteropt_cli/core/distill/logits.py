@@ -103,12 +103,39 @@ def prepare_output_dir(output_dir: Path, *, overwrite: bool, resume: bool) -> No
         shutil.rmtree(output_dir)
 
 
-def make_distill_loss_fn(teacher: Any, config: DistillLossConfig, shared_logits: int | None = None):
-    """A `loss_fn(model, batch) -> (loss, metrics)` for copt train's loop: the teacher's forward runs here, under
-    torch.no_grad, in eval mode, on the batch's device; logits are cut to the ids both vocabularies share."""
+CHUNK_ABOVE_ELEMENTS = 2**26  # logits of more than 64M elements (256 MiB in fp32) per micro-batch: go chunked
 
+
+def supports_chunked_loss(model: Any) -> bool:
+    """A decoder plus a plain linear head (no softcapping/scaling): what the chunked loss needs."""
+    from clusteropt_cli.core.train.losses import supports_fused_loss
+
+    return supports_fused_loss(model)
+
+
+def make_distill_loss_fn(teacher: Any, config: DistillLossConfig, shared_logits: int | None = None, *,
+                         chunk_tokens: int | None = None, zero_stage: int = 0):
+    """A `loss_fn(model, batch) -> (loss, metrics)` for copt train's loop: the teacher's forward runs here, under
+    torch.no_grad, in eval mode, on the batch's device; logits are cut to the ids both vocabularies share.
+
+    chunk_tokens: None = automatic (chunked when a micro-batch's logits exceed 64M elements and both models allow
+    it, never under ZeRO-3 whose partitioned head is only gathered inside its own forward); 0 = never; N = chunks
+    of N positions (see `chunked_distillation_loss`).
+    """
     teacher.eval()
     teacher.requires_grad_(False)
+
+    def use_chunks(model: Any, batch_tokens: int) -> int:
+        if chunk_tokens == 0 or zero_stage == 3:
+            return 0
+        if not (supports_chunked_loss(model) and supports_chunked_loss(teacher)):
+            return 0
+        vocab = int(model.get_output_embeddings().weight.shape[0])
+        if chunk_tokens is None:
+            if batch_tokens * vocab <= CHUNK_ABOVE_ELEMENTS:
+                return 0
+            return max(128, (2**28) // (4 * vocab))  # ~256 MiB of fp32 logits per chunk
+        return int(chunk_tokens)
 
     def distill_loss_fn(model: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, float]]:
         import torch
@@ -117,11 +144,25 @@ def make_distill_loss_fn(teacher: Any, config: DistillLossConfig, shared_logits:
         kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
         if "attention_mask" in batch:
             kwargs["attention_mask"] = batch["attention_mask"]
+        if config.alpha > 0 and next(teacher.parameters()).device != input_ids.device:
+            teacher.to(input_ids.device)
+        chunk = use_chunks(model, int(input_ids.numel()))
+        if chunk:
+            from clusteropt_cli.core.distill.losses import chunked_distillation_loss
+
+            hidden = model.get_decoder()(**kwargs).last_hidden_state
+            teacher_hidden = None
+            if config.alpha > 0:
+                with torch.no_grad():
+                    teacher_hidden = teacher.get_decoder()(**kwargs).last_hidden_state[:, :-1]
+                    teacher_hidden = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+            hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+            labels = batch["labels"][:, 1:].reshape(-1)
+            return chunked_distillation_loss(hidden, model.get_output_embeddings(), teacher_hidden,
+                                             teacher.get_output_embeddings(), labels, config, chunk_tokens=chunk,
+                                             shared_logits=shared_logits)
         teacher_logits = None
         if config.alpha > 0:
-            first = next(teacher.parameters())
-            if first.device != input_ids.device:
-                teacher.to(input_ids.device)
             with torch.no_grad():
                 teacher_logits = teacher(**kwargs).logits
             if shared_logits is not None:
@@ -135,9 +176,8 @@ def make_distill_loss_fn(teacher: Any, config: DistillLossConfig, shared_logits:
 
             values, indices = teacher_topk(teacher_logits, config.top_k, config.temperature)
             teacher_logits = None  # only k values per position are kept from here on
-        loss, parts = distillation_loss(student_logits, teacher_logits, batch["labels"], config,
-                                        teacher_topk_values=values, teacher_topk_indices=indices)
-        return loss, parts
+        return distillation_loss(student_logits, teacher_logits, batch["labels"], config,
+                                 teacher_topk_values=values, teacher_topk_indices=indices)
 
     return distill_loss_fn
 
@@ -226,7 +266,8 @@ def distill_logits(settings: DistillRecipe, *, output_dir: Path, overwrite: bool
         eval_blocks = build_text_dataset(eval_text, tokenizer, settings.seq_len).blocks[:EVAL_BLOCKS]
         result.eval_kl_before = mean_kl_to_teacher(student.to(device), teacher, eval_blocks, shared_logits=shared)
         student.to("cpu")
-    train = run_training(settings, student, dataset, output_dir, loss_fn=make_distill_loss_fn(teacher, config, shared),
+    loss_fn = make_distill_loss_fn(teacher, config, shared, zero_stage=settings.zero)
+    train = run_training(settings, student, dataset, output_dir, loss_fn=loss_fn,
                          tokenizer=tokenizer, callbacks=callbacks,
                          extra_result={"distill": {"loss": settings.loss, "temperature": settings.temperature,
                                                    "alpha": settings.alpha, "top_k": settings.top_k}})

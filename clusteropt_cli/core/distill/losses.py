@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -157,4 +157,66 @@ def distillation_loss(
         kd = (div * mask).sum() / count * (config.temperature ** 2)
         total = total + config.alpha * kd
         parts["kd_loss"] = float(kd.detach())
+    return total, parts
+
+
+def chunked_distillation_loss(
+    student_hidden: torch.Tensor,
+    student_head: Any,
+    teacher_hidden: torch.Tensor | None,
+    teacher_head: Any,
+    labels: torch.Tensor,
+    config: DistillLossConfig,
+    *,
+    chunk_tokens: int = 1024,
+    shared_logits: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`distillation_loss` computed from hidden states, `chunk_tokens` positions at a time.
+
+    Inputs are already shifted and flattened: hidden [N, H], labels [N] (-100 ignored). Each chunk's logits (student
+    and teacher) exist only inside an activation-checkpointed function, so neither [N, vocab] tensor is ever held;
+    backward recomputes one chunk's head matmuls. Same value and gradients as `distillation_loss`.
+    """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    mask = labels != IGNORE_INDEX
+    count = mask.sum().clamp(min=1)
+
+    def chunk(h_s: torch.Tensor, h_t: torch.Tensor | None, lab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s_logits = student_head(h_s)
+        if shared_logits is not None:
+            s_logits = s_logits[..., :shared_logits]
+        s_logits = s_logits.float()
+        ok = lab != IGNORE_INDEX
+        ce = kd = s_logits.new_zeros(())
+        if config.alpha < 1.0:
+            ce = torch.nn.functional.cross_entropy(s_logits, lab, ignore_index=IGNORE_INDEX, reduction="sum")
+        if config.alpha > 0.0:
+            with torch.no_grad():
+                t_logits = teacher_head(h_t)
+                if shared_logits is not None:
+                    t_logits = t_logits[..., :shared_logits]
+            div = per_token_divergence(s_logits, t_logits, loss=config.loss, temperature=config.temperature,
+                                       top_k=config.top_k)
+            kd = (div * ok).sum()
+        return ce, kd
+
+    ce_sum = kd_sum = student_hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, student_hidden.shape[0], chunk_tokens):
+        stop = start + chunk_tokens
+        h_t = teacher_hidden[start:stop] if teacher_hidden is not None else None
+        ce, kd = checkpoint(chunk, student_hidden[start:stop], h_t, labels[start:stop], use_reentrant=False)
+        ce_sum = ce_sum + ce
+        kd_sum = kd_sum + kd
+    total = student_hidden.new_zeros((), dtype=torch.float32)
+    parts: dict[str, float] = {}
+    if config.alpha < 1.0:
+        ce_mean = ce_sum / count
+        total = total + (1.0 - config.alpha) * ce_mean
+        parts["ce_loss"] = float(ce_mean.detach())
+    if config.alpha > 0.0:
+        kd_mean = kd_sum / count * (config.temperature ** 2)
+        total = total + config.alpha * kd_mean
+        parts["kd_loss"] = float(kd_mean.detach())
     return total, parts
