@@ -65,6 +65,12 @@ def _fused_linear_cross_entropy_function():
 
         @staticmethod
         def forward(ctx, hidden, weight, labels, chunk_tokens: int, compute_dtype):  # noqa: ANN001
+            # every dtype below is explicit: autocast must not recast the fp32 gradient accumulator
+            with torch.autocast(hidden.device.type, enabled=False):
+                return FusedLinearCrossEntropy._forward(ctx, hidden, weight, labels, chunk_tokens, compute_dtype)
+
+        @staticmethod
+        def _forward(ctx, hidden, weight, labels, chunk_tokens: int, compute_dtype):  # noqa: ANN001
             n_tokens = hidden.shape[0]
             valid = labels != IGNORE_INDEX
             n_valid = valid.sum().clamp(min=1)
