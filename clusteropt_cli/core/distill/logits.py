@@ -233,6 +233,9 @@ def check_logits_inputs(settings: DistillRecipe) -> tuple[Any, VocabCheck]:
     if not settings.data or not Path(settings.data).is_file():
         raise BadInputError(f"--data {settings.data} does not exist.", hint="Pass a .txt or .jsonl (text) file.")
     student = resolve_student(settings.student or "")
+    from clusteropt_cli.core.train.validate import check_hardware
+
+    check_hardware(settings, "cuda" if pick_device().startswith("cuda") else "cpu")  # precision/attn vs this machine
     student_dir = student.path if student.path is not None and student.path.is_dir() else None
     vocab = check_vocab_compatible(Path(settings.teacher), student_dir or Path(settings.student or ""),
                                    student_config=student.config)

@@ -148,6 +148,9 @@ def distill_sft(settings: Any, *, output_dir: Any, overwrite: bool = False, call
         raise BadInputError("distill sft needs --traces.", hint="Pass the traces.jsonl written by copt distill traces.")
     rows = iter_kept(read_traces(settings.traces))
     eval_rows = iter_kept(read_traces(settings.eval_traces, flag="--eval-traces")) if settings.eval_traces else None
+    from clusteropt_cli.core.train.validate import check_hardware
+
+    check_hardware(settings, "cuda" if pick_device().startswith("cuda") else "cpu")
     source = resolve_student(settings.student)
     tokenizer_dir = source.path if source.path is not None and source.path.is_dir() else None
     if tokenizer_dir is None or not has_tokenizer(tokenizer_dir):
