@@ -160,21 +160,39 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     def error(status: int, message: str, **kw: Any) -> JSONResponse:
         return JSONResponse(openai_error(message, status, **kw), status_code=status)
 
-    @app.middleware("http")
-    async def _auth_and_count(request: Request, call_next: Callable):
-        path = request.url.path
-        if api_key and path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {api_key}":
-                response = error(401, "Missing or wrong API key (send 'Authorization: Bearer KEY').",
-                                 code="invalid_api_key")
-                metrics.requests.labels(path, "401").inc()
-                return response
-        response = await call_next(request)
-        endpoint = path if path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                                    "/metrics") else "other"
-        metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
+    endpoints = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+    expected_auth = f"Bearer {api_key}".encode("latin-1") if api_key else None
+
+    class AuthAndCount:
+        """API-key check and request counting as a plain ASGI middleware (Starlette's BaseHTTPMiddleware would
+        relay every streamed chunk through an extra memory stream and task)."""
+
+        def __init__(self, app: Any):
+            self.app = app
+
+        async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+            if scope["type"] != "http":
+                await self.app(scope, receive, send)
+                return
+            path = scope.get("path", "")
+            if expected_auth is not None and path.startswith("/v1"):
+                header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+                if header != expected_auth:
+                    metrics.requests.labels(path, "401").inc()
+                    response = error(401, "Missing or wrong API key (send 'Authorization: Bearer KEY').",
+                                     code="invalid_api_key")
+                    await response(scope, receive, send)
+                    return
+            endpoint = path if path in endpoints else "other"
+
+            async def counting_send(message: dict) -> None:
+                if message["type"] == "http.response.start":
+                    metrics.requests.labels(endpoint, str(message["status"])).inc()
+                await send(message)
+
+            await self.app(scope, receive, counting_send)
+
+    app.add_middleware(AuthAndCount)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
