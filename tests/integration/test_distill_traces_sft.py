@@ -104,9 +104,13 @@ def test_traces_cli_resumes_and_skips_done_prompts(fixtures, tmp_path, copt):
     before = out.read_text()
     write_prompts(prompts, [{"id": "x", "prompt": "Sort a list."}, {"id": "y", "prompt": "Read a file."},
                             {"id": "z", "prompt": "Merge dicts."}])
-    second = copt(*args)
-    assert second.returncode == 0, second.stderr
-    stats = json.loads(second.stdout)
+    # the rerun (in-process: the same code the command calls, without a second interpreter start)
+    from dataclasses import asdict
+
+    from clusteropt_cli.core.distill.generate import distill_traces
+
+    again = distill_traces(traces_settings(fixtures, str(prompts), samples=2, max_new_tokens=8), output=out)
+    stats = asdict(again)
     assert stats["prompts_done_before"] == 2 and stats["prompts_generated"] == 1 and stats["samples_total"] == 6
     after = out.read_text()
     assert after.startswith(before)  # earlier traces untouched
