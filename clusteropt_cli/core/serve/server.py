@@ -335,6 +335,17 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
                 choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
             return {"id": rid, "object": obj, "created": now, "model": served_model_name, "choices": [choice]}
 
+        # the per-token event, pre-rendered around the JSON-escaped text (the same document json.dumps of
+        # chunk(index, text, None) gives, without building and encoding the dicts for every token)
+        head = json.dumps({"id": rid, "object": obj, "created": now, "model": served_model_name},
+                          separators=(",", ":"))[:-1] + ',"choices":[{"index":'
+        field_ = ',"delta":{"content":' if kind == "chat" else ',"text":'
+        tail = '},"logprobs":null,"finish_reason":null}]}\n\n' if kind == "chat" else (
+            ',"logprobs":null,"finish_reason":null}]}\n\n')
+
+        def token_event(index: int, text: str) -> str:
+            return f"data: {head}{index}{field_}{json.dumps(text)}{tail}"
+
         async def events() -> AsyncIterator[str]:
             try:
                 if kind == "chat":
@@ -344,7 +355,7 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
                     if ids is not None:
                         delta = streams[index].push(ids)
                         if delta:
-                            yield _sse(chunk(index, delta, None))
+                            yield token_event(index, delta)
                         continue
                     result = handles[index].result()
                     tail = streams[index].finish(result.text)
