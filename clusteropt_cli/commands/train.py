@@ -86,7 +86,8 @@ def train(
     # the hardware check imports torch: a launching parent leaves it to the ranks, which check before any work
     launching = settings.gpus * settings.nodes > 1
     validate_train(settings, overwrite=overwrite, device_type=None if dry_run or launching else _device_type())
-    plan = plan_launch(settings, sys.argv[1:] if _argv_is_ours() else _rebuild_argv(settings, json_out))
+    child_args = sys.argv[1:] if _argv_is_ours() else _rebuild_argv(settings, json_out)
+    plan = plan_launch(settings, [a for a in child_args if a != "--dry-run"])
     if dry_run:
         _render_dry_run(settings, plan, json_out)
         return

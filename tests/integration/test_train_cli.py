@@ -132,7 +132,7 @@ def test_dry_run_two_node_hostfile(copt, fixtures, tmp_path):
     cmd = plan["command"]
     assert cmd[0] == "deepspeed" and cmd[cmd.index("--hostfile") + 1] == str(hostfile)
     assert cmd[cmd.index("--num_nodes") + 1] == "2" and cmd[cmd.index("--num_gpus") + 1] == "8"
-    assert cmd[cmd.index("--module") + 1] == "clusteropt_cli" and "train" in cmd
+    assert cmd[cmd.index("--module") + 1] == "clusteropt_cli" and "train" in cmd and "--dry-run" not in cmd
     assert plan["deepspeed_config"]["train_batch_size"] == 4 * 16
     assert plan["deepspeed_config"]["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert not (tmp_path / "out").exists()  # a dry run writes nothing

@@ -21,7 +21,6 @@ from typing import Any
 
 from clusteropt_cli.errors import BadInputError
 
-LAUNCHED_ENV = "COPT_LAUNCHED"
 DEFAULT_PORT = 29500
 
 
@@ -106,7 +105,7 @@ def plan_launch(options: Any, copt_args: list[str], python: str | None = None) -
         raise BadInputError(f"--nodes {options.nodes} needs --hostfile or --master-addr (the first node's address).",
                             hint="pass --hostfile with one 'hostname slots=N' line per node")
     port = int(options.master_port or DEFAULT_PORT)
-    env = {LAUNCHED_ENV: "1"}
+    env: dict[str, str] = {}
     if launcher == "deepspeed":
         command = ["deepspeed"]
         if hosts:
