@@ -212,9 +212,23 @@ class TextStream:
         self.stop = [s for s in (stop or []) if s]
         self.ids: list[int] = []
         self.sent = 0
+        # incremental detokenization (as vLLM does it): only the last few tokens are decoded per push;
+        # text = decode(ids[:read]); ids[prefix:read] is the window the next tokens are decoded against
+        self.text = ""
+        self.prefix = 0
+        self.read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        window = self.ids[self.prefix :]
+        prefix_text = self._decode(self.ids[self.prefix : self.read]) if self.read > self.prefix else ""
+        new_text = self._decode(window)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(prefix_text) :]
+            self.prefix, self.read = self.read, len(self.ids)
+        return self.text
 
     def push(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
@@ -236,7 +250,7 @@ class TextStream:
         return delta
 
     def finish(self, final_text: str | None = None) -> str:
-        text = final_text if final_text is not None else self._text()
+        text = final_text if final_text is not None else self._decode(self.ids)
         delta = text[self.sent :]
         self.sent = len(text)
         return delta
