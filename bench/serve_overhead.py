@@ -7,6 +7,8 @@ over the same ModelRunner (prefill every prompt, then batched decode steps with 
 forward cost the engine cannot avoid.
 
     python bench/serve_overhead.py --out bench/results/serve_overhead_cpu.json [--requests 256 --out-tokens 32]
+    python bench/serve_overhead.py --http --out ...   # the same requests streamed through `copt serve`
+                                                      # (SERVE_PYTHONPATH=<tree> serves another checkout)
 """
 
 from __future__ import annotations
@@ -55,6 +57,52 @@ def bare_loop(runner, prompts: list[list[int]], out_tokens: int, budget: int) ->
             "decode_ms_per_step": 1000 * (wall - t_prefill) / max(1, out_tokens - 1)}
 
 
+def bench_http(model: str, prompts: list[list[int]], out_tokens: int, max_len: int) -> dict:
+    """`copt serve` in a subprocess, every request streamed at once; client-side tok/s, TTFT, ITL + engine phases."""
+    import asyncio
+    import os
+    import subprocess
+
+    import httpx
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_serve import _load, free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    tree = os.environ.get("SERVE_PYTHONPATH", str(REPO))
+    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "clusteropt_cli", "serve", model, "--port", str(port),
+           "--max-batch-size", str(len(prompts)), "--max-model-len", str(max_len), "--max-batch-tokens", "4096",
+           "--max-queue", str(4 * len(prompts)), "--served-model-name", "llama-1b-shape"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.perf_counter()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"copt serve exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - t0 > 120:
+                raise RuntimeError("copt serve did not come up")
+            time.sleep(0.3)
+        asyncio.run(_load(url, prompts[:8], 8, True))  # warm-up
+        res = asyncio.run(_load(url, prompts, out_tokens, True))
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        res["engine_phase_s"] = {line.split('"')[1]: float(line.split()[-1]) for line in metrics.splitlines()
+                                 if line.startswith("copt_engine_phase_seconds_total{")}
+        return res
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/serve_overhead_cpu.json"))
@@ -63,6 +111,7 @@ def main() -> None:
     parser.add_argument("--prompt-min", type=int, default=32)
     parser.add_argument("--prompt-max", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--http", action="store_true", help="stream the requests through `copt serve` instead")
     args = parser.parse_args()
 
     import torch
@@ -74,6 +123,16 @@ def main() -> None:
     fx = build_fixtures()
     prompts = workload(args.requests, 1024, args.prompt_min, args.prompt_max)
     max_len = args.prompt_max + args.out_tokens + 8
+    if args.http:
+        res = bench_http(str(fx.teacher), prompts, args.out_tokens, max_len)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "http_stream": res}, indent=2))
+        t, i = res["ttft_s"], res["itl_s"]
+        print(f"http_stream: {res['output_tokens_per_s']:,.0f} tok/s, wall {res['wall_s']:.2f} s, "
+              f"TTFT p50/p99 {t['p50']:.2f}/{t['p99']:.2f} s, ITL p50/p99 {1e3 * i['p50']:.1f}/{1e3 * i['p99']:.1f} ms")
+        for k, v in sorted(res["engine_phase_s"].items()):
+            print(f"  {k:<22}{v:8.3f} s")
+        return
     engine = Engine(EngineConfig(model=str(fx.teacher), device="cpu", max_batch_size=args.requests,
                                  max_model_len=max_len, max_batch_tokens=4096, max_queue=4 * args.requests))
     engine.start()
