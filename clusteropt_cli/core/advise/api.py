@@ -287,6 +287,8 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
             "offload": w["offload"], "compile": w["compile"], "gpus": result["hardware"]["gpus_per_node"],
             "nodes": result["hardware"]["nodes"], "gradient_compression": w["gradient_compression"],
             "pipeline_stages": w["pp"], "prediction": prediction,
+            # the memory model counts the model's own loss (fp32 logits); pin it so train and --expect run it
+            "loss_impl": "hf",
         }
         if w["offload"] == "nvme":
             data["nvme_path"] = "/local_nvme"
