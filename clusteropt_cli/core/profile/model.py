@@ -295,9 +295,12 @@ def _train_runner(model: Any, s: ModelProfileSettings, device: str, precision: s
             with autocast:
                 loss, _ = loss_fn(model, batch)
             t1 = _now(device)
-            extra_bytes = 0
+            extra_bytes = forward_saved = 0
             if tracker is not None:
+                # logits and loss live at the end of the forward, next to everything saved so far; the
+                # backward (with checkpointing, its recomputation) may peak later, once they are gone
                 extra_bytes = tensor_bytes([loss]) + head_out["bytes"]
+                forward_saved = tracker.current
                 head_out["bytes"] = 0
             (scaler.scale(loss) if scaler is not None else loss).backward()
         t2 = _now(device)
@@ -322,7 +325,7 @@ def _train_runner(model: Any, s: ModelProfileSettings, device: str, precision: s
             if tracker is not None:
                 measured.metrics["saved_activations_bytes"] = float(tracker.peak)
                 measured.metrics["logits_loss_bytes"] = float(extra_bytes)
-                measured.metrics["peak_mem_bytes"] = float(states + tracker.peak + extra_bytes)
+                measured.metrics["peak_mem_bytes"] = float(states + max(forward_saved + extra_bytes, tracker.peak))
 
     return run, measured
 
