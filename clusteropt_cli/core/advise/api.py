@@ -311,6 +311,9 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
             data["num_speculative_tokens"] = int(w["speculative_tokens"])
         if w["weights"] in ("int4", "fp8", "int8"):
             prediction["assumptions"]["weights"] = w["weights"]
+        # the workload the figures are for, so `copt profile --expect` measures the same one
+        prediction["assumptions"].update(batch=int(w["batch"]), concurrency=int(w["batch"]),
+                                         prompt_len=int(w["prompt_len"]), gen_len=int(w["gen_len"]))
         task = "serve"
         header = f"# copt serve --recipe {path.name}\n"
     validated = validate_recipe(task, data, origin="The emitted recipe")
