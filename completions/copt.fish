@@ -13,18 +13,206 @@ complete -c copt -n "__fish_use_subcommand" -a train
 complete -c copt -n "__fish_use_subcommand" -l debug
 complete -c copt -n "__fish_use_subcommand" -l help
 complete -c copt -n "__fish_use_subcommand" -l version
+complete -c copt -n "__fish_seen_subcommand_from advise" -l activation-checkpointing
+complete -c copt -n "__fish_seen_subcommand_from advise" -l attn
+complete -c copt -n "__fish_seen_subcommand_from advise" -l batch
+complete -c copt -n "__fish_seen_subcommand_from advise" -l compile
+complete -c copt -n "__fish_seen_subcommand_from advise" -l emit-ds-config
+complete -c copt -n "__fish_seen_subcommand_from advise" -l emit-recipe
+complete -c copt -n "__fish_seen_subcommand_from advise" -l fail-if-oom
+complete -c copt -n "__fish_seen_subcommand_from advise" -l from-profile
+complete -c copt -n "__fish_seen_subcommand_from advise" -l gen-len
+complete -c copt -n "__fish_seen_subcommand_from advise" -l gpu
+complete -c copt -n "__fish_seen_subcommand_from advise" -l gpu-hour-usd
+complete -c copt -n "__fish_seen_subcommand_from advise" -l gpus
+complete -c copt -n "__fish_seen_subcommand_from advise" -l grad-accum
 complete -c copt -n "__fish_seen_subcommand_from advise" -l help
+complete -c copt -n "__fish_seen_subcommand_from advise" -l json
+complete -c copt -n "__fish_seen_subcommand_from advise" -l kv-cache
+complete -c copt -n "__fish_seen_subcommand_from advise" -l list-gpus
+complete -c copt -n "__fish_seen_subcommand_from advise" -l list-presets
+complete -c copt -n "__fish_seen_subcommand_from advise" -l memory-budget
+complete -c copt -n "__fish_seen_subcommand_from advise" -l micro-batch
+complete -c copt -n "__fish_seen_subcommand_from advise" -l model
+complete -c copt -n "__fish_seen_subcommand_from advise" -l no-activation-checkpointing
+complete -c copt -n "__fish_seen_subcommand_from advise" -l no-compile
+complete -c copt -n "__fish_seen_subcommand_from advise" -l nodes
+complete -c copt -n "__fish_seen_subcommand_from advise" -l offload
+complete -c copt -n "__fish_seen_subcommand_from advise" -l optimizer
+complete -c copt -n "__fish_seen_subcommand_from advise" -l overwrite
+complete -c copt -n "__fish_seen_subcommand_from advise" -l pp
+complete -c copt -n "__fish_seen_subcommand_from advise" -l pp-micro-batches
+complete -c copt -n "__fish_seen_subcommand_from advise" -l pp-virtual-stages
+complete -c copt -n "__fish_seen_subcommand_from advise" -l precision
+complete -c copt -n "__fish_seen_subcommand_from advise" -l prompt-len
+complete -c copt -n "__fish_seen_subcommand_from advise" -l recipe
+complete -c copt -n "__fish_seen_subcommand_from advise" -l seq-len
+complete -c copt -n "__fish_seen_subcommand_from advise" -l symptom
+complete -c copt -n "__fish_seen_subcommand_from advise" -l task
+complete -c copt -n "__fish_seen_subcommand_from advise" -l tp
+complete -c copt -n "__fish_seen_subcommand_from advise" -l weights
+complete -c copt -n "__fish_seen_subcommand_from advise" -l zero
+complete -c copt -n "__fish_seen_subcommand_from advise" -s m
+complete -c copt -n "__fish_seen_subcommand_from advise" -s r
+complete -c copt -n "__fish_seen_subcommand_from advise" -s s
 complete -c copt -n "__fish_seen_subcommand_from distill" -a logits
+complete -c copt -n "__fish_seen_subcommand_from distill" -a sft
+complete -c copt -n "__fish_seen_subcommand_from distill" -a traces
 complete -c copt -n "__fish_seen_subcommand_from distill" -l help
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l activation-checkpointing
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l alpha
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l data
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l epochs
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l eval-data
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l gpus
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l grad-accum
 complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l help
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l json
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l loss
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l lr
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l max-steps
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l micro-batch
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l no-activation-checkpointing
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l offload
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l output
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l overwrite
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l precision
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l recipe
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l resume
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l save-every
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l seed
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l seq-len
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l steps
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l student
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l teacher
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l teacher-dtype
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l temperature
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l top-k
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l zero
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -s o
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -s r
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l activation-checkpointing
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l epochs
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l eval-traces
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l gpus
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l grad-accum
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l help
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l json
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l lr
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l max-steps
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l micro-batch
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l no-activation-checkpointing
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l offload
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l output
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l overwrite
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l precision
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l recipe
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l resume
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l save-every
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l seed
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l seq-len
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l steps
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l student
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l traces
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l zero
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -s o
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -s r
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l batch
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l help
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l json
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l match
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l max-new-tokens
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l no-think
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l output
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l overwrite
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l prompts
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l recipe
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l samples
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l seed
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l teacher
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l teacher-dtype
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l temperature
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l top-p
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l verify
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -s k
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -s o
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -s r
 complete -c copt -n "__fish_seen_subcommand_from env" -l help
 complete -c copt -n "__fish_seen_subcommand_from env" -l json
 complete -c copt -n "__fish_seen_subcommand_from profile" -a endpoint
 complete -c copt -n "__fish_seen_subcommand_from profile" -a model
 complete -c copt -n "__fish_seen_subcommand_from profile" -l help
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l api-key
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l concurrency
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l dataset
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l duration
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l expect
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l gen-len
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l help
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l ignore-eos
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l json
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l model
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l no-ignore-eos
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l num-requests
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l overwrite
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l plot
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l prompt-len
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l rate
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l report
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l request-timeout
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l seed
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l slo-tpot-ms
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l slo-ttft-ms
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l tokenizer
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l tolerance
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l url
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l warmup
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l activation-checkpointing
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l attn -x -a "eager sdpa"
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l batch
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l compile
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l device -x -a "auto cpu cuda"
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l dtype -x -a "auto bf16 fp16 fp32"
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l expect
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l gen-len
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l help
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l json
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l loss-impl -x -a "auto fused hf"
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l memory-budget
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l micro-batch
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l mode -x -a "infer train"
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l no-activation-checkpointing
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l no-compile
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l optimizer -x -a "adamw sgd"
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l overwrite
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l precision -x -a "auto bf16 fp16 fp32"
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l prompt-len
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l repeats
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l report
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l seed
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l seq-len
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l tolerance
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l trace
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l warmup
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l asymmetric
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l backend
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l bits
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l calib
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l compare-rtn
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l eval
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l group-size
 complete -c copt -n "__fish_seen_subcommand_from quantize" -l help
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l ignore
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l json
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l method
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l num-samples
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l output
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l overwrite
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l recipe
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l seq-len
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l symmetric
+complete -c copt -n "__fish_seen_subcommand_from quantize" -s o
+complete -c copt -n "__fish_seen_subcommand_from quantize" -s r
 complete -c copt -n "__fish_seen_subcommand_from recipes" -a cp
 complete -c copt -n "__fish_seen_subcommand_from recipes" -a list
 complete -c copt -n "__fish_seen_subcommand_from recipes" -a show
@@ -37,5 +225,74 @@ complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subco
 complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subcommand_from show" -l help
 complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subcommand_from validate" -l help
 complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subcommand_from validate" -l json
+complete -c copt -n "__fish_seen_subcommand_from serve" -l api-key
+complete -c copt -n "__fish_seen_subcommand_from serve" -l block-size
+complete -c copt -n "__fish_seen_subcommand_from serve" -l cuda-graphs
+complete -c copt -n "__fish_seen_subcommand_from serve" -l draft-model
+complete -c copt -n "__fish_seen_subcommand_from serve" -l dry-run
+complete -c copt -n "__fish_seen_subcommand_from serve" -l dtype
+complete -c copt -n "__fish_seen_subcommand_from serve" -l engine
+complete -c copt -n "__fish_seen_subcommand_from serve" -l grace-period
 complete -c copt -n "__fish_seen_subcommand_from serve" -l help
+complete -c copt -n "__fish_seen_subcommand_from serve" -l host
+complete -c copt -n "__fish_seen_subcommand_from serve" -l json
+complete -c copt -n "__fish_seen_subcommand_from serve" -l kv-cache-blocks
+complete -c copt -n "__fish_seen_subcommand_from serve" -l kv-cache-dtype
+complete -c copt -n "__fish_seen_subcommand_from serve" -l kv-cache-memory
+complete -c copt -n "__fish_seen_subcommand_from serve" -l max-batch-size
+complete -c copt -n "__fish_seen_subcommand_from serve" -l max-batch-tokens
+complete -c copt -n "__fish_seen_subcommand_from serve" -l max-model-len
+complete -c copt -n "__fish_seen_subcommand_from serve" -l max-queue
+complete -c copt -n "__fish_seen_subcommand_from serve" -l no-cuda-graphs
+complete -c copt -n "__fish_seen_subcommand_from serve" -l num-speculative-tokens
+complete -c copt -n "__fish_seen_subcommand_from serve" -l pipeline-parallel
+complete -c copt -n "__fish_seen_subcommand_from serve" -l port
+complete -c copt -n "__fish_seen_subcommand_from serve" -l prompt-lookup
+complete -c copt -n "__fish_seen_subcommand_from serve" -l quantization
+complete -c copt -n "__fish_seen_subcommand_from serve" -l recipe
+complete -c copt -n "__fish_seen_subcommand_from serve" -l served-model-name
+complete -c copt -n "__fish_seen_subcommand_from serve" -l speculative-max-batch
+complete -c copt -n "__fish_seen_subcommand_from serve" -l tensor-parallel
+complete -c copt -n "__fish_seen_subcommand_from serve" -s r
+complete -c copt -n "__fish_seen_subcommand_from train" -l activation-checkpointing
+complete -c copt -n "__fish_seen_subcommand_from train" -l attn
+complete -c copt -n "__fish_seen_subcommand_from train" -l compile
+complete -c copt -n "__fish_seen_subcommand_from train" -l data
+complete -c copt -n "__fish_seen_subcommand_from train" -l dry-run
+complete -c copt -n "__fish_seen_subcommand_from train" -l epochs
+complete -c copt -n "__fish_seen_subcommand_from train" -l gpus
+complete -c copt -n "__fish_seen_subcommand_from train" -l grad-accum
+complete -c copt -n "__fish_seen_subcommand_from train" -l gradient-compression
 complete -c copt -n "__fish_seen_subcommand_from train" -l help
+complete -c copt -n "__fish_seen_subcommand_from train" -l hostfile
+complete -c copt -n "__fish_seen_subcommand_from train" -l json
+complete -c copt -n "__fish_seen_subcommand_from train" -l launcher
+complete -c copt -n "__fish_seen_subcommand_from train" -l lr
+complete -c copt -n "__fish_seen_subcommand_from train" -l master-addr
+complete -c copt -n "__fish_seen_subcommand_from train" -l master-port
+complete -c copt -n "__fish_seen_subcommand_from train" -l max-steps
+complete -c copt -n "__fish_seen_subcommand_from train" -l micro-batch
+complete -c copt -n "__fish_seen_subcommand_from train" -l model
+complete -c copt -n "__fish_seen_subcommand_from train" -l no-activation-checkpointing
+complete -c copt -n "__fish_seen_subcommand_from train" -l no-compile
+complete -c copt -n "__fish_seen_subcommand_from train" -l nodes
+complete -c copt -n "__fish_seen_subcommand_from train" -l nvme-path
+complete -c copt -n "__fish_seen_subcommand_from train" -l offload
+complete -c copt -n "__fish_seen_subcommand_from train" -l output
+complete -c copt -n "__fish_seen_subcommand_from train" -l overwrite
+complete -c copt -n "__fish_seen_subcommand_from train" -l pipeline-micro-batches
+complete -c copt -n "__fish_seen_subcommand_from train" -l pipeline-schedule
+complete -c copt -n "__fish_seen_subcommand_from train" -l pipeline-stages
+complete -c copt -n "__fish_seen_subcommand_from train" -l precision
+complete -c copt -n "__fish_seen_subcommand_from train" -l recipe
+complete -c copt -n "__fish_seen_subcommand_from train" -l resume
+complete -c copt -n "__fish_seen_subcommand_from train" -l save-every
+complete -c copt -n "__fish_seen_subcommand_from train" -l schedule
+complete -c copt -n "__fish_seen_subcommand_from train" -l seed
+complete -c copt -n "__fish_seen_subcommand_from train" -l seq-len
+complete -c copt -n "__fish_seen_subcommand_from train" -l tokenizer
+complete -c copt -n "__fish_seen_subcommand_from train" -l virtual-stages
+complete -c copt -n "__fish_seen_subcommand_from train" -l warmup-steps
+complete -c copt -n "__fish_seen_subcommand_from train" -l zero
+complete -c copt -n "__fish_seen_subcommand_from train" -s o
+complete -c copt -n "__fish_seen_subcommand_from train" -s r
