@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _debug_enabled(argv)
+    previous_debug = os.environ.get("COPT_DEBUG")
     try:
         command = typer.main.get_command(app)
         result = command.main(args=argv, prog_name="copt", standalone_mode=False)
@@ -101,4 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         else:
             _render_error(mapped.message, mapped.hint)
             code = mapped.exit_code
+    finally:  # --debug sets COPT_DEBUG for this run (and processes it launches), not for the caller
+        if previous_debug is None:
+            os.environ.pop("COPT_DEBUG", None)
+        else:
+            os.environ["COPT_DEBUG"] = previous_debug
     sys.exit(code)
