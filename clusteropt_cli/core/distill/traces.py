@@ -29,6 +29,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
+from clusteropt_cli.core.textfiles import jsonl_rows, string_field
 from clusteropt_cli.errors import BadInputError
 
 MatchMode = Literal["exact", "numeric", "regex"]
@@ -59,20 +60,10 @@ def prompt_id(text: str) -> str:
 def read_prompts(path: str | Path, *, flag: str = "--prompts") -> list[PromptRecord]:
     """Parse and validate the prompts file; every problem is reported at once, each with its line number."""
     path = Path(path)
-    if not path.is_file():
-        raise BadInputError(f"{flag} {path} does not exist.",
-                            hint='Pass a .jsonl file with one {"prompt": ...} a line.')
     records: list[PromptRecord] = []
     problems: list[str] = []
     seen: dict[str, int] = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            problems.append(f"line {number}: not valid JSON ({exc.msg})")
-            continue
+    for number, row in jsonl_rows(path, flag, 'Pass a .jsonl file with one {"prompt": ...} a line.', problems):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             problems.append(f"line {number}: needs a non-empty string 'prompt'")
             continue
@@ -240,19 +231,9 @@ def make_trace(prompt: PromptRecord, sample: int, generation: Generation, *, thi
 def read_traces(path: str | Path, *, flag: str = "--traces") -> list[dict[str, Any]]:
     """Parse a traces file, checking each line has the fields `sft` needs."""
     path = Path(path)
-    if not path.is_file():
-        raise BadInputError(f"{flag} {path} does not exist.", hint="Write it with 'copt distill traces'.")
     rows: list[dict[str, Any]] = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BadInputError(f"{flag} {path}:{number} is not valid JSON ({exc.msg}).",
-                                hint="Each line must be one trace object (copt distill traces).") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or \
-                not isinstance(row.get("completion"), str):
+    for number, row in jsonl_rows(path, flag, "Write it with 'copt distill traces' (one trace object a line)."):
+        if string_field(row, "prompt") is None or string_field(row, "completion") is None:
             raise BadInputError(f"{flag} {path}:{number} needs string 'prompt' and 'completion' fields.",
                                 hint="Each line must be one trace object (copt distill traces).")
         rows.append(row)

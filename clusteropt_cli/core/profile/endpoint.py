@@ -24,6 +24,7 @@ from clusteropt_cli.core.profile.settings import EndpointSettings
 from clusteropt_cli.core.profile.stats import latency_summary
 from clusteropt_cli.core.profile.verdict import endpoint_verdict
 from clusteropt_cli.core.profile_report import EndpointLevel, HardwareInfo, ProfileReport
+from clusteropt_cli.core.textfiles import jsonl_rows, string_field
 from clusteropt_cli.errors import BadInputError
 
 Log = Callable[[str], None]
@@ -61,22 +62,13 @@ def completions_url(base: str) -> str:
 # ---- prompts -----------------------------------------------------------------------------------------------
 def load_dataset_prompts(path: Any) -> list[str]:
     """Prompts from a .jsonl file: each line an object with 'prompt' or 'text' (or a JSON string)."""
+    hint = "One JSON object per line, with a 'prompt' or 'text' field."
     prompts = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise BadInputError(f"--dataset {path}: line {number} is not JSON ({exc.msg}).",
-                                    hint="One JSON object per line, with a 'prompt' or 'text' field.") from exc
-            text = obj if isinstance(obj, str) else (obj.get("prompt") or obj.get("text")
-                                                     if isinstance(obj, dict) else None)
-            if not isinstance(text, str) or not text:
-                raise BadInputError(f"--dataset {path}: line {number} has no 'prompt' or 'text' string.",
-                                    hint="One JSON object per line, with a 'prompt' or 'text' field.")
-            prompts.append(text)
+    for number, obj in jsonl_rows(path, "--dataset", hint):
+        text = obj if isinstance(obj, str) else string_field(obj, "prompt", "text")
+        if not text:
+            raise BadInputError(f"--dataset {path}: line {number} has no 'prompt' or 'text' string.", hint=hint)
+        prompts.append(text)
     if not prompts:
         raise BadInputError(f"--dataset {path} has no prompts.", hint="Add lines like {\"prompt\": \"...\"}.")
     return prompts

@@ -3,11 +3,11 @@ deterministic, resumable order (shared by `copt train` and `copt distill`)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clusteropt_cli.core.textfiles import jsonl_rows, read_text_file, string_field
 from clusteropt_cli.errors import BadInputError
 
 IGNORE_INDEX = -100
@@ -16,26 +16,17 @@ IGNORE_INDEX = -100
 def read_texts(path: str | Path, text_field: str = "text") -> list[str]:
     """Documents of a .txt file (the whole file is one document) or a .jsonl file (one `text_field` per line)."""
     path = Path(path)
-    if not path.is_file():
-        raise BadInputError(f"Data file {path} does not exist.", hint="Pass an existing .txt or .jsonl file to --data.")
+    hint = f"Pass an existing .txt file or a .jsonl file with a '{text_field}' field to --data."
     if path.suffix == ".jsonl":
         texts = []
-        with path.open(encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise BadInputError(f"{path}:{number} is not valid JSON ({exc.msg}).",
-                                        hint="Each line of a .jsonl file must be one JSON object.") from None
-                if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                    raise BadInputError(f"{path}:{number} has no string '{text_field}' field.",
-                                        hint=f"Each line needs {{\"{text_field}\": \"...\"}}.")
-                texts.append(row[text_field])
+        for number, row in jsonl_rows(path, "--data", hint):
+            text = string_field(row, text_field)
+            if text is None:
+                raise BadInputError(f"--data {path}:{number} has no string '{text_field}' field.", hint=hint)
+            texts.append(text)
         return texts
     if path.suffix in (".txt", ".md", ".text", ""):
-        return [path.read_text(encoding="utf-8")]
+        return [read_text_file(path, "--data", hint)]
     raise BadInputError(f"Data file {path} is neither .txt nor .jsonl.",
                         hint="Convert it to .txt or .jsonl (text field).")
 
