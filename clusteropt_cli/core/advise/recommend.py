@@ -293,9 +293,10 @@ def _metric_gain(symptom: str, before: dict[str, Any], after: dict[str, Any]) ->
     if symptom == "oom":
         b, a = before["memory"]["required_bytes"], after["memory"]["required_bytes"]
         gain = (b - a) / b
-        if after["memory"]["fits"] and not before["memory"]["fits"]:
-            gain += 1.0
         slowdown = max(0.0, -rel_rise("tokens_per_s"))
+        if after["memory"]["fits"] and not before["memory"]["fits"]:
+            # once a plan fits, saving more memory matters little and speed decides among the plans that fit
+            return 1.0 + 0.2 * min(gain, 1.0) - 0.5 * slowdown
         return gain - 0.15 * slowdown if gain > 0 else gain
     if symptom == "high-ttft":
         return rel_drop("ttft_s")
