@@ -96,11 +96,11 @@ def bash_script(nodes: list[Node]) -> str:
 def zsh_script(nodes: list[Node]) -> str:
     lines = ["#compdef copt", f"# {HEADER}", "# Put this file on $fpath as _copt.", "",
              "typeset -gA _copt_children _copt_options _copt_choices"]
-    for n in nodes:
-        lines.append(f"_copt_children[{n.path!r}]={_q(n.children)!r}")
-        lines.append(f"_copt_options[{n.path!r}]={_q(n.options)!r}")
+    for n in nodes:  # key/value pairs: zsh keeps quotes inside [...] subscripts literally
+        lines.append(f'_copt_children+=("{n.path}" "{_q(n.children)}")')
+        lines.append(f'_copt_options+=("{n.path}" "{_q(n.options)}")')
         for opt, values in sorted(n.choices.items()):
-            lines.append(f"_copt_choices[{(n.path + '|' + opt)!r}]={_q(values)!r}")
+            lines.append(f'_copt_choices+=("{n.path}|{opt}" "{_q(values)}")')
     lines += [
         "",
         "_copt() {",

@@ -57,3 +57,22 @@ def _help_imports(args: list[str]) -> set[str]:
 )
 def test_help_does_not_import_heavy_modules(args):
     assert _help_imports(args) == set()
+
+
+@pytest.mark.parametrize(("shell", "name"), [("zsh", "_copt"), ("fish", "copt.fish")])
+def test_zsh_and_fish_scripts_parse(shell, name):
+    import shutil
+
+    if shutil.which(shell) is None:
+        pytest.skip(f"{shell} is not installed")
+    subprocess.run([shell, "-n", str(REPO / "completions" / name)], check=True)
+
+
+def test_zsh_tables_hold_the_command_tree():
+    import shutil
+
+    if shutil.which("zsh") is None:
+        pytest.skip("zsh is not installed")
+    probe = f'source {REPO / "completions" / "_copt"} 2>/dev/null; print -r -- "${{_copt_children[copt distill]}}"'
+    out = subprocess.run(["zsh", "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["logits", "sft", "traces"]
