@@ -124,27 +124,17 @@ def advise(
         from clusteropt_cli.core.profile_report import load_profile
 
         report = load_profile(str(from_profile))
-        symptoms = list(dict.fromkeys(symptoms + list(report.verdict.symptoms)))
-        measured = dict(report.metrics)
-        wl = report.workload
-        model = model or report.model.get("path") or report.model.get("name")
-        if report.mode == "train" and task == "train":
-            micro_batch = micro_batch or wl.get("micro_batch")
-            seq_len = seq_len or wl.get("seq_len")
-            precision = precision or wl.get("precision")
-            grad_accum = grad_accum or wl.get("grad_accum")
-            if activation_checkpointing is None and wl.get("activation_checkpointing") is not None:
-                activation_checkpointing = bool(wl["activation_checkpointing"])
-        elif report.mode != "train":
-            task = "infer"
-            batch = batch or wl.get("batch") or wl.get("concurrency")
-            prompt_len = prompt_len or wl.get("prompt_len")
-            gen_len = gen_len or wl.get("gen_len") or wl.get("max_tokens")
-        if gpu is None:
-            gpu = "cpu" if report.hardware.device == "cpu" else report.hardware.catalog
-        gpus = gpus or report.hardware.count
-        if memory_budget is None and wl.get("memory_budget_bytes"):
-            memory_budget = wl["memory_budget_bytes"] / 1024**3  # the budget the profile was measured against
+        given = {"model": model, "micro_batch": micro_batch, "seq_len": seq_len, "precision": precision,
+                 "grad_accum": grad_accum, "activation_checkpointing": activation_checkpointing, "batch": batch,
+                 "prompt_len": prompt_len, "gen_len": gen_len, "gpu": gpu, "gpus": gpus,
+                 "memory_budget": memory_budget}
+        task, filled, profile_symptoms, measured = api.defaults_from_profile(report, task, given)
+        symptoms = list(dict.fromkeys(symptoms + profile_symptoms))
+        model, micro_batch, seq_len, precision = filled["model"], filled["micro_batch"], filled["seq_len"], \
+            filled["precision"]
+        grad_accum, activation_checkpointing = filled["grad_accum"], filled["activation_checkpointing"]
+        batch, prompt_len, gen_len = filled["batch"], filled["prompt_len"], filled["gen_len"]
+        gpu, gpus, memory_budget = filled["gpu"], filled["gpus"], filled["memory_budget"]
 
     target, notes = api.resolve_target(gpu, gpus, nodes, memory_budget, gpu_hour_usd)
     if model is None and not recipe:

@@ -263,6 +263,35 @@ def check_fits(result: dict[str, Any]) -> None:
 
 
 # ---- emitting ------------------------------------------------------------------------------------------------
+def defaults_from_profile(report: Any, task: str, given: dict[str, Any]
+                          ) -> tuple[str, dict[str, Any], list[str], dict[str, Any]]:
+    """Fill the flags a user did not give from a `copt profile` report.
+
+    Returns (task, values, the profile's symptom ids, its measured metrics). Typed flags always win; a profile
+    of an inference run or an endpoint turns the task into infer; the memory budget the profile was measured
+    against carries over.
+    """
+    values = dict(given)
+    wl = report.workload
+    values["model"] = values["model"] or report.model.get("path") or report.model.get("name")
+    if report.mode == "train" and task == "train":
+        for key in ("micro_batch", "seq_len", "precision", "grad_accum"):
+            values[key] = values[key] or wl.get(key)
+        if values["activation_checkpointing"] is None and wl.get("activation_checkpointing") is not None:
+            values["activation_checkpointing"] = bool(wl["activation_checkpointing"])
+    elif report.mode != "train":
+        task = "infer"
+        values["batch"] = values["batch"] or wl.get("batch") or wl.get("concurrency")
+        values["prompt_len"] = values["prompt_len"] or wl.get("prompt_len")
+        values["gen_len"] = values["gen_len"] or wl.get("gen_len") or wl.get("max_tokens")
+    if values["gpu"] is None:
+        values["gpu"] = "cpu" if report.hardware.device == "cpu" else report.hardware.catalog
+    values["gpus"] = values["gpus"] or report.hardware.count
+    if values["memory_budget"] is None and wl.get("memory_budget_bytes"):
+        values["memory_budget"] = wl["memory_budget_bytes"] / GiB
+    return task, values, list(report.verdict.symptoms), dict(report.metrics)
+
+
 def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: bool = False) -> Path:
     """A copt recipe (validated by its schema) for the top plan, with a prediction block."""
     import yaml
