@@ -7,7 +7,7 @@ passes only what the user typed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -24,3 +24,28 @@ OverridesArg = Annotated[
 OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Output directory.")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Random seed.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print what would run, then exit.")]
+
+
+def opt(name: str, help: str, kind: Any = str):  # noqa: A002 - mirrors typer's keyword
+    """An optional typed flag whose default (None: not given) leaves the value to the recipe schema."""
+    return Annotated[kind | None, typer.Option(name, help=help, show_default=False)]
+
+
+# Training flags shared by `copt train` and `copt distill logits|sft` (TrainingOptions in the recipe schema).
+PrecisionOpt = opt("--precision", "bf16 | fp16 | fp8 | fp32 (bf16/fp16/fp8 autocast over fp32 weights; default bf16).")
+CheckpointingOpt = Annotated[bool | None, typer.Option(
+    "--activation-checkpointing/--no-activation-checkpointing", help="Recompute activations in backward.",
+    show_default=False)]
+MicroBatchOpt = opt("--micro-batch", "Sequences per micro-batch per process.", int)
+GradAccumOpt = opt("--grad-accum", "Micro-batches per optimizer step.", int)
+SeqLenOpt = opt("--seq-len", "Tokens per sequence.", int)
+MaxStepsOpt = Annotated[int | None, typer.Option("--max-steps", "--steps", help="Optimizer steps.",
+                                                 show_default=False)]
+EpochsOpt = opt("--epochs", "Passes over the data (when --max-steps is not given).", float)
+LrOpt = opt("--lr", "Peak learning rate.", float)
+ZeroOpt = opt("--zero", "DeepSpeed ZeRO stage 0 | 1 | 2 | 3.", int)
+OffloadOpt = opt("--offload", "none | cpu | nvme (ZeRO optimizer/parameter offload).")
+GpusOpt = opt("--gpus", "Processes per node (GPUs; on CPU, processes).", int)
+SaveEveryOpt = opt("--save-every", "Write a resumable checkpoint every N steps.", int)
+ResumeOpt = Annotated[bool | None, typer.Option("--resume", help="Continue from the latest checkpoint in --output.",
+                                                show_default=False)]

@@ -290,6 +290,7 @@ complete -c copt -n "__fish_seen_subcommand_from train" -l save-every
 complete -c copt -n "__fish_seen_subcommand_from train" -l schedule
 complete -c copt -n "__fish_seen_subcommand_from train" -l seed
 complete -c copt -n "__fish_seen_subcommand_from train" -l seq-len
+complete -c copt -n "__fish_seen_subcommand_from train" -l steps
 complete -c copt -n "__fish_seen_subcommand_from train" -l tokenizer
 complete -c copt -n "__fish_seen_subcommand_from train" -l virtual-stages
 complete -c copt -n "__fish_seen_subcommand_from train" -l warmup-steps

@@ -7,7 +7,26 @@ from typing import Annotated, Any
 
 import typer
 
-from clusteropt_cli.options import JsonOpt, OverridesArg, OverwriteOpt, RecipeOpt
+from clusteropt_cli.options import (
+    CheckpointingOpt,
+    EpochsOpt,
+    GpusOpt,
+    GradAccumOpt,
+    JsonOpt,
+    LrOpt,
+    MaxStepsOpt,
+    MicroBatchOpt,
+    OffloadOpt,
+    OverridesArg,
+    OverwriteOpt,
+    PrecisionOpt,
+    RecipeOpt,
+    ResumeOpt,
+    SaveEveryOpt,
+    SeedOpt,
+    SeqLenOpt,
+    ZeroOpt,
+)
 
 app = typer.Typer(help="Distill a teacher into a student: logits, traces, sft.", no_args_is_help=True)
 
@@ -17,22 +36,6 @@ StudentOpt = Annotated[str | None, typer.Option(
 OutputDirOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Where the trained student is saved (HF).")]
 TeacherDtypeOpt = Annotated[str | None, typer.Option(
     "--teacher-dtype", help="Teacher weights: auto (bf16/fp16 on GPU, fp32 on CPU), bf16, fp16, fp32.")]
-SeedOpt = Annotated[int | None, typer.Option("--seed", help="Random seed.")]
-# training options shared with copt train (the recipe schema owns the defaults)
-PrecisionOpt = Annotated[str | None, typer.Option("--precision", help="bf16 | fp16 | fp8 | fp32 (default bf16).")]
-CheckpointingOpt = Annotated[bool | None, typer.Option(
-    "--activation-checkpointing/--no-activation-checkpointing", help="Recompute activations in backward.")]
-MicroBatchOpt = Annotated[int | None, typer.Option("--micro-batch", help="Sequences per device per micro-step.")]
-GradAccumOpt = Annotated[int | None, typer.Option("--grad-accum", help="Micro-steps per optimizer step.")]
-SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", help="Tokens per sequence.")]
-StepsOpt = Annotated[int | None, typer.Option("--steps", "--max-steps", help="Optimizer steps.")]
-EpochsOpt = Annotated[float | None, typer.Option("--epochs", help="Passes over the data (instead of --steps).")]
-LrOpt = Annotated[float | None, typer.Option("--lr", help="Peak learning rate.")]
-ZeroOpt = Annotated[int | None, typer.Option("--zero", help="DeepSpeed ZeRO stage 0-3.")]
-OffloadOpt = Annotated[str | None, typer.Option("--offload", help="none | cpu | nvme (with --zero).")]
-GpusOpt = Annotated[int | None, typer.Option("--gpus", help="Processes (GPUs) per node.")]
-SaveEveryOpt = Annotated[int | None, typer.Option("--save-every", help="Checkpoint every N steps.")]
-ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in --output.")]
 
 
 def _training_values(precision, activation_checkpointing, micro_batch, grad_accum, seq_len, steps, epochs, lr,
@@ -174,7 +177,7 @@ def logits(
     micro_batch: MicroBatchOpt = None,
     grad_accum: GradAccumOpt = None,
     seq_len: SeqLenOpt = None,
-    steps: StepsOpt = None,
+    steps: MaxStepsOpt = None,
     epochs: EpochsOpt = None,
     lr: LrOpt = None,
     zero: ZeroOpt = None,
@@ -296,7 +299,7 @@ def sft(
     micro_batch: MicroBatchOpt = None,
     grad_accum: GradAccumOpt = None,
     seq_len: SeqLenOpt = None,
-    steps: StepsOpt = None,
+    steps: MaxStepsOpt = None,
     epochs: EpochsOpt = None,
     lr: LrOpt = None,
     zero: ZeroOpt = None,

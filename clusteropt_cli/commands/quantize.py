@@ -6,16 +6,13 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from clusteropt_cli import console
 from clusteropt_cli.options import JsonOpt, OverridesArg, OverwriteOpt, RecipeOpt
-
-
-def _opt(name: str, help: str, kind: Any = str):  # noqa: A002 - mirrors typer's keyword
-    return Annotated[kind | None, typer.Option(name, help=help, show_default=False)]
+from clusteropt_cli.options import opt as _opt
 
 
 def quantize(

@@ -11,11 +11,28 @@ from typing import Annotated, Any
 import typer
 
 from clusteropt_cli import console
-from clusteropt_cli.options import DryRunOpt, JsonOpt, OverridesArg, OverwriteOpt, RecipeOpt, SeedOpt
-
-
-def _opt(name: str, help: str, kind: Any = str):  # noqa: A002 - mirrors typer's keyword
-    return Annotated[kind | None, typer.Option(name, help=help, show_default=False)]
+from clusteropt_cli.options import (
+    CheckpointingOpt,
+    DryRunOpt,
+    EpochsOpt,
+    GpusOpt,
+    GradAccumOpt,
+    JsonOpt,
+    LrOpt,
+    MaxStepsOpt,
+    MicroBatchOpt,
+    OffloadOpt,
+    OverridesArg,
+    OverwriteOpt,
+    PrecisionOpt,
+    RecipeOpt,
+    ResumeOpt,
+    SaveEveryOpt,
+    SeedOpt,
+    SeqLenOpt,
+    ZeroOpt,
+)
+from clusteropt_cli.options import opt as _opt
 
 
 def train(
@@ -25,38 +42,35 @@ def train(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Output dir: the model (HF format), "
                                                 "metrics.jsonl, checkpoints/.", show_default=False)] = None,
     tokenizer: _opt("--tokenizer", "Tokenizer dir (default: the model dir).") = None,
-    precision: _opt("--precision", "bf16 | fp16 | fp8 | fp32 (bf16/fp16/fp8 autocast over fp32 weights).") = None,
-    activation_checkpointing: Annotated[bool | None, typer.Option(
-        "--activation-checkpointing/--no-activation-checkpointing", help="Recompute activations in backward.",
-        show_default=False)] = None,
+    precision: PrecisionOpt = None,
+    activation_checkpointing: CheckpointingOpt = None,
     attn: _opt("--attn", "sdpa | flash_attention_2 | eager.") = None,
-    micro_batch: _opt("--micro-batch", "Sequences per micro-batch per process.", int) = None,
-    grad_accum: _opt("--grad-accum", "Micro-batches per optimizer step.", int) = None,
-    seq_len: _opt("--seq-len", "Tokens per sequence.", int) = None,
-    max_steps: _opt("--max-steps", "Optimizer steps.", int) = None,
-    epochs: _opt("--epochs", "Passes over the data (when --max-steps is not given; default 1).", float) = None,
-    lr: _opt("--lr", "Peak learning rate.", float) = None,
+    micro_batch: MicroBatchOpt = None,
+    grad_accum: GradAccumOpt = None,
+    seq_len: SeqLenOpt = None,
+    max_steps: MaxStepsOpt = None,
+    epochs: EpochsOpt = None,
+    lr: LrOpt = None,
     schedule: _opt("--schedule", "cosine | linear | constant.") = None,
     warmup_steps: _opt("--warmup-steps", "Linear warm-up steps.", int) = None,
     compile: Annotated[bool | None, typer.Option("--compile/--no-compile", help="torch.compile the decoder "
                                                  "(default: on for CUDA).", show_default=False)] = None,
-    zero: _opt("--zero", "DeepSpeed ZeRO stage 0 | 1 | 2 | 3.", int) = None,
-    offload: _opt("--offload", "none | cpu | nvme (ZeRO optimizer/parameter offload).") = None,
+    zero: ZeroOpt = None,
+    offload: OffloadOpt = None,
     nvme_path: _opt("--nvme-path", "Directory for --offload nvme.") = None,
     gradient_compression: _opt("--gradient-compression", "none | fp16 | bf16 | powersgd (DDP comm hooks).") = None,
     pipeline_stages: _opt("--pipeline-stages", "Pipeline stages (one per process).", int) = None,
     pipeline_schedule: _opt("--pipeline-schedule", "gpipe | 1f1b | interleaved-1f1b.") = None,
     pipeline_micro_batches: _opt("--pipeline-micro-batches", "Micro-batches per pipeline step.", int) = None,
     virtual_stages: _opt("--virtual-stages", "Model chunks per rank (interleaved-1f1b).", int) = None,
-    gpus: _opt("--gpus", "Processes per node (GPUs; on CPU, processes).", int) = None,
+    gpus: GpusOpt = None,
     nodes: _opt("--nodes", "Nodes.", int) = None,
     hostfile: _opt("--hostfile", "Hostfile ('hostname slots=N' per line) for multi-node runs.") = None,
     launcher: _opt("--launcher", "auto | deepspeed | torchrun.") = None,
     master_addr: _opt("--master-addr", "Rendezvous address (default: first host).") = None,
     master_port: _opt("--master-port", "Rendezvous port (default 29500).", int) = None,
-    save_every: _opt("--save-every", "Write a resumable checkpoint every N steps.", int) = None,
-    resume: Annotated[bool | None, typer.Option("--resume", help="Continue from the latest checkpoint in --output.",
-                                                show_default=False)] = None,
+    save_every: SaveEveryOpt = None,
+    resume: ResumeOpt = None,
     seed: SeedOpt = None,
     overwrite: OverwriteOpt = False,
     dry_run: DryRunOpt = False,
