@@ -272,7 +272,11 @@ def _max_seqs(ctx: Context, p: InferPlan) -> int:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 1024**3:.1f} GiB"
+    """Bytes in the largest binary unit that keeps the figure readable (tiny models report MiB)."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size or unit == "KiB":
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 # ---- scoring -------------------------------------------------------------------------------------------------
