@@ -78,7 +78,7 @@ def progress_bar(description: str, total: int | None):
 
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[info]}")]
-    with Progress(*columns, console=err, transient=False, disable=not err.is_terminal and False) as progress:
+    with Progress(*columns, console=err, transient=False) as progress:
         task = progress.add_task(description, total=total, info="")
 
         def advance(n: int = 1, info: str = "") -> None:
