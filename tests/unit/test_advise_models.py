@@ -104,3 +104,37 @@ def test_cpu_quantity_matches_measurement(precision: str, attn: str, ckpt: bool)
     assert predicted["model_states"] == measured["model_states"]
     assert predicted["saved_tensors"] == pytest.approx(measured["saved_tensors"], rel=0.01)
     assert predicted["peak_mem_bytes"] == pytest.approx(measured["peak_mem_bytes"], rel=0.01)
+
+
+# DeepSpeed 0.19.8 buffers for the Llama-3.2-1B shape, 4 × 2048, checkpointing, 2 GPUs (deepspeed_terms docstring)
+_P = 1_235_814_400
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_deepspeed_buffers_1b_on_2_gpus(zero: int) -> None:
+    spec = load_model_spec({"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16,
+                            "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 8192,
+                            "vocab_size": 128256, "tie_word_embeddings": True, "head_dim": 64})
+    assert spec.num_params == _P
+    plan = TrainPlan(micro_batch=4, seq_len=2048, activation_checkpointing=True, zero=zero)
+    mem = train_memory(spec, plan, Target(get_gpu("h200"), gpus_per_node=2))
+    ds = mem.deepspeed_buffers
+    assert mem.peak_phase == "loss-backward"
+    assert mem.breakdown["optimizer"] == pytest.approx(6 * _P)  # fp32 master + Adam m, v over 2 ranks
+    if zero in (1, 2):
+        assert mem.breakdown["weights"] == pytest.approx(2 * _P)  # bit16_groups_flat, not partitioned
+        assert ds["loss"] == {}  # no gradient or bucket exists at the loss of a steady-state step
+        assert ds["end-of-backward"] == pytest.approx({"ipg_buckets": 2 * 5e8 * 2, "grads_in_partition": _P})
+        assert ds["optimizer-step"] == pytest.approx({"grads_in_partition": _P, "flat_grad_partition": _P,
+                                                      "fp32_grad_partition": 2 * _P})
+        assert mem.per_gpu_bytes / 1e9 == pytest.approx(25.27, abs=0.01)
+    else:
+        assert mem.breakdown["weights"] == pytest.approx(_P)  # bf16 partition
+        loss = ds["loss"]
+        assert loss["grad_partitions_flat_buffer"] == pytest.approx(_P)
+        assert loss["ipg_bucket"] == 1e9
+        assert loss["prefetch_bucket"] == 1e8
+        # tied embedding/head (262.7M) + layers 13-15 (60.8M each) recur within stage3_max_reuse_distance
+        layer = (_P - 128256 * 2048) / 16
+        assert loss["gathered_params"] == pytest.approx(2 * (128256 * 2048 + 3 * layer))
+        assert mem.per_gpu_bytes / 1e9 == pytest.approx(27.26, abs=0.01)

@@ -25,8 +25,13 @@ from clusteropt_cli.core.advise import calibration as cal
 from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan
 from clusteropt_cli.modelspec import ModelSpec
 
-DS_REDUCE_BUCKET = 5e8  # DeepSpeed reduce_bucket_size / allgather_bucket_size (elements), its default
-DS_PREFETCH_LAYERS = 2  # ZeRO-3 keeps the current and the prefetched layer's full parameters
+# DeepSpeed settings that `deepspeed_config()` (api.py) writes; the buffers below are sized from them.
+DS_REDUCE_BUCKET = 5e8  # reduce_bucket_size (elements)
+DS_OVERLAP_COMM = True  # overlap_comm: ZeRO-1/2 double-buffer their gradient bucket
+DS_PREFETCH_BUCKET = 5e7  # stage3_prefetch_bucket_size (elements)
+DS_PERSISTENCE_THRESHOLD = 1e5  # stage3_param_persistence_threshold (elements): smaller params stay gathered
+DS_MAX_REUSE_DISTANCE = 1e9  # stage3_max_reuse_distance, DeepSpeed's default (elements)
+DS_MAX_LIVE_PARAMETERS = 1e9  # stage3_max_live_parameters, DeepSpeed's default (elements)
 
 
 @dataclass
@@ -42,6 +47,7 @@ class MemoryEstimate:
     model_states_bytes: float
     phases: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    deepspeed_buffers: dict[str, dict[str, float]] = field(default_factory=dict)  # phase → named buffer → bytes
 
     @property
     def headroom_bytes(self) -> float | None:
@@ -168,6 +174,93 @@ def model_states(num_params: float, precision: str, optimizer: str, zero: int, d
     return {"weights": weights, "gradients": grads, "optimizer": optim}
 
 
+def _zero3_gathered_at_loss(spec: ModelSpec, plan: TrainPlan, layer_params: float) -> float:
+    """Elements ZeRO-3 still holds gathered when the loss runs (after the lm_head's forward).
+
+    PartitionedParameterCoordinator.__params_to_release (deepspeed 0.19.8) keeps a module's parameters gathered
+    when they recur within the next stage3_max_reuse_distance elements of the recorded module trace. The trace
+    here is per decoder layer: forward embed, layers 0..n-1, final norm, head; backward head, norm, then per layer
+    (its checkpointed re-forward and) its backward. With a tied head the embedding matrix is the head's weight.
+    The total is capped at stage3_max_live_parameters.
+    """
+    n = spec.num_layers
+    embed = spec.embedding_params / plan.tp
+    head = embed if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size / plan.tp
+    embed_name = "head" if spec.tie_word_embeddings else "embed"  # tied: one Parameter, one gathered tensor
+    fwd = [(embed_name, embed)] + [(f"L{i}", layer_params) for i in range(n)] + [("head", head)]
+    bwd: list[tuple[str, float]] = [("head", head)]
+    for i in reversed(range(n)):
+        bwd += [(f"L{i}", layer_params)] * (2 if plan.activation_checkpointing else 1)
+    bwd.append((embed_name, embed))
+    trace = fwd + bwd
+    loss_at = len(fwd) - 1
+    last_use = {name: pos for pos, (name, _) in enumerate(trace[:loss_at + 1])}
+    kept = {"head": head}  # in use at the loss
+    for name, pos in last_use.items():
+        traversed = 0.0
+        for later_name, later_numel in trace[pos + 1:]:
+            if traversed >= DS_MAX_REUSE_DISTANCE:
+                break
+            if later_name == name:
+                kept[name] = trace[pos][1]
+                break
+            traversed += later_numel
+    return min(sum(kept.values()), DS_MAX_LIVE_PARAMETERS)
+
+
+def deepspeed_terms(spec: ModelSpec, plan: TrainPlan, dp: int) -> dict[str, dict[str, float]]:
+    """Named DeepSpeed 0.19.8 buffers (bytes per GPU) live in each phase of a steady-state step, beyond the
+    model states of `model_states` (bit16 weights or their partition, fp32 master partition, Adam moments).
+
+    Read from deepspeed/runtime/zero/stage_1_and_2.py and stage3.py for the config `deepspeed_config()` writes
+    (bf16/fp16, grad_accum_dtype unset = the model dtype, overlap_comm, contiguous_gradients, DeepSpeed AdamW):
+
+    ZeRO-1/2 (DeepSpeedZeroOptimizer):
+      * `ipg_buckets`: setup_buckets() allocates at the first gradient hook of each backward
+        2 (overlap_comm) × reduce_bucket_size elements of the model dtype; _release_ipg_buffers() drops them at
+        the backward epilogue. Not live at the loss.
+      * `grads_in_partition`: copy_grads_in_partition() copies this rank's gradients into one contiguous tensor of
+        its partition (model dtype, params/dp) during backward; held as averaged_gradients until step() frees it.
+        ZeRO-1 with overlap_comm reduces in the hooks like ZeRO-2, so it holds the same partition, not full grads.
+      * step(): flatten(averaged_gradients) (model dtype, params/dp) next to that partition, then its fp32 copy
+        `single_grad_partition` (4 × params/dp) set as the fp32 master's grad; DeepSpeed AdamW updates in place.
+      * with gradient accumulation the un-reduced gradients persist between micro-steps (ZeRO-1: full param.grad,
+        ZeRO-2: the partition) — `model_states`' gradients term.
+    ZeRO-3 (DeepSpeedZeroOptimizer_Stage3):
+      * `grad_partitions_flat_buffer`: zeros of params/dp in the model dtype, allocated at init, always live.
+      * `ipg_bucket`: one reduce_bucket_size buffer of the model dtype, allocated at init, always live.
+      * `gathered_params`: full parameters held by the coordinator (the head and the last layers that recur within
+        stage3_max_reuse_distance, see _zero3_gathered_at_loss), the prefetch bucket (stage3_prefetch_bucket_size)
+        and parameters under stage3_param_persistence_threshold (the norms), which are never partitioned.
+      * step: the fp32 gradient partition of the sub-group (4 × params/dp).
+    """
+    lp = 4.0 if plan.precision == "fp32" else 2.0
+    part = _local_params(spec, plan) / dp
+    offload = plan.offload != "none"
+    head = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
+    layer_params = max(0.0, (spec.num_params - spec.embedding_params - head) / spec.num_layers) / plan.tp
+    terms: dict[str, dict[str, float]] = {"loss": {}, "end-of-backward": {}, "optimizer-step": {}}
+    if plan.zero in (1, 2):
+        buckets = (2 if DS_OVERLAP_COMM else 1) * DS_REDUCE_BUCKET * lp
+        grads_part = 0.0 if offload else lp * part
+        terms["end-of-backward"] = {"ipg_buckets": buckets, "grads_in_partition": grads_part}
+        if not offload:
+            terms["optimizer-step"] = {"grads_in_partition": grads_part, "flat_grad_partition": lp * part,
+                                       "fp32_grad_partition": 4.0 * part}
+    elif plan.zero >= 3:
+        persistent = (2 * spec.num_layers + 1) * spec.hidden_size * lp  # the RMSNorm/LayerNorm weights
+        if spec.hidden_size >= DS_PERSISTENCE_THRESHOLD:
+            persistent = 0.0
+        always = {"grad_partitions_flat_buffer": 0.0 if offload else lp * part, "ipg_bucket": DS_REDUCE_BUCKET * lp,
+                  "persistent_params": persistent}
+        prefetch = DS_PREFETCH_BUCKET * lp
+        terms["loss"] = {**always, "gathered_params": _zero3_gathered_at_loss(spec, plan, layer_params) * lp,
+                         "prefetch_bucket": prefetch}
+        terms["end-of-backward"] = {**always, "gathered_params": layer_params * lp, "prefetch_bucket": prefetch}
+        terms["optimizer-step"] = {**always, **({} if offload else {"fp32_grad_partition": 4.0 * part})}
+    return terms
+
+
 def _local_params(spec: ModelSpec, plan: TrainPlan) -> float:
     return spec.num_params / (plan.tp * plan.pp)
 
@@ -180,16 +273,12 @@ def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEsti
     states = model_states(local, plan.precision, plan.optimizer, plan.zero, dp, plan.offload)
     notes: list[str] = []
 
-    # DeepSpeed working buffers
+    # DeepSpeed working buffers, per phase (deepspeed_terms)
+    ds = deepspeed_terms(spec, plan, dp) if plan.uses_deepspeed else None
     buffers = 0.0
-    if plan.uses_deepspeed:
-        layer_params = local / max(1, spec.num_layers // plan.pp)
-        buffers += min(DS_REDUCE_BUCKET, local) * 2
-        if plan.zero >= 3:
-            buffers += DS_PREFETCH_LAYERS * layer_params * 2
-            if plan.offload != "none":
-                buffers += spec.vocab_size * spec.hidden_size * 2  # the embedding/head gathered when used
-        notes.append("DeepSpeed buckets counted at reduce_bucket_size 5e8 (its default)")
+    if ds is not None:
+        notes.append("DeepSpeed 0.19.8 buffers for the emitted config (reduce_bucket_size 5e8, overlap_comm"
+                     + (", prefetch 5e7, persistence 1e5)" if plan.zero >= 3 else ")"))
 
     # activations
     per_token = activation_bytes_per_token(spec, plan)
@@ -217,7 +306,9 @@ def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEsti
     if plan.zero >= 3:
         casts = head_cast = 0.0  # ZeRO-3 gathers bf16 params per layer (in the buffers above)
 
-    grads_resident = states["gradients"] if (plan.uses_deepspeed or plan.grad_accum > 1) else 0.0
+    if ds is not None:
+        return _deepspeed_phases(states, ds, plan, stored, final, recompute, layers_local, logits, target, notes)
+    grads_resident = states["gradients"] if plan.grad_accum > 1 else 0.0
     base = states["weights"] + states["optimizer"] + grads_resident + buffers
     phases = {
         "loss-forward": base + stored + final + casts + logits["forward"],
@@ -229,9 +320,6 @@ def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEsti
     }
     peak_phase = max(phases, key=phases.get)
     peak = phases[peak_phase]
-    if plan.activation_checkpointing and peak_phase != "end-of-backward":
-        # recomputing one layer in backward happens after the logits are gone; covered by end-of-backward
-        pass
     if peak_phase == "loss-forward":
         act, lg, wcast, grads = stored + final, logits["forward"], casts, grads_resident
     elif peak_phase == "loss-backward":
@@ -249,6 +337,43 @@ def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEsti
         breakdown["activations"] += peak - sum(breakdown.values())
     model_states_total = states["weights"] + states["gradients"] + states["optimizer"]
     return _finish(peak, breakdown, target, peak_phase, model_states_total, phases, notes)
+
+
+_GRADIENT_TERMS = ("grads_in_partition", "grad_partitions_flat_buffer", "flat_grad_partition",
+                   "fp32_grad_partition")
+
+
+def _deepspeed_phases(states: dict[str, float], ds: dict[str, dict[str, float]], plan: TrainPlan, stored: float,
+                      final: float, recompute: float, layers_local: float, logits: dict[str, float],
+                      target: Target, notes: list[str]) -> MemoryEstimate:
+    """Phases of a DeepSpeed step: model states + the named buffers live in each phase (deepspeed_terms).
+
+    At the loss of a steady-state step no gradient exists (step() freed the partition, zero_grad() the rest)
+    unless gradients accumulate over micro-steps; the ZeRO-1/2 buckets are allocated by the first gradient hook.
+    """
+    resident = states["weights"] + states["optimizer"]
+    accumulating = states["gradients"] if plan.grad_accum > 1 and plan.zero in (1, 2) else 0.0
+    last_layer = recompute + (stored / max(1.0, layers_local) if plan.activation_checkpointing else 0.0)
+    acts = {"loss-forward": (stored + final, logits["forward"]), "loss-backward": (stored + final, logits["backward"]),
+            "end-of-backward": (last_layer, 0.0), "optimizer-step": (0.0, 0.0)}
+    live = {"loss-forward": ds["loss"], "loss-backward": ds["loss"], "end-of-backward": ds["end-of-backward"],
+            "optimizer-step": ds["optimizer-step"]}
+    phases = {name: resident + sum(act) + sum(live[name].values()) + (accumulating if name.startswith("loss") else 0)
+              for name, act in acts.items()}
+    peak_phase = max(phases, key=phases.get)
+    terms = live[peak_phase]
+    grads = sum(v for k, v in terms.items() if k in _GRADIENT_TERMS)
+    grads += accumulating if peak_phase.startswith("loss") else 0.0
+    breakdown = {
+        "weights": states["weights"], "gradients": grads, "optimizer": states["optimizer"],
+        "activations": acts[peak_phase][0], "logits": acts[peak_phase][1], "kv_cache": 0.0,
+        "autocast_weight_copies": 0.0,
+        "buffers": sum(v for k, v in terms.items() if k not in _GRADIENT_TERMS),
+    }
+    model_states_total = states["weights"] + states["gradients"] + states["optimizer"]
+    estimate = _finish(phases[peak_phase], breakdown, target, peak_phase, model_states_total, phases, notes)
+    estimate.deepspeed_buffers = {name: dict(t) for name, t in ds.items()}
+    return estimate
 
 
 def cpu_training_bytes(spec: ModelSpec, plan: TrainPlan) -> dict[str, float]:
