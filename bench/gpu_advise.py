@@ -9,8 +9,9 @@ measures torch.cuda.max_memory_allocated (and reserved) of HF Llama models built
   * HF generate (bf16 weights): peak during generate at several batch × context sizes, plus TTFT and TPOT;
 and compares each with advise's prediction (error % = (predicted − measured) / measured).
 
-ZeRO on 2 GPUs (nvidia-h200-x2; DeepSpeed wheel on PYTHONPATH, TORCH_CUDA_ARCH_LIST=9.0):
-    torchrun --nproc-per-node 2 bench/gpu_advise.py --zero --out $OUT/advise_zero.json
+ZeRO on 2 GPUs (nvidia-h200-x2; DeepSpeed wheel on PYTHONPATH, TORCH_CUDA_ARCH_LIST=9.0), one process per stage
+(an engine of an earlier stage left in the process inflated the 2026-11-30 peaks of ZeRO-1/2/3):
+    for s in 0 1 2 3; do torchrun --nproc-per-node 2 bench/gpu_advise.py --zero --stages $s --out $OUT/zero$s.json; done
 runs DeepSpeed ZeRO 0/1/2/3 steps (bf16, config from copt's own --emit-ds-config builder) and records per-GPU peaks.
 
 `--cpu-smoke` runs every code path on the CPU with tiny shapes (no memory figures) to check the script itself.
@@ -293,8 +294,11 @@ def zero_mode(args: argparse.Namespace) -> dict:
     spec = load_model_spec({"model_type": "llama", **shape})
     results = {"mode": "zero", "world": world, "micro_batch": mb, "seq_len": seq, "checkpointing": ckpt,
                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cases": []}
-    for stage in ZERO_CASES:
+    for stage in args.stages:
         case: dict = {"kind": "zero", "zero": stage}
+        # memory still held from an earlier case in this process inflates its peak: record it (and prefer one
+        # process per stage: --stages N)
+        case["allocated_before_bytes"] = torch.cuda.memory_allocated() if device == "cuda" else 0
         try:
             plan = TrainPlan(micro_batch=mb, seq_len=seq, activation_checkpointing=ckpt, zero=stage)
             target = Target(get_gpu("h200"), gpus_per_node=world)
@@ -362,7 +366,10 @@ def main() -> None:
     parser.add_argument("--zero", action="store_true", help="DeepSpeed ZeRO 0-3 under torchrun (2 GPUs)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, to check the script")
     parser.add_argument("--budget-s", type=float, default=270.0)
+    parser.add_argument("--stages", default=",".join(map(str, ZERO_CASES)),
+                        help="ZeRO stages to run with --zero (run one per process for clean peaks)")
     args = parser.parse_args()
+    args.stages = [int(x) for x in str(args.stages).split(",") if x.strip()]
     results = zero_mode(args) if args.zero else single_gpu(args)
     if int(os.environ.get("RANK", "0")) == 0:
         from clusteropt_cli.core.advise import calibration as cal
