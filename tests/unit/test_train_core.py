@@ -106,6 +106,72 @@ def test_deepspeed_config_zero3_offload():
     assert cfg["optimizer"]["type"] == "AdamW"  # DeepSpeedCPUAdam under offload
 
 
+@pytest.mark.parametrize(("precision", "section"), [("bf16", "bf16"), ("fp8", "bf16"), ("fp16", "fp16"),
+                                                      ("fp32", None)])
+def test_deepspeed_config_uses_deepspeeds_own_mixed_precision(precision, section):
+    """bf16 is DeepSpeed's bf16 mode (bf16 weights, fp32 masters in the optimizer), never torch.autocast, which
+    DeepSpeed's engine switches off inside its forward on a GPU (the fp32 forward that ran out of memory)."""
+    cfg = deepspeed_config(TrainRecipe(model="m", zero=2, precision=precision), world_size=2)
+    assert [k for k in ("bf16", "fp16") if k in cfg] == ([section] if section else [])
+    assert section is None or cfg[section]["enabled"] is True
+    assert "torch_autocast" not in cfg
+
+
+_DS_DTYPE_PROBE = """
+import json, sys, torch
+import deepspeed.runtime.torch_autocast as dta
+from clusteropt_cli.core.train.engines import DeepSpeedEngine
+from clusteropt_cli.core.train.deepspeed_config import deepspeed_config
+from clusteropt_cli.core.train.distributed import setup_distributed
+from clusteropt_cli.recipe.schema.train import TrainRecipe
+from transformers import LlamaConfig, LlamaForCausalLM
+
+class CudaSemantics:  # DeepSpeed asks torch.is_autocast_enabled() (CUDA only): make it see CPU autocast as on a GPU
+    def __getattr__(self, name):
+        return getattr(torch, name)
+    def is_autocast_enabled(self, device_type=None):
+        return torch.is_autocast_enabled(device_type or "cpu")
+dta.torch = CudaSemantics()
+seen = []
+def loss_fn(model, batch):
+    out = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False)
+    seen.append([str(out.logits.dtype), torch.is_autocast_enabled("cpu")])
+    return out.loss, {}
+options = TrainRecipe(model="m", zero=int(sys.argv[1]), precision="bf16", micro_batch=2, seq_len=32, lr=1e-3)
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=256))
+engine = DeepSpeedEngine(options, model, loss_fn, setup_distributed(1), 2, deepspeed_config(options, 1))
+ids = torch.randint(0, 256, (2, 32))
+losses = []
+for _ in range(2):
+    loss, _ = engine.micro_step({"input_ids": ids, "labels": ids}, True)
+    engine.optimizer_step()
+    losses.append(float(loss))
+print(json.dumps({"seen": seen, "param_dtype": str(next(model.parameters()).dtype), "losses": losses}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [2, 3])
+def test_deepspeed_bf16_forward_is_bf16_under_gpu_autocast_semantics(tmp_path, zero):
+    """The forward inside DeepSpeed computes in bf16 even where DeepSpeed disables an outer autocast (CUDA): the
+    failure measured on the H200 was a silent fp32 forward there; CPU autocast escapes DeepSpeed's CUDA-only check,
+    so the probe gives DeepSpeed the GPU's view."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-c", _DS_DTYPE_PROBE, str(zero)], cwd=REPO, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert probe["param_dtype"] == "torch.bfloat16"
+    assert [dtype for dtype, _ in probe["seen"]] == ["torch.bfloat16"] * 2
+    assert probe["losses"][1] < probe["losses"][0]
+
+
 def test_schema_rejects_bad_parallel_plans():
     with pytest.raises(ValueError, match="ZeRO-3 cannot be combined"):
         TrainRecipe(model="m", zero=3, pipeline_stages=2, gpus=2)

@@ -1,14 +1,23 @@
 """The DeepSpeed config copt generates for `--zero 1|2|3` (written next to the run as ds_config.json).
 
-Precision semantics match the non-DeepSpeed path: bf16 (and fp8) run under torch.autocast over fp32 weights
-and fp32 ZeRO partitions, so DeepSpeed's own bf16 mode (bf16 weights) is not used; fp16 uses DeepSpeed's fp16
-mode with dynamic loss scaling (fp16 weights, fp32 master weights in the optimizer).
+Mixed precision is DeepSpeed's own: bf16 (and fp8, whose non-fp8 parts run in bf16) use the `bf16` section
+(bf16 weights and gradients on the device, fp32 master weights and Adam moments partitioned in the optimizer:
+2 + 2 + 12 bytes per parameter before ZeRO's partitioning), fp16 the `fp16` section with dynamic loss
+scaling, fp32 neither. torch.autocast is NOT used under DeepSpeed: DeepSpeed's engine turns an outer CUDA
+autocast off inside its forward (deepspeed/runtime/torch_autocast.py, autocast_if_enabled), which used to make
+copt's ZeRO runs compute a full fp32 forward on the GPU (fp32 attention falls back to the math SDPA kernel with
+grouped-query attention and holds the [batch, heads, seq, seq] scores: out of memory on Llama-3.2-1B at 8 × 2048).
 No heavy imports: `--dry-run` prints this config without importing deepspeed.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+
+def deepspeed_weight_dtype(precision: str) -> str:
+    """The dtype DeepSpeed keeps the model's weights in on the device for a precision (masters stay fp32)."""
+    return {"bf16": "bf16", "fp8": "bf16", "fp16": "fp16"}.get(precision, "fp32")
 
 
 def deepspeed_config(options: Any, world_size: int) -> dict[str, Any]:
@@ -43,7 +52,9 @@ def deepspeed_config(options: Any, world_size: int) -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    if options.precision == "fp16":
+    if options.precision in ("bf16", "fp8"):
+        config["bf16"] = {"enabled": True}
+    elif options.precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                           "hysteresis": 2, "min_loss_scale": 1}
     if options.offload != "none":

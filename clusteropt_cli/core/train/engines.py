@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from clusteropt_cli.core.train.checkpoint import load_torch_file, save_torch_file
+from clusteropt_cli.core.train.deepspeed_config import deepspeed_weight_dtype
 from clusteropt_cli.core.train.distributed import DistContext
 from clusteropt_cli.core.train.precision import autocast_context, make_grad_scaler
 from clusteropt_cli.errors import BadInputError
@@ -213,7 +214,10 @@ def _single_process_rendezvous() -> None:
 
 
 class DeepSpeedEngine:
-    """DeepSpeed ZeRO 1/2/3 (+ CPU/NVMe offload) through deepspeed.initialize with copt's generated config."""
+    """DeepSpeed ZeRO 1/2/3 (+ CPU/NVMe offload) through deepspeed.initialize with copt's generated config.
+
+    bf16/fp8 and fp16 train in DeepSpeed's own mixed precision: deepspeed.initialize casts the model to 16 bits
+    and the ZeRO optimizer keeps the fp32 masters (final_state_dict saves those)."""
 
     name = "deepspeed"
 
@@ -249,10 +253,10 @@ class DeepSpeedEngine:
                                                        else "")
 
     def micro_step(self, batch: dict[str, Any], is_last_micro: bool) -> tuple[Any, dict[str, float]]:
+        # No torch.autocast here: the weights already are bf16/fp16 (DeepSpeed's bf16/fp16 mode, see
+        # deepspeed_config.py), and DeepSpeed would turn an outer CUDA autocast off inside its forward anyway.
         batch = _move(batch, self.engine.device)
-        with autocast_context(self.options.precision if self.options.precision != "fp16" else "fp32",
-                              self.ctx.device_type):
-            loss, metrics = self.engine(batch)
+        loss, metrics = self.engine(batch)
         self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps itself
         self.engine.step()  # applies the optimizer at the accumulation boundary only
         return loss.detach().float(), metrics
@@ -282,14 +286,33 @@ class DeepSpeedEngine:
                                 hint="resume with the same --zero, --gpus and --nodes as the interrupted run")
 
     def final_state_dict(self) -> dict[str, Any] | None:
-        """Collective under ZeRO-3 (gathers the partitions); rank 0 gets the full fp32/16-bit weights."""
-        if self.options.zero != 3:
+        """The full fp32 weights for the final save, on rank 0 (None on the others). Collective.
+
+        Under bf16/fp16 the model's own weights are 16-bit copies; the trained weights are the fp32 masters the
+        ZeRO optimizer holds in partitions, gathered here parameter by parameter
+        (deepspeed.utils.safe_get_full_fp32_param). fp32 ZeRO-1/2 returns None: the model holds the full weights.
+        """
+        if self.options.zero != 3 and deepspeed_weight_dtype(self.options.precision) == "fp32":
             return None
         import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
 
-        state = None
-        params = list(self.model.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            if self.ctx.is_main:
-                state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        full: dict[int, Any] = {}
+        for param in self.model.parameters():  # the same order on every rank: each call is a collective
+            value = safe_get_full_fp32_param(param) if param.requires_grad else None
+            if value is None:  # frozen (or not managed by the optimizer): its own weights, gathered under ZeRO-3
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    value = param.detach().float()
+                    value = value.cpu().clone() if self.ctx.is_main else None
+            elif self.ctx.is_main:
+                value = value.detach().cpu().clone()
+            full[id(param)] = value
+        if not self.ctx.is_main:
+            return None
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights: one tensor, two names
+        state = {}
+        for name, value in self.model.state_dict().items():
+            param = params.get(name)
+            state[name] = full[id(param)].view(param.ds_shape if hasattr(param, "ds_shape") else param.shape) \
+                if param is not None else value.detach().cpu().clone()
         return state

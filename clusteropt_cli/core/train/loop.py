@@ -389,10 +389,25 @@ def _save_final_model(model: Any, tokenizer: Any, output_dir: Path, state_dict: 
         if options.precision == "fp8":  # torchao Float8Linear keeps plain weights: save them as a normal model
             state_dict = {k: (v.to_original_precision() if hasattr(v, "to_original_precision") else v)
                           for k, v in state_dict.items()}
-        model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
+        weight_dtypes = {str(v.dtype).removeprefix("torch.") for v in state_dict.values()
+                         if hasattr(v, "is_floating_point") and v.is_floating_point()}
+        model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)  # (empties state_dict)
+        if len(weight_dtypes) == 1:
+            _set_config_dtype(staging / "config.json", weight_dtypes.pop())
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         for item in staging.iterdir():
             os.replace(item, output_dir / item.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _set_config_dtype(config_file: Path, dtype: str) -> None:
+    """save_pretrained writes the model's dtype into config.json; under DeepSpeed's bf16/fp16 mode the model holds
+    16-bit copies while the saved weights are the fp32 masters, and from_pretrained loads in config's dtype."""
+    if not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text())
+    if config.get("dtype", dtype) != dtype:
+        config["dtype"] = dtype
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
