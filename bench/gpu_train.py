@@ -1,6 +1,6 @@
 """copt train on the H200: tokens/s and peak memory of a Llama-3.2-1B-shaped model (random weights), micro-batch
-8 × 2048, bf16 autocast over fp32 weights, against a plain PyTorch loop measured in the same run, plus
-`copt advise`'s predictions for each case.
+8 × 2048, bf16 (single GPU: autocast over fp32 weights; ZeRO: DeepSpeed's bf16 mode, bf16 weights + fp32 masters
+in the optimizer), against a plain PyTorch loop measured in the same run, plus `copt advise`'s predictions.
 
     python3 bench/gpu_train.py --out $OUT/train.json                      # baseline vs copt defaults (1 GPU)
     python3 bench/gpu_train.py --mode techniques --out $OUT/train_tech.json  # checkpointing, ZeRO-3+offload, fp8
@@ -139,7 +139,9 @@ def run_copt(settings: dict, world: int = 1) -> dict:
            "mfu": (sum(r["mfu"] for r in timed) / len(timed)) if rows and timed[0].get("mfu") is not None else None,
            "peak_mem_bytes": torch.cuda.max_memory_allocated(), "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
            "first_step_s": rows[0]["step_time_s"] if rows else None, "final_loss": result.final_loss,
-           "losses": result.losses}
+           "losses": result.losses,
+           # the dtype the engine computes with: bf16 under ZeRO (DeepSpeed's bf16 mode); fp32 = the pre-fix bug
+           "param_dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
     if world > 1:  # every rank's peak: ZeRO's per-GPU memory
         import torch.distributed as dist
 
@@ -243,7 +245,8 @@ def main() -> None:
     report = {"bench": "gpu_train", "mode": mode, "date": time.strftime("%Y-%m-%d"), "gpu": gpu,
               "gpus": torch.cuda.device_count(), "torch": torch.__version__,
               "shape": {"model": "llama-3.2-1b (random weights)", "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN,
-                        "precision": "bf16 autocast over fp32 weights"}, "cases": {}}
+                        "precision": "bf16: autocast over fp32 weights (1 GPU), DeepSpeed bf16 mode (ZeRO)"},
+              "cases": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             left = args.budget_s - (time.time() - started)
@@ -285,7 +288,8 @@ def main() -> None:
               f"{case['peak_mem_bytes'] / GiB:9.1f} {case.get('speed_vs_baseline_eager', nan):7.2f} "
               f"{(pred.get('peak_mem_bytes') or nan) / GiB:9.1f} {pred.get('tokens_per_s') or nan:10,.0f}")
         if case.get("per_rank_peak_mem_bytes"):
-            print(f"{'':22} per-rank peak GiB: {[round(p / GiB, 1) for p in case['per_rank_peak_mem_bytes']]}")
+            print(f"{'':22} per-rank peak GiB: {[round(p / GiB, 1) for p in case['per_rank_peak_mem_bytes']]}, "
+                  f"weights {case.get('param_dtype')}")
     print(f"results: {args.out}")
 
 
