@@ -32,7 +32,8 @@ def opt(name: str, help: str, kind: Any = str):  # noqa: A002 - mirrors typer's 
 
 
 # Training flags shared by `copt train` and `copt distill logits|sft` (TrainingOptions in the recipe schema).
-PrecisionOpt = opt("--precision", "bf16 | fp16 | fp8 | fp32 (bf16/fp16/fp8 autocast over fp32 weights; default bf16).")
+PrecisionOpt = opt("--precision", "bf16 | fp16 | fp8 | fp32 (default bf16): autocast over fp32 weights; with --zero, "
+                   "DeepSpeed's bf16/fp16 mode (16-bit weights, fp32 master weights in the optimizer).")
 CheckpointingOpt = Annotated[bool | None, typer.Option(
     "--activation-checkpointing/--no-activation-checkpointing", help="Recompute activations in backward.",
     show_default=False)]

@@ -30,7 +30,9 @@ class Prediction(Strict):
 class TrainingOptions(Strict):
     """Options shared by every command that trains a model (train, distill logits, distill sft)."""
 
-    precision: Precision = Field("bf16", description="bf16/fp16 mixed precision over fp32 weights; fp8; fp32.")
+    precision: Precision = Field(
+        "bf16", description="bf16/fp16 autocast over fp32 weights; with zero >= 1 DeepSpeed's bf16/fp16 mode "
+        "(16-bit weights, fp32 master weights and Adam states: 2+2+12 bytes/param); fp8; fp32.")
     activation_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     attn: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
     micro_batch: PositiveInt = 1
