@@ -136,6 +136,11 @@ def _plan_flags(plan: TrainPlan | InferPlan) -> str:
     return f"--batch {plan.batch} --prompt-len {plan.prompt_len} --gen-len {plan.gen_len}"
 
 
+# Not stacked into the emitted plan: an allocator setting, and tensor parallelism, which copt train does not run
+# (a recipe could not carry it, so its prediction would not describe what runs).
+_NOT_STACKED = {"expandable-segments", "tensor-parallel"}
+
+
 def _top_plan(ctx: Context, ranked: list[Recommendation], symptoms: list[str]) -> tuple[Any, list[str]]:
     """The plan to emit: for OOM, greedily stack the best memory savers until it fits; else the top one."""
     if not ranked or (not symptoms and ctx.base["memory"]["fits"] is not False):
@@ -146,17 +151,20 @@ def _top_plan(ctx: Context, ranked: list[Recommendation], symptoms: list[str]) -
         for _ in range(5):
             if current["memory"]["fits"]:
                 break
+            # the best-ranked step that makes the plan fit (the ranking already weighs speed); failing that,
+            # the step that saves the most memory, and go on stacking
             best, best_req = None, current["memory"]["required_bytes"]
             for rec in ranked:
-                if rec.id in applied or rec.id == "expandable-segments":
+                if rec.id in applied or rec.id in _NOT_STACKED:
                     continue
                 candidate = _merge(plan, rec.plan, ctx.plan)
                 result = ctx.evaluate(candidate)
                 req = result["memory"]["required_bytes"]
+                if result["memory"]["fits"] and req < current["memory"]["required_bytes"]:
+                    best = (rec, candidate, result)
+                    break
                 if req < best_req * 0.98:
-                    fits_bonus = result["memory"]["fits"]
-                    if best is None or (fits_bonus, -req) > (best[2]["memory"]["fits"], -best_req):
-                        best, best_req = (rec, candidate, result), req
+                    best, best_req = (rec, candidate, result), req
             if best is None:
                 break
             applied.append(best[0].id)
