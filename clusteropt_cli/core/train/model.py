@@ -51,7 +51,7 @@ def resolve_model_source(model: str, tokenizer: str | None = None) -> ModelSourc
             raise BadInputError(f"--model {model}: no such directory, config file or preset ({exc}).",
                                 hint="pass a local HF model directory, a config.json or a preset name") from None
         return ModelSource("preset", None, spec.to_hf_config(), Path(tokenizer) if tokenizer else None)
-    raise BadInputError(f"--model {model}: no such directory or config file.",
+    raise BadInputError(f"--model {model}: no such file or directory (and not a preset).",
                         hint="pass a local Hugging Face model directory or a config.json (copt never downloads)")
 
 
@@ -64,17 +64,24 @@ def load_tokenizer(source: ModelSource) -> Any:
     return AutoTokenizer.from_pretrained(str(source.tokenizer_path))
 
 
-def load_model(source: ModelSource, seed: int = 0) -> Any:
-    """from_pretrained (fp32 weights: mixed precision autocasts) or from_config with seeded random weights."""
+def load_model(source: ModelSource, seed: int = 0, *, dtype: Any = None, device: Any = "cpu",
+               attn: str | None = None) -> Any:
+    """from_pretrained (fp32 weights by default: mixed precision autocasts) or from_config with seeded random
+    weights, built directly on `device`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    dtype = torch.float32 if dtype is None else dtype
+    extra = {"attn_implementation": attn} if attn else {}
     if source.kind == "pretrained":
-        return AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, **extra).to(device)
     config_dict = dict(source.config)
     model_type = config_dict.pop("model_type", None)
     if model_type is None:
         raise BadInputError("The model config has no model_type.", hint="add \"model_type\": \"llama\" (or similar)")
+    for key in ("transformers_version", "architectures", "_name_or_path", "torch_dtype", "dtype"):
+        config_dict.pop(key, None)  # describe a saved checkpoint, not the architecture
     config = AutoConfig.for_model(model_type, **config_dict)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
