@@ -6,19 +6,9 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: these models are tiny, and on a shared 2-core host two spinning OpenMP threads made
-    AWQ's grid search 10x slower (3.6 s vs 41.5 s measured) without making anything faster."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_cli_json_report_and_checkpoint(copt, fixtures, tmp_path):

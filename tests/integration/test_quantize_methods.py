@@ -11,19 +11,9 @@ import random
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: these models are tiny, and on a shared 2-core host two spinning OpenMP threads made
-    AWQ's grid search 10x slower (3.6 s vs 41.5 s measured) without making anything faster."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 CALIB_SAMPLES = 16  # 16 × 128 tokens of the training text (the eval text is held out)
 AWQ_SAMPLES = 8  # AWQ's grid search replays every sample 20 times per mapping: the slowest method on CPU
