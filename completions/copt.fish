@@ -19,6 +19,7 @@ complete -c copt -n "__fish_seen_subcommand_from advise" -l batch
 complete -c copt -n "__fish_seen_subcommand_from advise" -l compile
 complete -c copt -n "__fish_seen_subcommand_from advise" -l emit-ds-config
 complete -c copt -n "__fish_seen_subcommand_from advise" -l emit-recipe
+complete -c copt -n "__fish_seen_subcommand_from advise" -l engine
 complete -c copt -n "__fish_seen_subcommand_from advise" -l fail-if-oom
 complete -c copt -n "__fish_seen_subcommand_from advise" -l from-profile
 complete -c copt -n "__fish_seen_subcommand_from advise" -l gen-len

@@ -66,6 +66,9 @@ def advise(
                                                 show_default=False)] = None,
     kv_cache: Annotated[str | None, typer.Option("--kv-cache", help="[infer] bf16 | fp8 | int8.",
                                                  show_default=False)] = None,
+    engine: Annotated[str | None, typer.Option("--engine", help="[infer] Serving engine the figures are for: "
+                                               "transformers (copt serve's own, calibrated) | vllm (roofline).",
+                                               show_default=False)] = None,
     symptom: Annotated[list[str] | None, typer.Option("--symptom", "-s", help=SYMPTOM_HELP,
                                                       show_default=False)] = None,
     from_profile: Annotated[Path | None, typer.Option("--from-profile", help="A copt profile JSON: its workload, "
@@ -106,7 +109,8 @@ def advise(
                    offload=("--offload", offload, ("none", "cpu", "nvme")),
                    attn=("--attn", attn, ("sdpa", "flash", "eager")),
                    weights=("--weights", weights, ("bf16", "fp16", "fp8", "int8", "int4")),
-                   kv=("--kv-cache", kv_cache, ("bf16", "fp16", "fp8", "int8")))
+                   kv=("--kv-cache", kv_cache, ("bf16", "fp16", "fp8", "int8")),
+                   engine=("--engine", engine, ("auto", "transformers", "vllm")))
     _check_positive({"--micro-batch": micro_batch, "--seq-len": seq_len, "--grad-accum": grad_accum, "--tp": tp,
                      "--pp": pp, "--pp-micro-batches": pp_micro_batches, "--pp-virtual-stages": pp_virtual_stages,
                      "--batch": batch, "--prompt-len": prompt_len, "--gen-len": gen_len, "--gpus": gpus,
@@ -211,12 +215,13 @@ def _infer_settings(model: str | None, recipe: str | None, overrides: list[str] 
     from clusteropt_cli.recipe.load import load_settings
 
     kv = v["kv_cache"]
-    cli = {"model": model, "tensor_parallel": v["tp"],
+    cli = {"model": model, "tensor_parallel": v["tp"], "engine": v["engine"],
            "kv_cache_dtype": {"fp16": "auto"}.get(kv, kv) if kv else None}
     s = load_settings("serve", recipe, overrides, cli)
     kv_dtype = {"auto": "bf16"}.get(s.kv_cache_dtype, s.kv_cache_dtype)
     plan = InferPlan(batch=v["batch"] or 1, prompt_len=v["prompt_len"] or 512, gen_len=v["gen_len"] or 256,
-                     weights=v["weights"] or "bf16", kv_cache=kv_dtype, tp=s.tensor_parallel)
+                     weights=v["weights"] or "bf16", kv_cache=kv_dtype, tp=s.tensor_parallel,
+                     engine="vllm" if s.engine == "vllm" else "copt")
     return s, plan
 
 

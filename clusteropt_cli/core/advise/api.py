@@ -222,7 +222,7 @@ def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptom
         "not_applicable": [{"id": r.id, "reasons": [c["detail"] for c in r.checks if not c["ok"]]}
                            for r in rejected],
         "top_plan": {"applies": applied, "workload": _plan_dict(top), "memory": top_result["memory"],
-                     "time": top_result["time"]},
+                     "time": top_result["time"], "assumptions": top_result["time_assumptions"]},
         "notes": list(notes or []) + base["memory"].get("notes", []) + base.get("time_notes", []),
     }
     result["prediction"] = prediction_figures(result["top_plan"]["memory"], result["top_plan"]["time"], task)
@@ -313,7 +313,8 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
     w = result["top_plan"]["workload"]
     prediction = {"source": "copt advise", "gpu": result["hardware"]["gpu"], "figures": result["prediction"],
                   "budget_bytes": result["memory"]["budget_bytes"],
-                  "assumptions": {k: v for k, v in result["assumptions"].items() if isinstance(v, (int, float, str))},
+                  "assumptions": {k: v for k, v in result["top_plan"].get("assumptions", result["assumptions"]).items()
+                                  if isinstance(v, (int, float, str))},
                   "recommendation": ",".join(result["top_plan"]["applies"]) or None}
     if result["task"] == "train":
         data: dict[str, Any] = {
@@ -338,6 +339,7 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
         header = f"# copt train --recipe {path.name}\n"
     else:
         data = {"task": "serve", "model": model_arg, "tensor_parallel": w["tp"],
+                "engine": "vllm" if w.get("engine") == "vllm" else "transformers",
                 "max_batch_size": max(1, int(w["batch"])),
                 "kv_cache_dtype": {"bf16": "bf16", "fp16": "auto"}.get(w["kv_cache"], w["kv_cache"]),
                 "prediction": prediction}

@@ -426,6 +426,8 @@ def _prefill_working_set(spec: ModelSpec, plan: InferPlan) -> float:
     tokens = plan.batch * plan.prompt_len
     if plan.chunked_prefill:
         tokens = min(tokens, plan.chunked_prefill)
+    elif plan.continuous_batching:  # an engine prefills at most its per-step token budget (vLLM: 8,192)
+        tokens = min(tokens, cal.SERVING_ENGINES["copt"]["prefill_chunk_tokens"] if plan.engine == "copt" else 8192)
     h = spec.hidden_size
     inter = (spec.moe_intermediate_size * spec.experts_per_token if spec.is_moe else spec.intermediate_size)
     attn = 2 * (2 * spec.q_width + 2 * spec.kv_width) / plan.tp

@@ -80,6 +80,7 @@ class InferPlan:
     chunked_prefill: int | None = None  # tokens per prefill chunk
     speculative_tokens: int = 0  # draft tokens per step (0 = off)
     speculative_acceptance: float = 0.7
+    engine: Literal["copt", "vllm"] = "copt"  # the serving stack continuous batching runs on
 
     def with_(self, **changes) -> InferPlan:
         return replace(self, **changes)

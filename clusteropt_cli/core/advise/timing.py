@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from clusteropt_cli.core.advise import calibration as cal
@@ -119,15 +120,30 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     peak = gpu.peak_flops(compute_dtype) * tp
     bandwidth = gpu.hbm_bandwidth * tp
     w_bytes = weight_bytes(spec, plan.weights)
+    # the serving stack's measured overheads (copt: its own engine under continuous batching, HF generate on static
+    # batches; vllm: none measured, roofline only)
+    engine_name = ("copt" if plan.continuous_batching else "hf-generate") if plan.engine == "copt" else plan.engine
+    engine = cal.SERVING_ENGINES.get(engine_name)
+    flops_per_prompt_token = spec.forward_flops_per_token(plan.prompt_len // 2)
+
+    def prefill_seconds(tokens: int) -> float:
+        compute = max(tokens * flops_per_prompt_token / (peak * cal.PREFILL_MFU), w_bytes / bandwidth)
+        if not engine or not engine["prefill_step_s"]:
+            return compute
+        chunk = plan.chunked_prefill or engine["prefill_chunk_tokens"]
+        return compute + math.ceil(tokens / chunk) * engine["prefill_step_s"]
+
     prefill_tokens = plan.batch * plan.prompt_len
-    prefill_flops = prefill_tokens * spec.forward_flops_per_token(plan.prompt_len // 2)
-    prefill_s = max(prefill_flops / (peak * cal.PREFILL_MFU), w_bytes / bandwidth)
-    one_prefill = max(plan.prompt_len * spec.forward_flops_per_token(plan.prompt_len // 2) / (peak * cal.PREFILL_MFU),
-                      w_bytes / bandwidth)
-    if plan.chunked_prefill and plan.continuous_batching:
-        # a new request waits for at most one chunk of others' prompts, then its own prefill
-        chunk = min(plan.chunked_prefill, prefill_tokens)
-        ttft = one_prefill + chunk * spec.forward_flops_per_token(plan.prompt_len // 2) / (peak * cal.PREFILL_MFU)
+    prefill_s = prefill_seconds(prefill_tokens)
+    one_prefill = prefill_seconds(plan.prompt_len)
+    if plan.continuous_batching and plan.batch > 1:
+        # `batch` requests arriving together: the median one waits for half of the others' prompts
+        ttft = one_prefill + (prefill_s - one_prefill) / 2
+        if plan.chunked_prefill:
+            # ... unless chunking caps what stands ahead of it at one chunk of others' prompts
+            ttft = min(ttft, one_prefill + prefill_seconds(min(plan.chunked_prefill, prefill_tokens)))
+    elif plan.continuous_batching:
+        ttft = one_prefill
     else:
         ttft = prefill_s  # static batch: every prompt of the batch is prefilled before the first token
     ctx = plan.prompt_len + plan.gen_len / 2
@@ -142,6 +158,8 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     floor = (active_w + kv_read) / bandwidth
     decode_compute = plan.batch * spec.forward_flops_per_token(int(ctx)) / (peak * cal.PREFILL_MFU)
     tpot = max(floor / cal.DECODE_BANDWIDTH_EFFICIENCY, decode_compute)
+    if engine:
+        tpot += engine["step_fixed_s"] + engine["step_per_seq_s"] * plan.batch
     spec_speedup = 1.0
     if plan.speculative_tokens:
         a, k = plan.speculative_acceptance, plan.speculative_tokens
@@ -151,13 +169,24 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         tpot /= max(1.0, spec_speedup)
     # static batches idle finished slots until the longest sequence ends (and pad prompts); continuous batching
     # refills them every step
-    out_tps = plan.batch / tpot * (1.0 if plan.continuous_batching else cal.STATIC_BATCH_EFFICIENCY)
+    if plan.continuous_batching or engine:
+        # `batch` clients each sending their next request when one ends (or one static batch after another): every
+        # round prefills all prompts once, then decodes
+        out_tps = plan.batch * plan.gen_len / (prefill_s + plan.gen_len * tpot)
+    else:
+        out_tps = plan.batch / tpot * cal.STATIC_BATCH_EFFICIENCY
     figures = {"ttft_s": ttft, "tpot_s": tpot, "tpot_floor_s": floor, "itl_s": tpot, "prefill_s": prefill_s,
                "output_tokens_per_s": out_tps, "e2e_s": ttft + plan.gen_len * tpot,
                "mbu": min(1.0, floor / tpot), "decode_bytes_per_step": active_w + kv_read,
                "speculative_speedup": spec_speedup}
     if target.gpu_hour_usd:
         figures["usd_per_million_tokens"] = target.gpu_hour_usd * tp / 3600 / out_tps * 1e6
-    return TimeEstimate(figures, {"prefill_mfu": cal.PREFILL_MFU,
-                                  "decode_bandwidth_efficiency": cal.DECODE_BANDWIDTH_EFFICIENCY,
-                                  "hbm_bandwidth_tbs": gpu.hbm_bandwidth / 1e12, "peak_tflops": peak / tp / 1e12})
+    assumptions = {"prefill_mfu": cal.PREFILL_MFU, "decode_bandwidth_efficiency": cal.DECODE_BANDWIDTH_EFFICIENCY,
+                   "hbm_bandwidth_tbs": gpu.hbm_bandwidth / 1e12, "peak_tflops": peak / tp / 1e12}
+    notes = []
+    assumptions["engine"] = engine_name
+    if engine:
+        assumptions.update({k: v for k, v in engine.items() if v})
+    else:
+        notes.append(f"{engine_name}: no measured serving overheads; roofline figures (an upper bound)")
+    return TimeEstimate(figures, assumptions, notes=notes)
