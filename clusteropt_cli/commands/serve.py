@@ -123,6 +123,11 @@ def serve(
             console.log(f"engine: {info['device']}, {info['kv_cache_slots']} slots × {info['max_model_len']} tokens "
                         f"KV cache ({console.human_bytes(info['kv_cache_bytes'])}), "
                         f"{info['cuda_graphs']} CUDA graphs, speculation: {info['speculation']}")
+            fp8 = info.get("fp8_linears") or {}
+            if fp8.get("count"):
+                console.log(f"FP8 W8A8: {fp8['count']} linear layers, "
+                            + ("torch._scaled_mm FP8 GEMMs" if fp8["kernel"] == "scaled_mm"
+                               else "emulated in fp32 (no FP8 tensor cores on this device)"))
 
     console.log(f"loading {settings.model} ...")
     code = serve_transformers(settings, on_ready=ready)

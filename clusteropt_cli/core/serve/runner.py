@@ -163,6 +163,12 @@ class ModelRunner:
                                                      trust_remote_code=trust_remote_code)
         model.to(self.device).eval()
         model.requires_grad_(False)
+        # FP8 (W8A8) checkpoints: real FP8 GEMMs instead of compressed-tensors' dequantize-then-bf16 forward (which
+        # also decompresses the weights in place on its first call); before any forward runs
+        from clusteropt_cli.core.quantize.fp8_runtime import fp8_matmul_supported, swap_fp8_linears
+
+        self.fp8_linears = swap_fp8_linears(model)
+        self.fp8_kernels = bool(self.fp8_linears) and fp8_matmul_supported(self.device)
         try:
             model.set_attn_implementation(ATTN_NAME)
         except Exception:  # noqa: BLE001 - older/custom models: set it on the config directly
