@@ -9,7 +9,9 @@ tokens, 128 output tokens each (ignore_eos), greedy.
 
 Cases (each guarded; GPU memory freed between them):
   hf_static        transformers generate(), static batches of 64, left-padded (the baseline)
-  engine           copt's engine in-process (Engine.generate), plus batch-1 decode ms/token
+  engine           copt's engine in-process (Engine.generate), plus batch-1 decode ms/token (defaults: CUDA
+                   graphs over torch.compile'd decoder layers)
+  engine_eager_layers  the same with `compile=False` (CUDA graphs of the eager layers): what compiling buys
   http_stream      `copt serve` subprocess, 256 concurrent streaming requests over HTTP: the headline
                    output tok/s, TTFT and inter-token-latency percentiles (client-side)
   http_plain       the same, non-streaming
@@ -187,12 +189,14 @@ def print_phases(name: str, ph: dict | None) -> None:
 
 
 # ---- in-process engine ---------------------------------------------------------------------------------
-def bench_engine(model_dir: Path, prompts: list[list[int]], reference: list[list[int]], cuda_graphs: bool) -> dict:
+def bench_engine(model_dir: Path, prompts: list[list[int]], reference: list[list[int]], cuda_graphs: bool,
+                 compile_: bool | None = None) -> dict:
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
 
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=str(model_dir), max_batch_size=NUM_REQUESTS, max_model_len=MAX_MODEL_LEN,
-                                 kv_cache_memory_gib=KV_GIB, max_batch_tokens=4096, cuda_graphs=cuda_graphs))
+                                 kv_cache_memory_gib=KV_GIB, max_batch_tokens=4096, cuda_graphs=cuda_graphs,
+                                 compile=compile_))
     engine.start()
     startup = time.perf_counter() - t0
     try:
@@ -219,7 +223,8 @@ def bench_engine(model_dir: Path, prompts: list[list[int]], reference: list[list
         ttfts = [r.ttft_s for r in results]
         return {"startup_s": startup, "graphs": engine.stats.graphs_captured, "slots": engine.num_slots,
                 "phases": phases, "phases_batch1": phases_b1,
-                "graph_error": engine.runner.graph_error,
+                "graph_error": engine.runner.graph_error, "compiled_layers": engine.runner.compiled_layers,
+                "compile_error": engine.runner.compile_error,
                 "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
                 "ttft_s": percentiles(ttfts), "batch1_ms_per_token": 1000 * sorted(per_token)[1],
                 "hf_agreement": {"first_token": sum(first) / len(first), "all_tokens": sum(full) / len(full),
@@ -391,6 +396,15 @@ def main() -> None:
         results["engine"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         free_gpu()
 
+    try:  # the same engine with eager decoder layers (graphs only): what compiling the layers buys
+        results["engine_eager_layers"] = bench_engine(model_dir, prompts, reference,
+                                                      cuda_graphs=torch.cuda.is_available(), compile_=False)
+        log(f"engine, eager layers: {results['engine_eager_layers']['output_tokens_per_s']:.0f} tok/s, "
+            f"batch-1 {results['engine_eager_layers']['batch1_ms_per_token']:.2f} ms/token")
+    except Exception as exc:  # noqa: BLE001
+        results["engine_eager_layers"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        free_gpu()
+
     try:
         results.update(bench_http(model_dir, prompts))
     except Exception as exc:  # noqa: BLE001
@@ -398,7 +412,7 @@ def main() -> None:
 
     base = results.get("hf_static", {}).get("output_tokens_per_s")
     rows = []
-    for name in ("hf_static", "engine", "http_stream", "http_plain"):
+    for name in ("hf_static", "engine", "engine_eager_layers", "http_stream", "http_plain"):
         tps = results.get(name, {}).get("output_tokens_per_s")
         ratio = tps / base if (tps and base) else None
         results.setdefault(name, {})["ratio_vs_hf_static"] = ratio
@@ -411,22 +425,25 @@ def main() -> None:
     args.out.write_text(json.dumps(results, indent=2, default=str))
 
     print(f"\ncopt serve benchmark — {results['gpu']}, {results['date']}")
-    print(f"{'case':<14}{'output tok/s':>14}{'× HF static':>13}")
+    print(f"{'case':<20}{'output tok/s':>14}{'× HF static':>13}")
     for name, tps, ratio in rows:
-        print(f"{name:<14}{(f'{tps:,.0f}' if tps else 'error'):>14}{(f'{ratio:.2f}' if ratio else '-'):>13}")
+        print(f"{name:<20}{(f'{tps:,.0f}' if tps else 'error'):>14}{(f'{ratio:.2f}' if ratio else '-'):>13}")
     stream = results.get("http_stream", {})
     if "ttft_s" in stream:
         t, i = stream["ttft_s"], stream["itl_s"]
         print(f"http_stream TTFT p50/p90/p99 (s): {t['p50']:.3f} / {t['p90']:.3f} / {t['p99']:.3f}")
         print(f"http_stream ITL  p50/p90/p99 (ms): {1e3 * i['p50']:.2f} / {1e3 * i['p90']:.2f} / {1e3 * i['p99']:.2f}")
-    print(f"batch-1 decode ms/token: engine {b1_engine and f'{b1_engine:.2f}'}, "
+    b1_eager = results.get("engine_eager_layers", {}).get("batch1_ms_per_token")
+    print(f"batch-1 decode ms/token: engine {b1_engine and f'{b1_engine:.2f}'} "
+          f"(eager layers {b1_eager and f'{b1_eager:.2f}'}), "
           f"http {b1_http and f'{b1_http:.2f}'}, floor {floor_ms:.2f}")
     eng = results.get("engine", {})
     if "ttft_s" in eng:
         print(f"engine: startup {eng['startup_s']:.1f} s, {eng['graphs']} graphs"
               f"{' (capture error: ' + str(eng['graph_error']) + ')' if eng.get('graph_error') else ''}, "
               f"TTFT p50/p99 {eng['ttft_s']['p50']:.3f}/{eng['ttft_s']['p99']:.3f} s, "
-              f"HF agreement {eng['hf_agreement']}")
+              f"HF agreement {eng['hf_agreement']}, compiled layers {eng.get('compiled_layers')}"
+              f"{' (compile error: ' + str(eng['compile_error']) + ')' if eng.get('compile_error') else ''}")
     print_phases("engine (all requests)", eng.get("phases"))
     print_phases("engine (batch 1)", eng.get("phases_batch1"))
     for name in ("http_stream", "http_plain", "http_batch1"):

@@ -228,6 +228,7 @@ complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subco
 complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subcommand_from validate" -l json
 complete -c copt -n "__fish_seen_subcommand_from serve" -l api-key
 complete -c copt -n "__fish_seen_subcommand_from serve" -l block-size
+complete -c copt -n "__fish_seen_subcommand_from serve" -l compile
 complete -c copt -n "__fish_seen_subcommand_from serve" -l cuda-graphs
 complete -c copt -n "__fish_seen_subcommand_from serve" -l draft-model
 complete -c copt -n "__fish_seen_subcommand_from serve" -l dry-run
@@ -244,6 +245,7 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l max-batch-size
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-batch-tokens
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-model-len
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-queue
+complete -c copt -n "__fish_seen_subcommand_from serve" -l no-compile
 complete -c copt -n "__fish_seen_subcommand_from serve" -l no-cuda-graphs
 complete -c copt -n "__fish_seen_subcommand_from serve" -l num-speculative-tokens
 complete -c copt -n "__fish_seen_subcommand_from serve" -l pipeline-parallel

@@ -48,6 +48,9 @@ def serve(
                                                               help="Speculate only while at most N run.")] = None,
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs",
                                                      help="Decode steps as CUDA graphs (default: on GPU).")] = None,
+    compile_: Annotated[bool | None, typer.Option("--compile/--no-compile",
+                                                  help="torch.compile the decoder layers for decode steps "
+                                                       "(default: on with CUDA graphs).")] = None,
     tensor_parallel: Annotated[int | None, typer.Option("--tensor-parallel", help="vLLM: GPUs per replica.")] = None,
     pipeline_parallel: Annotated[int | None, typer.Option("--pipeline-parallel", help="vLLM: pipeline stages.")]
     = None,
@@ -73,7 +76,8 @@ def serve(
         kv_cache_blocks=kv_cache_blocks, kv_cache_memory=kv_cache_memory, block_size=block_size,
         max_queue=max_queue, max_model_len=max_model_len, draft_model=draft_model,
         num_speculative_tokens=num_speculative_tokens, prompt_lookup=prompt_lookup,
-        speculative_max_batch=speculative_max_batch, cuda_graphs=cuda_graphs, tensor_parallel=tensor_parallel,
+        speculative_max_batch=speculative_max_batch, cuda_graphs=cuda_graphs, compile=compile_,
+        tensor_parallel=tensor_parallel,
         pipeline_parallel=pipeline_parallel, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
         grace_period=grace_period))
 

@@ -356,6 +356,7 @@ class EngineConfig:
     prompt_lookup: int | None = None
     speculative_max_batch: int = 4
     cuda_graphs: bool | None = None
+    compile: bool | None = None  # None: with CUDA graphs
     gpu_memory_fraction: float = 0.85
 
 
@@ -403,7 +404,7 @@ class Engine:
             max_queue=settings.max_queue, kv_cache_tokens=tokens, kv_cache_memory_gib=gib,
             draft_model=settings.draft_model, num_speculative_tokens=settings.num_speculative_tokens,
             prompt_lookup=settings.prompt_lookup, speculative_max_batch=settings.speculative_max_batch,
-            cuda_graphs=settings.cuda_graphs,
+            cuda_graphs=settings.cuda_graphs, compile=settings.compile,
         )
         return cls(config, observer=observer)
 
@@ -436,8 +437,9 @@ class Engine:
         per_token = ModelRunner.kv_bytes_per_token_of(text_config, torch.empty((), dtype=dtype).element_size())
         use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.startswith("cuda")
 
+        use_compile = cfg.compile if cfg.compile is not None else use_graphs
         self.runner = ModelRunner(cfg.model, device=device, dtype=cfg.dtype, num_slots=None, max_len=cache_len,
-                                  cuda_graphs=use_graphs)
+                                  cuda_graphs=use_graphs, compile_decode=use_compile)
         self.draft_runner = None
         if cfg.draft_model:
             self.draft_runner = ModelRunner(cfg.draft_model, device=device, dtype=cfg.dtype, num_slots=None,

@@ -53,7 +53,11 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
     step: StepContext = copt_step
     if step is None:
         raise RuntimeError("copt_slots attention needs the copt engine's step context (copt_step=...)")
-    k_cache, v_cache = step.caches[module.layer_idx]
+    k_cache = getattr(module, "copt_k_cache", None)  # set by ModelRunner.allocate (a module buffer: compiles once)
+    if k_cache is None:
+        k_cache, v_cache = step.caches[module.layer_idx]
+    else:
+        v_cache = module.copt_v_cache
     num_heads, head_dim = query.shape[1], query.shape[-1]
     kv_heads = key.shape[1]
     if step.mode == "decode":
@@ -150,7 +154,7 @@ class ModelRunner:
     """One model, its slot KV cache (`num_slots` × `max_len` tokens) and its forward passes."""
 
     def __init__(self, model_path: str, *, device: str, dtype: str = "auto", num_slots: int | None, max_len: int | None,
-                 cuda_graphs: bool = False, trust_remote_code: bool = False):
+                 cuda_graphs: bool = False, compile_decode: bool = False, trust_remote_code: bool = False):
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -195,6 +199,8 @@ class ModelRunner:
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._graph_pool = None
+        self._eager_forwards: list[tuple[Any, Any]] = []
+        self.compiled_layers = self._compile_decode_layers() if compile_decode else 0
 
     def allocate(self, num_slots: int) -> None:
         """Allocate the static KV cache: num_slots sequences of max_len tokens (+ one scratch slot)."""
@@ -206,6 +212,50 @@ class ModelRunner:
         shape = (self.num_slots + 1, self.kv_heads, self.max_len + 1, self.head_dim)
         self.caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                         torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
+        # each attention module holds its own layer's cache as a buffer: the layers then differ only in their
+        # tensors, so one compiled decode graph serves all of them (no specialization on layer_idx)
+        for module in self._attention_modules():
+            k, v = self.caches[module.layer_idx]
+            module.register_buffer("copt_k_cache", k, persistent=False)
+            module.register_buffer("copt_v_cache", v, persistent=False)
+
+    def _attention_modules(self) -> list[Any]:
+        layers = getattr(self.decoder, "layers", None) or []
+        mods = [getattr(layer, "self_attn", None) for layer in layers]
+        if not mods or any(m is None or not isinstance(getattr(m, "layer_idx", None), int) for m in mods):
+            return []  # unknown layout: attention reads step.caches[layer_idx]
+        return mods
+
+    def _compile_decode_layers(self) -> int:
+        """torch.compile each decoder layer's forward for decode steps (packed prefill stays eager: its segment
+        layout changes every step). With the caches as module buffers the layers share one compiled graph
+        (dynamic batch and context length; batch 1 compiles separately), so compiling costs about one layer's
+        worth, not the model's. Returns the number of layers wrapped (0: not a decoder-layer model)."""
+        import torch
+
+        layers = getattr(self.decoder, "layers", None)
+        if not layers or not self._attention_modules():
+            return 0
+        for layer in layers:
+            eager = layer.forward
+            compiled = torch.compile(eager, dynamic=True)
+
+            def forward(*args, _eager=eager, _compiled=compiled, **kwargs):
+                step = kwargs.get("copt_step")
+                if step is not None and step.mode == "decode":
+                    return _compiled(*args, **kwargs)
+                return _eager(*args, **kwargs)
+
+            layer.forward = forward
+            self._eager_forwards.append((layer, eager))
+        return len(layers)
+
+    def _uncompile(self) -> None:
+        """Back to the eager decoder layers (a compile that fails at capture must not fail serving)."""
+        for layer, eager in self._eager_forwards:
+            layer.forward = eager
+        self._eager_forwards = []
+        self.compiled_layers = 0
 
     # ---- sizes -------------------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -329,13 +379,21 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001 - a model whose step cannot be captured still serves, eagerly
             import warnings
 
-            warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {exc}); decoding eagerly", stacklevel=2)
-            self.graph_error = f"{type(exc).__name__}: {exc}"
             self._graphs.clear()
-            self.use_graphs = False
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+            if self.compiled_layers:  # retry with the eager layers before giving up on graphs
+                warnings.warn(f"compiled decode failed at CUDA graph capture ({type(exc).__name__}: {exc}); "
+                              "capturing the eager layers", stacklevel=2)
+                self.compile_error = f"{type(exc).__name__}: {exc}"
+                self._uncompile()
+                return self.capture_graphs(max_batch)
+            warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {exc}); decoding eagerly", stacklevel=2)
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+            self.use_graphs = False
         return len(self._graphs)
+
+    compile_error: str | None = None
 
     graph_error: str | None = None
 

@@ -73,7 +73,7 @@ def build_vllm_command(settings: Any) -> list[str]:
     if spec is not None:
         spec["disable_by_batch_size"] = settings.speculative_max_batch + 1
         cmd += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
-    if settings.cuda_graphs is False:
+    if settings.cuda_graphs is False or settings.compile is False:
         cmd += ["--enforce-eager"]
     return cmd
 

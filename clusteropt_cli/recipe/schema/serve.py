@@ -33,6 +33,8 @@ class ServeRecipe(Strict):
     prompt_lookup: PositiveInt | None = Field(None, description="n-gram size for prompt-lookup drafting.")
     speculative_max_batch: PositiveInt = Field(4, description="Speculate only while at most this many run.")
     cuda_graphs: bool | None = Field(None, description="Capture decode steps as CUDA graphs (default: on GPU).")
+    compile: bool | None = Field(None, description="torch.compile the decoder layers for decode steps, once for all "
+                                                   "layers (default: on with CUDA graphs).")
     tensor_parallel: PositiveInt = 1
     pipeline_parallel: PositiveInt = 1
     quantization: str | None = Field(None, description="vLLM --quantization (awq, gptq, fp8, compressed-tensors).")
