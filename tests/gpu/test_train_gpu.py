@@ -33,7 +33,8 @@ def _train(tmp_path, **kw):
     from clusteropt_cli.core.train import run_training
     from clusteropt_cli.recipe.schema.train import TrainRecipe
 
-    recipe = TrainRecipe(model="tiny", seq_len=256, micro_batch=8, max_steps=12, lr=2e-3, warmup_steps=0, **kw)
+    kw = {"max_steps": 12, **kw}
+    recipe = TrainRecipe(model="tiny", seq_len=256, micro_batch=8, lr=2e-3, warmup_steps=0, **kw)
     return run_training(recipe, _tiny_llama(), _dataset(), tmp_path / "out", save_final=False)
 
 

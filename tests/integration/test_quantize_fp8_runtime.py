@@ -76,3 +76,17 @@ def test_copt_serve_engine_runs_fp8_checkpoint(fp8_checkpoint):
         assert engine.runner.fp8_linears == 28 and engine.runner.fp8_kernels is False
         out = engine.generate([GenerationRequest(prompt_ids=[5, 6, 7, 8], max_new_tokens=8, ignore_eos=True)])
     assert out[0].num_output_tokens == 8
+
+
+def test_compiled_per_token_quantization_is_exact():
+    """The fused (torch.compile) quantization used on FP8 GPUs gives the eager ops' bits."""
+    import torch
+
+    from clusteropt_cli.core.quantize.fp8_runtime import _compiled_quantize_per_token, quantize_per_token
+
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(2)) * 3
+    want_q, want_s = quantize_per_token(x)
+    got_q, got_s = _compiled_quantize_per_token()(x)
+    assert got_q.dtype == torch.float8_e4m3fn and got_s.shape == (7, 1)
+    torch.testing.assert_close(got_s, want_s, rtol=0, atol=0)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
