@@ -43,22 +43,23 @@ DECODE_BANDWIDTH_EFFICIENCY = 0.80
 # H200: HF static generate at batch 64 2,372 tok/s vs continuous batching (generate_batch + CUDA graphs) 3,495
 # → 0.68; the guide quotes 3–5× serving throughput for continuous batching. 0.6 assumed.
 STATIC_BATCH_EFFICIENCY = 0.6
-# What a real serving stack adds to the roofline: a cost per prefill step (chunk of at most its token budget),
-# a fixed host + launch cost per decode step and a cost per running sequence per step (sampling, block tables,
-# detokenizing, one SSE event per token). copt's own engine through its HTTP server (`copt serve`, streaming),
-# H200, Llama-3.2-1B shape, bench/gpu_serve.py 2026-11-30 (bench/results/serve-h200-2026-11-30/run2.txt):
-# batch-1 decode 2.71 ms/token vs a 0.73 ms roofline → 1.8 ms fixed with eager decoder layers, 1.89 ms/token
-# (two runs) → 1.2 ms since the layers are compiled (copt serve's default on GPU); 256 requests (prompts 32–256) ×
-# 128 tokens:
-# prefill 0.70 s for 36,864 prompt tokens in ~18 chunks of 2,048 vs 0.19 s of FLOPs at PREFILL_MFU → 28 ms per
-# chunk; 9,524 output tok/s → ~66 µs per running sequence per step (a later run on another H200 host measured
-# 8,090 tok/s for the same workload: the HTTP path is host-CPU bound, so expect ±15% across machines). Without continuous batching the baseline is
-# HF `generate` on a static batch, whose per-step host cost dominates (../shared/gpu/README.md: batch 64
-# left-padded 2,372 output tok/s = 27 ms/step; batch 1 eager measured 43.5 ms/token, so batch-1 figures from this
-# anchor are optimistic). vLLM is not calibrated here (roofline only).
+# What a real serving stack adds to the roofline: a cost per prompt prefilled (copt's packed prefill runs attention
+# and cache writes per sequence segment in every layer), a fixed host + launch cost per decode step and a cost per
+# running sequence per step (sampling, block tables, detokenizing, one SSE event per token). copt's own engine
+# through its HTTP server (`copt serve`, streaming), H200, Llama-3.2-1B shape, bench/gpu_serve.py 2026-11-30
+# (bench/results/serve-h200-2026-11-30/): batch-1 decode 2.71 ms/token vs a 0.73 ms roofline → 1.8 ms fixed with
+# eager decoder layers, 1.89 ms/token (two runs) → 1.2 ms since the layers are compiled (the default on GPU);
+# 256 requests (prompts 32–256) × 128 tokens: prefill 0.70 s for 36,864 prompt tokens vs 0.19 s of FLOPs at
+# PREFILL_MFU → 2.0 ms per prompt (a first form, 28 ms per 2,048-token chunk, missed prompts of 512 by −61% on
+# TTFT); 9,524 output tok/s → ~66 µs per running sequence per step (a later run on another H200 host measured
+# 8,090 tok/s for the same workload: the HTTP path is host-CPU bound, so expect ±15% across machines).
+# Without continuous batching the baseline is HF `generate` on a static batch, whose per-step host cost dominates
+# (../shared/gpu/README.md: batch 64 left-padded 2,372 output tok/s = 27 ms/step; batch 1 eager measured
+# 43.5 ms/token, so batch-1 figures from this anchor are optimistic). vLLM is not calibrated here (roofline only).
 SERVING_ENGINES = {
-    "copt": {"prefill_chunk_tokens": 2048, "prefill_step_s": 28e-3, "step_fixed_s": 1.2e-3, "step_per_seq_s": 66e-6},
-    "hf-generate": {"prefill_chunk_tokens": 0, "prefill_step_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
+    "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 2.0e-3, "step_fixed_s": 1.2e-3,
+             "step_per_seq_s": 66e-6},
+    "hf-generate": {"prefill_chunk_tokens": 0, "prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }
 # Fraction of link bandwidth NCCL collectives reach (bus bandwidth / link bandwidth, large messages).
 COMM_EFFICIENCY = 0.80

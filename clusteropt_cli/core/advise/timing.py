@@ -128,10 +128,9 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
 
     def prefill_seconds(tokens: int) -> float:
         compute = max(tokens * flops_per_prompt_token / (peak * cal.PREFILL_MFU), w_bytes / bandwidth)
-        if not engine or not engine["prefill_step_s"]:
+        if not engine:
             return compute
-        chunk = plan.chunked_prefill or engine["prefill_chunk_tokens"]
-        return compute + math.ceil(tokens / chunk) * engine["prefill_step_s"]
+        return compute + math.ceil(tokens / plan.prompt_len) * engine["prefill_request_s"]
 
     prefill_tokens = plan.batch * plan.prompt_len
     prefill_s = prefill_seconds(prefill_tokens)
