@@ -16,6 +16,8 @@ def measure_cpu_training_step(model: Any, input_ids: Any, precision: str = "fp32
     """Run one forward/backward/optimizer step on CPU and count the bytes defined above."""
     import torch
 
+    from clusteropt_cli.core.profile.memory import tensor_bytes
+
     params = list(model.parameters())
     param_storages = {p.untyped_storage().data_ptr() for p in params}
     seen: dict[int, int] = {}
@@ -41,10 +43,10 @@ def measure_cpu_training_step(model: Any, input_ids: Any, precision: str = "fp32
         logits_bytes += logits.numel() * 4
     out.loss.backward()
     opt.step()
-    state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                      if torch.is_tensor(t) and t.dim() > 0)
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    # the same byte counting as `copt profile` (unique storages; scalar step counters excluded)
+    state_bytes = tensor_bytes(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    param_bytes = tensor_bytes(params)
+    grad_bytes = tensor_bytes(p.grad for p in params if p.grad is not None)
     saved = float(sum(seen.values()))
     states = float(param_bytes + grad_bytes + state_bytes)
     return {"model_states": states, "saved_tensors": saved, "logits_buffers": float(logits_bytes),
