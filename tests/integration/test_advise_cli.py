@@ -60,6 +60,17 @@ def test_emit_recipe_and_ds_config(cli, tmp_path) -> None:
     assert again.returncode == 2 and "--overwrite" in again.stderr
 
 
+def test_tensor_parallel_is_not_chained_to_copt_train(cli, tmp_path) -> None:
+    """copt train has no tensor parallelism: no recipe for a --tp plan, and the TP command says where to run it."""
+    recipe = tmp_path / "tp.yaml"
+    proc = cli("advise", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--gpus", "8", "--tp", "8",
+               "--emit-recipe", str(recipe))
+    assert proc.returncode == 2 and "tensor parallelism" in proc.stderr and not recipe.exists()
+    proc = cli("advise", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--gpus", "8", "--symptom", "oom", "--json")
+    tp = next(r for r in json.loads(proc.stdout)["recommendations"] if r["id"] == "tensor-parallel")
+    assert "copt train" not in tp["command"].split("#")[0] and "Megatron-LM" in tp["command"]
+
+
 def test_fail_if_oom_exit_6(copt) -> None:
     proc = copt("advise", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--fail-if-oom")
     assert proc.returncode == 6

@@ -125,6 +125,10 @@ def _command_for(task: str, model_arg: str, plan: TrainPlan | InferPlan, target:
         head += f" --gpus {target.gpus_per_node}" + (f" --nodes {target.nodes}" if target.nodes > 1 else "")
     base = _plan_flags(plan)
     shown = [f for f in flags if f.startswith("--")]
+    if task == "train" and getattr(plan, "tp", 1) > 1:
+        # the figures are for a Megatron-style layout; copt train cannot run it, so no recipe is chained
+        return (f"{head} {base} {' '.join(shown)}  # tensor parallelism is not in copt train: run this layout with "
+                "Megatron-LM, torchtitan or NeMo")
     if task == "train" and all(f.startswith("--") for f in flags):
         return f"{head} {base} {' '.join(shown)} --emit-recipe plan.yaml && copt train --recipe plan.yaml".strip()
     return "; ".join([*[f for f in flags if not f.startswith("--")], f"{head} {base} {' '.join(shown)}".strip()])
@@ -318,6 +322,12 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
                   "assumptions": {k: v for k, v in result["top_plan"].get("assumptions", result["assumptions"]).items()
                                   if isinstance(v, (int, float, str))},
                   "recommendation": ",".join(result["top_plan"]["applies"]) or None}
+    if result["task"] == "train" and w["tp"] > 1:
+        raise BadInputError(
+            f"--emit-recipe: the plan uses --tp {w['tp']}, and copt train has no tensor parallelism, so a recipe's "
+            "prediction would not describe what runs.",
+            hint="Drop --tp (advise then plans with ZeRO, offload and pipelines, which copt train runs), or run "
+                 "this layout with Megatron-LM / torchtitan.")
     if result["task"] == "train":
         data: dict[str, Any] = {
             "task": "train", "model": model_arg, "precision": w["precision"],
