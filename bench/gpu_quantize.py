@@ -1,15 +1,23 @@
 """copt quantize on the H200: wall time and size per method on a Llama-3.2-1B shape, FP8 matmuls, FP8 vs bf16 speed,
-and (with trained weights) perplexity per method at 4 bits.
+and (with trained weights) held-out perplexity per method at 4 and 3 bits.
 
 Run from the repo root (llm-compressor/compressed-tensors wheels on PYTHONPATH, see /work/shared/gpu/README.md):
-    python3 bench/gpu_quantize.py --out $OUT/quantize.json [--only speed|quality] [--budget-s 280]
+    python3 bench/gpu_quantize.py --out $OUT/quantize.json [--only speed|quality] [--budget-s 280] [--train-s 90]
+    python3 bench/gpu_quantize.py --only quality --cpu-smoke --out /tmp/q_smoke.json   # CPU check, ~15 s
 Parts (each case guarded; a case that would start after the time budget is recorded as skipped):
   speed:   1B shape, random bf16 weights → copt quantize fp8, rtn, gptq, awq, int8 (W4A16 g128 for the int4 ones):
            wall time, size on disk. Then the FP8 checkpoint: (a) loaded by transformers (compressed-tensors) and
            profiled — which kernels run; (b) its FP8 weights + per-channel scales driven through torch._scaled_mm
            (dynamic per-token activation scales, as vLLM runs it): kernel names, prefill and decode time vs bf16.
-  quality: a small Llama trained here for ~60 s on Python stdlib text; every method at 4 bits g128, perplexity
-           on held-out stdlib files, with RTN as the baseline.
+  quality: a small Llama (512 hidden, 8 layers, BPE 8192) trained here on all of the stdlib's .py sources (no test
+           directories, no EVAL_FILES; ~3 M tokens; the BPE learns from a spread ~4 MB subset) for --train-s seconds
+           or --max-epochs passes, whichever first: blocks in a seeded random order each pass, warmup + cosine lr,
+           bf16 autocast; held-out perplexity (EVAL_FILES) every 10% of training and on the saved bf16 weights
+           (results["small_model"]). Then copt quantize rtn, gptq, awq at W4 g128 and W3 g128, fp8 and int8, each
+           scored on the held-out files before and after; results["quality_summary"] has the perplexity increase
+           per method per width and whether GPTQ/AWQ beat RTN (the AWQ paper's ordering: RTN > GPTQ > AWQ).
+  --cpu-smoke runs the quality part on the CPU with tiny sizes (13 files, 0.6 M-param model, 3 s of training,
+           rtn W4/W3 and gptq W4) to check the script end to end without a GPU.
 """
 
 from __future__ import annotations
@@ -17,11 +25,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import sys
 import sysconfig
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -31,13 +41,22 @@ LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, 
                 max_position_embeddings=8192, rms_norm_eps=1e-5, head_dim=64)
 SMALL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
              intermediate_size=1536, tie_word_embeddings=False, max_position_embeddings=2048, rms_norm_eps=1e-5)
-TRAIN_FILES = ["argparse.py", "json/decoder.py", "json/encoder.py", "collections/__init__.py", "functools.py",
+TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=256, tie_word_embeddings=False, max_position_embeddings=512, rms_norm_eps=1e-5)
+# calibration text of the speed part (the 1B shape has random weights; any code text will do)
+SPEED_CALIB_FILES = ["argparse.py", "json/decoder.py", "json/encoder.py", "collections/__init__.py", "functools.py",
                "difflib.py", "dataclasses.py", "enum.py", "random.py", "tokenize.py", "typing.py", "inspect.py",
                "pathlib.py", "subprocess.py", "threading.py", "logging/__init__.py", "email/message.py",
                "http/client.py", "urllib/parse.py", "unittest/case.py", "ast.py", "pickle.py", "tarfile.py",
                "zipfile/__init__.py", "shutil.py", "os.py", "socket.py", "datetime.py", "decimal.py", "pydoc.py"]
-EVAL_FILES = ["statistics.py", "shlex.py", "textwrap.py", "string.py"]
+# held out of the quality part's training corpus (and of its tokenizer); ~225k characters, ~65k tokens
+EVAL_FILES = ["statistics.py", "shlex.py", "textwrap.py", "string.py", "fractions.py", "calendar.py", "heapq.py",
+              "configparser.py"]
+# test directories of the stdlib (Lib/test, idlelib/idle_test, lib2to3/tests, tkinter/test, ...) and installed
+# packages stay out of the quality part's training corpus
+SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 METHODS = ["fp8", "rtn", "gptq", "awq", "int8"]
+QUALITY_CASES = [("rtn", 4), ("gptq", 4), ("awq", 4), ("rtn", 3), ("gptq", 3), ("awq", 3), ("fp8", 8), ("int8", 8)]
 
 
 def stdlib_text(files: list[str]) -> str:
@@ -45,7 +64,8 @@ def stdlib_text(files: list[str]) -> str:
     return "\n\n".join((lib / f).read_text(encoding="utf-8") for f in files if (lib / f).is_file())
 
 
-def train_tokenizer(text: str, out: Path, vocab: int = 8192):
+def train_tokenizer(texts: list[str], out: Path, vocab: int = 8192):
+    """Byte-level BPE of `vocab` tokens trained on texts (eos <|endoftext|> = 0, pad <|pad|> = 1)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -54,7 +74,7 @@ def train_tokenizer(text: str, out: Path, vocab: int = 8192):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|pad|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(text.split("\n\n"), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                                    pad_token="<|pad|>")
     fast.model_max_length = 8192
@@ -87,11 +107,11 @@ def free() -> None:
     torch.cuda.empty_cache()
 
 
-def quantize_case(model_dir: Path, out: Path, method: str, calib: Path, **fields) -> dict:
+def quantize_case(model_dir: Path, out: Path, method: str, calib: Path, bits: int | None = None, **fields) -> dict:
     from clusteropt_cli.core.quantize import plan, run
     from clusteropt_cli.recipe.schema.quantize import QuantizeRecipe
 
-    bits = 8 if method in ("fp8", "int8") else 4
+    bits = bits or (8 if method in ("fp8", "int8") else 4)
     settings = QuantizeRecipe(model=str(model_dir), output=str(out), method=method, bits=bits, group_size=128,
                               calib=str(calib), **fields)
     report = run(plan(settings, overwrite=True))
@@ -339,56 +359,270 @@ def speed_part(results: dict, work: Path, tokenizer, calib_text: str, deadline: 
             fp8_part(results, bf16_dir, work / "llama1b-fp8")
 
 
-def train_small(work: Path, tokenizer, text: str, seconds: float) -> tuple[Path, int, float]:
+# ---------------------------------------------------------------------------------------------------------------
+# Quality: a small Llama trained here on the stdlib (held-out files excluded), then every method at W4 and W3
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class QualitySetup:
+    """Sizes of the quality part: the H200 run (gpu_setup) or the CPU check of the script (smoke_setup)."""
+
+    device: str
+    model: dict
+    vocab: int
+    corpus_chars: int  # training text cap
+    tokenizer_chars: int  # the BPE is trained on an evenly spread subset of the files of about this size
+    train_s: float
+    max_epochs: float  # training also stops after this many passes over the corpus (no memorization)
+    batch: int
+    seq: int  # training block, calibration sample and evaluation block length
+    peak_lr: float
+    warmup_steps: int
+    eval_tokens: int  # held-out tokens scored by copt quantize (ppl_before/after) and at the end of training
+    curve_tokens: int  # held-out tokens scored at each point of the training curve
+    curve_points: int
+    calib_samples: int
+    cases: list[tuple[str, int]] = field(default_factory=list)  # (method, weight bits)
+
+
+def gpu_setup(train_s: float, max_epochs: float) -> QualitySetup:
+    return QualitySetup(device="cuda", model=SMALL, vocab=8192, corpus_chars=40_000_000, tokenizer_chars=4_000_000,
+                        train_s=train_s, max_epochs=max_epochs, batch=32, seq=256, peak_lr=1e-3, warmup_steps=100,
+                        eval_tokens=65536, curve_tokens=16384, curve_points=10, calib_samples=64,
+                        cases=QUALITY_CASES)
+
+
+def smoke_setup(train_s: float, max_epochs: float) -> QualitySetup:
+    return QualitySetup(device="cpu", model=TINY, vocab=1024, corpus_chars=400_000, tokenizer_chars=150_000,
+                        train_s=train_s, max_epochs=max_epochs, batch=8, seq=128, peak_lr=2e-3, warmup_steps=5,
+                        eval_tokens=2048, curve_tokens=1024, curve_points=3, calib_samples=8,
+                        cases=[("rtn", 4), ("gptq", 4), ("rtn", 3)])
+
+
+def stdlib_corpus(max_chars: int) -> tuple[list[str], list[str]]:
+    """The stdlib's .py sources (sorted; no test directories, no EVAL_FILES) up to max_chars: (names, texts)."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    held_out = set(EVAL_FILES)
+    names, texts, total = [], [], 0
+    for path in sorted(lib.rglob("*.py")):
+        rel = path.relative_to(lib)
+        if rel.as_posix() in held_out or SKIP_DIRS & set(rel.parts[:-1]):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if total + len(text) > max_chars:
+            break
+        names.append(rel.as_posix())
+        texts.append(text)
+        total += len(text)
+    return names, texts
+
+
+def tokenize_docs(tokenizer, docs: list[str], batch: int = 64):
+    """All documents as one token stream (eos after each), batched through the fast tokenizer."""
+    import torch
+
+    ids: list[int] = []
+    for i in range(0, len(docs), batch):
+        for doc_ids in tokenizer(docs[i : i + batch], add_special_tokens=False)["input_ids"]:
+            ids.extend(doc_ids)
+            ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def write_calib_ids(tokenizer, ids, path: Path, n: int, seq_len: int) -> Path:
+    """n calibration samples of the training stream at seeded random offsets (decoded to text for copt)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, len(ids) - seq_len - 16, (n,), generator=gen).tolist()
+    path.write_text("".join(json.dumps({"text": tokenizer.decode(ids[s : s + seq_len + 16].tolist())}) + "\n"
+                            for s in starts))
+    return path
+
+
+def lr_at(step: int, progress: float, peak: float, warmup: int, floor: float = 0.1) -> float:
+    """Linear warmup over `warmup` steps, then cosine from peak to floor×peak over training progress (0..1)."""
+    warm = min(1.0, (step + 1) / warmup)
+    return peak * warm * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def autocast(device: str):
+    """bf16 autocast on the GPU; plain fp32 on the CPU."""
+    import torch
+
+    return torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda")
+
+
+def training_ppl(model, blocks, device: str) -> float:
+    """Perplexity of the model under training (fp32 weights, autocast) over equal-length blocks."""
+    import torch
+
+    model.eval()
+    total = torch.zeros((), device=device)
+    with torch.no_grad(), autocast(device):
+        for i in range(0, len(blocks), 16):
+            x = blocks[i : i + 16]
+            total += model(input_ids=x, labels=x).loss.float() * len(x)
+    model.train()
+    return math.exp(total.item() / len(blocks))
+
+
+def train_small(work: Path, tokenizer, ids, eval_text: str, setup: QualitySetup) -> tuple[Path, dict]:
+    """Train the small Llama until train_s seconds or max_epochs passes (whichever first); each pass visits the
+    corpus's blocks once in a seeded random order (shifted by a random offset after the first pass). Records the
+    held-out perplexity along the way and, on the saved bf16 weights, exactly as copt quantize scores it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
-    seq = 256
-    blocks = ids[: len(ids) // seq * seq].view(-1, seq).cuda()
+    from clusteropt_cli.core.quantize.evaluate import eval_blocks, perplexity
+
+    device, seq, bs = setup.device, setup.seq, setup.batch
+    tokens = ids.to(device)
+    corpus_tokens = len(tokens)
+    heldout = eval_blocks(tokenizer, eval_text, seq, setup.curve_tokens).to(device)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=0, eos_token_id=0, pad_token_id=1, **SMALL)
-    model = LlamaForCausalLM(config).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
-    start, steps = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
-        batch = blocks[torch.randint(0, len(blocks), (32,), device="cuda")]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=0, eos_token_id=0, pad_token_id=1, **setup.model)
+    model = LlamaForCausalLM(config).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=setup.peak_lr, betas=(0.9, 0.95), fused=device == "cuda")
+
+    token_budget = setup.max_epochs * corpus_tokens
+    curve: list[dict] = []
+    step = seen = epoch = pos = 0
+    blocks = perm = None
+    progress = eval_s = lr = 0.0
+    interval_loss, interval_steps, next_point = torch.zeros((), device=device), 0, 1
+    model.train()
+    start = time.perf_counter()
+    while progress < 1.0:
+        if perm is None or pos + bs > len(perm):
+            epoch += perm is not None
+            offset = 0 if epoch == 0 else int(torch.randint(0, seq, (1,), generator=gen))
+            n_blocks = (corpus_tokens - offset) // seq
+            blocks = tokens[offset : offset + n_blocks * seq].view(n_blocks, seq)
+            perm, pos = torch.randperm(n_blocks, generator=gen).to(device), 0
+        batch = blocks[perm[pos : pos + bs]]
+        pos += bs
+        lr = lr_at(step, progress, setup.peak_lr, setup.warmup_steps)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        with autocast(device):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        steps += 1
+        step += 1
+        seen += batch.numel()
+        interval_loss += loss.detach().float()
+        interval_steps += 1
+        train_time = time.perf_counter() - start - eval_s
+        progress = max(train_time / setup.train_s, seen / token_budget)
+        if progress >= next_point / setup.curve_points or progress >= 1.0:
+            t = time.perf_counter()
+            point = {"step": step, "tokens_seen": seen, "epochs": round(seen / corpus_tokens, 3),
+                     "train_s": round(train_time, 2), "lr": lr, "train_loss": (interval_loss / interval_steps).item(),
+                     "heldout_ppl": training_ppl(model, heldout, device)}
+            curve.append(point)
+            print(f"  train step {step:>5}  epochs {point['epochs']:5.2f}  train loss {point['train_loss']:.3f}  "
+                  f"held-out ppl {point['heldout_ppl']:.2f}", flush=True)
+            interval_loss, interval_steps = torch.zeros((), device=device), 0
+            next_point = int(progress * setup.curve_points) + 1
+            eval_s += time.perf_counter() - t
+    train_s = time.perf_counter() - start - eval_s
+    model.eval()
+    model.to(torch.bfloat16)
+    full = eval_blocks(tokenizer, eval_text, seq, setup.eval_tokens)
+    heldout_bf16 = perplexity(model, full)
+    n_train = max(1, min(len(full), corpus_tokens // seq))
+    train_bf16 = perplexity(model, tokens[: n_train * seq].view(n_train, seq))
     out = work / "small-trained"
-    model.to(torch.bfloat16).save_pretrained(out)
+    model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    del model, opt
+    info = {"params": sum(p.numel() for p in model.parameters()), "train_steps": step, "tokens_seen": seen,
+            "epochs": seen / corpus_tokens, "train_seconds": train_s, "tokens_per_s": seen / max(train_s, 1e-9),
+            "stopped_by": "max_epochs" if seen >= token_budget else "time", "batch": bs, "seq": seq,
+            "peak_lr": setup.peak_lr, "warmup_steps": setup.warmup_steps, "lr_schedule": "warmup + cosine to 0.1x",
+            "final_train_loss": curve[-1]["train_loss"], "heldout_ppl_fp32_autocast": curve[-1]["heldout_ppl"],
+            "heldout_ppl": heldout_bf16.ppl, "heldout_tokens": heldout_bf16.tokens,
+            "train_text_ppl": train_bf16.ppl, "curve": curve}
+    del model, opt, tokens, blocks, perm, heldout
     free()
-    return out, steps, loss.item()
+    return out, info
 
 
-def quality_part(results: dict, work: Path, tokenizer, train_text: str, eval_path: Path, deadline: float,
-                 train_s: float) -> None:
-    small, steps, loss = train_small(work, tokenizer, train_text, train_s)
-    results["small_model"] = {**SMALL, "vocab_size": len(tokenizer), "train_steps": steps, "final_train_loss": loss,
-                              "train_seconds": train_s}
+def quality_part(results: dict, work: Path, setup: QualitySetup, deadline: float) -> None:
+    t0 = time.perf_counter()
+    names, docs = stdlib_corpus(setup.corpus_chars)
+    chars = sum(map(len, docs))
+    subset = docs[:: max(1, math.ceil(chars / setup.tokenizer_chars))]
+    tokenizer = train_tokenizer(subset, work / "tokenizer-quality", setup.vocab)
+    ids = tokenize_docs(tokenizer, docs)
+    eval_text = stdlib_text(EVAL_FILES)
+    eval_path = work / "eval.txt"
+    eval_path.write_text(eval_text)
+    small_model = results["small_model"] = {
+        **setup.model, "vocab_size": len(tokenizer), "device": setup.device, "corpus_files": len(names),
+        "corpus_chars": chars, "corpus_tokens": len(ids), "tokenizer_train_chars": sum(map(len, subset)),
+        "eval_files": EVAL_FILES, "max_epochs": setup.max_epochs, "train_s_budget": setup.train_s,
+        "data_prep_s": time.perf_counter() - t0}
+    print(f"  corpus: {len(names)} stdlib files, {chars / 1e6:.1f} M chars, {len(ids) / 1e6:.2f} M tokens "
+          f"(vocab {len(tokenizer)}), prepared in {small_model['data_prep_s']:.0f} s", flush=True)
     save(results)
-    calib = write_calib(tokenizer, train_text, work / "calib_small.jsonl", n=64, seq_len=256)
-    cases = results.setdefault("quality_4bit", {})
-    for method in ["rtn", "gptq", "awq", "fp8", "int8"]:
+    small, info = train_small(work, tokenizer, ids, eval_text, setup)
+    small_model.update(info)
+    save(results)
+    print(f"  small model: {info['train_steps']} steps, {info['tokens_seen'] / 1e6:.1f} M tokens "
+          f"({info['epochs']:.2f} epochs, stopped by {info['stopped_by']}), train loss {info['final_train_loss']:.3f}, "
+          f"held-out ppl {info['heldout_ppl']:.2f} (train-text ppl {info['train_text_ppl']:.2f})", flush=True)
+    calib = write_calib_ids(tokenizer, ids, work / "calib_small.jsonl", n=setup.calib_samples, seq_len=setup.seq)
+    cases = results.setdefault("quality", {})
+    for method, bits in setup.cases:
+        name = f"w{bits}-{method}"
         if time.perf_counter() > deadline - 15:
-            cases[method] = {"skipped": "time budget"}
+            cases[name] = {"skipped": "time budget"}
             continue
         try:
-            cases[method] = quantize_case(small, work / f"small-{method}", method, calib, num_samples=64,
-                                          seq_len=256, eval=str(eval_path), eval_tokens=65536)
+            cases[name] = quantize_case(small, work / f"small-{name}", method, calib, bits=bits,
+                                        num_samples=setup.calib_samples, seq_len=setup.seq, eval=str(eval_path),
+                                        eval_tokens=setup.eval_tokens)
         except Exception as exc:  # noqa: BLE001
-            cases[method] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+            cases[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
             free()
+        results["quality_summary"] = quality_summary(cases)
         save(results)
-        keys = ("ppl_before", "ppl_after", "error", "skipped")
-        print(f"  small {method}: {json.dumps({k: cases[method].get(k) for k in keys})}", flush=True)
+        keys = ("ppl_before", "ppl_after", "quantize_time_s", "error", "skipped")
+        print(f"  small {name}: {json.dumps({k: cases[name].get(k) for k in keys})}", flush=True)
+
+
+def quality_summary(cases: dict) -> dict:
+    """Perplexity increase per method per weight width, and whether AWQ/GPTQ beat RTN at each width (the AWQ
+    paper's ordering is RTN > GPTQ > AWQ in increase)."""
+    summary: dict = {}
+    for bits in (4, 3, 8):
+        row: dict = {}
+        for method in ("rtn", "gptq", "awq", "fp8", "int8"):
+            r = cases.get(f"w{bits}-{method}", {})
+            if r.get("ppl_after") is not None and r.get("ppl_before") is not None:
+                increase = r["ppl_after"] - r["ppl_before"]
+                row[method] = {"ppl_before": r["ppl_before"], "ppl_after": r["ppl_after"], "increase": increase,
+                               "increase_pct": 100 * increase / r["ppl_before"]}
+        if not row:
+            continue
+        if "rtn" in row:
+            for method in ("gptq", "awq"):
+                if method in row:
+                    row[f"{method}_beats_rtn"] = row[method]["increase"] < row["rtn"]["increase"]
+        if all(m in row for m in ("rtn", "gptq", "awq")):
+            row["awq_paper_ordering_holds"] = (row["rtn"]["increase"] > row["gptq"]["increase"]
+                                               > row["awq"]["increase"])
+        summary["w8a8" if bits == 8 else f"w{bits}g128"] = row
+    return summary
 
 
 def main() -> None:
@@ -396,16 +630,22 @@ def main() -> None:
     parser.add_argument("--out", default="quantize.json")
     parser.add_argument("--only", choices=["speed", "quality"], default=None)
     parser.add_argument("--budget-s", type=float, default=280.0)
-    parser.add_argument("--train-s", type=float, default=45.0)
+    parser.add_argument("--train-s", type=float, default=None,
+                        help="training time of the quality part's small model (default 90; 3 with --cpu-smoke)")
+    parser.add_argument("--max-epochs", type=float, default=4.0,
+                        help="the small model's training also stops after this many passes over its corpus")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="run only the quality part, on the CPU, with tiny sizes (checks the script end to end)")
     args = parser.parse_args()
+    train_s = args.train_s if args.train_s is not None else (3.0 if args.cpu_smoke else 90.0)
     start = time.perf_counter()
     deadline = start + args.budget_s
     SAVE_TO.append(Path(args.out))
 
     import torch
 
-    results: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
-                     "torch": torch.__version__}
+    device_name = "cpu (smoke)" if args.cpu_smoke else torch.cuda.get_device_name()
+    results: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": device_name, "torch": torch.__version__}
     try:
         from importlib.metadata import version
 
@@ -413,19 +653,18 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001
         results["versions"] = str(exc)
     work = Path(tempfile.mkdtemp(prefix="copt-quant-bench-"))
-    train_text, eval_text = stdlib_text(TRAIN_FILES), stdlib_text(EVAL_FILES)
-    tokenizer = train_tokenizer(train_text, work / "tokenizer")
-    eval_path = work / "eval.txt"
-    eval_path.write_text(eval_text)
-    parts = [args.only] if args.only else ["speed", "quality"]
+    parts = ["quality"] if args.cpu_smoke else [args.only] if args.only else ["speed", "quality"]
     for part in parts:
         try:
             if part == "speed":
-                # leave time for the quality part when both run
-                speed_deadline = deadline - (args.train_s + 60 if "quality" in parts else 0)
-                speed_part(results, work, tokenizer, train_text, speed_deadline)
+                calib_text = stdlib_text(SPEED_CALIB_FILES)
+                tokenizer = train_tokenizer(calib_text.split("\n\n"), work / "tokenizer")
+                # leave time for the quality part when both run (training + ~100 s of data and quantization)
+                speed_deadline = deadline - (train_s + 100 if "quality" in parts else 0)
+                speed_part(results, work, tokenizer, calib_text, speed_deadline)
             else:
-                quality_part(results, work, tokenizer, train_text, eval_path, deadline, args.train_s)
+                setup = (smoke_setup if args.cpu_smoke else gpu_setup)(train_s, args.max_epochs)
+                quality_part(results, work, setup, deadline)
         except Exception as exc:  # noqa: BLE001
             results[f"{part}_error"] = f"{type(exc).__name__}: {exc}"
             results[f"{part}_traceback"] = traceback.format_exc()[-3000:]
@@ -460,15 +699,29 @@ def print_table(results: dict) -> None:
         for s in fp8.get("linear_stack", []):
             print(f"  linear layers only, {s['tokens']:>4} tokens: bf16 {s['bf16_ms']:.2f} ms, "
                   f"fp8 {s['fp8_ms']:.2f} ms (x{s['speedup']:.2f})")
-    if "quality_4bit" in results:
-        steps = results.get("small_model", {}).get("train_steps")
-        print(f"Trained small model ({steps} steps), 4-bit g128 perplexity:")
-        for method, r in results["quality_4bit"].items():
-            if r.get("ppl_after") is not None:
-                print(f"  {method:>6}: {r['ppl_before']:.3f} → {r['ppl_after']:.3f} ({r['ppl_increase']:+.3f})")
-            else:
-                print(f"  {method:>6}: {r.get('error') or r.get('skipped')}")
-
+    if "quality" in results:
+        m = results.get("small_model", {})
+        if "heldout_ppl" in m:
+            print(f"Small Llama ({m['params'] / 1e6:.1f} M params) trained {m['train_seconds']:.0f} s: "
+                  f"{m['train_steps']} steps, {m['tokens_seen'] / 1e6:.1f} M tokens = {m['epochs']:.2f} epochs of "
+                  f"{m['corpus_tokens'] / 1e6:.2f} M; train loss {m['final_train_loss']:.3f}, held-out ppl "
+                  f"{m['heldout_ppl']:.2f} ({m['heldout_tokens']} tokens; train-text ppl {m['train_text_ppl']:.2f})")
+        print("  case       ppl_before  ppl_after  increase      %   beats RTN")
+        summary = results.get("quality_summary", {})
+        for name, r in results["quality"].items():
+            if r.get("ppl_after") is None:
+                print(f"  {name:<9}  {r.get('error') or r.get('skipped')}")
+                continue
+            bits, method = name.split("-", 1)
+            row = summary.get("w8a8" if bits == "w8" else f"{bits}g128", {})
+            beats = row.get(f"{method}_beats_rtn")
+            increase = r["ppl_after"] - r["ppl_before"]
+            print(f"  {name:<9}  {r['ppl_before']:10.3f}  {r['ppl_after']:9.3f}  {increase:+8.3f}  "
+                  f"{100 * increase / r['ppl_before']:+5.1f}%  {'' if beats is None else beats}")
+        for width, row in summary.items():
+            if "awq_paper_ordering_holds" in row:
+                print(f"  {width}: AWQ paper ordering (increase RTN > GPTQ > AWQ) holds: "
+                      f"{row['awq_paper_ordering_holds']}")
 
 if __name__ == "__main__":
     main()
