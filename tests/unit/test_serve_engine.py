@@ -136,6 +136,10 @@ def test_vllm_command_translation():
     ngram = build_vllm_command(ServeRecipe(model="m", prompt_lookup=4))
     spec = json.loads(ngram[ngram.index("--speculative-config") + 1])
     assert spec["method"] == "ngram" and spec["prompt_lookup_max"] == 4
+    # vLLM's graphs + compile are on unless either copt switch turns them off
+    assert "--enforce-eager" not in cmd
+    assert "--enforce-eager" in build_vllm_command(ServeRecipe(model="m", compile=False))
+    assert "--enforce-eager" in build_vllm_command(ServeRecipe(model="m", cuda_graphs=False))
 
 
 def test_cli_dry_run_and_validation(copt, fixtures):
