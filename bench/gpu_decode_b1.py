@@ -1,0 +1,184 @@
+"""Where batch-1 decode time goes on the H200, and which GEMV formulation reaches the bandwidth floor.
+
+    python3 bench/gpu_decode_b1.py --out $OUT/decode_b1.json          (≤ 4 minutes)
+    python3 bench/gpu_decode_b1.py --cpu-smoke --out /tmp/b1.json     (tiny shapes: checks the script)
+
+copt serve's batch-1 decode measured 1.89 ms/token (floor 0.58 ms = 2.47 GB of bf16 weights / 4.26 TB/s), of which
+~1.6 ms is GPU time of the captured step, and the 112 linear layers alone took 0.90 ms at one token in a CUDA graph
+(bench/gpu_fp8.py): cuBLAS at M=1 reaches about half the copy bandwidth. This bench times, each as a CUDA graph
+of the same 112 Llama-3.2-1B-shaped weight matrices (+ the 128k-vocab LM head) at M = 1 (and 4):
+  cublas          x @ W.T (torch.nn.functional.linear), what eager and the default compile run
+  compiled        the same under torch.compile (inductor may pick its own GEMM templates)
+  autotuned       torch.compile(mode="max-autotune-no-cudagraphs") (Triton GEMM/GEMV templates autotuned)
+  reduction       (x[:, None, :] * W).sum(-1) under torch.compile: inductor emits a fused reduction kernel that
+                  streams W once (the gpt-fast formulation)
+  fp8_reduction   the same over e4m3 weights with per-channel scales (half the bytes; FP8 checkpoints)
+and reports each against the bytes it must read (achieved TB/s, fraction of 4.26 TB/s). The copt serve step itself
+is timed by bench/gpu_serve.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+COPY_BW = 4.26e12
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 8192, 16, 32, 8, 64, 128256
+
+
+def shapes(smoke: bool) -> list[tuple[int, int]]:
+    """(out, in) of every linear of a decode step: q, k, v, o, gate, up, down per layer, then the LM head."""
+    h, i, layers, heads, kv, hd, vocab = ((64, 128, 2, 4, 2, 16, 512) if smoke
+                                          else (HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB))
+    per_layer = [(heads * hd, h), (kv * hd, h), (kv * hd, h), (h, heads * hd), (i, h), (i, h), (h, i)]
+    return per_layer * layers + [(vocab, h)]
+
+
+def time_graph(fn, device: str, iters: int = 50) -> tuple[float, str]:
+    """ms per call of fn, replayed as a CUDA graph (eager timing where capture fails or on CPU)."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    if device != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return 1e3 * (time.perf_counter() - start) / iters, "eager-cpu"
+    torch.cuda.synchronize()
+    mode = "cuda-graph"
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    except Exception as exc:  # noqa: BLE001 - time it eagerly instead
+        mode, run = f"eager ({type(exc).__name__})", fn
+    run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters, mode
+
+
+def run_case(name: str, weights: list, scales: list | None, rows: int, device: str) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    dtype = torch.bfloat16
+    xs = {}
+    for w in weights:
+        xs.setdefault(w.shape[1], torch.randn(rows, w.shape[1], device=device, dtype=dtype))
+
+    def linear(x, w):
+        return F.linear(x, w)
+
+    def reduction(x, w):
+        return (x[:, None, :].float() * w[None, :, :].float()).sum(-1).to(x.dtype)
+
+    def fp8_reduction(x, w, s):
+        return ((x[:, None, :].float() * w[None, :, :].float()).sum(-1) * s).to(x.dtype)
+
+    if name == "cublas":
+        op = linear
+    elif name == "compiled":
+        op = torch.compile(linear, dynamic=False)
+    elif name == "autotuned":
+        op = torch.compile(linear, dynamic=False, mode="max-autotune-no-cudagraphs")
+    elif name == "reduction":
+        op = torch.compile(reduction, dynamic=False)
+    elif name == "fp8_reduction":
+        op = torch.compile(fp8_reduction, dynamic=False)
+    else:
+        raise ValueError(name)
+    outs: list = []
+
+    def step():
+        outs.clear()
+        for j, w in enumerate(weights):
+            x = xs[w.shape[1]]
+            outs.append(op(x, w, scales[j]) if scales is not None else op(x, w))
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        ms, mode = time_graph(step, device)
+        # correctness against the bf16 matmul of the same (dequantized) weights, on the LM head
+        w, x = weights[-1], xs[weights[-1].shape[1]]
+        ref = F.linear(x.float(), (w.float() * scales[-1][:, None]) if scales is not None else w.float())
+        got = outs[-1].float()
+        rel_err = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+    read = sum(w.numel() * w.element_size() for w in weights)
+    return {"ms": ms, "mode": mode, "bytes_read": read, "tb_s": read / (ms / 1e3) / 1e12,
+            "of_copy_bandwidth": read / (ms / 1e3) / COPY_BW, "max_rel_error_lm_head": rel_err,
+            "setup_s": time.perf_counter() - t0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cpu-smoke", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=220.0)
+    args = parser.parse_args()
+    import torch
+
+    device = "cpu" if args.cpu_smoke else "cuda"
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    dims = shapes(args.cpu_smoke)
+    weights = [torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02 for o, i in dims]
+    results: dict = {"bench": "gpu_decode_b1", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                     "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                     "linears": len(weights), "floor_ms_bf16": 1e3 * sum(w.numel() * 2 for w in weights) / COPY_BW,
+                     "cases": {}}
+    fp8_weights = fp8_scales = None
+    if hasattr(torch, "float8_e4m3fn"):
+        fp8_scales = [w.float().abs().amax(dim=1) / 448.0 for w in weights]
+        fp8_weights = [(w.float() / s[:, None]).to(torch.float8_e4m3fn) for w, s in zip(weights, fp8_scales,
+                                                                                        strict=True)]
+    # autotuning compiles and benchmarks templates per weight shape (minutes): last, so the rest always runs
+    plan = [(name, rows) for rows in (1, 4) for name in ("cublas", "compiled", "reduction", "fp8_reduction")]
+    plan += [("autotuned", 1), ("autotuned", 4)]
+    for name, rows in plan:
+        key = f"{name}_m{rows}"
+        if time.perf_counter() - started > args.budget_s:
+            results["cases"][key] = {"skipped": "time budget"}
+            continue
+        try:
+            if name == "fp8_reduction":
+                if fp8_weights is None:
+                    continue
+                results["cases"][key] = run_case(name, fp8_weights, fp8_scales, rows, device)
+            else:
+                results["cases"][key] = run_case(name, weights, None, rows, device)
+        except Exception as exc:  # noqa: BLE001 - recorded, the next case runs
+            results["cases"][key] = {"error": f"{type(exc).__name__}: {exc}",
+                                     "traceback": traceback.format_exc()[-1500:]}
+        case = results["cases"][key]
+        if "ms" in case:
+            print(f"{key:22s} {case['ms']:7.3f} ms  {case['tb_s']:5.2f} TB/s  "
+                  f"({case['of_copy_bandwidth']:.0%} of copy)  err {case['max_rel_error_lm_head']:.1e}  "
+                  f"[{case['mode']}]", flush=True)
+        else:
+            print(f"{key:22s} {case.get('error', case.get('skipped'))}", flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+    print(f"floor (bf16 weights / copy bandwidth): {results['floor_ms_bf16']:.3f} ms; results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
