@@ -39,21 +39,6 @@ def copt(args: list[str], log: Path, timeout: float = 600) -> subprocess.Complet
     return proc
 
 
-def wait_healthy(url: str, server: subprocess.Popen, timeout: float) -> float:
-    started = time.time()
-    while time.time() - started < timeout:
-        if server.poll() is not None:
-            raise RuntimeError(f"copt serve exited with {server.returncode} before it was healthy")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return time.time() - started
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"copt serve not healthy after {timeout:.0f} s")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -82,6 +67,8 @@ def main() -> None:
         sys.exit(f"advise failed: {proc.stderr[-2000:]}")
     print(proc.stdout[-1500:])
 
+    from gpu_serve import wait_healthy
+
     url = f"http://127.0.0.1:{args.port}"
     serve_log = (args.out / "serve.log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "clusteropt_cli", "serve", "--recipe", str(recipe),
@@ -97,7 +84,7 @@ def main() -> None:
                      str(args.model_dir), "--plot", str(args.out / "endpoint.png"), "--report", str(endpoint),
                      "--expect", str(recipe), "--tolerance", str(args.tolerance), "--overwrite", "--json"], log)
         (args.out / "expect.json").write_text(proc.stdout or "{}")
-        print(f"profile endpoint --expect rc={proc.returncode} (1 = a figure missed the tolerance)")
+        print(f"profile endpoint --expect rc={proc.returncode} (6 = a figure missed the tolerance)")
         print(proc.stderr[-3000:])
         try:
             doc = json.loads(proc.stdout)

@@ -242,6 +242,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
+    """Poll GET /health until 200; seconds it took. Raises when the server exits or the timeout passes."""
+    import httpx
+
+    t0 = time.perf_counter()
+    while True:
+        if proc.poll() is not None:
+            err = proc.stderr.read()[-4000:] if proc.stderr else ""
+            raise RuntimeError(f"copt serve exited {proc.returncode} before it was healthy: {err}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        if time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"copt serve did not come up within {timeout:.0f} s")
+        time.sleep(0.3)
+
+
 def start_server(model_dir: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
     cmd = [sys.executable, "-m", "clusteropt_cli", "serve", str(model_dir), "--port", str(port),
@@ -302,20 +321,8 @@ def bench_http(model_dir: Path, prompts: list[list[int]]) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(model_dir, port)
-    t0 = time.perf_counter()
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"copt serve exited {proc.returncode}: {proc.stderr.read()[-4000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - t0 > 240:
-                raise RuntimeError("copt serve did not come up within 240 s")
-            time.sleep(0.5)
-        out: dict = {"startup_s": time.perf_counter() - t0}
+        out: dict = {"startup_s": wait_healthy(url, proc, timeout=240)}
         asyncio.run(_load(url, prompts[:16], 16, True))  # warm-up
         for name, stream in (("http_stream", True), ("http_plain", False)):
             try:

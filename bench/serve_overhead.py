@@ -66,7 +66,7 @@ def bench_http(model: str, prompts: list[list[int]], out_tokens: int, max_len: i
     import httpx
 
     sys.path.insert(0, str(REPO / "bench"))
-    from gpu_serve import _load, free_port
+    from gpu_serve import _load, free_port, wait_healthy
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -77,18 +77,7 @@ def bench_http(model: str, prompts: list[list[int]], out_tokens: int, max_len: i
            "--max-queue", str(4 * len(prompts)), "--served-model-name", "llama-1b-shape"]
     proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        t0 = time.perf_counter()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"copt serve exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - t0 > 120:
-                raise RuntimeError("copt serve did not come up")
-            time.sleep(0.3)
+        wait_healthy(url, proc, timeout=120)
         asyncio.run(_load(url, prompts[:8], 8, True))  # warm-up
         res = asyncio.run(_load(url, prompts, out_tokens, True))
         metrics = httpx.get(url + "/metrics", timeout=10).text
