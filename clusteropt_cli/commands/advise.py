@@ -122,11 +122,10 @@ def advise(
             raise BadInputError(f"{flag} {out} already exists.", hint="Pass --overwrite to replace it.")
     if emit_ds_config is not None and task != "train":
         raise BadInputError("--emit-ds-config needs --task train.")
-    if emit_recipe is not None and task == "train" and (tp or 1) > 1:
-        raise BadInputError(f"--emit-recipe with --tp {tp}: copt train has no tensor parallelism, so the recipe's "
-                            "prediction would not describe what runs.",
-                            hint="Drop --tp (advise then plans with ZeRO, offload and pipelines), or run this layout "
-                                 "with Megatron-LM / torchtitan.")
+    if emit_recipe is not None:  # before any work
+        from clusteropt_cli.core.advise.api import check_recipe_runnable
+
+        check_recipe_runnable(task, tp or 1)
 
     measured: dict[str, Any] | None = None
     if from_profile is not None:

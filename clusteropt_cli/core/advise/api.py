@@ -306,6 +306,16 @@ def defaults_from_profile(report: Any, task: str, given: dict[str, Any]
     return task, values, list(report.verdict.symptoms), dict(report.metrics)
 
 
+def check_recipe_runnable(task: str, tp: int) -> None:
+    """A train plan with tensor parallelism gets no recipe: copt train cannot run it."""
+    if task == "train" and tp > 1:
+        raise BadInputError(
+            f"--emit-recipe with --tp {tp}: copt train has no tensor parallelism, so the recipe's prediction would "
+            "not describe what runs.",
+            hint="Drop --tp (advise then plans with ZeRO, offload and pipelines, which copt train runs), or run "
+                 "this layout with Megatron-LM / torchtitan.")
+
+
 def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: bool = False) -> Path:
     """A copt recipe (validated by its schema) for the top plan, with a prediction block."""
     import yaml
@@ -322,12 +332,7 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
                   "assumptions": {k: v for k, v in result["top_plan"].get("assumptions", result["assumptions"]).items()
                                   if isinstance(v, (int, float, str))},
                   "recommendation": ",".join(result["top_plan"]["applies"]) or None}
-    if result["task"] == "train" and w["tp"] > 1:
-        raise BadInputError(
-            f"--emit-recipe: the plan uses --tp {w['tp']}, and copt train has no tensor parallelism, so a recipe's "
-            "prediction would not describe what runs.",
-            hint="Drop --tp (advise then plans with ZeRO, offload and pipelines, which copt train runs), or run "
-                 "this layout with Megatron-LM / torchtitan.")
+    check_recipe_runnable(result["task"], w["tp"])
     if result["task"] == "train":
         data: dict[str, Any] = {
             "task": "train", "model": model_arg, "precision": w["precision"],

@@ -59,7 +59,7 @@ STATIC_BATCH_EFFICIENCY = 0.6
 SERVING_ENGINES = {
     "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 2.0e-3, "step_fixed_s": 1.2e-3,
              "step_per_seq_s": 66e-6},
-    "hf-generate": {"prefill_chunk_tokens": 0, "prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
+    "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }
 # Fraction of link bandwidth NCCL collectives reach (bus bandwidth / link bandwidth, large messages).
 COMM_EFFICIENCY = 0.80

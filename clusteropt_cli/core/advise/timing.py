@@ -137,9 +137,8 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     one_prefill = prefill_seconds(plan.prompt_len)
     if plan.continuous_batching and plan.batch > 1:
         # `batch` clients under closed-loop load: a request's first token comes after about one round of
-        # everyone's prompts (prefill interleaves with the running decodes). Set from two H200 runs of copt serve
-        # (p50 TTFT 0.83 s vs 0.69 s of prefill, prompts 32–256; 1.28 s vs 1.23 s, prompts 256, 256 clients)
-        # after the first rule (the median waits for half of the prompts) missed the second by +104%
+        # everyone's prompts (what the H200 loop runs showed after "half a round" missed by +104%); the least
+        # reliable serving figure, off by up to +52% on them (docs/advise.md)
         ttft = prefill_s
         if plan.chunked_prefill:
             # ... unless chunking caps what stands ahead of it at one chunk of others' prompts
@@ -185,8 +184,8 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         figures["usd_per_million_tokens"] = target.gpu_hour_usd * tp / 3600 / out_tps * 1e6
     assumptions = {"prefill_mfu": cal.PREFILL_MFU, "decode_bandwidth_efficiency": cal.DECODE_BANDWIDTH_EFFICIENCY,
                    "hbm_bandwidth_tbs": gpu.hbm_bandwidth / 1e12, "peak_tflops": peak / tp / 1e12}
-    notes = []
     assumptions["engine"] = engine_name
+    notes = []
     if engine:
         assumptions.update({k: v for k, v in engine.items() if v})
     else:

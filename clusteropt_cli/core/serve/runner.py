@@ -169,10 +169,10 @@ class ModelRunner:
         model.requires_grad_(False)
         # FP8 (W8A8) checkpoints: real FP8 GEMMs instead of compressed-tensors' dequantize-then-bf16 forward (which
         # also decompresses the weights in place on its first call); before any forward runs
-        from clusteropt_cli.core.quantize.fp8_runtime import fp8_matmul_supported, swap_fp8_linears
+        from clusteropt_cli.core.quantize.fp8_runtime import swap_fp8_linears
 
         self.fp8_linears = swap_fp8_linears(model)
-        self.fp8_kernels = bool(self.fp8_linears) and fp8_matmul_supported(self.device)
+        self.fp8_kernels = any(getattr(m, "use_scaled_mm", False) for m in model.modules())
         try:
             model.set_attn_implementation(ATTN_NAME)
         except Exception:  # noqa: BLE001 - older/custom models: set it on the config directly
