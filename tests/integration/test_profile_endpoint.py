@@ -18,7 +18,9 @@ from fastapi import Request  # module level: the routes' annotations are resolve
 
 from tests.conftest import REPO
 
-TOKEN_DELAY_S = 0.002
+# per token, long enough that the fake server's sleep (not a busy 2-core host's scheduling) sets the throughput
+# ratio between concurrency levels: 2 ms once let concurrency 4 measure slower than 1 in CI
+TOKEN_DELAY_S = 0.01
 
 
 def _free_port() -> int:
