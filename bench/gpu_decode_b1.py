@@ -13,6 +13,7 @@ of the same 112 Llama-3.2-1B-shaped weight matrices (+ the 128k-vocab LM head) a
   reduction       (x[:, None, :] * W).sum(-1) under torch.compile: inductor emits a fused reduction kernel that
                   streams W once (the gpt-fast formulation)
   fp8_reduction   the same over e4m3 weights with per-channel scales (half the bytes; FP8 checkpoints)
+plus cublas and reduction over fused q/k/v and gate/up matrices (64 GEMVs instead of 112, the same bytes),
 and reports each against the bytes it must read (achieved TB/s, fraction of 4.26 TB/s). The copt serve step itself
 is timed by bench/gpu_serve.py.
 """
@@ -32,11 +33,14 @@ COPY_BW = 4.26e12
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 8192, 16, 32, 8, 64, 128256
 
 
-def shapes(smoke: bool) -> list[tuple[int, int]]:
-    """(out, in) of every linear of a decode step: q, k, v, o, gate, up, down per layer, then the LM head."""
+def shapes(smoke: bool, fused: bool = False) -> list[tuple[int, int]]:
+    """(out, in) of every linear of a decode step: q, k, v, o, gate, up, down per layer, then the LM head.
+    fused: q/k/v as one matrix and gate/up as one (4 GEMVs per layer instead of 7, same bytes)."""
     h, i, layers, heads, kv, hd, vocab = ((64, 128, 2, 4, 2, 16, 512) if smoke
                                           else (HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB))
     per_layer = [(heads * hd, h), (kv * hd, h), (kv * hd, h), (h, heads * hd), (i, h), (i, h), (h, i)]
+    if fused:
+        per_layer = [((heads + 2 * kv) * hd, h), (h, heads * hd), (2 * i, h), (h, i)]
     return per_layer * layers + [(vocab, h)]
 
 
@@ -137,6 +141,7 @@ def main() -> None:
     import torch
 
     device = "cpu" if args.cpu_smoke else "cuda"
+    torch._dynamo.config.recompile_limit = 64  # one specialization per weight shape and row count
     started = time.perf_counter()
     torch.manual_seed(0)
     dims = shapes(args.cpu_smoke)
@@ -152,7 +157,9 @@ def main() -> None:
                                                                                         strict=True)]
     # autotuning compiles and benchmarks templates per weight shape (minutes): last, so the rest always runs
     plan = [(name, rows) for rows in (1, 4) for name in ("cublas", "compiled", "reduction", "fp8_reduction")]
-    plan += [("autotuned", 1), ("autotuned", 4)]
+    plan += [("cublas_fused", 1), ("reduction_fused", 1), ("autotuned", 1), ("autotuned", 4)]
+    fused_weights = [torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02
+                     for o, i in shapes(args.cpu_smoke, fused=True)]
     for name, rows in plan:
         key = f"{name}_m{rows}"
         if time.perf_counter() - started > args.budget_s:
@@ -163,6 +170,8 @@ def main() -> None:
                 if fp8_weights is None:
                     continue
                 results["cases"][key] = run_case(name, fp8_weights, fp8_scales, rows, device)
+            elif name.endswith("_fused"):
+                results["cases"][key] = run_case(name.removesuffix("_fused"), fused_weights, None, rows, device)
             else:
                 results["cases"][key] = run_case(name, weights, None, rows, device)
         except Exception as exc:  # noqa: BLE001 - recorded, the next case runs

@@ -382,6 +382,7 @@ class QualitySetup:
     curve_points: int
     calib_samples: int
     cases: list[tuple[str, int]] = field(default_factory=list)  # (method, weight bits)
+    symmetric: bool = True  # integer weight quantization without (True) or with zero points
 
 
 def gpu_setup(train_s: float, max_epochs: float) -> QualitySetup:
@@ -582,6 +583,8 @@ def quality_part(results: dict, work: Path, setup: QualitySetup, deadline: float
           f"held-out ppl {info['heldout_ppl']:.2f} (train-text ppl {info['train_text_ppl']:.2f})", flush=True)
     calib = write_calib_ids(tokenizer, ids, work / "calib_small.jsonl", n=setup.calib_samples, seq_len=setup.seq)
     cases = results.setdefault("quality", {})
+    results["quality_settings"] = {"symmetric": setup.symmetric, "calib_samples": setup.calib_samples,
+                                   "calib_seq_len": setup.seq, "group_size": 128}
     for method, bits in setup.cases:
         name = f"w{bits}-{method}"
         if time.perf_counter() > deadline - 15:
@@ -590,7 +593,8 @@ def quality_part(results: dict, work: Path, setup: QualitySetup, deadline: float
         try:
             cases[name] = quantize_case(small, work / f"small-{name}", method, calib, bits=bits,
                                         num_samples=setup.calib_samples, seq_len=setup.seq, eval=str(eval_path),
-                                        eval_tokens=setup.eval_tokens)
+                                        eval_tokens=setup.eval_tokens,
+                                        **({} if setup.symmetric or bits == 8 else {"symmetric": False}))
         except Exception as exc:  # noqa: BLE001
             cases[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
             free()
@@ -634,6 +638,11 @@ def main() -> None:
                         help="training time of the quality part's small model (default 90; 3 with --cpu-smoke)")
     parser.add_argument("--max-epochs", type=float, default=4.0,
                         help="the small model's training also stops after this many passes over its corpus")
+    parser.add_argument("--asymmetric", action="store_true",
+                        help="quality part: integer weights with zero points (the AWQ paper's INT3/INT4 setting); "
+                             "rtn, gptq and awq only")
+    parser.add_argument("--calib-samples", type=int, default=None,
+                        help="quality part: calibration samples of --seq tokens (default 64; 8 with --cpu-smoke)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="run only the quality part, on the CPU, with tiny sizes (checks the script end to end)")
     args = parser.parse_args()
@@ -664,6 +673,11 @@ def main() -> None:
                 speed_part(results, work, tokenizer, calib_text, speed_deadline)
             else:
                 setup = (smoke_setup if args.cpu_smoke else gpu_setup)(train_s, args.max_epochs)
+                if args.asymmetric:
+                    setup.symmetric = False
+                    setup.cases = [c for c in setup.cases if c[1] < 8]
+                if args.calib_samples:
+                    setup.calib_samples = args.calib_samples
                 quality_part(results, work, setup, deadline)
         except Exception as exc:  # noqa: BLE001
             results[f"{part}_error"] = f"{type(exc).__name__}: {exc}"

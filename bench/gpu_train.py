@@ -46,11 +46,23 @@ CASES: dict[str, tuple[str, dict]] = {
     "copt_eager_1gpu": ("copt", dict(compile=False, loss_impl="hf")),
     "copt_zero2_2gpu": ("copt-dist", dict(zero=2, gpus=2, loss_impl="hf")),
     "copt_zero3_2gpu": ("copt-dist", dict(zero=3, gpus=2, loss_impl="hf")),
+    # speed experiments on copt's defaults (issue 7): "bench_*" keys are applied by the worker, not by TrainRecipe
+    "copt_profile": ("copt", dict(bench_profile=True)),
+    "copt_cudnn_attn": ("copt", dict(bench_sdpa="cudnn")),
+    "copt_chunk4k": ("copt", dict(bench_chunk=4096)),
+    "copt_chunk8k": ("copt", dict(bench_chunk=8192)),
+    "copt_stock_mask": ("copt", dict(bench_stock_sdpa=True)),  # transformers' own SDPA path (a mask under compile)
+    "copt_coord_descent": ("copt", dict(bench_inductor={"coordinate_descent_tuning": True})),
+    "copt_max_autotune": ("copt", dict(bench_inductor={"max_autotune": True, "max_autotune_gemm": True})),
 }
 MODES = {
     "single": ["baseline_eager", "baseline_compile", "copt_default", "copt_hf_loss"],
     "techniques": ["baseline_eager", "copt_checkpointing", "copt_zero3_offload", "copt_fp8"],
     "zero": ["copt_eager_1gpu", "copt_zero2_2gpu", "copt_zero3_2gpu"],
+    "explore": ["copt_default", "copt_profile", "copt_cudnn_attn", "copt_chunk8k", "copt_coord_descent",
+                "copt_max_autotune"],
+    "explore2": ["baseline_compile", "copt_default", "copt_stock_mask", "copt_profile", "copt_chunk4k",
+                 "copt_chunk8k", "copt_checkpointing", "copt_fp8"],
 }
 STEPS = {"baseline": 10, "copt": 10, "copt-dist": 8}
 WARMUP = 3  # steps left out of the speed figure (compilation, allocator warm-up)
@@ -124,12 +136,21 @@ def run_copt(settings: dict, world: int = 1) -> dict:
     from clusteropt_cli.recipe.schema.train import TrainRecipe
 
     steps = STEPS["copt-dist" if world > 1 else "copt"]
+    bench = {k: settings.pop(k) for k in list(settings) if k.startswith("bench_")}
+    apply_bench_settings(bench)
+    profiler = StepProfiler(first=WARMUP + 2, last=WARMUP + 3) if bench.get("bench_profile") else None
+    loss_fn = None
+    if bench.get("bench_chunk"):
+        from clusteropt_cli.core.train.losses import make_fused_causal_lm_loss
+
+        loss_fn = make_fused_causal_lm_loss(int(bench["bench_chunk"]))
     options = TrainRecipe(model="llama-3.2-1b", micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, max_steps=steps,
                           lr=1e-4, warmup_steps=0, precision=settings.pop("precision", "bf16"), **settings)
     model = build_model()
     dataset = PackedDataset(random_blocks(MICRO_BATCH * steps * world, model.config.vocab_size))
     with tempfile.TemporaryDirectory() as tmp:
-        result = run_training(options, model, dataset, tmp, save_final=False)
+        result = run_training(options, model, dataset, tmp, save_final=False, loss_fn=loss_fn,
+                              callbacks=[profiler] if profiler else ())
         rows = read_metrics(Path(tmp) / "metrics.jsonl") if int(os.environ.get("RANK", "0")) == 0 else []
     timed = rows[WARMUP:] or rows
     step_time = sum(r["step_time_s"] for r in timed) / max(1, len(timed))
@@ -142,6 +163,8 @@ def run_copt(settings: dict, world: int = 1) -> dict:
            "losses": result.losses,
            # the dtype the engine computes with: bf16 under ZeRO (DeepSpeed's bf16 mode); fp32 = the pre-fix bug
            "param_dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+    if profiler is not None:
+        out["profile"] = profiler.summary
     if world > 1:  # every rank's peak: ZeRO's per-GPU memory
         import torch.distributed as dist
 
@@ -151,6 +174,83 @@ def run_copt(settings: dict, world: int = 1) -> dict:
         dist.all_gather_object(peaks, out["peak_mem_bytes"])
         out["per_rank_peak_mem_bytes"] = peaks
     return out
+
+
+def apply_bench_settings(bench: dict) -> None:
+    """Process-wide switches of the speed experiments (set before the model is built and compiled)."""
+    import torch
+
+    if bench.get("bench_stock_sdpa"):  # what copt train did before the mask-free causal attention
+        import clusteropt_cli.core.train.attention as attention
+
+        attention.use_causal_sdpa = lambda model: False
+    if bench.get("bench_sdpa") == "cudnn":  # SDPA picks cuDNN attention when flash and mem-efficient are off
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    for key, value in (bench.get("bench_inductor") or {}).items():
+        import torch._inductor.config as inductor_config
+
+        setattr(inductor_config, key, value)
+
+
+KERNEL_CATEGORIES = [  # first match wins; matched against the lower-cased kernel name
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul", "triton_tem")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("triton fused (compiled elementwise/norms/loss)", ("triton_",)),
+    ("copy/cast", ("copy", "memcpy", "memset", "cast", "fill")),
+    ("reduction/elementwise (eager)", ("reduce", "elementwise", "vectorized", "unrolled", "kernel")),
+]
+
+
+class StepProfiler:
+    """A run_training callback: torch.profiler over steps first..last, GPU kernel time by category."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last, self.prof, self.summary, self.t0 = first, last, None, {}, 0.0
+
+    def on_start(self, total_steps: int, start_step: int) -> None: ...
+
+    def on_log(self, message: str) -> None: ...
+
+    def on_end(self, result) -> None: ...  # noqa: ANN001
+
+    def on_step(self, row: dict) -> None:
+        import torch
+
+        if row["step"] == self.first - 1:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                           torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+        elif row["step"] == self.last and self.prof is not None:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - self.t0
+            self.prof.__exit__(None, None, None)
+            self.summary = summarize_kernels(self.prof, wall, self.last - self.first + 1)
+
+
+def summarize_kernels(prof, wall_s: float, steps: int) -> dict:  # noqa: ANN001
+    """Per step: wall ms, GPU kernel ms by category, the 25 costliest kernels."""
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if getattr(event, "device_type", None) is not None and str(event.device_type).endswith("CUDA") \
+                and event.device_time_total:
+            entry = kernels.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time_total / 1e3
+            entry[1] += 1
+    by_cat: dict[str, float] = {}
+    for name, (ms, _n) in kernels.items():
+        lower = name.lower()
+        cat = next((c for c, keys in KERNEL_CATEGORIES if any(k in lower for k in keys)), "other")
+        by_cat[cat] = by_cat.get(cat, 0.0) + ms / steps
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+    return {"steps": steps, "wall_ms_per_step": 1e3 * wall_s / steps,
+            "gpu_kernel_ms_per_step": sum(by_cat.values()),
+            "by_category_ms_per_step": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"name": n[:140], "ms_per_step": ms / steps, "calls_per_step": c / steps}
+                            for n, (ms, c) in top]}
 
 
 def advise_prediction(name: str) -> dict | None:
