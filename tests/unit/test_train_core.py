@@ -258,3 +258,59 @@ def test_cpu_peak_memory_matches_the_shared_definition(fixtures, tmp_path, check
     predicted = evaluate_train(load_model_spec(str(fixtures.teacher)), plan, target)["memory"]["per_gpu_bytes"]
     assert measured["hf"] == pytest.approx(predicted, rel=0.01)
     assert measured["fused"] < measured["hf"]
+
+
+def _tiny_llama(**overrides):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, **overrides)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def test_training_attention_is_mask_free_causal_sdpa_even_while_tracing(monkeypatch):
+    """Under torch.compile transformers cannot prove the mask is causal and builds a [B,1,S,S] mask (no causal
+    flash kernel); copt's training attention passes none and sets is_causal, with the same loss."""
+    import torch
+    import transformers.masking_utils as masking_utils
+
+    from clusteropt_cli.core.train.attention import CAUSAL_SDPA, check_unpadded
+    from clusteropt_cli.core.train.loop import prepare_model
+
+    torch.manual_seed(0)
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (2, 16))
+    monkeypatch.setattr(masking_utils, "is_tracing", lambda *a, **k: True)  # what torch.compile's tracing sees
+    calls: list[tuple[bool, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is None, bool(kwargs.get("is_causal"))))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    reference = float(model(input_ids=ids, labels=ids).loss)
+    assert calls and all(call == (False, False) for call in calls)  # the stock path: an explicit mask
+
+    calls.clear()
+    options = TrainRecipe(model="x", attn="sdpa", compile=False, precision="fp32")
+    prepare_model(options, model, "cpu")
+    assert model.config._attn_implementation == CAUSAL_SDPA
+    assert float(model(input_ids=ids, labels=ids).loss) == pytest.approx(reference, abs=1e-5)
+    assert calls and all(call == (True, True) for call in calls)
+    padded = {"input_ids": ids, "attention_mask": torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0)}
+    with pytest.raises(ValueError, match="padded"):
+        check_unpadded(model, padded)
+    check_unpadded(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})  # all ones: fine
+
+
+def test_sliding_window_models_keep_their_mask():
+    from clusteropt_cli.core.train.attention import use_causal_sdpa
+
+    model = _tiny_llama()
+    model.config.sliding_window = 8
+    assert not use_causal_sdpa(model)
+    assert model.config._attn_implementation == "sdpa"
+    eager = _tiny_llama()
+    eager.set_attn_implementation("eager")
+    assert not use_causal_sdpa(eager)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from clusteropt_cli.core.distill.losses import DistillLossConfig, distillation_loss, per_token_divergence
 from clusteropt_cli.core.distill.vocab import VocabCheck, check_vocab_compatible, load_tokenizer
+from clusteropt_cli.core.train.attention import check_unpadded
 from clusteropt_cli.errors import BadInputError
 
 if TYPE_CHECKING:
@@ -142,6 +143,7 @@ def make_distill_loss_fn(teacher: Any, config: DistillLossConfig, shared_logits:
 
         input_ids = batch["input_ids"]
         kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
+        check_unpadded(model, batch)
         if "attention_mask" in batch:
             kwargs["attention_mask"] = batch["attention_mask"]
         if config.alpha > 0 and next(teacher.parameters()).device != input_ids.device:

@@ -102,6 +102,7 @@ def plan_total_steps(options: Any, num_examples: int, global_batch: int) -> int:
 def prepare_model(options: Any, model: Any, device_type: str, *, for_deepspeed: bool = False,
                   log: Callable[[str], None] = lambda _m: None) -> Any:
     """Attention implementation, checkpointing, fp8 swap and torch.compile on the bare model (in place)."""
+    from clusteropt_cli.core.train.attention import use_causal_sdpa
     from clusteropt_cli.core.train.precision import convert_to_fp8
 
     config = model.config
@@ -113,6 +114,8 @@ def prepare_model(options: Any, model: Any, device_type: str, *, for_deepspeed: 
         except (ValueError, ImportError) as exc:
             raise BadInputError(f"--attn {options.attn} is not available: {exc}",
                                 hint="use --attn sdpa") from None
+    if getattr(options, "attn", "sdpa") in (None, "sdpa") and use_causal_sdpa(model):
+        log("attention: SDPA with is_causal (packed batches have no padding: no mask is built, also under compile)")
     if options.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if options.precision == "fp8":

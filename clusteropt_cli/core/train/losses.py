@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from clusteropt_cli.core.train.attention import check_unpadded
 from clusteropt_cli.core.train.data import IGNORE_INDEX
 
 LossFn = Any  # Callable[[torch.nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, float]]]
@@ -18,6 +19,7 @@ LossFn = Any  # Callable[[torch.nn.Module, dict[str, Tensor]], tuple[Tensor, dic
 def hf_causal_lm_loss(model: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, float]]:
     """The model's own loss (`model(input_ids, labels=labels).loss`): works for every HF causal LM and engine."""
     kwargs = {"input_ids": batch["input_ids"], "labels": batch["labels"], "use_cache": False}
+    check_unpadded(model, batch)
     if "attention_mask" in batch:
         kwargs["attention_mask"] = batch["attention_mask"]
     return model(**kwargs).loss, {}
@@ -164,6 +166,7 @@ def make_fused_causal_lm_loss(chunk_tokens: int | None = None):
         decoder = model.get_decoder()
         head = model.get_output_embeddings()
         kwargs = {"input_ids": batch["input_ids"], "use_cache": False}
+        check_unpadded(model, batch)
         if "attention_mask" in batch:
             kwargs["attention_mask"] = batch["attention_mask"]
         hidden = decoder(**kwargs).last_hidden_state
