@@ -224,6 +224,7 @@ def bench_engine(model_dir: Path, prompts: list[list[int]], reference: list[list
         return {"startup_s": startup, "graphs": engine.stats.graphs_captured, "slots": engine.num_slots,
                 "phases": phases, "phases_batch1": phases_b1,
                 "graph_error": engine.runner.graph_error, "compiled_layers": engine.runner.compiled_layers,
+                "merged_projections": getattr(engine.runner, "fused_projections", 0),
                 "compile_error": engine.runner.compile_error,
                 "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
                 "ttft_s": percentiles(ttfts), "batch1_ms_per_token": 1000 * sorted(per_token)[1],
@@ -363,7 +364,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/serve_gpu.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny model, few requests (checks the script on CPU)")
+    parser.add_argument("--skip", default="", help="comma-separated cases to leave out (e.g. engine_eager_layers)")
     args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
     global NUM_REQUESTS, OUT_TOKENS, KV_GIB
     if args.smoke:
         NUM_REQUESTS, OUT_TOKENS, KV_GIB = 16, 16, 0.05
@@ -404,6 +407,8 @@ def main() -> None:
         free_gpu()
 
     try:  # the same engine with eager decoder layers (graphs only): what compiling the layers buys
+        if "engine_eager_layers" in skip:
+            raise RuntimeError("skipped (--skip)")
         results["engine_eager_layers"] = bench_engine(model_dir, prompts, reference,
                                                       cuda_graphs=torch.cuda.is_available(), compile_=False)
         log(f"engine, eager layers: {results['engine_eager_layers']['output_tokens_per_s']:.0f} tok/s, "
@@ -449,7 +454,8 @@ def main() -> None:
         print(f"engine: startup {eng['startup_s']:.1f} s, {eng['graphs']} graphs"
               f"{' (capture error: ' + str(eng['graph_error']) + ')' if eng.get('graph_error') else ''}, "
               f"TTFT p50/p99 {eng['ttft_s']['p50']:.3f}/{eng['ttft_s']['p99']:.3f} s, "
-              f"HF agreement {eng['hf_agreement']}, compiled layers {eng.get('compiled_layers')}"
+              f"HF agreement {eng['hf_agreement']}, compiled layers {eng.get('compiled_layers')}, "
+              f"merged projection groups {eng.get('merged_projections')}"
               f"{' (compile error: ' + str(eng['compile_error']) + ')' if eng.get('compile_error') else ''}")
     print_phases("engine (all requests)", eng.get("phases"))
     print_phases("engine (batch 1)", eng.get("phases_batch1"))

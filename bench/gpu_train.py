@@ -61,6 +61,7 @@ MODES = {
     "zero": ["copt_eager_1gpu", "copt_zero2_2gpu", "copt_zero3_2gpu"],
     "explore": ["copt_default", "copt_profile", "copt_cudnn_attn", "copt_chunk8k", "copt_coord_descent",
                 "copt_max_autotune"],
+    "final": ["baseline_eager", "copt_default", "copt_fp8"],
     "explore2": ["baseline_compile", "copt_default", "copt_stock_mask", "copt_profile", "copt_chunk4k",
                  "copt_chunk8k", "copt_checkpointing", "copt_fp8"],
 }

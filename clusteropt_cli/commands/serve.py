@@ -126,7 +126,8 @@ def serve(
                               highlight=False, markup=False)
             console.log(f"engine: {info['device']}, {info['kv_cache_slots']} slots × {info['max_model_len']} tokens "
                         f"KV cache ({console.human_bytes(info['kv_cache_bytes'])}), "
-                        f"{info['cuda_graphs']} CUDA graphs, speculation: {info['speculation']}")
+                        f"{info['cuda_graphs']} CUDA graphs, {info.get('merged_projections', 0)} merged projection "
+                        f"groups (q/k/v, gate/up), speculation: {info['speculation']}")
             fp8 = info.get("fp8_linears") or {}
             if fp8.get("count"):
                 console.log(f"FP8 W8A8: {fp8['count']} linear layers, "

@@ -21,6 +21,7 @@ def test_compiled_decode_layers_match_hf_greedy(fixtures):
                                  compile=True))
     with engine:
         assert engine.runner.compiled_layers == 4
+        assert engine.runner.fused_projections == 8  # q/k/v and gate/up of each layer run as one GEMM each
         # the layers' KV caches are module buffers, so no layer reads step.caches[layer_idx]
         attn = engine.runner.decoder.layers[2].self_attn
         assert attn.copt_k_cache.data_ptr() == engine.runner.caches[2][0].data_ptr()

@@ -155,3 +155,51 @@ def test_cli_dry_run_and_validation(copt, fixtures):
     assert r.returncode == 2 and "draft_model" in r.stderr
     r = copt("serve", str(fixtures.teacher), "--engine", "vllm")
     assert r.returncode == 2 and "vLLM" in r.stderr
+
+
+def _tiny_causal_lm(model_type: str = "llama"):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_merged_projections_give_the_same_logits_in_one_gemm_each():
+    import torch
+
+    from clusteropt_cli.core.serve.fusion import fuse_projections
+
+    model = _tiny_causal_lm()
+    ids = torch.randint(0, 100, (2, 12))
+    params_before = sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        assert fuse_projections(model) == 4  # 2 layers × (q/k/v, gate/up)
+        calls = []
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda mod, _args, _out: calls.append(type(mod).__name__) if isinstance(mod, torch.nn.Linear) else None)
+        try:
+            merged = model(input_ids=ids).logits
+        finally:
+            handle.remove()
+    assert torch.equal(merged, reference)
+    assert sum(p.numel() for p in model.parameters()) == params_before  # weights moved, not copied
+    assert len(calls) == 2 * 2 + 1  # o_proj + down_proj per layer, the LM head; q/k/v/gate/up are merged GEMMs
+    layer = model.model.layers[0]
+    assert layer.self_attn.k_proj.group.pending == 0 and layer.self_attn.k_proj.group.output is None
+
+
+def test_projections_of_unlisted_architectures_and_fp8_layers_stay_separate():
+    import torch
+
+    from clusteropt_cli.core.serve.fusion import fuse_projections
+
+    assert fuse_projections(_tiny_causal_lm("gemma")) == 0  # not on the allowlist of same-input call patterns
+    model = _tiny_causal_lm()
+    attn = model.model.layers[0].self_attn
+    attn.k_proj = torch.nn.Linear(64, attn.k_proj.out_features, bias=True)  # bias on k only: not mergeable
+    assert fuse_projections(model) == 3
+    assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)

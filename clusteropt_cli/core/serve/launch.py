@@ -62,7 +62,8 @@ def serve_transformers(settings: Any, on_ready: Callable[[str, dict], None] | No
             "max_batch_tokens": engine.max_batch_tokens, "cuda_graphs": engine.stats.graphs_captured,
             "speculation": speculation,
             "fp8_linears": {"count": engine.runner.fp8_linears,
-                            "kernel": "scaled_mm" if engine.runner.fp8_kernels else "emulated"}}
+                            "kernel": "scaled_mm" if engine.runner.fp8_kernels else "emulated"},
+            "merged_projections": engine.runner.fused_projections}
     return run_server(engine, host=settings.host, port=settings.port, served_model_name=name,
                       api_key=settings.api_key, grace_period=settings.grace_period,
                       on_ready=(lambda url: on_ready(url, info)) if on_ready else None)
