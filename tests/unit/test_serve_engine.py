@@ -188,8 +188,14 @@ def test_merged_projections_give_the_same_logits_in_one_gemm_each():
     assert torch.equal(merged, reference)
     assert sum(p.numel() for p in model.parameters()) == params_before  # weights moved, not copied
     assert len(calls) == 2 * 2 + 1  # o_proj + down_proj per layer, the LM head; q/k/v/gate/up are merged GEMMs
-    layer = model.model.layers[0]
-    assert layer.self_attn.k_proj.group.pending == 0 and layer.self_attn.k_proj.group.output is None
+    group = model.model.layers[0].self_attn.k_proj.group
+    assert group.pending == 0 and group.output is None and group.input is None  # nothing kept between forwards
+    # a forward that stopped after q (an exception half-way) leaves no stale output for the next input
+    x1, x2 = torch.randn(1, 3, 64), torch.randn(1, 3, 64)
+    attn = model.model.layers[0].self_attn
+    attn.q_proj(x1)
+    start, end = group.bounds[1]
+    assert torch.equal(attn.k_proj(x2), torch.nn.functional.linear(x2, group.weight)[..., start:end])
 
 
 def test_projections_of_unlisted_architectures_and_fp8_layers_stay_separate():

@@ -3,8 +3,9 @@ MergedColumnParallelLinear do.
 
 The model code stays transformers': each projection module is replaced by a slice of a group that holds the
 concatenated weight. The first projection of a group called in a forward runs the single GEMM over the shared
-input; the others return their columns of that output. Every layer of the Llama family calls q, k and v (and
-gate and up) on the same input, one after another, which is what makes this exact.
+input; the others return their columns of that output (the output is keyed by the input object, so a call on
+another input recomputes). Every layer of the Llama family calls q, k and v (and gate and up) on the same input,
+one after another, which is what makes this exact.
 
 Why: a batch-1 decode step is a chain of matrix-vector products bound by memory bandwidth, and small ones reach
 less of it. On the H200 the 112 GEMVs + LM head of the Llama-3.2-1B shape took 1.060 ms as a CUDA graph (55% of
@@ -42,16 +43,19 @@ def _group_class():
             self.bounds = bounds
             self.members = len(linears)
             self.pending = 0  # members still to read the last output
-            self.output = None
+            self.input = self.output = None
 
         def take(self, index: int, x: Any) -> Any:
-            if self.pending == 0:
+            # keyed by the input object: a forward that stopped half-way (an exception) or skipped a member can
+            # never hand a stale output to the next one
+            if self.output is None or self.input is not x:
                 self.output = F.linear(x, self.weight, self.bias)
+                self.input = x
                 self.pending = self.members
             out = self.output
             self.pending -= 1
             if self.pending == 0:
-                self.output = None  # keep no activation alive between forwards
+                self.input = self.output = None  # keep no activation alive between forwards
             start, end = self.bounds[index]
             return out[..., start:end]
 
