@@ -13,7 +13,8 @@ of the same 112 Llama-3.2-1B-shaped weight matrices (+ the 128k-vocab LM head) a
   reduction       (x[:, None, :] * W).sum(-1) under torch.compile: inductor emits a fused reduction kernel that
                   streams W once (the gpt-fast formulation)
   fp8_reduction   the same over e4m3 weights with per-channel scales (half the bytes; FP8 checkpoints)
-plus cublas and reduction over fused q/k/v and gate/up matrices (64 GEMVs instead of 112, the same bytes),
+plus cublas, reduction and autotuned over fused q/k/v and gate/up matrices (64 GEMVs instead of 112, the same
+bytes; copt serve merges them since 2026-11-30),
 and reports each against the bytes it must read (achieved TB/s, fraction of 4.26 TB/s). The copt serve step itself
 is timed by bench/gpu_serve.py.
 """
@@ -157,7 +158,7 @@ def main() -> None:
                                                                                         strict=True)]
     # autotuning compiles and benchmarks templates per weight shape (minutes): last, so the rest always runs
     plan = [(name, rows) for rows in (1, 4) for name in ("cublas", "compiled", "reduction", "fp8_reduction")]
-    plan += [("cublas_fused", 1), ("reduction_fused", 1), ("autotuned", 1), ("autotuned", 4)]
+    plan += [("cublas_fused", 1), ("reduction_fused", 1), ("autotuned", 1), ("autotuned_fused", 1), ("autotuned", 4)]
     fused_weights = [torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02
                      for o, i in shapes(args.cpu_smoke, fused=True)]
     for name, rows in plan:
