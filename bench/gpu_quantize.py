@@ -383,6 +383,7 @@ class QualitySetup:
     calib_samples: int
     cases: list[tuple[str, int]] = field(default_factory=list)  # (method, weight bits)
     symmetric: bool = True  # integer weight quantization without (True) or with zero points
+    awq_duo_scaling: bool | str = True  # the recipe's awq_duo_scaling (llm-compressor's default: True)
 
 
 def gpu_setup(train_s: float, max_epochs: float) -> QualitySetup:
@@ -583,7 +584,8 @@ def quality_part(results: dict, work: Path, setup: QualitySetup, deadline: float
           f"held-out ppl {info['heldout_ppl']:.2f} (train-text ppl {info['train_text_ppl']:.2f})", flush=True)
     calib = write_calib_ids(tokenizer, ids, work / "calib_small.jsonl", n=setup.calib_samples, seq_len=setup.seq)
     cases = results.setdefault("quality", {})
-    results["quality_settings"] = {"symmetric": setup.symmetric, "calib_samples": setup.calib_samples,
+    results["quality_settings"] = {"symmetric": setup.symmetric, "awq_duo_scaling": setup.awq_duo_scaling,
+                                   "calib_samples": setup.calib_samples,
                                    "calib_seq_len": setup.seq, "group_size": 128}
     for method, bits in setup.cases:
         name = f"w{bits}-{method}"
@@ -594,7 +596,8 @@ def quality_part(results: dict, work: Path, setup: QualitySetup, deadline: float
             cases[name] = quantize_case(small, work / f"small-{name}", method, calib, bits=bits,
                                         num_samples=setup.calib_samples, seq_len=setup.seq, eval=str(eval_path),
                                         eval_tokens=setup.eval_tokens,
-                                        **({} if setup.symmetric or bits == 8 else {"symmetric": False}))
+                                        **({} if setup.symmetric or bits == 8 else {"symmetric": False}),
+                                        **({"awq_duo_scaling": setup.awq_duo_scaling} if method == "awq" else {}))
         except Exception as exc:  # noqa: BLE001
             cases[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
             free()
@@ -643,6 +646,8 @@ def main() -> None:
                              "rtn, gptq and awq only")
     parser.add_argument("--calib-samples", type=int, default=None,
                         help="quality part: calibration samples of --seq tokens (default 64; 8 with --cpu-smoke)")
+    parser.add_argument("--awq-duo-scaling", choices=["true", "false", "both"], default="true",
+                        help="quality part: AWQ's scale search (the recipe's awq_duo_scaling)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="run only the quality part, on the CPU, with tiny sizes (checks the script end to end)")
     args = parser.parse_args()
@@ -678,6 +683,7 @@ def main() -> None:
                     setup.cases = [c for c in setup.cases if c[1] < 8]
                 if args.calib_samples:
                     setup.calib_samples = args.calib_samples
+                setup.awq_duo_scaling = {"true": True, "false": False}.get(args.awq_duo_scaling, "both")
                 quality_part(results, work, setup, deadline)
         except Exception as exc:  # noqa: BLE001
             results[f"{part}_error"] = f"{type(exc).__name__}: {exc}"

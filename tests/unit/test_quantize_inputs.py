@@ -132,6 +132,18 @@ def test_schema_defaults_and_cross_checks():
                                                "backend": "autoawq"})
     text = str(exc.value)
     assert "bits must be 8" in text and "group_size" in text and "autoawq does not run method int8" in text
+    assert load_settings("quantize", None, ["awq_duo_scaling=false"], {"model": "m"}).awq_duo_scaling is False
+    with pytest.raises(RecipeError, match="awq_duo_scaling"):
+        load_settings("quantize", None, ["awq_duo_scaling=both"], {"model": "m", "method": "gptq"})
+
+
+def test_awq_modifier_gets_the_duo_scaling_setting():
+    from clusteropt_cli.core.quantize.llmc import build_recipe
+    from clusteropt_cli.recipe.schema.quantize import QuantizeRecipe
+
+    for value in (True, False, "both"):
+        awq = build_recipe("awq", QuantizeRecipe(model="m", awq_duo_scaling=value))[0]
+        assert type(awq).__name__ == "AWQModifier" and awq.duo_scaling == value
 
 
 def test_shipped_quantize_recipes_validate():

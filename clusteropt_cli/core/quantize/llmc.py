@@ -60,7 +60,8 @@ def build_recipe(method: str, settings: QuantizeRecipe) -> list:
     if method == "gptq":
         return [GPTQModifier(config_groups=groups, ignore=ignore)]
     if method == "awq":
-        return [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=ignore)]
+        return [AWQModifier(duo_scaling=settings.awq_duo_scaling),
+                QuantizationModifier(config_groups=groups, ignore=ignore)]
     raise ValueError(f"unknown method {method}")
 
 

@@ -39,6 +39,9 @@ class QuantizeRecipe(Strict):
     eval: str | None = Field(None, description="Text file for perplexity before and after.")
     eval_tokens: PositiveInt = Field(32768, description="At most this many --eval tokens are scored.")
     compare_rtn: bool = Field(False, description="Also score round-to-nearest at the same bits (needs eval).")
+    awq_duo_scaling: bool | Literal["both"] = Field(
+        True, description="AWQ scale search: activation and weight magnitudes (true, llm-compressor's default), "
+                          "activations only (false), or half the grid each (both).")
     prediction: Prediction | None = None
 
     @model_validator(mode="after")
@@ -51,6 +54,8 @@ class QuantizeRecipe(Strict):
         if self.method not in BACKEND_METHODS[self.backend]:
             problems.append(f"backend: {self.backend} does not run method {self.method} "
                             f"(it runs {', '.join(BACKEND_METHODS[self.backend])}; llmcompressor runs all)")
+        if self.awq_duo_scaling is not True and (self.method != "awq" or self.backend != "llmcompressor"):
+            problems.append("awq_duo_scaling: applies to method awq on the llmcompressor backend only")
         if self.compare_rtn and not self.eval:
             problems.append("compare_rtn: needs eval (a text file to measure perplexity on)")
         if problems:

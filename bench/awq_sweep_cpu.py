@@ -1,0 +1,68 @@
+"""AWQ's sensitivity to its scale search on the CPU fixture: perplexity increase of the trained test teacher
+(Llama, 1.05 M parameters) after AWQ with duo_scaling True (llm-compressor's default) / False / "both" and 8, 32,
+128 calibration windows of 128 tokens, at W3 g64 and W4 g128 symmetric, against RTN at the same width.
+
+    OMP_NUM_THREADS=1 python3 bench/awq_sweep_cpu.py --out bench/results/awq_sweep_cpu.json     (~3 minutes)
+
+Everything as `copt quantize` runs it; duo_scaling is the recipe's `awq_duo_scaling`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/awq_sweep_cpu.json"))
+    args = parser.parse_args()
+    import torch
+    from transformers import AutoTokenizer
+
+    from clusteropt_cli.core.quantize import plan, run
+    from clusteropt_cli.recipe.schema.quantize import QuantizeRecipe
+    from tests.fixture_models import build_fixtures
+
+    torch.set_num_threads(1)
+    fx = build_fixtures()
+    work = Path(tempfile.mkdtemp(prefix="copt-awq-sweep-"))
+    tok = AutoTokenizer.from_pretrained(fx.teacher)
+    ids = tok(fx.train_text.read_text())["input_ids"]
+    windows = [ids[i : i + 128] for i in range(0, len(ids) - 128, 128)]
+    random.Random(0).shuffle(windows)
+    calib = work / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"text": tok.decode(w)}) + "\n" for w in windows[:128]))
+    results: dict = {"bench": "awq_sweep_cpu", "date": time.strftime("%Y-%m-%d"), "model": "fixture teacher",
+                     "eval_tokens": 8192, "calib_seq_len": 128, "cases": []}
+    for bits, group in [(3, 64), (4, 128)]:
+        common = dict(model=str(fx.teacher), bits=bits, group_size=group, calib=str(calib), seq_len=128,
+                      eval=str(fx.eval_text), eval_tokens=8192)
+        rtn = run(plan(QuantizeRecipe(output=str(work / "rtn"), method="rtn", **common), overwrite=True))
+        print(f"W{bits} g{group} rtn {rtn.ppl_increase:+.3f}", flush=True)
+        for duo in (True, False, "both"):
+            for samples in (8, 32, 128):
+                t0 = time.perf_counter()
+                report = run(plan(QuantizeRecipe(output=str(work / "awq"), method="awq", num_samples=samples,
+                                                 awq_duo_scaling=duo, **common), overwrite=True))
+                row = {"bits": bits, "group_size": group, "duo_scaling": duo, "samples": samples,
+                       "ppl_before": report.ppl_before, "awq_increase": report.ppl_increase,
+                       "rtn_increase": rtn.ppl_increase, "awq_beats_rtn": report.ppl_increase < rtn.ppl_increase,
+                       "wall_s": time.perf_counter() - t0}
+                results["cases"].append(row)
+                print(f"W{bits} g{group} awq duo_scaling={duo} samples={samples}: {report.ppl_increase:+.3f} "
+                      f"(rtn {rtn.ppl_increase:+.3f})", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
