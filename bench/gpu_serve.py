@@ -46,6 +46,7 @@ COPY_BW = 4.26e12  # measured device copy bandwidth on the H200 (shared/gpu/READ
 NUM_REQUESTS, OUT_TOKENS, PROMPT_MIN, PROMPT_MAX = 256, 128, 32, 256
 MAX_MODEL_LEN = 512
 KV_GIB = 16.0
+COMPILE_MODE = "default"  # copt serve --compile-mode (--compile-mode flag of this script)
 
 
 def log(msg: str) -> None:
@@ -196,7 +197,7 @@ def bench_engine(model_dir: Path, prompts: list[list[int]], reference: list[list
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=str(model_dir), max_batch_size=NUM_REQUESTS, max_model_len=MAX_MODEL_LEN,
                                  kv_cache_memory_gib=KV_GIB, max_batch_tokens=4096, cuda_graphs=cuda_graphs,
-                                 compile=compile_))
+                                 compile=compile_, compile_mode=COMPILE_MODE if compile_ is not False else "default"))
     engine.start()
     startup = time.perf_counter() - t0
     try:
@@ -267,7 +268,7 @@ def start_server(model_dir: Path, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "clusteropt_cli", "serve", str(model_dir), "--port", str(port),
            "--max-batch-size", str(NUM_REQUESTS), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory",
            str(KV_GIB), "--max-batch-tokens", "4096", "--served-model-name", "llama-1b-shape",
-           "--max-queue", "4096"]
+           "--max-queue", "4096"] + (["--compile-mode", COMPILE_MODE] if COMPILE_MODE != "default" else [])
     log("starting: " + " ".join(cmd))
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -364,16 +365,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/serve_gpu.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny model, few requests (checks the script on CPU)")
+    parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
+                        help="copt serve --compile-mode for the engine and server cases")
     parser.add_argument("--skip", default="", help="comma-separated cases to leave out (e.g. engine_eager_layers)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    global NUM_REQUESTS, OUT_TOKENS, KV_GIB
+    global NUM_REQUESTS, OUT_TOKENS, KV_GIB, COMPILE_MODE
+    COMPILE_MODE = args.compile_mode
     if args.smoke:
         NUM_REQUESTS, OUT_TOKENS, KV_GIB = 16, 16, 0.05
 
     import torch
 
-    results: dict = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+    results: dict = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "compile_mode": COMPILE_MODE,
                      "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                      "workload": {"requests": NUM_REQUESTS, "prompt_tokens": [PROMPT_MIN, PROMPT_MAX],
                                   "output_tokens": OUT_TOKENS, "greedy": True, "ignore_eos": True}}

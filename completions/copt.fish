@@ -229,6 +229,7 @@ complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subco
 complete -c copt -n "__fish_seen_subcommand_from serve" -l api-key
 complete -c copt -n "__fish_seen_subcommand_from serve" -l block-size
 complete -c copt -n "__fish_seen_subcommand_from serve" -l compile
+complete -c copt -n "__fish_seen_subcommand_from serve" -l compile-mode
 complete -c copt -n "__fish_seen_subcommand_from serve" -l cuda-graphs
 complete -c copt -n "__fish_seen_subcommand_from serve" -l draft-model
 complete -c copt -n "__fish_seen_subcommand_from serve" -l dry-run

@@ -51,6 +51,9 @@ def serve(
     compile_: Annotated[bool | None, typer.Option("--compile/--no-compile",
                                                   help="torch.compile the decoder layers for decode steps "
                                                        "(default: on with CUDA graphs).")] = None,
+    compile_mode: Annotated[str | None, typer.Option("--compile-mode",
+                                                     help="default | max-autotune-no-cudagraphs (autotuned "
+                                                          "Triton GEMV/GEMM templates; slower start).")] = None,
     tensor_parallel: Annotated[int | None, typer.Option("--tensor-parallel", help="vLLM: GPUs per replica.")] = None,
     pipeline_parallel: Annotated[int | None, typer.Option("--pipeline-parallel", help="vLLM: pipeline stages.")]
     = None,
@@ -77,6 +80,7 @@ def serve(
         max_queue=max_queue, max_model_len=max_model_len, draft_model=draft_model,
         num_speculative_tokens=num_speculative_tokens, prompt_lookup=prompt_lookup,
         speculative_max_batch=speculative_max_batch, cuda_graphs=cuda_graphs, compile=compile_,
+        compile_mode=compile_mode,
         tensor_parallel=tensor_parallel,
         pipeline_parallel=pipeline_parallel, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
         grace_period=grace_period))

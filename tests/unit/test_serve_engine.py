@@ -209,3 +209,30 @@ def test_projections_of_unlisted_architectures_and_fp8_layers_stay_separate():
     attn.k_proj = torch.nn.Linear(64, attn.k_proj.out_features, bias=True)  # bias on k only: not mergeable
     assert fuse_projections(model) == 3
     assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
+
+
+def test_compile_mode_reaches_torch_compile_of_the_decode_layers(fixtures, monkeypatch):
+    import torch
+
+    from clusteropt_cli.core.serve.runner import ModelRunner
+    from clusteropt_cli.errors import RecipeError
+    from clusteropt_cli.recipe.load import load_settings
+
+    modes = []
+    real_compile = torch.compile
+
+    def recording_compile(fn, **kwargs):
+        modes.append(kwargs.get("mode"))
+        return real_compile(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    runner = ModelRunner(str(fixtures.teacher), device="cpu", num_slots=2, max_len=64, compile_decode=True,
+                         compile_mode="max-autotune-no-cudagraphs")
+    assert runner.compiled_layers == 4 and modes == ["max-autotune-no-cudagraphs"] * 4
+    modes.clear()
+    ModelRunner(str(fixtures.teacher), device="cpu", num_slots=2, max_len=64, compile_decode=True)
+    assert modes == [None] * 4  # torch.compile's default mode
+    settings = load_settings("serve", None, ["compile_mode=max-autotune-no-cudagraphs"], {"model": "m"})
+    assert settings.compile_mode == "max-autotune-no-cudagraphs"
+    with pytest.raises(RecipeError, match="compile_mode"):
+        load_settings("serve", None, ["compile_mode=max-autotune-no-cudagraphs", "engine=vllm"], {"model": "m"})

@@ -357,6 +357,7 @@ class EngineConfig:
     speculative_max_batch: int = 4
     cuda_graphs: bool | None = None
     compile: bool | None = None  # None: with CUDA graphs
+    compile_mode: str = "default"  # torch.compile mode of the decode layers
     gpu_memory_fraction: float = 0.85
 
 
@@ -404,7 +405,7 @@ class Engine:
             max_queue=settings.max_queue, kv_cache_tokens=tokens, kv_cache_memory_gib=gib,
             draft_model=settings.draft_model, num_speculative_tokens=settings.num_speculative_tokens,
             prompt_lookup=settings.prompt_lookup, speculative_max_batch=settings.speculative_max_batch,
-            cuda_graphs=settings.cuda_graphs, compile=settings.compile,
+            cuda_graphs=settings.cuda_graphs, compile=settings.compile, compile_mode=settings.compile_mode,
         )
         return cls(config, observer=observer)
 
@@ -439,7 +440,7 @@ class Engine:
 
         use_compile = cfg.compile if cfg.compile is not None else use_graphs
         self.runner = ModelRunner(cfg.model, device=device, dtype=cfg.dtype, num_slots=None, max_len=cache_len,
-                                  cuda_graphs=use_graphs, compile_decode=use_compile)
+                                  cuda_graphs=use_graphs, compile_decode=use_compile, compile_mode=cfg.compile_mode)
         self.draft_runner = None
         if cfg.draft_model:
             self.draft_runner = ModelRunner(cfg.draft_model, device=device, dtype=cfg.dtype, num_slots=None,

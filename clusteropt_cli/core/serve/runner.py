@@ -154,7 +154,8 @@ class ModelRunner:
     """One model, its slot KV cache (`num_slots` × `max_len` tokens) and its forward passes."""
 
     def __init__(self, model_path: str, *, device: str, dtype: str = "auto", num_slots: int | None, max_len: int | None,
-                 cuda_graphs: bool = False, compile_decode: bool = False, trust_remote_code: bool = False):
+                 cuda_graphs: bool = False, compile_decode: bool = False, compile_mode: str = "default",
+                 trust_remote_code: bool = False):
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -203,6 +204,7 @@ class ModelRunner:
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._graph_pool = None
         self._eager_forwards: list[tuple[Any, Any]] = []
+        self.compile_mode = compile_mode
         self.compiled_layers = self._compile_decode_layers() if compile_decode else 0
 
     def allocate(self, num_slots: int) -> None:
@@ -241,7 +243,8 @@ class ModelRunner:
             return 0
         for layer in layers:
             eager = layer.forward
-            compiled = torch.compile(eager, dynamic=True)
+            compiled = torch.compile(eager, dynamic=True,
+                                     mode=None if self.compile_mode == "default" else self.compile_mode)
 
             def forward(*args, _eager=eager, _compiled=compiled, **kwargs):
                 step = kwargs.get("copt_step")

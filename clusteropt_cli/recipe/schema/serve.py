@@ -35,6 +35,10 @@ class ServeRecipe(Strict):
     cuda_graphs: bool | None = Field(None, description="Capture decode steps as CUDA graphs (default: on GPU).")
     compile: bool | None = Field(None, description="torch.compile the decoder layers for decode steps, once for all "
                                                    "layers (default: on with CUDA graphs).")
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile mode of the decode layers; max-autotune-no-cudagraphs benchmarks "
+                               "Triton GEMM/GEMV templates at start-up (slower start; copt captures the CUDA "
+                               "graphs itself). transformers engine only.")
     tensor_parallel: PositiveInt = 1
     pipeline_parallel: PositiveInt = 1
     quantization: str | None = Field(None, description="vLLM --quantization (awq, gptq, fp8, compressed-tensors).")
@@ -48,6 +52,9 @@ class ServeRecipe(Strict):
             problems.append("kv_cache_blocks: give kv_cache_blocks or kv_cache_memory, not both")
         if self.draft_model and self.prompt_lookup:
             problems.append("draft_model: choose a draft model or prompt_lookup, not both")
+        if self.compile_mode != "default" and (self.engine == "vllm" or self.compile is False):
+            problems.append("compile_mode: applies to the transformers engine's compiled decode layers "
+                            "(not with engine vllm or compile false)")
         if problems:
             raise ValueError("; ".join(problems))
         return self
