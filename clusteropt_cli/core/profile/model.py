@@ -255,6 +255,7 @@ def _train_runner(model: Any, s: ModelProfileSettings, device: str, precision: s
 
     import torch
 
+    from clusteropt_cli.core.train.attention import use_causal_sdpa
     from clusteropt_cli.core.train.engines import build_optimizer
     from clusteropt_cli.core.train.loop import default_loss_fn
 
@@ -263,9 +264,11 @@ def _train_runner(model: Any, s: ModelProfileSettings, device: str, precision: s
     if s.activation_checkpointing:
         # On CPU the saved-tensor tracker sees the recomputation only with the reentrant form.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": device == "cpu"})
+    if s.attn == "sdpa":  # copt train's attention: SDPA is_causal with no mask (random batches have no padding)
+        use_causal_sdpa(model)
     if s.compile:
         model.get_decoder().compile()
-    # the same optimizer and loss as `copt train` (core/train), so a profile predicts a training run
+    # the same attention, optimizer and loss as `copt train` (core/train), so a profile predicts a training run
     optimizer = build_optimizer(SimpleNamespace(optimizer=s.optimizer, lr=1e-4), params, device)
     loss_fn = default_loss_fn(SimpleNamespace(loss_impl=s.loss_impl, zero=0), model, "torch")
     scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
