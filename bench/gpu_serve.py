@@ -47,6 +47,7 @@ NUM_REQUESTS, OUT_TOKENS, PROMPT_MIN, PROMPT_MAX = 256, 128, 32, 256
 MAX_MODEL_LEN = 512
 KV_GIB = 16.0
 COMPILE_MODE = "default"  # copt serve --compile-mode (--compile-mode flag of this script)
+ASYNC_SCHEDULING = False  # copt serve --async-scheduling (--async-scheduling flag of this script)
 
 
 def log(msg: str) -> None:
@@ -197,7 +198,8 @@ def bench_engine(model_dir: Path, prompts: list[list[int]], reference: list[list
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=str(model_dir), max_batch_size=NUM_REQUESTS, max_model_len=MAX_MODEL_LEN,
                                  kv_cache_memory_gib=KV_GIB, max_batch_tokens=4096, cuda_graphs=cuda_graphs,
-                                 compile=compile_, compile_mode=COMPILE_MODE if compile_ is not False else "default"))
+                                 compile=compile_, compile_mode=COMPILE_MODE if compile_ is not False else "default",
+                                 async_scheduling=ASYNC_SCHEDULING))
     engine.start()
     startup = time.perf_counter() - t0
     try:
@@ -226,6 +228,7 @@ def bench_engine(model_dir: Path, prompts: list[list[int]], reference: list[list
                 "phases": phases, "phases_batch1": phases_b1,
                 "graph_error": engine.runner.graph_error, "compiled_layers": engine.runner.compiled_layers,
                 "merged_projections": getattr(engine.runner, "fused_projections", 0),
+                "chained_steps": getattr(engine.stats, "chained_steps", 0),
                 "compile_error": engine.runner.compile_error,
                 "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
                 "ttft_s": percentiles(ttfts), "batch1_ms_per_token": 1000 * sorted(per_token)[1],
@@ -268,7 +271,8 @@ def start_server(model_dir: Path, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "clusteropt_cli", "serve", str(model_dir), "--port", str(port),
            "--max-batch-size", str(NUM_REQUESTS), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory",
            str(KV_GIB), "--max-batch-tokens", "4096", "--served-model-name", "llama-1b-shape",
-           "--max-queue", "4096"] + (["--compile-mode", COMPILE_MODE] if COMPILE_MODE != "default" else [])
+           "--max-queue", "4096"] + (["--compile-mode", COMPILE_MODE] if COMPILE_MODE != "default" else []) \
+        + (["--async-scheduling"] if ASYNC_SCHEDULING else [])
     log("starting: " + " ".join(cmd))
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -367,17 +371,20 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model, few requests (checks the script on CPU)")
     parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
                         help="copt serve --compile-mode for the engine and server cases")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="copt serve --async-scheduling for the engine and server cases")
     parser.add_argument("--skip", default="", help="comma-separated cases to leave out (e.g. engine_eager_layers)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    global NUM_REQUESTS, OUT_TOKENS, KV_GIB, COMPILE_MODE
-    COMPILE_MODE = args.compile_mode
+    global NUM_REQUESTS, OUT_TOKENS, KV_GIB, COMPILE_MODE, ASYNC_SCHEDULING
+    COMPILE_MODE, ASYNC_SCHEDULING = args.compile_mode, args.async_scheduling
     if args.smoke:
         NUM_REQUESTS, OUT_TOKENS, KV_GIB = 16, 16, 0.05
 
     import torch
 
     results: dict = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "compile_mode": COMPILE_MODE,
+                     "async_scheduling": ASYNC_SCHEDULING,
                      "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                      "workload": {"requests": NUM_REQUESTS, "prompt_tokens": [PROMPT_MIN, PROMPT_MAX],
                                   "output_tokens": OUT_TOKENS, "greedy": True, "ignore_eos": True}}

@@ -42,7 +42,7 @@ _copt_options["copt recipes show"]="--help"
 _copt_children["copt recipes validate"]=""
 _copt_options["copt recipes validate"]="--help --json"
 _copt_children["copt serve"]=""
-_copt_options["copt serve"]="--api-key --block-size --compile --compile-mode --cuda-graphs --draft-model --dry-run --dtype --engine --grace-period --help --host --json --kv-cache-blocks --kv-cache-dtype --kv-cache-memory --max-batch-size --max-batch-tokens --max-model-len --max-queue --no-compile --no-cuda-graphs --num-speculative-tokens --pipeline-parallel --port --prompt-lookup --quantization --recipe --served-model-name --speculative-max-batch --tensor-parallel -r"
+_copt_options["copt serve"]="--api-key --async-scheduling --block-size --compile --compile-mode --cuda-graphs --draft-model --dry-run --dtype --engine --grace-period --help --host --json --kv-cache-blocks --kv-cache-dtype --kv-cache-memory --max-batch-size --max-batch-tokens --max-model-len --max-queue --no-async-scheduling --no-compile --no-cuda-graphs --num-speculative-tokens --pipeline-parallel --port --prompt-lookup --quantization --recipe --served-model-name --speculative-max-batch --tensor-parallel -r"
 _copt_children["copt train"]=""
 _copt_options["copt train"]="--activation-checkpointing --attn --compile --data --dry-run --epochs --gpus --grad-accum --gradient-compression --help --hostfile --json --launcher --lr --master-addr --master-port --max-steps --micro-batch --model --no-activation-checkpointing --no-compile --nodes --nvme-path --offload --output --overwrite --pipeline-micro-batches --pipeline-schedule --pipeline-stages --precision --recipe --resume --save-every --schedule --seed --seq-len --steps --tokenizer --virtual-stages --warmup-steps --zero -o -r"
 

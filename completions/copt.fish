@@ -227,6 +227,7 @@ complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subco
 complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subcommand_from validate" -l help
 complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subcommand_from validate" -l json
 complete -c copt -n "__fish_seen_subcommand_from serve" -l api-key
+complete -c copt -n "__fish_seen_subcommand_from serve" -l async-scheduling
 complete -c copt -n "__fish_seen_subcommand_from serve" -l block-size
 complete -c copt -n "__fish_seen_subcommand_from serve" -l compile
 complete -c copt -n "__fish_seen_subcommand_from serve" -l compile-mode
@@ -246,6 +247,7 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l max-batch-size
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-batch-tokens
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-model-len
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-queue
+complete -c copt -n "__fish_seen_subcommand_from serve" -l no-async-scheduling
 complete -c copt -n "__fish_seen_subcommand_from serve" -l no-compile
 complete -c copt -n "__fish_seen_subcommand_from serve" -l no-cuda-graphs
 complete -c copt -n "__fish_seen_subcommand_from serve" -l num-speculative-tokens

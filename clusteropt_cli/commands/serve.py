@@ -54,6 +54,9 @@ def serve(
     compile_mode: Annotated[str | None, typer.Option("--compile-mode",
                                                      help="default | max-autotune-no-cudagraphs (autotuned "
                                                           "Triton GEMV/GEMM templates; slower start).")] = None,
+    async_scheduling: Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling",
+                                                          help="Launch the next greedy decode step before handling "
+                                                               "the current one's tokens (default off).")] = None,
     tensor_parallel: Annotated[int | None, typer.Option("--tensor-parallel", help="vLLM: GPUs per replica.")] = None,
     pipeline_parallel: Annotated[int | None, typer.Option("--pipeline-parallel", help="vLLM: pipeline stages.")]
     = None,
@@ -80,7 +83,7 @@ def serve(
         max_queue=max_queue, max_model_len=max_model_len, draft_model=draft_model,
         num_speculative_tokens=num_speculative_tokens, prompt_lookup=prompt_lookup,
         speculative_max_batch=speculative_max_batch, cuda_graphs=cuda_graphs, compile=compile_,
-        compile_mode=compile_mode,
+        compile_mode=compile_mode, async_scheduling=async_scheduling,
         tensor_parallel=tensor_parallel,
         pipeline_parallel=pipeline_parallel, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
         grace_period=grace_period))

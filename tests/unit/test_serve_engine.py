@@ -140,6 +140,8 @@ def test_vllm_command_translation():
     assert "--enforce-eager" not in cmd
     assert "--enforce-eager" in build_vllm_command(ServeRecipe(model="m", compile=False))
     assert "--enforce-eager" in build_vllm_command(ServeRecipe(model="m", cuda_graphs=False))
+    assert "--async-scheduling" not in cmd
+    assert "--async-scheduling" in build_vllm_command(ServeRecipe(model="m", async_scheduling=True))
 
 
 def test_cli_dry_run_and_validation(copt, fixtures):

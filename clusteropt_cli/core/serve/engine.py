@@ -273,6 +273,7 @@ class EngineStats:
     spec_accepted: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     graphs_captured: int = 0
+    chained_steps: int = 0  # decode steps launched ahead by async scheduling
     # wall seconds the engine thread spent per phase of its steps (where the time goes; see `phase_report`)
     phase_s: dict[str, float] = field(default_factory=dict)
 
@@ -358,6 +359,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     compile: bool | None = None  # None: with CUDA graphs
     compile_mode: str = "default"  # torch.compile mode of the decode layers
+    async_scheduling: bool = False  # greedy decode stretches: launch step k+1 before handling step k's tokens
     gpu_memory_fraction: float = 0.85
 
 
@@ -406,6 +408,7 @@ class Engine:
             draft_model=settings.draft_model, num_speculative_tokens=settings.num_speculative_tokens,
             prompt_lookup=settings.prompt_lookup, speculative_max_batch=settings.speculative_max_batch,
             cuda_graphs=settings.cuda_graphs, compile=settings.compile, compile_mode=settings.compile_mode,
+            async_scheduling=settings.async_scheduling,
         )
         return cls(config, observer=observer)
 
@@ -649,6 +652,8 @@ class Engine:
             if use_spec:
                 self._spec_step(decoding)
                 stats.add_phase("speculative", clock() - t1)
+            elif self._can_chain(decoding):
+                self._decode_chain(decoding)
             else:
                 self._decode_step(decoding)
         # 4. chunked prefill with the remaining token budget
@@ -720,6 +725,71 @@ class Engine:
         stats.add_phase("decode_forward", t1 - t0)
         stats.add_phase("decode_sample_sync", t2 - t1)
         stats.add_phase("emit", t3 - t2)
+
+    # ---- async scheduling: greedy decode stretches fed on the device ------------------------------------
+    CHAIN_MAX_STEPS = 256  # hand control back to the loop at least this often
+
+    def _can_chain(self, seqs: list[_Seq]) -> bool:
+        """A stretch of pure greedy decoding: every running sequence decodes, nothing waits for a slot or a
+        prefill, and no request needs its logits changed (min_tokens) or sampled."""
+        if not self.config.async_scheduling or len(seqs) != len(self._running) or self._waiting or self._incoming:
+            return False
+        return all(s.temperature <= 0 and not (s.req.min_tokens and len(s.out) < s.req.min_tokens) for s in seqs)
+
+    def _chain_goes_on(self, seqs: list[_Seq], steps: int) -> bool:
+        return (steps < self.CHAIN_MAX_STEPS and not self._stop and not self._incoming
+                and all(s.finish_reason is None and not s.handle._cancelled for s in seqs))
+
+    def _decode_chain(self, seqs: list[_Seq]) -> None:
+        """Decode steps whose greedy tokens are fed back on the device: step k+1 is launched before step k's tokens
+        are read, so emitting, stop checks and streaming overlap the GPU. When the stretch ends (a sequence
+        finished or was cancelled, a request arrived) the step already in flight is drained: its tokens are kept
+        for the sequences still running, dropped for the others (their slot's extra KV entry is never read)."""
+        clock = time.perf_counter
+        stats = self.stats
+        t0 = clock()
+        chain = self.runner.start_chain([s.slot for s in seqs], [s.length - 1 for s in seqs],
+                                        [s.last_token() for s in seqs])
+        pending = chain.launch()
+        stats.add_phase("decode_forward", clock() - t0)
+        steps = 0
+        while True:
+            t0 = clock()
+            steps += 1
+            ahead = chain.launch() if self._chain_goes_on(seqs, steps) else None
+            t1 = clock()
+            tokens = pending.tokens()
+            t2 = clock()
+            self._emit_chain_step(seqs, tokens)
+            t3 = clock()
+            stats.add_phase("decode_forward", t1 - t0)
+            stats.add_phase("decode_sample_sync", t2 - t1)
+            stats.add_phase("emit", t3 - t2)
+            if ahead is None:
+                return
+            stats.chained_steps += 1
+            if not self._chain_goes_on(seqs, steps):  # drain the step in flight
+                t0 = clock()
+                tokens = ahead.tokens()
+                t1 = clock()
+                self._emit_chain_step(seqs, tokens)
+                stats.add_phase("decode_sample_sync", t1 - t0)
+                stats.add_phase("emit", clock() - t1)
+                return
+            pending = ahead
+
+    def _emit_chain_step(self, seqs: list[_Seq], tokens: list[int]) -> None:
+        """One chained step's tokens to the sequences still running (and their consumers woken right away)."""
+        live = [(s, t) for s, t in zip(seqs, tokens, strict=True)
+                if s.finish_reason is None and not s.handle._cancelled]
+        self.stats.decode_steps += 1
+        if live:
+            for s, _ in live:
+                s.num_computed += 1
+            self._emit_one_each([s for s, _ in live], [t for _, t in live])
+        if self._wakes:
+            _wake_all(self._wakes)
+            self._wakes = {}
 
     def _suppress_early_stops(self, logits, seqs: list[_Seq]) -> None:
         from clusteropt_cli.core.serve.sampling import suppress

@@ -355,6 +355,10 @@ class ModelRunner:
                 return logits[:n]
             return logits.index_select(0, torch.tensor(slots, dtype=torch.long, device=self.device))
 
+    def start_chain(self, slots: list[int], positions: list[int], tokens: list[int]) -> DecodeChain:
+        """Greedy decode steps for these slots whose inputs stay on the device (see DecodeChain)."""
+        return DecodeChain(self, slots, positions, tokens)
+
     # ---- CUDA graphs -------------------------------------------------------------------------------------
     def _graph_for(self, batch: int, kv_len: int) -> _DecodeGraph | None:
         bucket = next((b for b in self._batch_buckets if b >= batch), None)
@@ -440,6 +444,74 @@ class _DecodeGraph:
         self.positions.copy_(host[1], non_blocking=True)
         self.graph.replay()
         return self.logits
+
+
+class DecodeChain:
+    """Greedy decode steps fed on the device: each step's argmax becomes the next step's input without a host
+    round trip, so the engine can launch step k+1 before it reads step k's tokens and handle them (emit, stop
+    checks, streaming) while the GPU runs (vLLM calls this overlap async scheduling). Rows are slots, as in
+    forward_decode; rows of slots outside the chain stay on the scratch column."""
+
+    def __init__(self, runner: ModelRunner, slots: list[int], positions: list[int], tokens: list[int]):
+        import torch
+
+        self.runner = runner
+        dev = runner.device
+        rows = max(slots) + 1
+        if runner.use_graphs:  # the graph of this many rows reads the whole bucket: size the inputs to it
+            rows = next((b for b in runner._batch_buckets if b >= rows), rows)
+        self.index = torch.tensor(slots, dtype=torch.long, device=dev)
+        self.ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.positions = torch.full((rows,), runner.scratch_pos, dtype=torch.long, device=dev)
+        self.ids[self.index] = torch.tensor(tokens, dtype=torch.long, device=dev)
+        self.positions[self.index] = torch.tensor(positions, dtype=torch.long, device=dev)
+        self.max_position = max(positions)
+        self.cuda = dev.type == "cuda"
+        # two pinned buffers: the step in flight writes one while the engine reads the other
+        self._host = [torch.empty(len(slots), dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+        self._flip = 0
+
+    def launch(self) -> PendingTokens:
+        """Run one step on the current inputs and advance them to its greedy tokens (all on the device)."""
+        import torch
+
+        runner = self.runner
+        kv_len = runner._kv_bucket(self.max_position)
+        graph = runner._graph_for(len(self.ids), kv_len) if runner.use_graphs else None
+        with torch.inference_mode():
+            if graph is not None:
+                graph.input_ids.copy_(self.ids)
+                graph.positions.copy_(self.positions)
+                graph.graph.replay()
+                logits = graph.logits
+            else:
+                logits = runner._decode_eager(self.ids, self.positions, kv_len)
+            chosen = logits.index_select(0, self.index).argmax(-1)
+            self.ids.index_copy_(0, self.index, chosen)
+            self.positions.index_add_(0, self.index, torch.ones_like(chosen))
+            self.max_position += 1
+            host = self._host[self._flip]
+            self._flip ^= 1
+            if not self.cuda:
+                host.copy_(chosen)
+                return PendingTokens(host, None)
+            host.copy_(chosen, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return PendingTokens(host, done)
+
+
+@dataclass
+class PendingTokens:
+    """The greedy tokens of a launched chain step, one per slot of the chain (in its order)."""
+
+    host: Any
+    done: Any  # a CUDA event, or None when the copy already happened
+
+    def tokens(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()  # releases the GIL while the GPU finishes the step
+        return self.host.tolist()
 
 
 def free_gpu_bytes() -> int | None:

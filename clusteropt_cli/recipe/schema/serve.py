@@ -39,6 +39,9 @@ class ServeRecipe(Strict):
         "default", description="torch.compile mode of the decode layers; max-autotune-no-cudagraphs benchmarks "
                                "Triton GEMM/GEMV templates at start-up (slower start; copt captures the CUDA "
                                "graphs itself). transformers engine only.")
+    async_scheduling: bool = Field(False, description="Launch the next greedy decode step before handling the "
+                                                      "current one's tokens (stretches of pure greedy decoding; "
+                                                      "vLLM: --async-scheduling).")
     tensor_parallel: PositiveInt = 1
     pipeline_parallel: PositiveInt = 1
     quantization: str | None = Field(None, description="vLLM --quantization (awq, gptq, fp8, compressed-tensors).")

@@ -1,0 +1,66 @@
+"""Async scheduling: greedy decode stretches fed on the device give transformers' greedy tokens, and the stretch
+ends cleanly when a sequence finishes, is cancelled or a new request arrives."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tests.integration.test_serve_helpers import eval_prompts, hf_greedy
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+
+def _engine(fixtures, **kw):
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model=str(fixtures.teacher), device="cpu", max_batch_size=8, max_model_len=256,
+                               compile=False, async_scheduling=True, **kw))
+
+
+def test_chained_greedy_decoding_matches_hf(fixtures):
+    from clusteropt_cli.core.serve.engine import GenerationRequest
+
+    prompts = eval_prompts(fixtures, 5, seed=21)
+    lengths = [3, 9, 16, 16, 24]  # sequences finish at different steps: stretches end, drain and start again
+    expected = [out[:n] for out, n in zip(hf_greedy(fixtures.teacher, prompts, max(lengths)), lengths, strict=True)]
+    with _engine(fixtures) as engine:
+        results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True)
+                                   for p, n in zip(prompts, lengths, strict=True)])
+        alone = engine.generate([GenerationRequest(prompt_ids=prompts[4], max_new_tokens=24, ignore_eos=True)])
+        stats = engine.stats
+    assert [r.output_ids for r in results] == expected
+    assert [r.finish_reason for r in results] == ["length"] * 5
+    assert alone[0].output_ids == expected[4]
+    assert stats.chained_steps > 20  # the overlapped path ran (not the step-by-step one)
+    assert stats.running == 0 and len(engine._free_slots) == engine.num_slots  # every slot came back
+
+
+def test_stretch_ends_for_cancellation_and_new_arrivals(fixtures):
+    from clusteropt_cli.core.serve.engine import GenerationRequest
+
+    prompts = eval_prompts(fixtures, 3, seed=22)
+    expected = hf_greedy(fixtures.teacher, prompts, 40)
+    with _engine(fixtures) as engine:
+        long_run = engine.submit(GenerationRequest(prompt_ids=prompts[0], max_new_tokens=40, ignore_eos=True))
+        doomed = engine.submit(GenerationRequest(prompt_ids=prompts[1], max_new_tokens=40, ignore_eos=True))
+        seen = threading.Event()
+
+        def cancel_after_a_few() -> None:
+            for i, _chunk in enumerate(doomed):
+                if i == 3:
+                    doomed.cancel()
+                    seen.set()
+                    return
+
+        worker = threading.Thread(target=cancel_after_a_few)
+        worker.start()
+        assert seen.wait(30)
+        late = engine.submit(GenerationRequest(prompt_ids=prompts[2], max_new_tokens=40, ignore_eos=True))
+        worker.join(30)
+        results = [long_run.result(60), doomed.result(60), late.result(60)]
+    assert results[0].output_ids == expected[0]  # untouched by the other's cancellation and the late arrival
+    assert results[1].finish_reason == "abort"
+    assert results[1].output_ids == expected[1][: len(results[1].output_ids)]
+    assert results[2].output_ids == expected[2]  # admitted and prefilled mid-way, then decoded exactly
