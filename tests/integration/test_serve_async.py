@@ -64,3 +64,17 @@ def test_stretch_ends_for_cancellation_and_new_arrivals(fixtures):
     assert results[1].finish_reason == "abort"
     assert results[1].output_ids == expected[1][: len(results[1].output_ids)]
     assert results[2].output_ids == expected[2]  # admitted and prefilled mid-way, then decoded exactly
+
+
+def test_stretch_that_runs_to_the_end_of_the_context(fixtures):
+    """The step launched ahead of the last token of a full context must stay inside the KV cache."""
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
+
+    prompt = eval_prompts(fixtures, 1, min_len=50, max_len=51, seed=23)[0]
+    expected = hf_greedy(fixtures.teacher, [prompt], 64 - len(prompt))[0]
+    engine = Engine(EngineConfig(model=str(fixtures.teacher), device="cpu", max_batch_size=2, max_model_len=64,
+                                 compile=False, async_scheduling=True))
+    with engine:
+        result = engine.generate([GenerationRequest(prompt_ids=prompt, max_new_tokens=500, ignore_eos=True)])[0]
+    assert result.finish_reason == "length" and len(prompt) + len(result.output_ids) == 64
+    assert result.output_ids == expected
