@@ -314,3 +314,28 @@ def test_sliding_window_models_keep_their_mask():
     eager = _tiny_llama()
     eager.set_attn_implementation("eager")
     assert not use_causal_sdpa(eager)
+
+
+def test_loss_chunk_tokens_reaches_the_fused_loss(monkeypatch):
+    import torch
+
+    import clusteropt_cli.core.train.losses as losses
+    from clusteropt_cli.core.train.loop import default_loss_fn
+
+    seen = []
+    real = losses.fused_linear_cross_entropy
+
+    def recording(*args, chunk_tokens, **kwargs):
+        seen.append(chunk_tokens)
+        return real(*args, chunk_tokens=chunk_tokens, **kwargs)
+
+    monkeypatch.setattr(losses, "fused_linear_cross_entropy", recording)
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (2, 16))
+    batch = {"input_ids": ids, "labels": ids}
+    default, _ = default_loss_fn(TrainRecipe(model="x"), model, "torch")(model, batch)
+    chunked, _ = default_loss_fn(TrainRecipe(model="x", loss_chunk_tokens=7), model, "torch")(model, batch)
+    assert seen == [2**30 // (4 * 128), 7]  # default: ~1 GiB of fp32 logits per chunk
+    assert float(chunked) == pytest.approx(float(default), rel=1e-5)
+    with pytest.raises(ValueError, match="loss_chunk_tokens"):
+        TrainRecipe(model="x", loss_chunk_tokens=7, loss_impl="hf")

@@ -146,7 +146,7 @@ def default_loss_fn(options: Any, model: Any, engine_kind: str) -> Any:
                             "zero < 3).", hint="set loss_impl to auto or hf")
     if choice == "hf" or not fused_ok:
         return hf_causal_lm_loss
-    return make_fused_causal_lm_loss()
+    return make_fused_causal_lm_loss(getattr(options, "loss_chunk_tokens", None))
 
 
 def _engine_kind(options: Any) -> str:

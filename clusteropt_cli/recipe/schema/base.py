@@ -54,6 +54,10 @@ class TrainingOptions(Strict):
     loss_impl: Literal["auto", "fused", "hf"] = Field(
         "auto", description="LM loss: fused chunked head+cross-entropy (no full fp32 logits), the model's own "
         "loss (hf), or auto (fused unless ZeRO-3).")
+    loss_chunk_tokens: PositiveInt | None = Field(
+        None, description="Tokens per chunk of the fused loss; None = ~1 GiB of fp32 logits per chunk (2,048 tokens "
+        "of a 128k vocabulary). Larger chunks: fewer, larger GEMMs for more memory (H200, 1B, 8 x 2048: 8,192 "
+        "tokens gave +2% tokens/s for +7.3 GiB).")
     gpus: PositiveInt = Field(1, description="Processes per node (GPUs; on CPU, processes).")
     nodes: PositiveInt = 1
     hostfile: str | None = None
@@ -74,6 +78,8 @@ class TrainingOptions(Strict):
             problems.append("nvme_path: offload=nvme needs nvme_path (a fast local directory)")
         if self.max_steps is not None and self.epochs is not None:
             problems.append("max_steps: give max_steps or epochs, not both")
+        if self.loss_chunk_tokens is not None and self.loss_impl == "hf":
+            problems.append("loss_chunk_tokens: sets the fused loss's chunks; loss_impl hf has none")
         if problems:
             raise ValueError("; ".join(problems))
         return self
