@@ -49,8 +49,8 @@ CASES: dict[str, tuple[str, dict]] = {
     # speed experiments on copt's defaults (issue 7): "bench_*" keys are applied by the worker, not by TrainRecipe
     "copt_profile": ("copt", dict(bench_profile=True)),
     "copt_cudnn_attn": ("copt", dict(bench_sdpa="cudnn")),
-    "copt_chunk4k": ("copt", dict(bench_chunk=4096)),
-    "copt_chunk8k": ("copt", dict(bench_chunk=8192)),
+    "copt_chunk4k": ("copt", dict(loss_chunk_tokens=4096)),
+    "copt_chunk8k": ("copt", dict(loss_chunk_tokens=8192)),
     "copt_stock_mask": ("copt", dict(bench_stock_sdpa=True)),  # transformers' own SDPA path (a mask under compile)
     "copt_coord_descent": ("copt", dict(bench_inductor={"coordinate_descent_tuning": True})),
     "copt_max_autotune": ("copt", dict(bench_inductor={"max_autotune": True, "max_autotune_gemm": True})),
@@ -140,17 +140,12 @@ def run_copt(settings: dict, world: int = 1) -> dict:
     bench = {k: settings.pop(k) for k in list(settings) if k.startswith("bench_")}
     apply_bench_settings(bench)
     profiler = StepProfiler(first=WARMUP + 2, last=WARMUP + 3) if bench.get("bench_profile") else None
-    loss_fn = None
-    if bench.get("bench_chunk"):
-        from clusteropt_cli.core.train.losses import make_fused_causal_lm_loss
-
-        loss_fn = make_fused_causal_lm_loss(int(bench["bench_chunk"]))
     options = TrainRecipe(model="llama-3.2-1b", micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, max_steps=steps,
                           lr=1e-4, warmup_steps=0, precision=settings.pop("precision", "bf16"), **settings)
     model = build_model()
     dataset = PackedDataset(random_blocks(MICRO_BATCH * steps * world, model.config.vocab_size))
     with tempfile.TemporaryDirectory() as tmp:
-        result = run_training(options, model, dataset, tmp, save_final=False, loss_fn=loss_fn,
+        result = run_training(options, model, dataset, tmp, save_final=False,
                               callbacks=[profiler] if profiler else ())
         rows = read_metrics(Path(tmp) / "metrics.jsonl") if int(os.environ.get("RANK", "0")) == 0 else []
     timed = rows[WARMUP:] or rows
