@@ -753,29 +753,19 @@ class Engine:
         pending = chain.launch()
         stats.add_phase("decode_forward", clock() - t0)
         steps = 0
-        while True:
-            t0 = clock()
+        while pending is not None:  # the last pass launches nothing: it drains the step in flight
             steps += 1
+            t0 = clock()
             ahead = chain.launch() if self._chain_goes_on(seqs, steps) else None
             t1 = clock()
             tokens = pending.tokens()
             t2 = clock()
             self._emit_chain_step(seqs, tokens)
-            t3 = clock()
             stats.add_phase("decode_forward", t1 - t0)
             stats.add_phase("decode_sample_sync", t2 - t1)
-            stats.add_phase("emit", t3 - t2)
-            if ahead is None:
-                return
-            stats.chained_steps += 1
-            if not self._chain_goes_on(seqs, steps):  # drain the step in flight
-                t0 = clock()
-                tokens = ahead.tokens()
-                t1 = clock()
-                self._emit_chain_step(seqs, tokens)
-                stats.add_phase("decode_sample_sync", t1 - t0)
-                stats.add_phase("emit", clock() - t1)
-                return
+            stats.add_phase("emit", clock() - t2)
+            if ahead is not None:
+                stats.chained_steps += 1
             pending = ahead
 
     def _emit_chain_step(self, seqs: list[_Seq], tokens: list[int]) -> None:
