@@ -231,8 +231,9 @@ def summarize_kernels(prof, wall_s: float, steps: int) -> dict:  # noqa: ANN001
     """Per step: wall ms, GPU kernel ms by category, the 25 costliest kernels."""
     kernels: dict[str, list[float]] = {}
     for event in prof.events():
+        # kernels only: user annotations (e.g. "Optimizer.step#AdamW.step") span kernels already counted
         if getattr(event, "device_type", None) is not None and str(event.device_type).endswith("CUDA") \
-                and event.device_time_total:
+                and event.device_time_total and not getattr(event, "is_user_annotation", False):
             entry = kernels.setdefault(event.name, [0.0, 0])
             entry[0] += event.device_time_total / 1e3
             entry[1] += 1
