@@ -339,3 +339,66 @@ def test_loss_chunk_tokens_reaches_the_fused_loss(monkeypatch):
     assert float(chunked) == pytest.approx(float(default), rel=1e-5)
     with pytest.raises(ValueError, match="loss_chunk_tokens"):
         TrainRecipe(model="x", loss_chunk_tokens=7, loss_impl="hf")
+
+
+def _linear_calls(fn):
+    """Run fn and count the F.linear calls it makes (each is one GEMM)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    calls = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.linear:
+                calls.append(args[1].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        result = fn()
+    return result, calls
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_merged_projections_train_like_the_separate_ones(tmp_path, checkpointing):
+    """fuse_projections: one GEMM for q/k/v and one for gate/up per layer, the same loss and gradients, the same
+    parameters and checkpoint (also when checkpointing recomputes the layers in backward)."""
+    import copy
+
+    import torch
+
+    from clusteropt_cli.core.train.loop import prepare_model
+
+    torch.manual_seed(0)
+    reference = _tiny_llama()
+    merged = copy.deepcopy(reference)
+    options = TrainRecipe(model="x", fuse_projections=True, activation_checkpointing=checkpointing, compile=False)
+    logs = []
+    prepare_model(options, merged, "cpu", log=logs.append)
+    prepare_model(options.model_copy(update={"fuse_projections": False}), reference, "cpu")
+    assert any("merged projections: 4 groups" in line for line in logs)
+    assert list(merged.state_dict()) == list(reference.state_dict())
+    ids = torch.randint(0, 128, (2, 16))
+    ref_loss = reference(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    loss, calls = _linear_calls(lambda: merged(input_ids=ids, labels=ids).loss)
+    # per layer: q/k/v (64 + 2 × 32 rows), o, gate/up (2 × 128), down; then the LM head
+    assert calls == [128, 64, 256, 64] * 2 + [128]
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-6)
+    ref_params = dict(reference.named_parameters())
+    for name, param in merged.named_parameters():
+        assert torch.allclose(param.grad, ref_params[name].grad, atol=1e-6), name
+    group = merged.model.layers[0].mlp.up_proj.copt_group
+    assert group.pending == 0 and group.output is None  # no activation kept after the forward
+    merged.save_pretrained(tmp_path / "out")
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(reloaded.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert torch.equal(reloaded.model.layers[1].mlp.gate_proj.weight, merged.model.layers[1].mlp.gate_proj.weight)
+
+
+def test_merged_projections_are_refused_with_zero3():
+    with pytest.raises(ValueError, match="fuse_projections"):
+        TrainRecipe(model="x", fuse_projections=True, zero=3)
