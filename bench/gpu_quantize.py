@@ -384,6 +384,7 @@ class QualitySetup:
     cases: list[tuple[str, int]] = field(default_factory=list)  # (method, weight bits)
     symmetric: bool = True  # integer weight quantization without (True) or with zero points
     awq_duo_scaling: bool | str = True  # the recipe's awq_duo_scaling (llm-compressor's default: True)
+    awq_also: tuple = ()  # more awq_duo_scaling values, each run as an extra "awq[duo=…]" case (same model)
 
 
 def gpu_setup(train_s: float, max_epochs: float) -> QualitySetup:
@@ -397,7 +398,7 @@ def smoke_setup(train_s: float, max_epochs: float) -> QualitySetup:
     return QualitySetup(device="cpu", model=TINY, vocab=1024, corpus_chars=400_000, tokenizer_chars=150_000,
                         train_s=train_s, max_epochs=max_epochs, batch=8, seq=128, peak_lr=2e-3, warmup_steps=5,
                         eval_tokens=2048, curve_tokens=1024, curve_points=3, calib_samples=8,
-                        cases=[("rtn", 4), ("gptq", 4), ("rtn", 3)])
+                        cases=[("rtn", 4), ("gptq", 4), ("awq", 4), ("rtn", 3)])
 
 
 def stdlib_corpus(max_chars: int) -> tuple[list[str], list[str]]:
@@ -585,10 +586,15 @@ def quality_part(results: dict, work: Path, setup: QualitySetup, deadline: float
     calib = write_calib_ids(tokenizer, ids, work / "calib_small.jsonl", n=setup.calib_samples, seq_len=setup.seq)
     cases = results.setdefault("quality", {})
     results["quality_settings"] = {"symmetric": setup.symmetric, "awq_duo_scaling": setup.awq_duo_scaling,
+                                   "awq_also": list(setup.awq_also),
                                    "calib_samples": setup.calib_samples,
                                    "calib_seq_len": setup.seq, "group_size": 128}
+    runs = []
     for method, bits in setup.cases:
-        name = f"w{bits}-{method}"
+        runs.append((f"w{bits}-{method}", method, bits, setup.awq_duo_scaling))
+        if method == "awq":
+            runs += [(f"w{bits}-awq[duo={str(v).lower()}]", method, bits, v) for v in setup.awq_also]
+    for name, method, bits, duo in runs:
         if time.perf_counter() > deadline - 15:
             cases[name] = {"skipped": "time budget"}
             continue
@@ -597,7 +603,7 @@ def quality_part(results: dict, work: Path, setup: QualitySetup, deadline: float
                                         num_samples=setup.calib_samples, seq_len=setup.seq, eval=str(eval_path),
                                         eval_tokens=setup.eval_tokens,
                                         **({} if setup.symmetric or bits == 8 else {"symmetric": False}),
-                                        **({"awq_duo_scaling": setup.awq_duo_scaling} if method == "awq" else {}))
+                                        **({"awq_duo_scaling": duo} if method == "awq" else {}))
         except Exception as exc:  # noqa: BLE001
             cases[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
             free()
@@ -613,7 +619,8 @@ def quality_summary(cases: dict) -> dict:
     summary: dict = {}
     for bits in (4, 3, 8):
         row: dict = {}
-        for method in ("rtn", "gptq", "awq", "fp8", "int8"):
+        extra = sorted(k.split("-", 1)[1] for k in cases if k.startswith(f"w{bits}-awq["))
+        for method in ("rtn", "gptq", "awq", *extra, "fp8", "int8"):
             r = cases.get(f"w{bits}-{method}", {})
             if r.get("ppl_after") is not None and r.get("ppl_before") is not None:
                 increase = r["ppl_after"] - r["ppl_before"]
@@ -622,7 +629,7 @@ def quality_summary(cases: dict) -> dict:
         if not row:
             continue
         if "rtn" in row:
-            for method in ("gptq", "awq"):
+            for method in ("gptq", "awq", *extra):
                 if method in row:
                     row[f"{method}_beats_rtn"] = row[method]["increase"] < row["rtn"]["increase"]
         if all(m in row for m in ("rtn", "gptq", "awq")):
@@ -646,8 +653,9 @@ def main() -> None:
                              "rtn, gptq and awq only")
     parser.add_argument("--calib-samples", type=int, default=None,
                         help="quality part: calibration samples of --seq tokens (default 64; 8 with --cpu-smoke)")
-    parser.add_argument("--awq-duo-scaling", choices=["true", "false", "both"], default="true",
-                        help="quality part: AWQ's scale search (the recipe's awq_duo_scaling)")
+    parser.add_argument("--awq-duo-scaling", default="true",
+                        help="quality part: AWQ's scale search (the recipe's awq_duo_scaling: true, false or both); "
+                             "a comma list (false,true) also runs the others as extra awq[duo=…] cases")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="run only the quality part, on the CPU, with tiny sizes (checks the script end to end)")
     args = parser.parse_args()
@@ -683,7 +691,8 @@ def main() -> None:
                     setup.cases = [c for c in setup.cases if c[1] < 8]
                 if args.calib_samples:
                     setup.calib_samples = args.calib_samples
-                setup.awq_duo_scaling = {"true": True, "false": False}.get(args.awq_duo_scaling, "both")
+                duo = [{"true": True, "false": False, "both": "both"}[v] for v in args.awq_duo_scaling.split(",")]
+                setup.awq_duo_scaling, setup.awq_also = duo[0], tuple(duo[1:])
                 quality_part(results, work, setup, deadline)
         except Exception as exc:  # noqa: BLE001
             results[f"{part}_error"] = f"{type(exc).__name__}: {exc}"
@@ -726,17 +735,17 @@ def print_table(results: dict) -> None:
                   f"{m['train_steps']} steps, {m['tokens_seen'] / 1e6:.1f} M tokens = {m['epochs']:.2f} epochs of "
                   f"{m['corpus_tokens'] / 1e6:.2f} M; train loss {m['final_train_loss']:.3f}, held-out ppl "
                   f"{m['heldout_ppl']:.2f} ({m['heldout_tokens']} tokens; train-text ppl {m['train_text_ppl']:.2f})")
-        print("  case       ppl_before  ppl_after  increase      %   beats RTN")
+        print("  case              ppl_before  ppl_after  increase      %   beats RTN")
         summary = results.get("quality_summary", {})
         for name, r in results["quality"].items():
             if r.get("ppl_after") is None:
-                print(f"  {name:<9}  {r.get('error') or r.get('skipped')}")
+                print(f"  {name:<16}  {r.get('error') or r.get('skipped')}")
                 continue
             bits, method = name.split("-", 1)
             row = summary.get("w8a8" if bits == "w8" else f"{bits}g128", {})
             beats = row.get(f"{method}_beats_rtn")
             increase = r["ppl_after"] - r["ppl_before"]
-            print(f"  {name:<9}  {r['ppl_before']:10.3f}  {r['ppl_after']:9.3f}  {increase:+8.3f}  "
+            print(f"  {name:<16}  {r['ppl_before']:10.3f}  {r['ppl_after']:9.3f}  {increase:+8.3f}  "
                   f"{100 * increase / r['ppl_before']:+5.1f}%  {'' if beats is None else beats}")
         for width, row in summary.items():
             if "awq_paper_ordering_holds" in row:
