@@ -54,9 +54,6 @@ CASES: dict[str, tuple[str, dict]] = {
     "copt_stock_mask": ("copt", dict(bench_stock_sdpa=True)),  # transformers' own SDPA path (a mask under compile)
     "copt_coord_descent": ("copt", dict(bench_inductor={"coordinate_descent_tuning": True})),
     "copt_max_autotune": ("copt", dict(bench_inductor={"max_autotune": True, "max_autotune_gemm": True})),
-    "copt_fused": ("copt", dict(fuse_projections=True)),  # q/k/v and gate/up as one GEMM each
-    "copt_fused_chunk8k": ("copt", dict(fuse_projections=True, loss_chunk_tokens=8192)),
-    "copt_fused_profile": ("copt", dict(fuse_projections=True, bench_profile=True)),
 }
 MODES = {
     "single": ["baseline_eager", "baseline_compile", "copt_default", "copt_hf_loss"],
@@ -67,7 +64,6 @@ MODES = {
     "final": ["baseline_eager", "copt_default", "copt_fp8"],
     "explore2": ["baseline_compile", "copt_default", "copt_stock_mask", "copt_profile", "copt_chunk4k",
                  "copt_chunk8k", "copt_checkpointing", "copt_fp8"],
-    "fuse": ["copt_default", "copt_fused", "copt_fused_chunk8k", "copt_fused_profile"],
 }
 STEPS = {"baseline": 10, "copt": 10, "copt-dist": 8}
 WARMUP = 3  # steps left out of the speed figure (compilation, allocator warm-up)

@@ -172,7 +172,7 @@ def _tiny_causal_lm(model_type: str = "llama"):
 def test_merged_projections_give_the_same_logits_in_one_gemm_each():
     import torch
 
-    from clusteropt_cli.core.fusion import fuse_projections
+    from clusteropt_cli.core.serve.fusion import fuse_projections
 
     model = _tiny_causal_lm()
     ids = torch.randint(0, 100, (2, 12))
@@ -203,7 +203,7 @@ def test_merged_projections_give_the_same_logits_in_one_gemm_each():
 def test_projections_of_unlisted_architectures_and_fp8_layers_stay_separate():
     import torch
 
-    from clusteropt_cli.core.fusion import fuse_projections
+    from clusteropt_cli.core.serve.fusion import fuse_projections
 
     assert fuse_projections(_tiny_causal_lm("gemma")) == 0  # not on the allowlist of same-input call patterns
     model = _tiny_causal_lm()

@@ -174,7 +174,7 @@ class ModelRunner:
 
         self.fp8_linears = swap_fp8_linears(model)
         self.fp8_kernels = any(getattr(m, "use_scaled_mm", False) for m in model.modules())
-        from clusteropt_cli.core.fusion import fuse_projections
+        from clusteropt_cli.core.serve.fusion import fuse_projections
 
         self.fused_projections = fuse_projections(model)  # q/k/v and gate/up as one GEMM each
         try:

@@ -121,11 +121,6 @@ def prepare_model(options: Any, model: Any, device_type: str, *, for_deepspeed: 
     if options.precision == "fp8":
         converted = convert_to_fp8(model)
         log(f"fp8: {converted} linear layers run through torchao Float8Linear")
-    if getattr(options, "fuse_projections", False):
-        from clusteropt_cli.core.fusion import fuse_projections_for_training
-
-        merged = fuse_projections_for_training(model)  # after the fp8 swap: Float8Linear layers stay separate
-        log(f"merged projections: {merged} groups (q/k/v, gate/up) run as one GEMM each")
     if compile_enabled(options, device_type) and not for_deepspeed:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
         decoder.compile()

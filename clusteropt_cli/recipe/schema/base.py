@@ -58,9 +58,6 @@ class TrainingOptions(Strict):
         None, description="Tokens per chunk of the fused loss; None = ~1 GiB of fp32 logits per chunk (2,048 tokens "
         "of a 128k vocabulary). Larger chunks: fewer, larger GEMMs for more memory (H200, 1B, 8 x 2048: 8,192 "
         "tokens gave +2% tokens/s for +7.3 GiB).")
-    fuse_projections: bool = Field(
-        False, description="Run q/k/v and gate/up of each decoder layer as one GEMM each (Llama/Mistral/Qwen2/Qwen3; "
-        "parameters and checkpoints unchanged); not with ZeRO-3, whose partitioned weights are gathered per module.")
     gpus: PositiveInt = Field(1, description="Processes per node (GPUs; on CPU, processes).")
     nodes: PositiveInt = 1
     hostfile: str | None = None
@@ -83,9 +80,6 @@ class TrainingOptions(Strict):
             problems.append("max_steps: give max_steps or epochs, not both")
         if self.loss_chunk_tokens is not None and self.loss_impl == "hf":
             problems.append("loss_chunk_tokens: sets the fused loss's chunks; loss_impl hf has none")
-        if self.fuse_projections and self.zero == 3:
-            problems.append("fuse_projections: ZeRO-3 gathers each weight inside its own module's forward; "
-                            "set fuse_projections false with zero 3")
         if problems:
             raise ValueError("; ".join(problems))
         return self
