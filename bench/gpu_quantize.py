@@ -384,7 +384,7 @@ class QualitySetup:
     cases: list[tuple[str, int]] = field(default_factory=list)  # (method, weight bits)
     symmetric: bool = True  # integer weight quantization without (True) or with zero points
     awq_duo_scaling: bool | str = True  # the recipe's awq_duo_scaling (llm-compressor's default: True)
-    awq_also: tuple = ()  # more awq_duo_scaling values, each run as an extra "awq[duo=…]" case (same model)
+    awq_also: tuple = ()  # extra AWQ cases on the same model: (name suffix, recipe overrides), e.g. duo=true
 
 
 def gpu_setup(train_s: float, max_epochs: float) -> QualitySetup:
@@ -586,15 +586,15 @@ def quality_part(results: dict, work: Path, setup: QualitySetup, deadline: float
     calib = write_calib_ids(tokenizer, ids, work / "calib_small.jsonl", n=setup.calib_samples, seq_len=setup.seq)
     cases = results.setdefault("quality", {})
     results["quality_settings"] = {"symmetric": setup.symmetric, "awq_duo_scaling": setup.awq_duo_scaling,
-                                   "awq_also": list(setup.awq_also),
+                                   "awq_also": [suffix for suffix, _ in setup.awq_also],
                                    "calib_samples": setup.calib_samples,
                                    "calib_seq_len": setup.seq, "group_size": 128}
     runs = []
     for method, bits in setup.cases:
-        runs.append((f"w{bits}-{method}", method, bits, setup.awq_duo_scaling))
+        runs.append((f"w{bits}-{method}", method, bits, {}))
         if method == "awq":
-            runs += [(f"w{bits}-awq[duo={str(v).lower()}]", method, bits, v) for v in setup.awq_also]
-    for name, method, bits, duo in runs:
+            runs += [(f"w{bits}-awq[{suffix}]", method, bits, extra) for suffix, extra in setup.awq_also]
+    for name, method, bits, extra in runs:
         if time.perf_counter() > deadline - 15:
             cases[name] = {"skipped": "time budget"}
             continue
@@ -603,7 +603,8 @@ def quality_part(results: dict, work: Path, setup: QualitySetup, deadline: float
                                         num_samples=setup.calib_samples, seq_len=setup.seq, eval=str(eval_path),
                                         eval_tokens=setup.eval_tokens,
                                         **({} if setup.symmetric or bits == 8 else {"symmetric": False}),
-                                        **({"awq_duo_scaling": duo} if method == "awq" else {}))
+                                        **({"awq_duo_scaling": setup.awq_duo_scaling} if method == "awq" else {})
+                                        | extra)
         except Exception as exc:  # noqa: BLE001
             cases[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
             free()
@@ -656,6 +657,9 @@ def main() -> None:
     parser.add_argument("--awq-duo-scaling", default="true",
                         help="quality part: AWQ's scale search (the recipe's awq_duo_scaling: true, false or both); "
                              "a comma list (false,true) also runs the others as extra awq[duo=…] cases")
+    parser.add_argument("--awq-observers", default="",
+                        help="quality part: extra AWQ cases with these weight observers (the recipe's observer: mse, "
+                             "imatrix_mse), comma-separated")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="run only the quality part, on the CPU, with tiny sizes (checks the script end to end)")
     args = parser.parse_args()
@@ -692,7 +696,9 @@ def main() -> None:
                 if args.calib_samples:
                     setup.calib_samples = args.calib_samples
                 duo = [{"true": True, "false": False, "both": "both"}[v] for v in args.awq_duo_scaling.split(",")]
-                setup.awq_duo_scaling, setup.awq_also = duo[0], tuple(duo[1:])
+                setup.awq_duo_scaling = duo[0]
+                setup.awq_also = tuple((f"duo={str(v).lower()}", {"awq_duo_scaling": v}) for v in duo[1:]) + tuple(
+                    (f"observer={o}", {"observer": o}) for o in args.awq_observers.split(",") if o)
                 quality_part(results, work, setup, deadline)
         except Exception as exc:  # noqa: BLE001
             results[f"{part}_error"] = f"{type(exc).__name__}: {exc}"
@@ -735,17 +741,17 @@ def print_table(results: dict) -> None:
                   f"{m['train_steps']} steps, {m['tokens_seen'] / 1e6:.1f} M tokens = {m['epochs']:.2f} epochs of "
                   f"{m['corpus_tokens'] / 1e6:.2f} M; train loss {m['final_train_loss']:.3f}, held-out ppl "
                   f"{m['heldout_ppl']:.2f} ({m['heldout_tokens']} tokens; train-text ppl {m['train_text_ppl']:.2f})")
-        print("  case              ppl_before  ppl_after  increase      %   beats RTN")
+        print("  case                          ppl_before  ppl_after  increase      %   beats RTN")
         summary = results.get("quality_summary", {})
         for name, r in results["quality"].items():
             if r.get("ppl_after") is None:
-                print(f"  {name:<16}  {r.get('error') or r.get('skipped')}")
+                print(f"  {name:<28}  {r.get('error') or r.get('skipped')}")
                 continue
             bits, method = name.split("-", 1)
             row = summary.get("w8a8" if bits == "w8" else f"{bits}g128", {})
             beats = row.get(f"{method}_beats_rtn")
             increase = r["ppl_after"] - r["ppl_before"]
-            print(f"  {name:<16}  {r['ppl_before']:10.3f}  {r['ppl_after']:9.3f}  {increase:+8.3f}  "
+            print(f"  {name:<28}  {r['ppl_before']:10.3f}  {r['ppl_after']:9.3f}  {increase:+8.3f}  "
                   f"{100 * increase / r['ppl_before']:+5.1f}%  {'' if beats is None else beats}")
         for width, row in summary.items():
             if "awq_paper_ordering_holds" in row:

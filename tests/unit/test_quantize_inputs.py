@@ -160,3 +160,25 @@ def test_help_lists_every_flag(capsys):
     for flag in ("--method", "--bits", "--group-size", "--symmetric", "--calib", "--num-samples", "--seq-len",
                  "--ignore", "--backend", "--eval", "--compare-rtn", "--recipe", "--json", "--overwrite"):
         assert flag in out
+
+
+def test_observer_reaches_the_weight_scheme_and_the_rtn_baseline_stays_minmax():
+    from clusteropt_cli.core.quantize.llmc import build_recipe
+    from clusteropt_cli.errors import RecipeError
+    from clusteropt_cli.recipe.load import load_settings
+    from clusteropt_cli.recipe.schema.quantize import QuantizeRecipe
+
+    def weight_observer(modifier):
+        return modifier.config_groups["group_0"].weights.observer or "minmax"  # None: the library default
+
+    settings = QuantizeRecipe(model="m", method="awq", observer="mse")
+    assert weight_observer(build_recipe("awq", settings)[1]) == "mse"
+    assert weight_observer(build_recipe("rtn", settings)[0]).endswith("minmax")  # --compare-rtn's baseline
+    assert weight_observer(build_recipe("gptq", QuantizeRecipe(model="m", method="gptq"))[0]).endswith("minmax")
+    assert weight_observer(build_recipe("gptq", QuantizeRecipe(model="m", method="gptq",
+                                                               observer="imatrix_mse"))[0]) == "imatrix_mse"
+    with pytest.raises(RecipeError) as exc:
+        load_settings("quantize", None, ["observer=imatrix_mse"], {"model": "m", "method": "rtn"})
+    assert "rtn runs none" in str(exc.value)
+    with pytest.raises(RecipeError, match="observer: applies to integer weights"):
+        load_settings("quantize", None, ["observer=mse"], {"model": "m", "method": "fp8"})

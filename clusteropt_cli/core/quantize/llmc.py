@@ -31,13 +31,15 @@ def scheme_name(settings: QuantizeRecipe) -> str:
     return f"W{settings.weight_bits}A16 int {group} {'sym' if settings.symmetric else 'asym'}"
 
 
-def weight_config_groups(bits: int, group_size: int, symmetric: bool) -> dict:
-    """compressed-tensors config_groups for integer weight-only quantization at any bits/group size."""
+def weight_config_groups(bits: int, group_size: int, symmetric: bool, observer: str | None = None) -> dict:
+    """compressed-tensors config_groups for integer weight-only quantization at any bits/group size (observer:
+    how the scales are chosen; None = min/max)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     strategy = "channel" if group_size == -1 else "group"
     weights = QuantizationArgs(num_bits=bits, type="int", strategy=strategy, symmetric=symmetric, dynamic=False,
-                               group_size=None if group_size == -1 else group_size)
+                               group_size=None if group_size == -1 else group_size,
+                               **({"observer": observer} if observer and observer != "minmax" else {}))
     return {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
 
 
@@ -52,7 +54,9 @@ def build_recipe(method: str, settings: QuantizeRecipe) -> list:
     if method == "int8":
         return [SmoothQuantModifier(smoothing_strength=SMOOTHQUANT_STRENGTH),
                 GPTQModifier(targets=["Linear"], scheme="W8A8", ignore=ignore)]
-    groups = weight_config_groups(settings.weight_bits, settings.group_size, settings.symmetric)
+    # the user's observer for the user's method; the --compare-rtn baseline stays plain min/max round-to-nearest
+    observer = settings.observer if method == settings.method else None
+    groups = weight_config_groups(settings.weight_bits, settings.group_size, settings.symmetric, observer)
     if method == "rtn":
         return [QuantizationModifier(config_groups=groups, ignore=ignore)]
     if method == "int8-rtn":  # the --compare-rtn baseline for int8: W8A8 without smoothing or GPTQ

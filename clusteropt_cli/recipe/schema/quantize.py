@@ -42,6 +42,11 @@ class QuantizeRecipe(Strict):
     awq_duo_scaling: bool | Literal["both"] = Field(
         True, description="AWQ scale search: activation and weight magnitudes (true, llm-compressor's default), "
                           "activations only (false), or half the grid each (both).")
+    observer: Literal["minmax", "mse", "imatrix_mse"] = Field(
+        "minmax", description="How integer weight scales are chosen (awq/gptq/rtn on llmcompressor): the group's "
+        "min/max (minmax), a clipping-range search minimizing the weights' quantization error (mse), or the same "
+        "weighted by each input channel's mean squared calibration activation (imatrix_mse; needs calibration). "
+        "The --compare-rtn baseline always uses minmax.")
     prediction: Prediction | None = None
 
     @model_validator(mode="after")
@@ -56,6 +61,11 @@ class QuantizeRecipe(Strict):
                             f"(it runs {', '.join(BACKEND_METHODS[self.backend])}; llmcompressor runs all)")
         if self.awq_duo_scaling is not True and (self.method != "awq" or self.backend != "llmcompressor"):
             problems.append("awq_duo_scaling: applies to method awq on the llmcompressor backend only")
+        if self.observer != "minmax" and (self.method not in ("awq", "gptq", "rtn") or self.backend != "llmcompressor"):
+            problems.append("observer: applies to integer weights (awq, gptq, rtn) on the llmcompressor backend only")
+        elif self.observer == "imatrix_mse" and self.method == "rtn":
+            problems.append("observer: imatrix_mse weighs by calibration activations; rtn runs none (use mse, or "
+                            "method awq/gptq)")
         if self.compare_rtn and not self.eval:
             problems.append("compare_rtn: needs eval (a text file to measure perplexity on)")
         if problems:
