@@ -157,8 +157,13 @@ def phase_delta(engine, mark: tuple[dict[str, float], int, int]) -> dict:
 
 
 def phases_from(seconds: dict[str, float], steps: int, decode_steps: int) -> dict:
+    """Per phase: seconds, and ms per scheduler pass; decode phases (and emit) also per decode step, since async
+    scheduling runs many decode steps in one pass."""
+    per_decode = {k: round(1000 * v / decode_steps, 3) for k, v in seconds.items()
+                  if decode_steps and (k.startswith("decode") or k == "emit")}
     return {"steps": steps, "decode_steps": decode_steps, "seconds": {k: round(v, 4) for k, v in seconds.items()},
-            "ms_per_step": {k: round(1000 * v / max(1, steps), 3) for k, v in seconds.items()}}
+            "ms_per_step": {k: round(1000 * v / max(1, steps), 3) for k, v in seconds.items()},
+            "ms_per_decode_step": per_decode}
 
 
 def server_phases(url: str) -> tuple[dict[str, float], float, float]:
@@ -171,12 +176,15 @@ def server_phases(url: str) -> tuple[dict[str, float], float, float]:
             phases[line.split('"')[1]] = float(line.split()[-1])
         elif line.startswith("copt_engine_steps_total "):
             steps = float(line.split()[-1])
+        elif line.startswith("copt_engine_decode_steps_total "):
+            dsteps = float(line.split()[-1])
     return phases, steps, dsteps
 
 
 def server_phase_delta(url: str, mark: tuple[dict[str, float], float, float]) -> dict:
-    now, steps, _ = server_phases(url)
-    return phases_from({k: v - mark[0].get(k, 0.0) for k, v in now.items()}, int(steps - mark[1]), 0)
+    now, steps, dsteps = server_phases(url)
+    return phases_from({k: v - mark[0].get(k, 0.0) for k, v in now.items()}, int(steps - mark[1]),
+                       int(dsteps - mark[2]))
 
 
 def print_phases(name: str, ph: dict | None) -> None:
@@ -184,10 +192,18 @@ def print_phases(name: str, ph: dict | None) -> None:
         return
     total = sum(ph["seconds"].values())
     wall = ph.get("wall_s") or ph.get("wall_s_client")
-    parts = ", ".join(f"{k} {v:.2f}s ({ph['ms_per_step'][k]:.2f} ms/step)"
+    per_decode = ph.get("ms_per_decode_step") or {}
+
+    def rate(k: str) -> str:
+        if k in per_decode:
+            return f"{per_decode[k]:.2f} ms/decode step"
+        return f"{ph['ms_per_step'][k]:.2f} ms/pass"
+
+    parts = ", ".join(f"{k} {v:.2f}s ({rate(k)})"
                       for k, v in sorted(ph["seconds"].items(), key=lambda kv: -kv[1]) if v >= 0.005)
     of_wall = f" of {wall:.2f} s wall" if wall else ""
-    print(f"  phases {name}: {ph['steps']} steps, {total:.2f} s on the engine thread{of_wall}: {parts}")
+    print(f"  phases {name}: {ph['steps']} scheduler passes, {ph.get('decode_steps', 0)} decode steps, "
+          f"{total:.2f} s on the engine thread{of_wall}: {parts}")
 
 
 # ---- in-process engine ---------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ def test_32_concurrent_greedy_equal_hf(fixtures, client, server):
     prompts = eval_prompts(fixtures, 32, seed=7)
     expected = hf_greedy(fixtures.teacher, prompts, 20)
     steps_before = metric(server, "copt_engine_steps_total")
+    decode_before = metric(server, "copt_engine_decode_steps_total")
 
     def ask(prompt):
         r = client.completions.create(model="teacher", prompt=prompt, max_tokens=20, temperature=0,
@@ -60,6 +61,8 @@ def test_32_concurrent_greedy_equal_hf(fixtures, client, server):
     assert got == expected
     # continuous batching: far fewer engine steps than 32 requests × 20 tokens run one at a time
     assert metric(server, "copt_engine_steps_total") - steps_before < 32 * 20 / 2
+    decode_steps = metric(server, "copt_engine_decode_steps_total") - decode_before
+    assert 19 <= decode_steps < 32 * 20 / 2  # 19 decode steps at least (one token comes from prefill), batched
 
 
 def test_streaming_completion_equals_non_streaming(fixtures, client):

@@ -117,6 +117,10 @@ class _EngineCollector:
             ("copt_generation_tokens", "Tokens generated", s.generated_tokens),
             ("copt_prefill_chunks", "Prompt chunks run (chunked prefill)", s.prefill_chunks),
             ("copt_engine_steps", "Scheduler iterations", s.steps),
+            ("copt_engine_decode_steps", "Batched decode steps (async scheduling runs several per iteration)",
+             s.decode_steps),
+            ("copt_engine_chained_steps", "Decode steps launched before the previous step's tokens were read",
+             s.chained_steps),
             ("copt_spec_decode_draft_tokens", "Draft tokens proposed", s.spec_drafted),
             ("copt_spec_decode_accepted_tokens", "Draft tokens accepted", s.spec_accepted),
         ):
