@@ -660,6 +660,8 @@ def main() -> None:
     parser.add_argument("--awq-observers", default="",
                         help="quality part: extra AWQ cases with these weight observers (the recipe's observer: mse, "
                              "imatrix_mse), comma-separated")
+    parser.add_argument("--bits", default="4,3,8",
+                        help="quality part: weight widths to run (4 and 3: rtn/gptq/awq; 8: fp8/int8), comma-separated")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="run only the quality part, on the CPU, with tiny sizes (checks the script end to end)")
     args = parser.parse_args()
@@ -695,6 +697,8 @@ def main() -> None:
                     setup.cases = [c for c in setup.cases if c[1] < 8]
                 if args.calib_samples:
                     setup.calib_samples = args.calib_samples
+                widths = {int(b) for b in args.bits.split(",")}
+                setup.cases = [c for c in setup.cases if c[1] in widths]
                 duo = [{"true": True, "false": False, "both": "both"}[v] for v in args.awq_duo_scaling.split(",")]
                 setup.awq_duo_scaling = duo[0]
                 setup.awq_also = tuple((f"duo={str(v).lower()}", {"awq_duo_scaling": v}) for v in duo[1:]) + tuple(

@@ -47,7 +47,7 @@ NUM_REQUESTS, OUT_TOKENS, PROMPT_MIN, PROMPT_MAX = 256, 128, 32, 256
 MAX_MODEL_LEN = 512
 KV_GIB = 16.0
 COMPILE_MODE = "default"  # copt serve --compile-mode (--compile-mode flag of this script)
-ASYNC_SCHEDULING = False  # copt serve --async-scheduling (--async-scheduling flag of this script)
+ASYNC_SCHEDULING = True  # copt serve's async scheduling (on by default; --no-async-scheduling of this script)
 
 
 def log(msg: str) -> None:
@@ -288,7 +288,7 @@ def start_server(model_dir: Path, port: int) -> subprocess.Popen:
            "--max-batch-size", str(NUM_REQUESTS), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory",
            str(KV_GIB), "--max-batch-tokens", "4096", "--served-model-name", "llama-1b-shape",
            "--max-queue", "4096"] + (["--compile-mode", COMPILE_MODE] if COMPILE_MODE != "default" else []) \
-        + (["--async-scheduling"] if ASYNC_SCHEDULING else [])
+        + (["--async-scheduling"] if ASYNC_SCHEDULING else ["--no-async-scheduling"])
     log("starting: " + " ".join(cmd))
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -387,8 +387,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model, few requests (checks the script on CPU)")
     parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
                         help="copt serve --compile-mode for the engine and server cases")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="copt serve --async-scheduling for the engine and server cases")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="copt serve's async scheduling for the engine and server cases (default on, as in "
+                             "copt serve)")
     parser.add_argument("--skip", default="", help="comma-separated cases to leave out (e.g. engine_eager_layers)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -435,11 +436,12 @@ def main() -> None:
 
     try:  # the same engine with eager decoder layers (graphs only): what compiling the layers buys
         if "engine_eager_layers" in skip:
-            raise RuntimeError("skipped (--skip)")
-        results["engine_eager_layers"] = bench_engine(model_dir, prompts, reference,
+            results["engine_eager_layers"] = {"skipped": "--skip"}
+        else:
+            results["engine_eager_layers"] = bench_engine(model_dir, prompts, reference,
                                                       cuda_graphs=torch.cuda.is_available(), compile_=False)
-        log(f"engine, eager layers: {results['engine_eager_layers']['output_tokens_per_s']:.0f} tok/s, "
-            f"batch-1 {results['engine_eager_layers']['batch1_ms_per_token']:.2f} ms/token")
+            log(f"engine, eager layers: {results['engine_eager_layers']['output_tokens_per_s']:.0f} tok/s, "
+                f"batch-1 {results['engine_eager_layers']['batch1_ms_per_token']:.2f} ms/token")
     except Exception as exc:  # noqa: BLE001
         results["engine_eager_layers"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         free_gpu()
@@ -455,7 +457,7 @@ def main() -> None:
         tps = results.get(name, {}).get("output_tokens_per_s")
         ratio = tps / base if (tps and base) else None
         results.setdefault(name, {})["ratio_vs_hf_static"] = ratio
-        rows.append((name, tps, ratio))
+        rows.append((name, tps if tps else ("skipped" if results[name].get("skipped") else None), ratio))
     b1_engine = results.get("engine", {}).get("batch1_ms_per_token")
     b1_http = results.get("http_batch1", {}).get("ms_per_token")
     results["batch1_vs_floor"] = {"engine": b1_engine / floor_ms if b1_engine else None,
@@ -466,7 +468,8 @@ def main() -> None:
     print(f"\ncopt serve benchmark — {results['gpu']}, {results['date']}")
     print(f"{'case':<20}{'output tok/s':>14}{'× HF static':>13}")
     for name, tps, ratio in rows:
-        print(f"{name:<20}{(f'{tps:,.0f}' if tps else 'error'):>14}{(f'{ratio:.2f}' if ratio else '-'):>13}")
+        shown = tps if isinstance(tps, str) else f"{tps:,.0f}" if tps else "error"
+        print(f"{name:<20}{shown:>14}{(f'{ratio:.2f}' if ratio else '-'):>13}")
     stream = results.get("http_stream", {})
     if "ttft_s" in stream:
         t, i = stream["ttft_s"], stream["itl_s"]

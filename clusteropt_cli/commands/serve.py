@@ -56,7 +56,8 @@ def serve(
                                                           "Triton GEMV/GEMM templates; slower start).")] = None,
     async_scheduling: Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling",
                                                           help="Launch the next greedy decode step before handling "
-                                                               "the current one's tokens (default off).")] = None,
+                                                               "the current one's tokens (default: on; vLLM: its "
+                                                               "own default).")] = None,
     tensor_parallel: Annotated[int | None, typer.Option("--tensor-parallel", help="vLLM: GPUs per replica.")] = None,
     pipeline_parallel: Annotated[int | None, typer.Option("--pipeline-parallel", help="vLLM: pipeline stages.")]
     = None,

@@ -171,8 +171,10 @@ def test_observer_reaches_the_weight_scheme_and_the_rtn_baseline_stays_minmax():
     def weight_observer(modifier):
         return modifier.config_groups["group_0"].weights.observer or "minmax"  # None: the library default
 
-    settings = QuantizeRecipe(model="m", method="awq", observer="mse")
-    assert weight_observer(build_recipe("awq", settings)[1]) == "mse"
+    settings = QuantizeRecipe(model="m", method="awq")  # AWQ's default: the MSE clipping-range search
+    assert settings.weight_observer == "mse" and weight_observer(build_recipe("awq", settings)[1]) == "mse"
+    plain = QuantizeRecipe(model="m", method="awq", observer="minmax")
+    assert weight_observer(build_recipe("awq", plain)[1]).endswith("minmax")
     assert weight_observer(build_recipe("rtn", settings)[0]).endswith("minmax")  # --compare-rtn's baseline
     assert weight_observer(build_recipe("gptq", QuantizeRecipe(model="m", method="gptq"))[0]).endswith("minmax")
     assert weight_observer(build_recipe("gptq", QuantizeRecipe(model="m", method="gptq",

@@ -140,8 +140,9 @@ def test_vllm_command_translation():
     assert "--enforce-eager" not in cmd
     assert "--enforce-eager" in build_vllm_command(ServeRecipe(model="m", compile=False))
     assert "--enforce-eager" in build_vllm_command(ServeRecipe(model="m", cuda_graphs=False))
-    assert "--async-scheduling" not in cmd
+    assert not any("async-scheduling" in arg for arg in cmd)  # unset: vLLM's own default (on since 0.14)
     assert "--async-scheduling" in build_vllm_command(ServeRecipe(model="m", async_scheduling=True))
+    assert "--no-async-scheduling" in build_vllm_command(ServeRecipe(model="m", async_scheduling=False))
 
 
 def test_cli_dry_run_and_validation(copt, fixtures):

@@ -55,7 +55,7 @@ def build_recipe(method: str, settings: QuantizeRecipe) -> list:
         return [SmoothQuantModifier(smoothing_strength=SMOOTHQUANT_STRENGTH),
                 GPTQModifier(targets=["Linear"], scheme="W8A8", ignore=ignore)]
     # the user's observer for the user's method; the --compare-rtn baseline stays plain min/max round-to-nearest
-    observer = settings.observer if method == settings.method else None
+    observer = settings.weight_observer if method == settings.method else None
     groups = weight_config_groups(settings.weight_bits, settings.group_size, settings.symmetric, observer)
     if method == "rtn":
         return [QuantizationModifier(config_groups=groups, ignore=ignore)]

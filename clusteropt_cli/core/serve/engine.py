@@ -359,7 +359,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     compile: bool | None = None  # None: with CUDA graphs
     compile_mode: str = "default"  # torch.compile mode of the decode layers
-    async_scheduling: bool = False  # greedy decode stretches: launch step k+1 before handling step k's tokens
+    async_scheduling: bool = True  # greedy decode stretches: launch step k+1 before handling step k's tokens
     gpu_memory_fraction: float = 0.85
 
 
@@ -408,7 +408,7 @@ class Engine:
             draft_model=settings.draft_model, num_speculative_tokens=settings.num_speculative_tokens,
             prompt_lookup=settings.prompt_lookup, speculative_max_batch=settings.speculative_max_batch,
             cuda_graphs=settings.cuda_graphs, compile=settings.compile, compile_mode=settings.compile_mode,
-            async_scheduling=settings.async_scheduling,
+            async_scheduling=settings.async_scheduling is not False,
         )
         return cls(config, observer=observer)
 

@@ -75,8 +75,8 @@ def build_vllm_command(settings: Any) -> list[str]:
         cmd += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     if settings.cuda_graphs is False or settings.compile is False:
         cmd += ["--enforce-eager"]
-    if settings.async_scheduling:
-        cmd += ["--async-scheduling"]
+    if settings.async_scheduling is not None:  # unset: vLLM's own default
+        cmd += ["--async-scheduling" if settings.async_scheduling else "--no-async-scheduling"]
     return cmd
 
 

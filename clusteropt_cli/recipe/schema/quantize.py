@@ -42,11 +42,12 @@ class QuantizeRecipe(Strict):
     awq_duo_scaling: bool | Literal["both"] = Field(
         True, description="AWQ scale search: activation and weight magnitudes (true, llm-compressor's default), "
                           "activations only (false), or half the grid each (both).")
-    observer: Literal["minmax", "mse", "imatrix_mse"] = Field(
-        "minmax", description="How integer weight scales are chosen (awq/gptq/rtn on llmcompressor): the group's "
+    observer: Literal["minmax", "mse", "imatrix_mse"] | None = Field(
+        None, description="How integer weight scales are chosen (awq/gptq/rtn on llmcompressor): the group's "
         "min/max (minmax), a clipping-range search minimizing the weights' quantization error (mse), or the same "
         "weighted by each input channel's mean squared calibration activation (imatrix_mse; needs calibration). "
-        "The --compare-rtn baseline always uses minmax.")
+        "Default: mse for awq (AWQ's clipping search, which llm-compressor's AWQ modifier leaves out), minmax "
+        "otherwise. The --compare-rtn baseline always uses minmax.")
     prediction: Prediction | None = None
 
     @model_validator(mode="after")
@@ -61,7 +62,8 @@ class QuantizeRecipe(Strict):
                             f"(it runs {', '.join(BACKEND_METHODS[self.backend])}; llmcompressor runs all)")
         if self.awq_duo_scaling is not True and (self.method != "awq" or self.backend != "llmcompressor"):
             problems.append("awq_duo_scaling: applies to method awq on the llmcompressor backend only")
-        if self.observer != "minmax" and (self.method not in ("awq", "gptq", "rtn") or self.backend != "llmcompressor"):
+        if self.observer not in (None, "minmax") and (self.method not in ("awq", "gptq", "rtn")
+                                                      or self.backend != "llmcompressor"):
             problems.append("observer: applies to integer weights (awq, gptq, rtn) on the llmcompressor backend only")
         elif self.observer == "imatrix_mse" and self.method == "rtn":
             problems.append("observer: imatrix_mse weighs by calibration activations; rtn runs none (use mse, or "
@@ -75,6 +77,15 @@ class QuantizeRecipe(Strict):
     @property
     def weight_bits(self) -> int:
         return self.bits or (8 if self.method in ("fp8", "int8") else 4)
+
+    @property
+    def weight_observer(self) -> str | None:
+        """The observer llm-compressor's integer weight schemes use (None where it does not apply)."""
+        if self.backend != "llmcompressor" or self.method not in ("awq", "gptq", "rtn"):
+            return None
+        if self.observer is not None:
+            return self.observer
+        return "mse" if self.method == "awq" else "minmax"
 
     @property
     def needs_calibration(self) -> bool:

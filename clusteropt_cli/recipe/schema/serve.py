@@ -39,9 +39,11 @@ class ServeRecipe(Strict):
         "default", description="torch.compile mode of the decode layers; max-autotune-no-cudagraphs benchmarks "
                                "Triton GEMM/GEMV templates at start-up (slower start; copt captures the CUDA "
                                "graphs itself). transformers engine only.")
-    async_scheduling: bool = Field(False, description="Launch the next greedy decode step before handling the "
-                                                      "current one's tokens (stretches of pure greedy decoding; "
-                                                      "vLLM: --async-scheduling).")
+    async_scheduling: bool | None = Field(
+        None, description="Launch the next greedy decode step before handling the current one's tokens (stretches "
+        "of pure greedy decoding). None = on for the transformers engine (H200, 1B: batch-1 decode 1.70 -> 1.40 "
+        "ms/token in the same run), vLLM's own default for engine vllm (true/false pass --async-scheduling / "
+        "--no-async-scheduling).")
     tensor_parallel: PositiveInt = 1
     pipeline_parallel: PositiveInt = 1
     quantization: str | None = Field(None, description="vLLM --quantization (awq, gptq, fp8, compressed-tensors).")
