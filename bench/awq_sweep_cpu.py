@@ -3,6 +3,10 @@
 128 calibration windows of 128 tokens, at W3 g64 and W4 g128 symmetric, against RTN at the same width.
 
     OMP_NUM_THREADS=1 python3 bench/awq_sweep_cpu.py --out bench/results/awq_sweep_cpu.json     (~3 minutes)
+    python3 bench/awq_sweep_cpu.py --observers --out bench/results/awq_observer_sweep_cpu.json   (~2 minutes)
+
+--observers instead sweeps the recipe's `observer` (how integer weight scales are chosen: minmax, mse,
+imatrix_mse) for rtn, awq (duo_scaling true) and gptq at 8 and 32 samples.
 
 Everything as `copt quantize` runs it; duo_scaling is the recipe's `awq_duo_scaling`.
 """
@@ -23,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/awq_sweep_cpu.json"))
+    parser.add_argument("--observers", action="store_true", help="sweep the weight observer instead")
     args = parser.parse_args()
     import torch
     from transformers import AutoTokenizer
@@ -42,6 +47,25 @@ def main() -> None:
     calib.write_text("".join(json.dumps({"text": tok.decode(w)}) + "\n" for w in windows[:128]))
     results: dict = {"bench": "awq_sweep_cpu", "date": time.strftime("%Y-%m-%d"), "model": "fixture teacher",
                      "eval_tokens": 8192, "calib_seq_len": 128, "cases": []}
+    if args.observers:
+        results["bench"] = "awq_observer_sweep_cpu"
+        for bits, group in [(3, 64), (4, 128)]:
+            common = dict(model=str(fx.teacher), bits=bits, group_size=group, calib=str(calib), seq_len=128,
+                          eval=str(fx.eval_text), eval_tokens=8192)
+            for method in ("rtn", "awq", "gptq"):
+                for observer in ("minmax", "mse") if method == "rtn" else ("minmax", "mse", "imatrix_mse"):
+                    for samples in (8,) if method == "rtn" else (8, 32):
+                        report = run(plan(QuantizeRecipe(output=str(work / "o"), method=method, observer=observer,
+                                                         num_samples=samples, **common), overwrite=True))
+                        results["cases"].append({"bits": bits, "group_size": group, "method": method,
+                                                 "observer": observer, "samples": samples,
+                                                 "ppl_before": report.ppl_before, "increase": report.ppl_increase})
+                        print(f"W{bits} g{group} {method} observer={observer} samples={samples}: "
+                              f"{report.ppl_increase:+.3f}", flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+        print(f"results: {args.out}")
+        return
     for bits, group in [(3, 64), (4, 128)]:
         common = dict(model=str(fx.teacher), bits=bits, group_size=group, calib=str(calib), seq_len=128,
                       eval=str(fx.eval_text), eval_tokens=8192)
