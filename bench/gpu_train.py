@@ -192,7 +192,7 @@ def apply_bench_settings(bench: dict) -> None:
 
 KERNEL_CATEGORIES = [  # first match wins; matched against the lower-cased kernel name
     ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul", "triton_tem")),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul", "triton_tem")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
     ("triton fused (compiled elementwise/norms/loss)", ("triton_",)),
     ("copy/cast", ("copy", "memcpy", "memset", "cast", "fill")),

@@ -1,0 +1,91 @@
+"""Where a batch-1 decode step of copt serve's engine spends its GPU time: torch.profiler over one request of 256
+greedy tokens (CUDA graphs, compiled layers, merged projections, async scheduling: copt serve's defaults), kernels
+grouped by category, per decode step, against the wall time per token.
+
+    python3 bench/gpu_decode_profile.py --out $OUT/decode_profile.json      (~1.5 minutes on the H200)
+    python3 bench/gpu_decode_profile.py --smoke --out /tmp/dp.json          (tiny model on the CPU: checks the script)
+
+Model: the Llama-3.2-1B shape in bf16 with random weights (bench/gpu_serve.py's model dir). The matrix-vector
+products alone took 0.833 ms as a CUDA graph (bench/gpu_decode_b1.py, cuBLAS, merged); the engine's token took
+1.40 ms (bench/gpu_serve.py run 9): this says where the rest goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+STEPS_TOKENS = 256
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
+    args = parser.parse_args()
+
+    import torch
+    from gpu_serve import make_model_dir
+    from gpu_train import summarize_kernels
+    from torch.profiler import ProfilerActivity, profile
+
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    work = Path(tempfile.mkdtemp(prefix="copt-decode-profile-"))
+    model_dir = work / "model"
+    make_model_dir(model_dir, small=args.smoke)  # (the returned model is dropped here)
+    if cuda:
+        torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=str(model_dir), max_batch_size=8, max_model_len=512, kv_cache_memory_gib=1.0,
+                                 max_batch_tokens=1024, cuda_graphs=cuda, async_scheduling=args.async_scheduling,
+                                 device="cuda" if cuda else "cpu"))
+    engine.start()
+    startup = time.perf_counter() - t0
+    request = GenerationRequest(prompt_ids=list(range(10, 42)), max_new_tokens=STEPS_TOKENS, ignore_eos=True)
+    try:
+        for _ in range(2):
+            engine.generate([request])  # warm-up: graphs, allocator
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            result = engine.generate([request])[0]
+        per_token_ms = 1000 * (result.latency_s - result.ttft_s) / (result.num_output_tokens - 1)
+        unprofiled = engine.generate([request])[0]
+        per_token_unprofiled_ms = 1000 * (unprofiled.latency_s - unprofiled.ttft_s) / (unprofiled.num_output_tokens - 1)
+    finally:
+        engine.stop()
+
+    steps = result.num_output_tokens - 1
+    summary = summarize_kernels(prof, (result.latency_s - result.ttft_s), steps)  # kernels by category per step
+    report = {
+        "bench": "gpu_decode_profile", "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
+        "async_scheduling": args.async_scheduling, "startup_s": round(startup, 1), "decode_steps": steps,
+        "wall_ms_per_token_profiled": round(per_token_ms, 3),
+        "wall_ms_per_token_unprofiled": round(per_token_unprofiled_ms, 3),
+        "kernels_per_step": round(sum(k["calls_per_step"] for k in summary["top_kernels"]), 1),
+        **summary,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"batch-1 decode on {report['gpu']}: {per_token_unprofiled_ms:.3f} ms/token "
+          f"({per_token_ms:.3f} under the profiler); GPU kernels {report['gpu_kernel_ms_per_step']:.3f} ms/step, "
+          f"{report['kernels_per_step']} kernels/step (of the top 25 names)")
+    for name, ms in report["by_category_ms_per_step"].items():
+        print(f"  {name:<48} {ms:.4f} ms/step")
+    for row in report["top_kernels"][:16]:
+        print(f"  {row['ms_per_step']:.4f} ms  x{row['calls_per_step']:<6} {row['name'][:100]}")
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
