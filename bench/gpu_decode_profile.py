@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
+    parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "flex"])
+    parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"])
     args = parser.parse_args()
 
     import torch
@@ -48,6 +50,7 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=str(model_dir), max_batch_size=8, max_model_len=512, kv_cache_memory_gib=1.0,
                                  max_batch_tokens=1024, cuda_graphs=cuda, async_scheduling=args.async_scheduling,
+                                 decode_attention=args.decode_attention, compile_mode=args.compile_mode,
                                  device="cuda" if cuda else "cpu"))
     engine.start()
     startup = time.perf_counter() - t0
@@ -69,7 +72,8 @@ def main() -> None:
     report = {
         "bench": "gpu_decode_profile", "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
-        "async_scheduling": args.async_scheduling, "startup_s": round(startup, 1), "decode_steps": steps,
+        "async_scheduling": args.async_scheduling, "decode_attention": args.decode_attention,
+        "compile_mode": args.compile_mode, "startup_s": round(startup, 1), "decode_steps": steps,
         "wall_ms_per_token_profiled": round(per_token_ms, 3),
         "wall_ms_per_token_unprofiled": round(per_token_unprofiled_ms, 3),
         "kernels_per_step": round(sum(k["calls_per_step"] for k in summary["top_kernels"]), 1),

@@ -47,6 +47,7 @@ NUM_REQUESTS, OUT_TOKENS, PROMPT_MIN, PROMPT_MAX = 256, 128, 32, 256
 MAX_MODEL_LEN = 512
 KV_GIB = 16.0
 COMPILE_MODE = "default"  # copt serve --compile-mode (--compile-mode flag of this script)
+DECODE_ATTENTION = "sdpa"  # EngineConfig.decode_attention, engine cases only (no CLI option yet)
 ASYNC_SCHEDULING = True  # copt serve's async scheduling (on by default; --no-async-scheduling of this script)
 
 
@@ -215,6 +216,7 @@ def bench_engine(model_dir: Path, prompts: list[list[int]], reference: list[list
     engine = Engine(EngineConfig(model=str(model_dir), max_batch_size=NUM_REQUESTS, max_model_len=MAX_MODEL_LEN,
                                  kv_cache_memory_gib=KV_GIB, max_batch_tokens=4096, cuda_graphs=cuda_graphs,
                                  compile=compile_, compile_mode=COMPILE_MODE if compile_ is not False else "default",
+                                 decode_attention=DECODE_ATTENTION,
                                  async_scheduling=ASYNC_SCHEDULING))
     engine.start()
     startup = time.perf_counter() - t0
@@ -385,6 +387,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/serve_gpu.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny model, few requests (checks the script on CPU)")
+    parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "flex"],
+                        help="the engine's decode-step attention (engine cases only: the server has no such option "
+                             "yet)")
     parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
                         help="copt serve --compile-mode for the engine and server cases")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
@@ -393,14 +398,15 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated cases to leave out (e.g. engine_eager_layers)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    global NUM_REQUESTS, OUT_TOKENS, KV_GIB, COMPILE_MODE, ASYNC_SCHEDULING
-    COMPILE_MODE, ASYNC_SCHEDULING = args.compile_mode, args.async_scheduling
+    global NUM_REQUESTS, OUT_TOKENS, KV_GIB, COMPILE_MODE, ASYNC_SCHEDULING, DECODE_ATTENTION
+    COMPILE_MODE, ASYNC_SCHEDULING, DECODE_ATTENTION = args.compile_mode, args.async_scheduling, args.decode_attention
     if args.smoke:
         NUM_REQUESTS, OUT_TOKENS, KV_GIB = 16, 16, 0.05
 
     import torch
 
     results: dict = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "compile_mode": COMPILE_MODE,
+                     "decode_attention": DECODE_ATTENTION,
                      "async_scheduling": ASYNC_SCHEDULING,
                      "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                      "workload": {"requests": NUM_REQUESTS, "prompt_tokens": [PROMPT_MIN, PROMPT_MAX],

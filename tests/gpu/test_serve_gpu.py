@@ -11,7 +11,8 @@ from tests.integration.test_serve_helpers import eval_prompts, hf_greedy
 pytestmark = pytest.mark.gpu
 
 
-def engine_greedy_matches_hf(fixtures, device: str, async_scheduling: bool = False) -> None:
+def engine_greedy_matches_hf(fixtures, device: str, async_scheduling: bool = False,
+                             decode_attention: str = "sdpa") -> None:
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
 
     prompts = eval_prompts(fixtures, 6, seed=11)
@@ -19,7 +20,7 @@ def engine_greedy_matches_hf(fixtures, device: str, async_scheduling: bool = Fal
     on_gpu = device == "cuda"
     engine = Engine(EngineConfig(model=str(fixtures.teacher), device=device, dtype="fp32", max_batch_size=8,
                                  max_model_len=256, kv_cache_tokens=8 * 256, cuda_graphs=on_gpu, compile=True,
-                                 async_scheduling=async_scheduling))
+                                 async_scheduling=async_scheduling, decode_attention=decode_attention))
     with engine:
         assert engine.runner.fused_projections == 8 and engine.runner.compiled_layers == 4
         if on_gpu:
@@ -31,6 +32,8 @@ def engine_greedy_matches_hf(fixtures, device: str, async_scheduling: bool = Fal
     assert alone[0].output_ids == expected[1]  # the batch-1 graph too
     if async_scheduling:
         assert engine.stats.chained_steps > 0  # decode steps fed on the device, through the captured graphs
+    if on_gpu and decode_attention == "flex":
+        assert engine.runner.compile_error is None  # flex compiled inside the captured layers (no eager fallback)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -39,3 +42,10 @@ def test_compiled_graphs_with_merged_projections_match_hf_greedy_on_gpu(fixtures
 
     assert torch.cuda.is_available()
     engine_greedy_matches_hf(fixtures, "cuda", async_scheduling)
+
+
+def test_flex_decode_attention_through_graphs_matches_hf_greedy_on_gpu(fixtures):
+    import torch
+
+    assert torch.cuda.is_available()
+    engine_greedy_matches_hf(fixtures, "cuda", async_scheduling=True, decode_attention="flex")

@@ -78,3 +78,23 @@ def test_stretch_that_runs_to_the_end_of_the_context(fixtures):
         result = engine.generate([GenerationRequest(prompt_ids=prompt, max_new_tokens=500, ignore_eos=True)])[0]
     assert result.finish_reason == "length" and len(prompt) + len(result.output_ids) == 64
     assert result.output_ids == expected
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_flex_decode_attention_gives_hf_greedy_tokens(fixtures, compiled):
+    """decode_attention="flex" (FlexAttention with a score_mod over the context bucket instead of masked SDPA):
+    the same greedy tokens as transformers with the compiled decode layers; eager layers fall back to SDPA."""
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
+
+    prompts = eval_prompts(fixtures, 4, seed=23)
+    lengths = [5, 12, 20, 20]
+    expected = [out[:n] for out, n in zip(hf_greedy(fixtures.teacher, prompts, max(lengths)), lengths, strict=True)]
+    config = EngineConfig(model=str(fixtures.teacher), device="cpu", max_batch_size=8, max_model_len=256,
+                          compile=compiled, decode_attention="flex")
+    with Engine(config) as engine:
+        results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True)
+                                   for p, n in zip(prompts, lengths, strict=True)])
+        assert engine.runner.compiled_layers == (4 if compiled else 0)
+        # flex only inside compiled layers (eager FlexAttention materializes the scores): masked SDPA otherwise
+        assert engine.runner.decode_attention == ("flex" if compiled else "sdpa")
+    assert [r.output_ids for r in results] == expected

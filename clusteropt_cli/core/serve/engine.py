@@ -360,6 +360,9 @@ class EngineConfig:
     compile: bool | None = None  # None: with CUDA graphs
     compile_mode: str = "default"  # torch.compile mode of the decode layers
     async_scheduling: bool = True  # greedy decode stretches: launch step k+1 before handling step k's tokens
+    # decode-step attention: "sdpa" (masked SDPA) or "flex" (FlexAttention; experimental, not measured on a GPU
+    # yet, so not a CLI option: bench/gpu_serve.py --decode-attention flex measures it)
+    decode_attention: str = "sdpa"
     gpu_memory_fraction: float = 0.85
 
 
@@ -443,7 +446,8 @@ class Engine:
 
         use_compile = cfg.compile if cfg.compile is not None else use_graphs
         self.runner = ModelRunner(cfg.model, device=device, dtype=cfg.dtype, num_slots=None, max_len=cache_len,
-                                  cuda_graphs=use_graphs, compile_decode=use_compile, compile_mode=cfg.compile_mode)
+                                  cuda_graphs=use_graphs, compile_decode=use_compile, compile_mode=cfg.compile_mode,
+                                  decode_attention=cfg.decode_attention)
         self.draft_runner = None
         if cfg.draft_model:
             self.draft_runner = ModelRunner(cfg.draft_model, device=device, dtype=cfg.dtype, num_slots=None,
