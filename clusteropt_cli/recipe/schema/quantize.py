@@ -47,7 +47,7 @@ class QuantizeRecipe(Strict):
         "min/max (minmax), a clipping-range search minimizing the weights' quantization error (mse), or the same "
         "weighted by each input channel's mean squared calibration activation (imatrix_mse; needs calibration). "
         "Default: mse for awq (AWQ's clipping search, which llm-compressor's AWQ modifier leaves out), minmax "
-        "otherwise. The --compare-rtn baseline always uses minmax.")
+        "otherwise. The --compare-rtn baseline of awq/gptq uses minmax.")
     prediction: Prediction | None = None
 
     @model_validator(mode="after")
