@@ -52,17 +52,19 @@ STATIC_BATCH_EFFICIENCY = 0.6
 # running sequence per step (sampling, block tables, detokenizing, one SSE event per token). copt's own engine
 # through its HTTP server (`copt serve`, streaming), H200, Llama-3.2-1B shape, bench/gpu_serve.py 2026-11-30
 # (bench/results/serve-h200-2026-11-30/): batch-1 decode 2.71 ms/token vs a 0.73 ms roofline → 1.8 ms fixed with
-# eager decoder layers, 1.89 ms/token (two runs) → 1.2 ms since the layers are compiled (the default on GPU);
+# eager decoder layers, 1.89 ms/token (two runs) → 1.2 ms since the layers are compiled, 1.41–1.42 ms/token (runs
+# 6, 8b, 9) → 0.7 ms with merged projections and async scheduling (the defaults since the fourth session);
 # 256 requests (prompts 32–256) × 128 tokens: prefill 0.70 s for 36,864 prompt tokens vs 0.19 s of FLOPs at
 # PREFILL_MFU → 2.0 ms per prompt (a first form, 28 ms per 2,048-token chunk, missed prompts of 512 by −61% on
 # TTFT); 9,524 output tok/s → ~66 µs per running sequence per step (a later run on another H200 host measured
-# 8,090 tok/s for the same workload: the HTTP path is host-CPU bound, so expect ±15% across machines).
+# 8,090 tok/s for the same workload: the HTTP path is host-CPU bound, so expect ±15% across machines); with today's
+# defaults 10,467 and 8,572 tok/s (runs 6, 9; mean 9,520) → 68 µs beside the 0.7 ms fixed cost.
 # Without continuous batching the baseline is HF `generate` on a static batch, whose per-step host cost dominates
 # (../shared/gpu/README.md: batch 64 left-padded 2,372 output tok/s = 27 ms/step; batch 1 eager measured
 # 43.5 ms/token, so batch-1 figures from this anchor are optimistic). vLLM is not calibrated here (roofline only).
 SERVING_ENGINES = {
-    "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 2.0e-3, "step_fixed_s": 1.2e-3,
-             "step_per_seq_s": 66e-6},
+    "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 2.0e-3, "step_fixed_s": 0.7e-3,
+             "step_per_seq_s": 68e-6},
     "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }
 # Fraction of link bandwidth NCCL collectives reach (bus bandwidth / link bandwidth, large messages).
