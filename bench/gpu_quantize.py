@@ -16,6 +16,9 @@ Parts (each case guarded; a case that would start after the time budget is recor
            (results["small_model"]). Then copt quantize rtn, gptq, awq at W4 g128 and W3 g128, fp8 and int8, each
            scored on the held-out files before and after; results["quality_summary"] has the perplexity increase
            per method per width and whether GPTQ/AWQ beat RTN (the AWQ paper's ordering: RTN > GPTQ > AWQ).
+  --quality-model medium --corpus python: the same with a ~150 M-parameter model trained on the stdlib and the
+           installed packages' sources (~200 M characters, no held-out-named files, no exact duplicates), for the
+           question whether AWQ's W4 advantage shows on a larger model than the 33.6 M one.
   --cpu-smoke runs the quality part on the CPU with tiny sizes (13 files, 0.6 M-param model, 3 s of training,
            rtn W4/W3 and gptq W4) to check the script end to end without a GPU.
 """
@@ -41,6 +44,10 @@ LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, 
                 max_position_embeddings=8192, rms_norm_eps=1e-5, head_dim=64)
 SMALL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
              intermediate_size=1536, tie_word_embeddings=False, max_position_embeddings=2048, rms_norm_eps=1e-5)
+# --quality-model medium: ~150 M parameters (with the 8,192 BPE), for the question whether AWQ's W4 advantage shows on
+# a larger model; train it on --corpus python (stdlib + installed packages), not the stdlib alone (it would memorize)
+MEDIUM = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=8,
+              intermediate_size=2816, tie_word_embeddings=False, max_position_embeddings=2048, rms_norm_eps=1e-5)
 TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=256, tie_word_embeddings=False, max_position_embeddings=512, rms_norm_eps=1e-5)
 # calibration text of the speed part (the 1B shape has random weights; any code text will do)
@@ -385,6 +392,7 @@ class QualitySetup:
     symmetric: bool = True  # integer weight quantization without (True) or with zero points
     awq_duo_scaling: bool | str = True  # the recipe's awq_duo_scaling (llm-compressor's default: True)
     awq_also: tuple = ()  # extra AWQ cases on the same model: (name suffix, recipe overrides), e.g. duo=true
+    corpus: str = "stdlib"  # "python": the stdlib and the installed packages' sources
 
 
 def gpu_setup(train_s: float, max_epochs: float) -> QualitySetup:
@@ -401,24 +409,45 @@ def smoke_setup(train_s: float, max_epochs: float) -> QualitySetup:
                         cases=[("rtn", 4), ("gptq", 4), ("awq", 4), ("rtn", 3)])
 
 
-def stdlib_corpus(max_chars: int) -> tuple[list[str], list[str]]:
-    """The stdlib's .py sources (sorted; no test directories, no EVAL_FILES) up to max_chars: (names, texts)."""
-    lib = Path(sysconfig.get_paths()["stdlib"])
+def stdlib_corpus(max_chars: int, with_packages: bool = False) -> tuple[list[str], list[str]]:
+    """The stdlib's .py sources (sorted; no test directories, no EVAL_FILES) up to max_chars: (names, texts).
+    with_packages: then the .py sources of the installed packages (site-packages), with exact duplicates and any
+    file named like a held-out file left out (vendored copies must not leak the evaluation text)."""
+    import hashlib
+    import site
+
     held_out = set(EVAL_FILES)
-    names, texts, total = [], [], 0
-    for path in sorted(lib.rglob("*.py")):
-        rel = path.relative_to(lib)
-        if rel.as_posix() in held_out or SKIP_DIRS & set(rel.parts[:-1]):
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        if total + len(text) > max_chars:
-            break
-        names.append(rel.as_posix())
-        texts.append(text)
-        total += len(text)
+    held_out_names = {Path(f).name for f in EVAL_FILES}
+    roots = [(Path(sysconfig.get_paths()["stdlib"]), "", SKIP_DIRS)]
+    if with_packages:
+        package_dirs = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()}
+        # and any other install target on sys.path (e.g. the --target dir of the carried wheels)
+        package_dirs |= {p for p in sys.path if p and Path(p).is_dir() and any(Path(p).glob("*.dist-info"))}
+        roots += [(Path(d), f"packages/{i}/", SKIP_DIRS - {"site-packages", "dist-packages"})
+                  for i, d in enumerate(sorted(package_dirs)) if Path(d).is_dir()]
+    names, texts, seen, total = [], [], set(), 0
+    for root, prefix, skip in roots:
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root)
+            if not prefix and rel.as_posix() in held_out:
+                continue
+            if prefix and path.name in held_out_names:
+                continue
+            if skip & set(rel.parts[:-1]):
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            digest = hashlib.sha1(text.encode()).digest()
+            if digest in seen:
+                continue
+            if total + len(text) > max_chars:
+                return names, texts
+            seen.add(digest)
+            names.append(prefix + rel.as_posix())
+            texts.append(text)
+            total += len(text)
     return names, texts
 
 
@@ -561,7 +590,7 @@ def train_small(work: Path, tokenizer, ids, eval_text: str, setup: QualitySetup)
 
 def quality_part(results: dict, work: Path, setup: QualitySetup, deadline: float) -> None:
     t0 = time.perf_counter()
-    names, docs = stdlib_corpus(setup.corpus_chars)
+    names, docs = stdlib_corpus(setup.corpus_chars, with_packages=setup.corpus == "python")
     chars = sum(map(len, docs))
     subset = docs[:: max(1, math.ceil(chars / setup.tokenizer_chars))]
     tokenizer = train_tokenizer(subset, work / "tokenizer-quality", setup.vocab)
@@ -570,7 +599,8 @@ def quality_part(results: dict, work: Path, setup: QualitySetup, deadline: float
     eval_path = work / "eval.txt"
     eval_path.write_text(eval_text)
     small_model = results["small_model"] = {
-        **setup.model, "vocab_size": len(tokenizer), "device": setup.device, "corpus_files": len(names),
+        **setup.model, "vocab_size": len(tokenizer), "device": setup.device, "corpus": setup.corpus,
+        "corpus_files": len(names),
         "corpus_chars": chars, "corpus_tokens": len(ids), "tokenizer_train_chars": sum(map(len, subset)),
         "eval_files": EVAL_FILES, "max_epochs": setup.max_epochs, "train_s_budget": setup.train_s,
         "data_prep_s": time.perf_counter() - t0}
@@ -662,6 +692,12 @@ def main() -> None:
                              "imatrix_mse), comma-separated")
     parser.add_argument("--bits", default="4,3,8",
                         help="quality part: weight widths to run (4 and 3: rtn/gptq/awq; 8: fp8/int8), comma-separated")
+    parser.add_argument("--quality-model", choices=["small", "medium"], default="small",
+                        help="quality part: the 33.6 M-parameter model (default) or a ~150 M one (MEDIUM)")
+    parser.add_argument("--corpus", choices=["stdlib", "python"], default="stdlib",
+                        help="quality part: train on the stdlib's sources, or on them and the installed packages'")
+    parser.add_argument("--corpus-chars", type=int, default=None,
+                        help="quality part: training text cap in characters (default 40 M; --corpus python: 200 M)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="run only the quality part, on the CPU, with tiny sizes (checks the script end to end)")
     args = parser.parse_args()
@@ -697,6 +733,11 @@ def main() -> None:
                     setup.cases = [c for c in setup.cases if c[1] < 8]
                 if args.calib_samples:
                     setup.calib_samples = args.calib_samples
+                setup.corpus = args.corpus
+                if args.corpus_chars or args.corpus == "python":
+                    setup.corpus_chars = args.corpus_chars or (200_000_000 if not args.cpu_smoke else 1_000_000)
+                if args.quality_model == "medium" and not args.cpu_smoke:
+                    setup.model = MEDIUM
                 widths = {int(b) for b in args.bits.split(",")}
                 setup.cases = [c for c in setup.cases if c[1] in widths]
                 duo = [{"true": True, "false": False, "both": "both"}[v] for v in args.awq_duo_scaling.split(",")]
@@ -741,7 +782,8 @@ def print_table(results: dict) -> None:
     if "quality" in results:
         m = results.get("small_model", {})
         if "heldout_ppl" in m:
-            print(f"Small Llama ({m['params'] / 1e6:.1f} M params) trained {m['train_seconds']:.0f} s: "
+            print(f"Llama ({m['params'] / 1e6:.1f} M params, corpus {m.get('corpus', 'stdlib')}) trained "
+                  f"{m['train_seconds']:.0f} s: "
                   f"{m['train_steps']} steps, {m['tokens_seen'] / 1e6:.1f} M tokens = {m['epochs']:.2f} epochs of "
                   f"{m['corpus_tokens'] / 1e6:.2f} M; train loss {m['final_train_loss']:.3f}, held-out ppl "
                   f"{m['heldout_ppl']:.2f} ({m['heldout_tokens']} tokens; train-text ppl {m['train_text_ppl']:.2f})")
