@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
-    parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "flex"])
+    parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "flex", "math"])
     parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"])
     args = parser.parse_args()
 

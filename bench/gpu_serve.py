@@ -387,7 +387,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/serve_gpu.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny model, few requests (checks the script on CPU)")
-    parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "flex"],
+    parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "flex", "math"],
                         help="the engine's decode-step attention (engine cases only: the server has no such option "
                              "yet)")
     parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],

@@ -32,8 +32,9 @@ def engine_greedy_matches_hf(fixtures, device: str, async_scheduling: bool = Fal
     assert alone[0].output_ids == expected[1]  # the batch-1 graph too
     if async_scheduling:
         assert engine.stats.chained_steps > 0  # decode steps fed on the device, through the captured graphs
-    if on_gpu and decode_attention == "flex":
-        assert engine.runner.compile_error is None  # flex compiled inside the captured layers (no eager fallback)
+    if on_gpu and decode_attention != "sdpa":
+        assert engine.runner.compile_error is None  # compiled inside the captured layers (no eager fallback)
+        assert engine.runner.decode_attention == decode_attention
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -44,8 +45,9 @@ def test_compiled_graphs_with_merged_projections_match_hf_greedy_on_gpu(fixtures
     engine_greedy_matches_hf(fixtures, "cuda", async_scheduling)
 
 
-def test_flex_decode_attention_through_graphs_matches_hf_greedy_on_gpu(fixtures):
+@pytest.mark.parametrize("decode_attention", ["flex", "math"])
+def test_decode_attention_variants_through_graphs_match_hf_greedy_on_gpu(fixtures, decode_attention):
     import torch
 
     assert torch.cuda.is_available()
-    engine_greedy_matches_hf(fixtures, "cuda", async_scheduling=True, decode_attention="flex")
+    engine_greedy_matches_hf(fixtures, "cuda", async_scheduling=True, decode_attention=decode_attention)

@@ -80,21 +80,22 @@ def test_stretch_that_runs_to_the_end_of_the_context(fixtures):
     assert result.output_ids == expected
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_flex_decode_attention_gives_hf_greedy_tokens(fixtures, compiled):
-    """decode_attention="flex" (FlexAttention with a score_mod over the context bucket instead of masked SDPA):
-    the same greedy tokens as transformers with the compiled decode layers; eager layers fall back to SDPA."""
+@pytest.mark.parametrize(("attention", "compiled"), [("flex", False), ("flex", True), ("math", True)])
+def test_decode_attention_variants_give_hf_greedy_tokens(fixtures, attention, compiled):
+    """decode_attention="flex" (FlexAttention with a score_mod over the context bucket) and "math" (plain tensor
+    ops) instead of masked SDPA: the same greedy tokens as transformers with the compiled decode layers; eager
+    layers fall back to SDPA."""
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
 
     prompts = eval_prompts(fixtures, 4, seed=23)
     lengths = [5, 12, 20, 20]
     expected = [out[:n] for out, n in zip(hf_greedy(fixtures.teacher, prompts, max(lengths)), lengths, strict=True)]
     config = EngineConfig(model=str(fixtures.teacher), device="cpu", max_batch_size=8, max_model_len=256,
-                          compile=compiled, decode_attention="flex")
+                          compile=compiled, decode_attention=attention)
     with Engine(config) as engine:
         results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True)
                                    for p, n in zip(prompts, lengths, strict=True)])
         assert engine.runner.compiled_layers == (4 if compiled else 0)
         # flex only inside compiled layers (eager FlexAttention materializes the scores): masked SDPA otherwise
-        assert engine.runner.decode_attention == ("flex" if compiled else "sdpa")
+        assert engine.runner.decode_attention == (attention if compiled else "sdpa")
     assert [r.output_ids for r in results] == expected

@@ -360,8 +360,8 @@ class EngineConfig:
     compile: bool | None = None  # None: with CUDA graphs
     compile_mode: str = "default"  # torch.compile mode of the decode layers
     async_scheduling: bool = True  # greedy decode stretches: launch step k+1 before handling step k's tokens
-    # decode-step attention: "sdpa" (masked SDPA) or "flex" (FlexAttention; experimental, not measured on a GPU
-    # yet, so not a CLI option: bench/gpu_serve.py --decode-attention flex measures it)
+    # decode-step attention: "sdpa" (masked SDPA), "flex" (FlexAttention) or "math" (plain tensor ops); the last
+    # two are experimental, not measured on a GPU yet, so not CLI options (bench/gpu_serve.py --decode-attention)
     decode_attention: str = "sdpa"
     gpu_memory_fraction: float = 0.85
 

@@ -43,6 +43,7 @@ class StepContext:
     mask: Any = None  # decode: [B, 1, 1, L] bool (None with flex decode attention)
     kv_len: int = 0  # decode: L, the context bucket
     flex: bool = False  # decode: FlexAttention over the bucket instead of masked SDPA
+    math: bool = False  # decode: attention as plain tensor ops (inductor fuses the softmax; two small bmm)
 
 
 def _slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, copt_step=None,
@@ -72,7 +73,13 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
             return _flex_decode(query, keys, values, step.positions, scaling), None
         # one query per sequence: fold the GQA group into the query-length axis (no K/V repeat needed)
         q = query.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, scale=scaling)
+        if step.math:
+            scale = scaling if scaling is not None else head_dim**-0.5
+            scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
+            probs = scores.masked_fill(~step.mask, float("-inf")).softmax(dim=-1).to(values.dtype)
+            out = torch.matmul(probs, values)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, scale=scaling)
         return out.reshape(batch, num_heads, 1, head_dim).transpose(1, 2), None
 
     groups = num_heads // kv_heads
@@ -224,10 +231,11 @@ class ModelRunner:
         self._graph_pool = None
         self._eager_forwards: list[tuple[Any, Any]] = []
         self.compile_mode = compile_mode
-        if decode_attention not in ("sdpa", "flex"):
-            raise ValueError(f"decode_attention must be sdpa or flex, not {decode_attention!r}")
+        if decode_attention not in ("sdpa", "flex", "math"):
+            raise ValueError(f"decode_attention must be sdpa, flex or math, not {decode_attention!r}")
         self.compiled_layers = self._compile_decode_layers() if compile_decode else 0
-        # FlexAttention is fast only compiled (eager, it materializes the scores): masked SDPA otherwise
+        # FlexAttention and the plain-ops form pay only compiled (eager, they are several unfused kernels or
+        # materialize the scores): masked SDPA otherwise
         self.decode_attention = decode_attention if self.compiled_layers else "sdpa"
 
     def allocate(self, num_slots: int) -> None:
@@ -354,7 +362,7 @@ class ModelRunner:
         if not flex:
             mask = (torch.arange(kv_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
         step = StepContext(caches=self.caches, mode="decode", slot_ids=rows, positions=positions, mask=mask,
-                           kv_len=kv_len, flex=flex)
+                           kv_len=kv_len, flex=flex, math=self.decode_attention == "math")
         hidden = self._hidden(input_ids[:, None], positions[:, None], step)
         return self.lm_head(hidden[:, -1]).float()
 
