@@ -245,6 +245,7 @@ def summarize_kernels(prof, wall_s: float, steps: int) -> dict:  # noqa: ANN001
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
     return {"steps": steps, "wall_ms_per_step": 1e3 * wall_s / steps,
             "gpu_kernel_ms_per_step": sum(by_cat.values()),
+            "kernels_per_step": sum(count for _ms, count in kernels.values()) / steps,
             "by_category_ms_per_step": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
             "top_kernels": [{"name": n[:140], "ms_per_step": ms / steps, "calls_per_step": c / steps}
                             for n, (ms, c) in top]}

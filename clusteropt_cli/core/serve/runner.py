@@ -42,8 +42,9 @@ class StepContext:
     positions: Any = None  # decode: [B] long (the scratch column for rows whose slot is not decoding)
     mask: Any = None  # decode: [B, 1, 1, L] bool (None with flex decode attention)
     kv_len: int = 0  # decode: L, the context bucket
-    flex: bool = False  # decode: FlexAttention over the bucket instead of masked SDPA
-    math: bool = False  # decode: attention as plain tensor ops (inductor fuses the softmax; two small bmm)
+    # decode: "sdpa" (masked SDPA), "flex" (FlexAttention over the bucket) or "math" (plain tensor ops: two small
+    # matmuls around a masked softmax that inductor fuses)
+    attention: str = "sdpa"
 
 
 def _slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, copt_step=None,
@@ -69,11 +70,11 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
         v_cache[step.slot_ids, :, step.positions] = value[:, :, 0]
         keys = k_cache[:batch, :, : step.kv_len]
         values = v_cache[:batch, :, : step.kv_len]
-        if step.flex:
+        if step.attention == "flex":
             return _flex_decode(query, keys, values, step.positions, scaling), None
         # one query per sequence: fold the GQA group into the query-length axis (no K/V repeat needed)
         q = query.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
-        if step.math:
+        if step.attention == "math":
             scale = scaling if scaling is not None else head_dim**-0.5
             scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
             probs = scores.masked_fill(~step.mask, float("-inf")).softmax(dim=-1).to(values.dtype)
@@ -357,12 +358,11 @@ class ModelRunner:
         import torch
 
         rows = torch.arange(input_ids.shape[0], device=self.device)
-        flex = self.decode_attention == "flex"
         mask = None
-        if not flex:
+        if self.decode_attention != "flex":
             mask = (torch.arange(kv_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
         step = StepContext(caches=self.caches, mode="decode", slot_ids=rows, positions=positions, mask=mask,
-                           kv_len=kv_len, flex=flex, math=self.decode_attention == "math")
+                           kv_len=kv_len, attention=self.decode_attention)
         hidden = self._hidden(input_ids[:, None], positions[:, None], step)
         return self.lm_head(hidden[:, -1]).float()
 
