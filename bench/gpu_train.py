@@ -54,6 +54,9 @@ CASES: dict[str, tuple[str, dict]] = {
     "copt_stock_mask": ("copt", dict(bench_stock_sdpa=True)),  # transformers' own SDPA path (a mask under compile)
     "copt_coord_descent": ("copt", dict(bench_inductor={"coordinate_descent_tuning": True})),
     "copt_max_autotune": ("copt", dict(bench_inductor={"max_autotune": True, "max_autotune_gemm": True})),
+    # before the deferred step readout: the host waits for every step's loss/grad norm (and copies batches from
+    # pageable memory) before it queues the next step
+    "copt_sync_each_step": ("copt", dict(bench_sync_each_step=True)),
 }
 MODES = {
     "single": ["baseline_eager", "baseline_compile", "copt_default", "copt_hf_loss"],
@@ -64,6 +67,7 @@ MODES = {
     "final": ["baseline_eager", "copt_default", "copt_fp8"],
     "explore2": ["baseline_compile", "copt_default", "copt_stock_mask", "copt_profile", "copt_chunk4k",
                  "copt_chunk8k", "copt_checkpointing", "copt_fp8"],
+    "explore3": ["copt_sync_each_step", "copt_default", "copt_chunk4k", "copt_chunk8k", "copt_max_autotune"],
 }
 STEPS = {"baseline": 10, "copt": 10, "copt-dist": 8}
 WARMUP = 3  # steps left out of the speed figure (compilation, allocator warm-up)
@@ -184,6 +188,16 @@ def apply_bench_settings(bench: dict) -> None:
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(True)
+    if bench.get("bench_sync_each_step"):
+        import clusteropt_cli.core.train.engines as engines
+        import clusteropt_cli.core.train.loop as loop
+        from clusteropt_cli.core.train.metrics import StepValues
+
+        class ReadAtOnce(StepValues):
+            deferred = False  # the loop reads (and waits for) every step before queueing the next
+
+        loop.StepValues = ReadAtOnce
+        engines._move = lambda batch, device: {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     for key, value in (bench.get("bench_inductor") or {}).items():
         import torch._inductor.config as inductor_config
 
@@ -325,6 +339,8 @@ def main() -> None:
     parser.add_argument("--zero", action="store_true", help="same as --mode zero (2 GPUs)")
     parser.add_argument("--cases", help="comma-separated case names (overrides --mode)")
     parser.add_argument("--budget-s", type=float, default=285.0, help="wall-clock budget for the whole mode")
+    parser.add_argument("--case-timeout-s", type=float, default=240.0,
+                        help="limit of one case (max-autotune compiles longer)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -354,7 +370,7 @@ def main() -> None:
             if CASES[name][0] == "copt-dist" and torch.cuda.device_count() < CASES[name][1].get("gpus", 2):
                 report["cases"][name] = {"ok": False, "error": f"needs {CASES[name][1].get('gpus', 2)} GPUs"}
                 continue
-            report["cases"][name] = run_case(name, Path(tmp), timeout=min(left, 240))
+            report["cases"][name] = run_case(name, Path(tmp), timeout=min(left, args.case_timeout_s))
             print(f"[{time.time() - started:5.0f}s] {name}: "
                   f"{'ok' if report['cases'][name].get('ok') else report['cases'][name].get('error')}", flush=True)
     base = report["cases"].get("baseline_eager", {})

@@ -64,3 +64,40 @@ def test_fused_loss_matches_hf_loss_on_gpu(tmp_path):
     fused = _train(tmp_path / "a", precision="bf16", max_steps=3, compile=False)
     hf = _train(tmp_path / "b", precision="bf16", max_steps=3, compile=False, loss_impl="hf")
     assert fused.losses == pytest.approx(hf.losses, rel=2e-2)
+
+
+def test_deferred_step_readout_keeps_every_row_and_resumes(tmp_path):
+    """On CUDA a step's loss and grad norm are read after the next step is queued: every step still gets its row,
+    in order, with the values of that step; a save step is read before its checkpoint is written."""
+    import math
+
+    from clusteropt_cli.core.train import read_metrics
+
+    first = _train(tmp_path, precision="bf16", max_steps=7, save_every=3)
+    rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 8))
+    assert [r["loss"] for r in rows] == first.losses
+    assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows)
+    assert all(r["step_time_s"] > 0 and r["peak_mem_bytes"] > 0 for r in rows)
+    assert (tmp_path / "out" / "checkpoints" / "step-6" / "meta.json").exists()
+    resumed = _train(tmp_path, precision="bf16", max_steps=7, save_every=3, resume=True)
+    assert resumed.start_step == 6 and len(resumed.losses) == 1
+    rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 8))
+
+
+def test_step_values_read_waits_for_its_own_step_only():
+    import torch
+
+    from clusteropt_cli.core.train.metrics import StepValues
+
+    x = torch.randn(4096, 4096, device="cuda")
+    loss = (x @ x).square().mean()
+    values = StepValues({"loss": loss, "grad_norm": loss.sqrt(), "lr": 0.5, "extra": None})
+    assert values.deferred
+    for _ in range(20):  # queued after the values: read() must not need them
+        x = x @ x / 64
+    got = values.read()
+    assert got["loss"] == pytest.approx(float(loss), rel=1e-6)
+    assert got["grad_norm"] == pytest.approx(float(loss.sqrt()), rel=1e-6)
+    assert got["lr"] == 0.5 and got["extra"] is None

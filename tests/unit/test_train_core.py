@@ -339,3 +339,13 @@ def test_loss_chunk_tokens_reaches_the_fused_loss(monkeypatch):
     assert float(chunked) == pytest.approx(float(default), rel=1e-5)
     with pytest.raises(ValueError, match="loss_chunk_tokens"):
         TrainRecipe(model="x", loss_chunk_tokens=7, loss_impl="hf")
+
+
+def test_step_values_on_cpu_are_read_at_once():
+    import torch
+
+    from clusteropt_cli.core.train.metrics import StepValues
+
+    values = StepValues({"loss": torch.tensor(2.5), "grad_norm": None, "lr": 0.1, "kl": torch.tensor([0.25])})
+    assert not values.deferred  # nothing queued on a CPU: the loop writes the row at once
+    assert values.read() == {"loss": 2.5, "grad_norm": None, "lr": 0.1, "kl": 0.25}

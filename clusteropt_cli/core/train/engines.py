@@ -2,7 +2,7 @@
 
 Each engine exposes the same small surface to the loop in loop.py:
     micro_step(batch, is_last_micro) -> (loss, metrics)   forward + backward of one micro-batch
-    optimizer_step() -> grad_norm | None                   clip, step, schedule, zero grads
+    optimizer_step() -> grad_norm | None                   clip, step, schedule, zero grads (norm: float or tensor)
     lr, loss_scale, save(dir), load(dir), final_state_dict() (rank 0 gets the full weights)
 """
 
@@ -84,6 +84,10 @@ def make_loss_module(model: Any, loss_fn: Any) -> Any:
 
 
 def _move(batch: dict[str, Any], device: Any) -> dict[str, Any]:
+    """Host batch → device without waiting for queued work: from pinned memory on CUDA (a copy from pageable
+    memory may synchronize with the stream)."""
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
@@ -140,7 +144,9 @@ class TorchEngine:
                 scaled.backward()
         return loss.detach(), metrics
 
-    def optimizer_step(self) -> float | None:
+    def optimizer_step(self) -> Any:
+        """Clip, step, schedule, zero the gradients; returns the pre-clip grad norm as a device tensor (read
+        later, so the step is queued without waiting for the GPU)."""
         import torch
 
         if self.scaler is not None:
@@ -155,7 +161,7 @@ class TorchEngine:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     @property
     def lr(self) -> float:

@@ -38,6 +38,7 @@ from clusteropt_cli.core.train.distributed import DistContext, all_reduce_mean, 
 from clusteropt_cli.core.train.metrics import (
     MetricsWriter,
     SavedTensorMeter,
+    StepValues,
     model_state_bytes,
     peak_flops_per_device,
     training_flops_per_token,
@@ -259,13 +260,48 @@ def run_training(
     tokens_done = 0
     peak = reserved = None
     started = time.perf_counter()
+    last_done = started  # when the previous step's values were read (its kernels had finished)
+    pending: tuple[int, StepValues, dict[str, Any], float] | None = None
+
+    def finish(step_no: int, values: StepValues, info: dict[str, Any], step_started: float) -> None:
+        """Read a step's values (waiting for its kernels only), time it, write its metrics row."""
+        nonlocal peak, reserved, last_done, tokens_done
+        scalars = values.read()
+        now = time.perf_counter()
+        # queued behind the previous step, this one started on the GPU when that one ended
+        elapsed = now - max(step_started, last_done)
+        last_done = now
+        if ctx.device_type == "cuda":
+            peak = int(torch.cuda.max_memory_allocated(ctx.device))
+            reserved = int(torch.cuda.max_memory_reserved(ctx.device))
+        elif cpu_activation_bytes is not None or kind == "pipeline":
+            peak = model_state_bytes(engine.model, engine.optimizer, full_gradients=kind != "deepspeed") + \
+                int(cpu_activation_bytes or 0)
+        loss_value = scalars.pop("loss")
+        grad_norm = scalars.pop("grad_norm")
+        step_times.append(elapsed)
+        losses.append(loss_value)
+        tokens_done += info["tokens"]
+        tps = info["tokens"] / elapsed if elapsed > 0 else None
+        mfu = (tps * flops_per_token / (peak_flops * ctx.world_size)
+               if tps and flops_per_token and peak_flops else None)
+        row = {"step": step_no, "loss": loss_value, "lr": info["lr"], "tokens_per_s": tps, "mfu": mfu,
+               "peak_mem_bytes": peak, "peak_reserved_bytes": reserved, "step_time_s": elapsed,
+               "grad_norm": grad_norm, "tokens": info["tokens"], "epoch": info["epoch"], "total_steps": total_steps}
+        if info["loss_scale"] is not None:
+            row["loss_scale"] = info["loss_scale"]
+        row.update(scalars)
+        if writer is not None:
+            writer.write(row)
+            _emit(callbacks, "on_step", row)
+
     step = start_step
     try:
         for step in range(start_step + 1, total_steps + 1):
             t0 = time.perf_counter()
             indices = cursor.next_indices(global_batch)
             step_loss = torch.zeros((), device=ctx.device, dtype=torch.float32)
-            step_metrics: dict[str, float] = {}
+            step_metrics: dict[str, Any] = {}
             if kind == "pipeline":
                 batch = collate([dataset[i] for i in indices])
                 step_loss = engine.train_step(batch)
@@ -285,39 +321,26 @@ def run_training(
                     else:
                         loss, metrics = engine.micro_step(batch, micro == int(options.grad_accum) - 1)
                     step_loss += loss.float() / int(options.grad_accum)
-                    for key, value in metrics.items():
-                        step_metrics[key] = step_metrics.get(key, 0.0) + float(value) / int(options.grad_accum)
-            lr_used = engine.lr
+                    for key, value in metrics.items():  # tensors stay on the device until the step is read
+                        step_metrics[key] = step_metrics.get(key, 0.0) + value / int(options.grad_accum)
+            info = {"lr": engine.lr, "tokens": tokens_per_step, "epoch": cursor.epoch}
             grad_norm = engine.optimizer_step()
             step_loss = all_reduce_mean(step_loss, ctx) if kind != "pipeline" else step_loss
-            loss_value = float(step_loss)
-            if ctx.device_type == "cuda":
-                torch.cuda.synchronize(ctx.device)
-                peak = int(torch.cuda.max_memory_allocated(ctx.device))
-                reserved = int(torch.cuda.max_memory_reserved(ctx.device))
-            elif cpu_activation_bytes is not None or kind == "pipeline":
-                peak = model_state_bytes(engine.model, engine.optimizer, full_gradients=kind != "deepspeed") + \
-                    int(cpu_activation_bytes or 0)
-            elapsed = time.perf_counter() - t0
-            step_times.append(elapsed)
-            losses.append(loss_value)
-            tokens_done += tokens_per_step
-            tps = tokens_per_step / elapsed if elapsed > 0 else None
-            mfu = (tps * flops_per_token / (peak_flops * ctx.world_size)
-                   if tps and flops_per_token and peak_flops else None)
-            row = {"step": step, "loss": loss_value, "lr": lr_used, "tokens_per_s": tps, "mfu": mfu,
-                   "peak_mem_bytes": peak, "peak_reserved_bytes": reserved, "step_time_s": elapsed,
-                   "grad_norm": grad_norm, "tokens": tokens_per_step, "epoch": cursor.epoch,
-                   "total_steps": total_steps}
-            if engine.loss_scale is not None:
-                row["loss_scale"] = engine.loss_scale
-            row.update(step_metrics)
-            if writer is not None:
-                writer.write(row)
-                _emit(callbacks, "on_step", row)
-            if options.save_every and step % int(options.save_every) == 0 and step < total_steps:
+            info["loss_scale"] = engine.loss_scale
+            values = StepValues({"loss": step_loss, "grad_norm": grad_norm, **step_metrics})
+            if pending is not None:  # the previous step: done once this one is queued behind it
+                finish(*pending)
+                pending = None
+            saving = bool(options.save_every and step % int(options.save_every) == 0 and step < total_steps)
+            if values.deferred and not saving:
+                pending = (step, values, info, t0)
+            else:
+                finish(step, values, info, t0)
+            if saving:
                 _save_checkpoint(engine, output_dir, step, cursor, ctx, kind)
                 log(f"checkpoint step-{step} saved")
+        if pending is not None:
+            finish(*pending)
     finally:
         if writer is not None:
             writer.close()

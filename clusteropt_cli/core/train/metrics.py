@@ -172,3 +172,42 @@ class MetricsWriter:
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a metrics.jsonl file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class StepValues:
+    """An optimizer step's scalars (loss, grad norm, loss-function metrics) whose kernels may still be queued.
+
+    On CUDA the tensors are copied to pinned host memory behind a CUDA event, so the loop can queue the next step
+    before reading them (`read()` waits for this step only, not for the work queued after it): the GPU never idles
+    while the host logs. Plain floats and CPU tensors are read at once."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        import torch
+
+        self.floats = {k: (None if v is None else float(v)) for k, v in values.items()
+                       if not isinstance(v, torch.Tensor)}
+        self.tensor_names = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+        self.event = None
+        self.host = None
+        if self.tensor_names:
+            stacked = torch.stack([values[k].detach().float().reshape(()) for k in self.tensor_names])
+            if stacked.is_cuda:
+                self.host = torch.empty(stacked.shape, dtype=torch.float32, pin_memory=True)
+                self.host.copy_(stacked, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record()
+            else:
+                self.host = stacked
+
+    @property
+    def deferred(self) -> bool:
+        """Whether reading waits on the GPU (the loop reads these one step later)."""
+        return self.event is not None
+
+    def read(self) -> dict[str, float | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        values = dict(self.floats)
+        if self.host is not None:
+            values.update(zip(self.tensor_names, self.host.tolist(), strict=True))
+        return values
