@@ -47,7 +47,7 @@ NUM_REQUESTS, OUT_TOKENS, PROMPT_MIN, PROMPT_MAX = 256, 128, 32, 256
 MAX_MODEL_LEN = 512
 KV_GIB = 16.0
 COMPILE_MODE = "default"  # copt serve --compile-mode (--compile-mode flag of this script)
-DECODE_ATTENTION = "sdpa"  # EngineConfig.decode_attention, engine cases only (no CLI option yet)
+DECODE_ATTENTION = "auto"  # copt serve --decode-attention (engine and server cases)
 ASYNC_SCHEDULING = True  # copt serve's async scheduling (on by default; --no-async-scheduling of this script)
 
 
@@ -290,7 +290,8 @@ def start_server(model_dir: Path, port: int) -> subprocess.Popen:
            "--max-batch-size", str(NUM_REQUESTS), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory",
            str(KV_GIB), "--max-batch-tokens", "4096", "--served-model-name", "llama-1b-shape",
            "--max-queue", "4096"] + (["--compile-mode", COMPILE_MODE] if COMPILE_MODE != "default" else []) \
-        + (["--async-scheduling"] if ASYNC_SCHEDULING else ["--no-async-scheduling"])
+        + (["--async-scheduling"] if ASYNC_SCHEDULING else ["--no-async-scheduling"]) \
+        + ["--decode-attention", DECODE_ATTENTION]
     log("starting: " + " ".join(cmd))
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -387,9 +388,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/serve_gpu.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny model, few requests (checks the script on CPU)")
-    parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "flex", "math"],
-                        help="the engine's decode-step attention (engine cases only: the server has no such option "
-                             "yet)")
+    parser.add_argument("--decode-attention", default="auto", choices=["auto", "sdpa", "flex", "math"],
+                        help="copt serve --decode-attention for the engine and server cases")
     parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
                         help="copt serve --compile-mode for the engine and server cases")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,

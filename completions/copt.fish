@@ -232,6 +232,7 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l block-size
 complete -c copt -n "__fish_seen_subcommand_from serve" -l compile
 complete -c copt -n "__fish_seen_subcommand_from serve" -l compile-mode
 complete -c copt -n "__fish_seen_subcommand_from serve" -l cuda-graphs
+complete -c copt -n "__fish_seen_subcommand_from serve" -l decode-attention
 complete -c copt -n "__fish_seen_subcommand_from serve" -l draft-model
 complete -c copt -n "__fish_seen_subcommand_from serve" -l dry-run
 complete -c copt -n "__fish_seen_subcommand_from serve" -l dtype

@@ -58,6 +58,9 @@ def serve(
                                                           help="Launch the next greedy decode step before handling "
                                                                "the current one's tokens (default: on; vLLM: its "
                                                                "own default).")] = None,
+    decode_attention: Annotated[str | None, typer.Option("--decode-attention",
+                                                         help="auto | sdpa | flex | math: attention of the "
+                                                              "compiled decode steps.")] = None,
     tensor_parallel: Annotated[int | None, typer.Option("--tensor-parallel", help="vLLM: GPUs per replica.")] = None,
     pipeline_parallel: Annotated[int | None, typer.Option("--pipeline-parallel", help="vLLM: pipeline stages.")]
     = None,
@@ -84,7 +87,7 @@ def serve(
         max_queue=max_queue, max_model_len=max_model_len, draft_model=draft_model,
         num_speculative_tokens=num_speculative_tokens, prompt_lookup=prompt_lookup,
         speculative_max_batch=speculative_max_batch, cuda_graphs=cuda_graphs, compile=compile_,
-        compile_mode=compile_mode, async_scheduling=async_scheduling,
+        compile_mode=compile_mode, async_scheduling=async_scheduling, decode_attention=decode_attention,
         tensor_parallel=tensor_parallel,
         pipeline_parallel=pipeline_parallel, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
         grace_period=grace_period))
@@ -135,7 +138,8 @@ def serve(
             console.log(f"engine: {info['device']}, {info['kv_cache_slots']} slots × {info['max_model_len']} tokens "
                         f"KV cache ({console.human_bytes(info['kv_cache_bytes'])}), "
                         f"{info['cuda_graphs']} CUDA graphs, {info.get('merged_projections', 0)} merged projection "
-                        f"groups (q/k/v, gate/up), speculation: {info['speculation']}")
+                        f"groups (q/k/v, gate/up), decode attention {info.get('decode_attention', 'sdpa')}, "
+                        f"speculation: {info['speculation']}")
             fp8 = info.get("fp8_linears") or {}
             if fp8.get("count"):
                 console.log(f"FP8 W8A8: {fp8['count']} linear layers, "

@@ -239,3 +239,20 @@ def test_compile_mode_reaches_torch_compile_of_the_decode_layers(fixtures, monke
     assert settings.compile_mode == "max-autotune-no-cudagraphs"
     with pytest.raises(RecipeError, match="compile_mode"):
         load_settings("serve", None, ["compile_mode=max-autotune-no-cudagraphs", "engine=vllm"], {"model": "m"})
+
+
+def test_decode_attention_setting_reaches_the_runner(fixtures):
+    from clusteropt_cli.core.serve.engine import Engine, resolve_decode_attention
+    from clusteropt_cli.errors import RecipeError
+    from clusteropt_cli.recipe.load import load_settings
+
+    settings = load_settings("serve", None, ["decode_attention=math"], {"model": str(fixtures.teacher)})
+    engine = Engine.from_settings(settings, device="cpu")
+    assert engine.config.decode_attention == "math"
+    assert resolve_decode_attention("auto") in ("sdpa", "flex", "math")
+    assert resolve_decode_attention("flex") == "flex"
+    for bad in (["decode_attention=math", "engine=vllm"], ["decode_attention=flex", "compile=false"]):
+        with pytest.raises(RecipeError, match="decode_attention"):
+            load_settings("serve", None, bad, {"model": "m"})
+    with pytest.raises(RecipeError, match="decode_attention"):
+        load_settings("serve", None, ["decode_attention=fast"], {"model": "m"})

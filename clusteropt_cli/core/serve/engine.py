@@ -360,10 +360,15 @@ class EngineConfig:
     compile: bool | None = None  # None: with CUDA graphs
     compile_mode: str = "default"  # torch.compile mode of the decode layers
     async_scheduling: bool = True  # greedy decode stretches: launch step k+1 before handling step k's tokens
-    # decode-step attention: "sdpa" (masked SDPA), "flex" (FlexAttention) or "math" (plain tensor ops); the last
-    # two are experimental, not measured on a GPU yet, so not CLI options (bench/gpu_serve.py --decode-attention)
-    decode_attention: str = "sdpa"
+    # decode-step attention of the compiled layers: "sdpa" (masked SDPA), "flex" (FlexAttention) or "math" (plain
+    # tensor ops the compiler fuses); "auto" resolves in resolve_decode_attention
+    decode_attention: str = "auto"
     gpu_memory_fraction: float = 0.85
+
+
+def resolve_decode_attention(choice: str) -> str:
+    """The decode-step attention for `auto`."""
+    return "sdpa" if choice == "auto" else choice
 
 
 def _ngram_draft(tokens: list[int], n_max: int, k: int) -> list[int]:
@@ -412,6 +417,7 @@ class Engine:
             prompt_lookup=settings.prompt_lookup, speculative_max_batch=settings.speculative_max_batch,
             cuda_graphs=settings.cuda_graphs, compile=settings.compile, compile_mode=settings.compile_mode,
             async_scheduling=settings.async_scheduling is not False,
+            decode_attention=getattr(settings, "decode_attention", "auto"),
         )
         return cls(config, observer=observer)
 
@@ -447,7 +453,7 @@ class Engine:
         use_compile = cfg.compile if cfg.compile is not None else use_graphs
         self.runner = ModelRunner(cfg.model, device=device, dtype=cfg.dtype, num_slots=None, max_len=cache_len,
                                   cuda_graphs=use_graphs, compile_decode=use_compile, compile_mode=cfg.compile_mode,
-                                  decode_attention=cfg.decode_attention)
+                                  decode_attention=resolve_decode_attention(cfg.decode_attention))
         self.draft_runner = None
         if cfg.draft_model:
             self.draft_runner = ModelRunner(cfg.draft_model, device=device, dtype=cfg.dtype, num_slots=None,

@@ -44,6 +44,9 @@ class ServeRecipe(Strict):
         "of pure greedy decoding). None = on for the transformers engine (H200, 1B: batch-1 decode 1.70 -> 1.40 "
         "ms/token in the same run), vLLM's own default for engine vllm (true/false pass --async-scheduling / "
         "--no-async-scheduling).")
+    decode_attention: Literal["auto", "sdpa", "flex", "math"] = Field(
+        "auto", description="Attention of the compiled decode steps: masked SDPA, FlexAttention, or plain tensor ops "
+        "(math) that the compiler fuses. auto = sdpa. transformers engine with compiled decode layers only.")
     tensor_parallel: PositiveInt = 1
     pipeline_parallel: PositiveInt = 1
     quantization: str | None = Field(None, description="vLLM --quantization (awq, gptq, fp8, compressed-tensors).")
@@ -60,6 +63,9 @@ class ServeRecipe(Strict):
         if self.compile_mode != "default" and (self.engine == "vllm" or self.compile is False):
             problems.append("compile_mode: applies to the transformers engine's compiled decode layers "
                             "(not with engine vllm or compile false)")
+        if self.decode_attention in ("flex", "math") and (self.engine == "vllm" or self.compile is False):
+            problems.append("decode_attention: flex and math apply to the transformers engine's compiled decode "
+                            "layers (not with engine vllm or compile false)")
         if problems:
             raise ValueError("; ".join(problems))
         return self
