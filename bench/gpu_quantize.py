@@ -687,6 +687,8 @@ def main() -> None:
     parser.add_argument("--awq-duo-scaling", default="true",
                         help="quality part: AWQ's scale search (the recipe's awq_duo_scaling: true, false or both); "
                              "a comma list (false,true) also runs the others as extra awq[duo=…] cases")
+    parser.add_argument("--awq-no-clip", action="store_true",
+                        help="quality part: also run AWQ without the clipping search (awq[clip=false])")
     parser.add_argument("--awq-observers", default="",
                         help="quality part: extra AWQ cases with these weight observers (the recipe's observer: mse, "
                              "imatrix_mse), comma-separated")
@@ -743,7 +745,8 @@ def main() -> None:
                 duo = [{"true": True, "false": False, "both": "both"}[v] for v in args.awq_duo_scaling.split(",")]
                 setup.awq_duo_scaling = duo[0]
                 setup.awq_also = tuple((f"duo={str(v).lower()}", {"awq_duo_scaling": v}) for v in duo[1:]) + tuple(
-                    (f"observer={o}", {"observer": o}) for o in args.awq_observers.split(",") if o)
+                    (f"observer={o}", {"observer": o}) for o in args.awq_observers.split(",") if o) + (
+                    (("clip=false", {"awq_clip": False}),) if args.awq_no_clip else ())
                 quality_part(results, work, setup, deadline)
         except Exception as exc:  # noqa: BLE001
             results[f"{part}_error"] = f"{type(exc).__name__}: {exc}"

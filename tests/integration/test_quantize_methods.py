@@ -23,6 +23,7 @@ EVAL_TOKENS = 8192  # the fixture's own held-out eval set: 64 blocks of 128
 # Method → recipe fields. Integer methods at 3 bits, group 64 (divides hidden 128 and intermediate 384).
 CASES = {
     "awq": dict(method="awq", bits=3, group_size=64, compare_rtn=True, num_samples=AWQ_SAMPLES),
+    "awq-noclip": dict(method="awq", bits=3, group_size=64, num_samples=AWQ_SAMPLES, awq_clip=False),
     "gptq": dict(method="gptq", bits=3, group_size=64),
     "rtn": dict(method="rtn", bits=3, group_size=64),
     "fp8": dict(method="fp8"),
@@ -31,8 +32,8 @@ CASES = {
 # Closeness of the reloaded model's next-token distribution to the original's on held-out text:
 # mean KL(original || quantized) in nats per token, and top-1 agreement. 8-bit formats are near-lossless;
 # 3-bit weights on a 1M-parameter model move the distribution visibly (perplexity +1-3 %), hence looser bounds.
-MAX_KL = {"awq": 0.10, "gptq": 0.10, "rtn": 0.12, "fp8": 0.01, "int8": 0.02}
-MIN_TOP1 = {"awq": 0.75, "gptq": 0.75, "rtn": 0.75, "fp8": 0.95, "int8": 0.93}
+MAX_KL = {"awq": 0.10, "awq-noclip": 0.12, "gptq": 0.10, "rtn": 0.12, "fp8": 0.01, "int8": 0.02}
+MIN_TOP1 = {"awq": 0.75, "awq-noclip": 0.75, "gptq": 0.75, "rtn": 0.75, "fp8": 0.95, "int8": 0.93}
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +112,18 @@ def test_reloads_generates_and_stays_close(method, quantized, original):
 def test_report_records_the_run(method, quantized, fixtures):
     report, out = quantized[method]
     on_disk = json.loads((out / "copt_quant_report.json").read_text())
-    assert on_disk["method"] == method and on_disk["backend"] == "llmcompressor"
+    assert on_disk["method"] == method.split("-")[0] and on_disk["backend"] == "llmcompressor"
     assert on_disk["backend_version"].startswith("llmcompressor 0.")
-    assert on_disk["bits"] == (3 if method in ("awq", "gptq", "rtn") else 8)
+    assert on_disk["bits"] == (3 if method in ("awq", "awq-noclip", "gptq", "rtn") else 8)
+    if method == "awq":  # the clipping search ran on every linear but q/k: 4 layers × (v, o, gate, up, down)
+        assert on_disk["awq_clip"]["layers"] == 20 and 0.55 <= on_disk["awq_clip"]["mean_clip_ratio"] < 1
+    else:
+        assert on_disk["awq_clip"] is None
     assert on_disk["size_before_bytes"] > 0 and on_disk["size_after_bytes"] > 0
     # fp32 → 3-bit packed (embeddings and lm_head stay fp32): well under half; 8-bit formats: under 40 %
     assert on_disk["size_after_bytes"] < on_disk["size_before_bytes"] * (0.5 if on_disk["bits"] == 3 else 0.6)
-    expected = {"awq": AWQ_SAMPLES, "gptq": CALIB_SAMPLES, "int8": INT8_SAMPLES}.get(method, 0)
+    expected = {"awq": AWQ_SAMPLES, "awq-noclip": AWQ_SAMPLES, "gptq": CALIB_SAMPLES,
+                "int8": INT8_SAMPLES}.get(method, 0)
     assert on_disk["calib_samples"] == expected
     assert on_disk["eval_tokens"] == EVAL_TOKENS - EVAL_TOKENS // SEQ_LEN
     assert on_disk["ppl_before"] == pytest.approx(report.ppl_before)
@@ -141,3 +147,11 @@ def test_awq_and_gptq_beat_round_to_nearest_at_3_bits(quantized):
     assert 0 < gptq < rtn
     # --compare-rtn scores RTN in memory; the saved RTN checkpoint must score the same
     assert quantized["awq"][0].ppl_rtn == pytest.approx(quantized["rtn"][0].ppl_after, rel=1e-4)
+
+
+def test_clipping_search_lowers_awq_error(quantized):
+    """llm-awq's clipping search on top of llm-compressor's AWQ scales: a smaller perplexity increase at W3
+    (measured on this fixture, 32 samples: +0.23 with the search vs +1.22 without; RTN +1.93)."""
+    clipped, plain = quantized["awq"][0].ppl_increase, quantized["awq-noclip"][0].ppl_increase
+    print(f"AWQ W3 g64 ppl increase: with clipping search {clipped:+.3f}, without {plain:+.3f}")
+    assert 0 < clipped < plain

@@ -1,6 +1,7 @@
 """The default backend: llm-compressor's oneshot (+ compressed-tensors checkpoints that vLLM and transformers load).
 
-awq  = AWQModifier (activation-aware scales) + QuantizationModifier (int weights, groups)
+awq  = AWQModifier (activation-aware scales) + QuantizationModifier (int weights, groups), then llm-awq's
+       weight-clipping search (awq_clip.py; recipe key awq_clip)
 gptq = GPTQModifier (inverse-Hessian error compensation)
 rtn  = QuantizationModifier alone (round-to-nearest, same bits and groups: the baseline)
 fp8  = QuantizationModifier(scheme=FP8_DYNAMIC): e4m3 per-channel weights, dynamic per-token activations
@@ -160,11 +161,20 @@ def run_oneshot(model, tokenizer, method: str, settings: QuantizeRecipe, texts: 
         used, tokens = len(ids), sum(len(x) for x in ids)
         kwargs = dict(dataset=dataset, num_calibration_samples=used, max_seq_length=settings.seq_len,
                       shuffle_calibration_samples=False, batch_size=1)
+    clip = method == "awq" and settings.clip_search and method == settings.method
     guard = cpu_awq_guard() if method == "awq" else contextlib.nullcontext()
     with guard, layer_progress(model, progress, f"{method}: calibrating" if kwargs else f"{method}: quantizing"):
         oneshot(model=model, processor=tokenizer, recipe=recipe, save_compressed=True,
-                output_dir=str(output_dir) if output_dir else None, **kwargs)
-    return {"calib_samples": used, "calib_tokens": tokens}
+                output_dir=str(output_dir) if output_dir and not clip else None, **kwargs)
+    facts: dict = {"calib_samples": used, "calib_tokens": tokens}
+    if clip:  # llm-awq's clipping search on top of llm-compressor's scales, then the same compressed save
+        from clusteropt_cli.core.quantize.awq_clip import apply_awq_clip
+
+        facts["awq_clip"] = apply_awq_clip(model, ids, progress)
+        if output_dir:
+            model.save_pretrained(str(output_dir), save_compressed=True)
+            tokenizer.save_pretrained(str(output_dir))
+    return facts
 
 
 def version() -> str:

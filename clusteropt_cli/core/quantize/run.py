@@ -69,6 +69,7 @@ class QuantizeReport:
     warnings: list[str]
     observer: str | None = None  # how integer weight scales were chosen (awq/gptq/rtn on llmcompressor)
     awq_duo_scaling: bool | str | None = None
+    awq_clip: dict | None = None  # llm-awq's clipping search: layers clipped, mean clip ratio, sample tokens
 
 
 def default_output(settings: QuantizeRecipe) -> Path:
@@ -260,7 +261,8 @@ def run(plan_: Plan, progress=None, verbose: bool = False) -> QuantizeReport:
             ppl_rtn_increase=None if ppl_rtn is None else ppl_rtn - ppl_before,
             sample_generation=sample, device=device, warnings=list(plan_.warnings) + facts.get("warnings", []),
             observer=s.weight_observer,
-            awq_duo_scaling=s.awq_duo_scaling if s.backend == "llmcompressor" and s.method == "awq" else None)
+            awq_duo_scaling=s.awq_duo_scaling if s.backend == "llmcompressor" and s.method == "awq" else None,
+            awq_clip=facts.get("awq_clip"))
         report.compression_ratio = round(report.size_before_bytes / max(report.size_after_bytes, 1), 3)
         report.total_time_s = round(time.perf_counter() - started, 3)
         (tmp / REPORT_NAME).write_text(json.dumps(asdict(report), indent=2) + "\n")

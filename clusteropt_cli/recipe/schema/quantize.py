@@ -42,12 +42,18 @@ class QuantizeRecipe(Strict):
     awq_duo_scaling: bool | Literal["both"] = Field(
         True, description="AWQ scale search: activation and weight magnitudes (true, llm-compressor's default), "
                           "activations only (false), or half the grid each (both).")
+    awq_clip: bool | None = Field(
+        None, description="After AWQ's scaling, llm-awq's clipping search: per output channel and group, the "
+        "weight range (1 to 0.55 of max|w|) whose quantized weights best reproduce the group's share of the layer "
+        "output on calibration inputs (q/k projections excluded); llm-compressor's AWQ has no such step. "
+        "None = on for method awq on the llmcompressor backend.")
     observer: Literal["minmax", "mse", "imatrix_mse"] | None = Field(
         None, description="How integer weight scales are chosen (awq/gptq/rtn on llmcompressor): the group's "
         "min/max (minmax), a clipping-range search minimizing the weights' quantization error (mse), or the same "
         "weighted by each input channel's mean squared calibration activation (imatrix_mse; needs calibration). "
-        "Default: mse for awq (AWQ's clipping search, which llm-compressor's AWQ modifier leaves out), minmax "
-        "otherwise. The --compare-rtn baseline of awq/gptq uses minmax.")
+        "Default: mse for awq (with awq_clip the clipped layers' ranges come from the clipping search; the "
+        "observer sets the q/k projections'), minmax otherwise. The --compare-rtn baseline of awq/gptq uses "
+        "minmax.")
     prediction: Prediction | None = None
 
     @model_validator(mode="after")
@@ -62,6 +68,8 @@ class QuantizeRecipe(Strict):
                             f"(it runs {', '.join(BACKEND_METHODS[self.backend])}; llmcompressor runs all)")
         if self.awq_duo_scaling is not True and (self.method != "awq" or self.backend != "llmcompressor"):
             problems.append("awq_duo_scaling: applies to method awq on the llmcompressor backend only")
+        if self.awq_clip and (self.method != "awq" or self.backend != "llmcompressor"):
+            problems.append("awq_clip: applies to method awq on the llmcompressor backend only")
         if self.observer not in (None, "minmax") and (self.method not in ("awq", "gptq", "rtn")
                                                       or self.backend != "llmcompressor"):
             problems.append("observer: applies to integer weights (awq, gptq, rtn) on the llmcompressor backend only")
@@ -86,6 +94,12 @@ class QuantizeRecipe(Strict):
         if self.observer is not None:
             return self.observer
         return "mse" if self.method == "awq" else "minmax"
+
+    @property
+    def clip_search(self) -> bool:
+        """Whether llm-awq's clipping search runs after AWQ (awq_clip; None = on for awq on llmcompressor)."""
+        on_awq = self.method == "awq" and self.backend == "llmcompressor"
+        return on_awq and self.awq_clip is not False
 
     @property
     def needs_calibration(self) -> bool:
