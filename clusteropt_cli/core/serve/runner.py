@@ -465,6 +465,7 @@ class _DecodeGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=runner._graph_pool):
             self.logits = runner._decode_eager(self.input_ids, self.positions, kv_len)
+            self.greedy = greedy_tokens(self.logits)  # every row's argmax, in the graph (used by DecodeChain)
 
     def run(self, slots: list[int], positions: list[int], tokens: list[int]):
         import torch
@@ -479,6 +480,19 @@ class _DecodeGraph:
         self.positions.copy_(host[1], non_blocking=True)
         self.graph.replay()
         return self.logits
+
+
+def greedy_tokens(logits: Any) -> Any:
+    """argmax over the vocabulary of [rows, vocab] logits, the same indices as logits.argmax(-1) (first maximum),
+    in two stages: the maxima of vocabulary chunks, then the best chunk. One row's plain argmax is a single-block
+    reduction (27 µs over a 128k vocabulary on an H200); chunked, every SM takes part."""
+    rows, vocab = logits.shape
+    chunks = next((c for c in (256, 128, 64, 32, 16) if vocab % c == 0 and vocab // c >= 64), 1)
+    if chunks == 1:
+        return logits.argmax(-1)
+    values, within = logits.reshape(rows, chunks, vocab // chunks).max(-1)
+    best = values.argmax(-1, keepdim=True)  # the first chunk holding the maximum: the first maximum overall
+    return (best * (vocab // chunks) + within.gather(-1, best)).squeeze(-1)
 
 
 class DecodeChain:
@@ -518,10 +532,10 @@ class DecodeChain:
                 graph.input_ids.copy_(self.ids)
                 graph.positions.copy_(self.positions)
                 graph.graph.replay()
-                logits = graph.logits
+                chosen = graph.greedy.index_select(0, self.index)
             else:
                 logits = runner._decode_eager(self.ids, self.positions, kv_len)
-            chosen = logits.index_select(0, self.index).argmax(-1)
+                chosen = logits.index_select(0, self.index).argmax(-1)
             self.ids.index_copy_(0, self.index, chosen)
             self.positions.index_add_(0, self.index, torch.ones_like(chosen))
             self.max_position += 1

@@ -46,7 +46,9 @@ class ServeRecipe(Strict):
         "--no-async-scheduling).")
     decode_attention: Literal["auto", "sdpa", "flex", "math"] = Field(
         "auto", description="Attention of the compiled decode steps: masked SDPA, FlexAttention, or plain tensor ops "
-        "(math) that the compiler fuses. auto = sdpa. transformers engine with compiled decode layers only.")
+        "(math) that the compiler fuses. auto = math where the decode layers are compiled (H200, 1B, batch-1: "
+        "1.23 ms/token against 1.42 with sdpa), sdpa otherwise. flex/math: transformers engine, compiled decode "
+        "layers.")
     tensor_parallel: PositiveInt = 1
     pipeline_parallel: PositiveInt = 1
     quantization: str | None = Field(None, description="vLLM --quantization (awq, gptq, fp8, compressed-tensors).")
