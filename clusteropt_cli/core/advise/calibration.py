@@ -30,14 +30,15 @@ KV_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0}
 # ---- time ---------------------------------------------------------------------------------------------------
 # Model FLOPs utilization of an eager HF training step (dense FLOPs, datasheet peak). H200 anchor: 46.6k tok/s on
 # the 1B shape at 8 × 2048 = 8.22 GFLOP/token → 383 TFLOP/s = 0.387 of 989 TFLOP/s. "compile" is copt train's
-# CUDA default (compiled decoder, mask-free causal SDPA, chunked LM-head loss, fused AdamW): 61.3k and 61.6k tok/s
-# in two runs (bench/results/train-h200-2026-11-30/final, explore2) → 0.51.
-TRAIN_MFU = {"eager": 0.39, "compile": 0.51}
+# CUDA default (compiled decoder, mask-free causal SDPA, chunked LM-head loss, fused AdamW, each step's loss read one
+# step late so the host never stalls the GPU): 66.1k tok/s (bench/results/train-h200-2026-11-30/explore3; 61.9k in
+# the same run with the per-step sync, 61.3k/61.6k in the runs before) → 0.55.
+TRAIN_MFU = {"eager": 0.39, "compile": 0.55}
 # FP8 training reaches a lower fraction of its (2×) peak: casts/scaling and non-GEMM time stay. H200 anchor: copt
-# train --precision fp8 (torchao Float8Linear + the compiled defaults) 70.1k tok/s = 0.291 of the 1,979 TFLOP/s
-# fp8 peak = 0.57 × the compiled bf16 MFU (1.14× the bf16 defaults end to end; ~1.3× in TransformerEngine's
+# train --precision fp8 (torchao Float8Linear + the compiled defaults, before the deferred step readout) 70.1k
+# tok/s = 0.291 of the 1,979 TFLOP/s fp8 peak = 0.53 × the compiled bf16 MFU (~1.3× bf16 in TransformerEngine's
 # Llama examples on larger models).
-FP8_MFU_FACTOR = 0.57
+FP8_MFU_FACTOR = 0.53
 # Prefill runs large matmuls: MFU of a prefill forward (vLLM/HF sdpa on Hopper, typical 0.4–0.6).
 PREFILL_MFU = 0.50
 # Fraction of HBM bandwidth a decode step reaches (memory-bound kernels; 4.26 TB/s measured copy vs 4.8 datasheet
