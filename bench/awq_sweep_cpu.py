@@ -4,9 +4,12 @@
 
     OMP_NUM_THREADS=1 python3 bench/awq_sweep_cpu.py --out bench/results/awq_sweep_cpu.json     (~3 minutes)
     python3 bench/awq_sweep_cpu.py --observers --out bench/results/awq_observer_sweep_cpu.json   (~2 minutes)
+    python3 bench/awq_sweep_cpu.py --clip --out bench/results/awq_clip_sweep_cpu.json            (~2 minutes)
 
 --observers instead sweeps the recipe's `observer` (how integer weight scales are chosen: minmax, mse,
-imatrix_mse) for rtn, awq (duo_scaling true) and gptq at 8 and 32 samples.
+imatrix_mse) for rtn, awq (duo_scaling true) and gptq at 8 and 32 samples. --clip sweeps the recipe's
+`awq_clip` (llm-awq's clipping search after the scales) × observer (minmax, mse) at 8 and 32 samples, with rtn and
+gptq as references, at W3 g64, W4 g128 and W4 g64.
 
 Everything as `copt quantize` runs it; duo_scaling is the recipe's `awq_duo_scaling`.
 """
@@ -28,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/awq_sweep_cpu.json"))
     parser.add_argument("--observers", action="store_true", help="sweep the weight observer instead")
+    parser.add_argument("--clip", action="store_true", help="sweep awq_clip × observer instead")
     args = parser.parse_args()
     import torch
     from transformers import AutoTokenizer
@@ -47,6 +51,25 @@ def main() -> None:
     calib.write_text("".join(json.dumps({"text": tok.decode(w)}) + "\n" for w in windows[:128]))
     results: dict = {"bench": "awq_sweep_cpu", "date": time.strftime("%Y-%m-%d"), "model": "fixture teacher",
                      "eval_tokens": 8192, "calib_seq_len": 128, "cases": []}
+    if args.clip:
+        results["bench"] = "awq_clip_sweep_cpu"
+        for bits, group in [(3, 64), (4, 128), (4, 64)]:
+            common = dict(model=str(fx.teacher), bits=bits, group_size=group, calib=str(calib), seq_len=128,
+                          eval=str(fx.eval_text), eval_tokens=8192)
+            variants = [("rtn", {}, 8), ("gptq", {}, 32)] + [
+                ("awq", {"awq_clip": clip, "observer": observer}, samples)
+                for clip in (True, False) for observer in ("minmax", "mse") for samples in (8, 32)]
+            for method, extra, samples in variants:
+                report = run(plan(QuantizeRecipe(output=str(work / "o"), method=method, num_samples=samples,
+                                                 **extra, **common), overwrite=True))
+                results["cases"].append({"bits": bits, "group_size": group, "method": method, **extra,
+                                         "samples": samples, "ppl_before": report.ppl_before,
+                                         "increase": report.ppl_increase, "awq_clip_facts": report.awq_clip})
+                print(f"W{bits} g{group} {method} {extra} samples={samples}: {report.ppl_increase:+.3f}", flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+        print(f"results: {args.out}")
+        return
     if args.observers:
         results["bench"] = "awq_observer_sweep_cpu"
         for bits, group in [(3, 64), (4, 128)]:
