@@ -59,13 +59,16 @@ STATIC_BATCH_EFFICIENCY = 0.6
 # PREFILL_MFU → 2.0 ms per prompt (a first form, 28 ms per 2,048-token chunk, missed prompts of 512 by −61% on
 # TTFT); 9,524 output tok/s → ~66 µs per running sequence per step (a later run on another H200 host measured
 # 8,090 tok/s for the same workload: the HTTP path is host-CPU bound, so expect ±15% across machines); with today's
-# defaults 10,467 and 8,572 tok/s (runs 6, 9; mean 9,520) → 68 µs beside the 0.7 ms fixed cost.
+# defaults 10,467 and 8,572 tok/s (runs 6, 9; mean 9,520) → 68 µs beside the 0.7 ms fixed cost. Fifth session
+# (math decode attention, greedy argmax inside the graph): batch-1 1.22 ms/token through the server (runs 10a, 11)
+# → 0.51 ms fixed; streaming 8,294 and 8,404 tok/s (runs 10a, 11) with runs 6 and 9 (mean of the four 8,934) → 80 µs
+# per sequence (predicts 9,233).
 # Without continuous batching the baseline is HF `generate` on a static batch, whose per-step host cost dominates
 # (../shared/gpu/README.md: batch 64 left-padded 2,372 output tok/s = 27 ms/step; batch 1 eager measured
 # 43.5 ms/token, so batch-1 figures from this anchor are optimistic). vLLM is not calibrated here (roofline only).
 SERVING_ENGINES = {
-    "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 2.0e-3, "step_fixed_s": 0.7e-3,
-             "step_per_seq_s": 68e-6},
+    "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 2.0e-3, "step_fixed_s": 0.51e-3,
+             "step_per_seq_s": 80e-6},
     "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }
 # Fraction of link bandwidth NCCL collectives reach (bus bandwidth / link bandwidth, large messages).
