@@ -362,6 +362,8 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
                 "prediction": prediction}
         if w["chunked_prefill"]:
             data["max_batch_tokens"] = int(w["chunked_prefill"])
+        if w.get("decode_autotune") and data["engine"] == "transformers":
+            data["compile_mode"] = "max-autotune-no-cudagraphs"
         if w["speculative_tokens"]:
             data["prompt_lookup"] = 3
             data["num_speculative_tokens"] = int(w["speculative_tokens"])

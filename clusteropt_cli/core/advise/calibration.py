@@ -71,6 +71,11 @@ SERVING_ENGINES = {
              "step_per_seq_s": 80e-6},
     "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }
+# What `copt serve --compile-mode max-autotune-no-cudagraphs` saves per decode step (inductor's autotuned Triton
+# GEMV/GEMM templates instead of cuBLAS in the compiled decode layers). H200, 1B shape, batch 1: 1.220 → 1.126
+# ms/token in-process on one host (bench/results/serve-h200-2026-11-30/run11-defaults-math, decode profile), 1.22 →
+# 1.11 through the server (runs 11 and 12, two hosts) → 0.1 ms. Measured at batch 1 only; applied per step.
+AUTOTUNED_DECODE_STEP_S = 0.10e-3
 # Fraction of link bandwidth NCCL collectives reach (bus bandwidth / link bandwidth, large messages).
 COMM_EFFICIENCY = 0.80
 # Fraction of ZeRO/DP communication hidden behind backward compute (overlap_comm, bucketed all-reduce).

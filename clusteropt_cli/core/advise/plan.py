@@ -81,6 +81,7 @@ class InferPlan:
     speculative_tokens: int = 0  # draft tokens per step (0 = off)
     speculative_acceptance: float = 0.7
     engine: Literal["copt", "vllm"] = "copt"  # the serving stack continuous batching runs on
+    decode_autotune: bool = False  # copt serve --compile-mode max-autotune-no-cudagraphs (autotuned decode kernels)
 
     def with_(self, **changes) -> InferPlan:
         return replace(self, **changes)

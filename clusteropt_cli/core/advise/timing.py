@@ -161,6 +161,8 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     tpot = max(floor / cal.DECODE_BANDWIDTH_EFFICIENCY, decode_compute)
     if engine:
         tpot += engine["step_fixed_s"] + engine["step_per_seq_s"] * plan.batch
+        if plan.decode_autotune and engine_name == "copt":
+            tpot = max(tpot - cal.AUTOTUNED_DECODE_STEP_S, floor)
     spec_speedup = 1.0
     if plan.speculative_tokens:
         a, k = plan.speculative_acceptance, plan.speculative_tokens
