@@ -349,3 +349,41 @@ def test_step_values_on_cpu_are_read_at_once():
     values = StepValues({"loss": torch.tensor(2.5), "grad_norm": None, "lr": 0.1, "kl": torch.tensor([0.25])})
     assert not values.deferred  # nothing queued on a CPU: the loop writes the row at once
     assert values.read() == {"loss": 2.5, "grad_norm": None, "lr": 0.1, "kl": 0.25}
+
+
+def _read_one_step_late(values):
+    """StepValues as on CUDA (read after the next step is queued), on the CPU: the loop's deferred path in CI."""
+    from clusteropt_cli.core.train.metrics import StepValues
+
+    class ReadOneStepLate(StepValues):
+        deferred = True
+
+    return ReadOneStepLate(values)
+
+
+@pytest.mark.slow
+def test_deferred_step_readout_writes_every_row_in_order_and_resumes(fixtures, tmp_path, data64, monkeypatch):
+    """The loop reads step n's values after step n+1 is queued: same losses and rows as reading at once, a save
+    step read before its checkpoint (its row is in metrics.jsonl when the checkpoint exists), the last step read
+    at the end, and --resume continues the same curve."""
+    import clusteropt_cli.core.train.loop as loop
+
+    at_once = _train(_recipe(fixtures, tmp_path / "a", max_steps=7), data64)
+    monkeypatch.setattr(loop, "StepValues", _read_one_step_late)
+    saves: list[tuple[int, int]] = []  # (checkpoint step, rows written by then)
+    real_save = loop._save_checkpoint
+
+    def recording_save(engine, output_dir, step, *args):
+        saves.append((step, len(read_metrics(output_dir / "metrics.jsonl"))))
+        return real_save(engine, output_dir, step, *args)
+
+    monkeypatch.setattr(loop, "_save_checkpoint", recording_save)
+    late = _train(_recipe(fixtures, tmp_path / "b", max_steps=7, save_every=3), data64)
+    rows = read_metrics(tmp_path / "b" / "out" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 8))
+    assert late.losses == pytest.approx(at_once.losses, abs=1e-6)
+    assert [r["loss"] for r in rows] == late.losses and all(r["step_time_s"] > 0 for r in rows)
+    assert saves == [(3, 3), (6, 6)]
+    resumed = _train(_recipe(fixtures, tmp_path / "b", max_steps=7, save_every=3, resume=True), data64)
+    assert resumed.start_step == 6 and resumed.losses == pytest.approx(at_once.losses[6:], abs=1e-5)
+    assert [r["step"] for r in read_metrics(tmp_path / "b" / "out" / "metrics.jsonl")] == list(range(1, 8))
