@@ -161,7 +161,7 @@ def run_oneshot(model, tokenizer, method: str, settings: QuantizeRecipe, texts: 
         used, tokens = len(ids), sum(len(x) for x in ids)
         kwargs = dict(dataset=dataset, num_calibration_samples=used, max_seq_length=settings.seq_len,
                       shuffle_calibration_samples=False, batch_size=1)
-    clip = method == "awq" and settings.clip_search and method == settings.method
+    clip = method == settings.method and settings.clip_search  # not for the --compare-rtn baseline
     guard = cpu_awq_guard() if method == "awq" else contextlib.nullcontext()
     with guard, layer_progress(model, progress, f"{method}: calibrating" if kwargs else f"{method}: quantizing"):
         oneshot(model=model, processor=tokenizer, recipe=recipe, save_compressed=True,

@@ -261,7 +261,7 @@ def run(plan_: Plan, progress=None, verbose: bool = False) -> QuantizeReport:
             ppl_rtn_increase=None if ppl_rtn is None else ppl_rtn - ppl_before,
             sample_generation=sample, device=device, warnings=list(plan_.warnings) + facts.get("warnings", []),
             observer=s.weight_observer,
-            awq_duo_scaling=s.awq_duo_scaling if s.backend == "llmcompressor" and s.method == "awq" else None,
+            awq_duo_scaling=s.awq_duo_scaling if s.llmcompressor_awq else None,
             awq_clip=facts.get("awq_clip"))
         report.compression_ratio = round(report.size_before_bytes / max(report.size_after_bytes, 1), 3)
         report.total_time_s = round(time.perf_counter() - started, 3)

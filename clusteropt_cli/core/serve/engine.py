@@ -420,7 +420,7 @@ class Engine:
             prompt_lookup=settings.prompt_lookup, speculative_max_batch=settings.speculative_max_batch,
             cuda_graphs=settings.cuda_graphs, compile=settings.compile, compile_mode=settings.compile_mode,
             async_scheduling=settings.async_scheduling is not False,
-            decode_attention=getattr(settings, "decode_attention", "auto"),
+            decode_attention=settings.decode_attention,
         )
         return cls(config, observer=observer)
 

@@ -107,8 +107,8 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 def _flex_decode(query, keys, values, positions, scaling):
     """Decode attention through FlexAttention: row b attends its bucket up to positions[b] (a score_mod instead of
-    a boolean mask, which keeps SDPA on its memory-efficient kernel: 16.5 µs per layer at batch 1 on the H200, 1B
-    shape). Compiled, inductor emits its flex-decoding kernel; eager (CPU tests) runs the reference math.
+    the boolean mask, which confines SDPA to its memory-efficient kernel: 16.5 µs per layer at batch 1 on the H200,
+    1B shape). Compiled, inductor emits its flex-decoding kernel; eager (CPU tests) runs the reference math.
     Returns [B, 1, H, D]."""
     import torch
     from torch.nn.attention.flex_attention import flex_attention

@@ -66,9 +66,9 @@ class QuantizeRecipe(Strict):
         if self.method not in BACKEND_METHODS[self.backend]:
             problems.append(f"backend: {self.backend} does not run method {self.method} "
                             f"(it runs {', '.join(BACKEND_METHODS[self.backend])}; llmcompressor runs all)")
-        if self.awq_duo_scaling is not True and (self.method != "awq" or self.backend != "llmcompressor"):
+        if self.awq_duo_scaling is not True and not self.llmcompressor_awq:
             problems.append("awq_duo_scaling: applies to method awq on the llmcompressor backend only")
-        if self.awq_clip and (self.method != "awq" or self.backend != "llmcompressor"):
+        if self.awq_clip and not self.llmcompressor_awq:
             problems.append("awq_clip: applies to method awq on the llmcompressor backend only")
         if self.observer not in (None, "minmax") and (self.method not in ("awq", "gptq", "rtn")
                                                       or self.backend != "llmcompressor"):
@@ -96,10 +96,14 @@ class QuantizeRecipe(Strict):
         return "mse" if self.method == "awq" else "minmax"
 
     @property
+    def llmcompressor_awq(self) -> bool:
+        """AWQ through llm-compressor (where awq_duo_scaling and awq_clip apply)."""
+        return self.method == "awq" and self.backend == "llmcompressor"
+
+    @property
     def clip_search(self) -> bool:
         """Whether llm-awq's clipping search runs after AWQ (awq_clip; None = on for awq on llmcompressor)."""
-        on_awq = self.method == "awq" and self.backend == "llmcompressor"
-        return on_awq and self.awq_clip is not False
+        return self.llmcompressor_awq and self.awq_clip is not False
 
     @property
     def needs_calibration(self) -> bool:

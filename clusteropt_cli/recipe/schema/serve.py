@@ -62,10 +62,11 @@ class ServeRecipe(Strict):
             problems.append("kv_cache_blocks: give kv_cache_blocks or kv_cache_memory, not both")
         if self.draft_model and self.prompt_lookup:
             problems.append("draft_model: choose a draft model or prompt_lookup, not both")
-        if self.compile_mode != "default" and (self.engine == "vllm" or self.compile is False):
+        no_compiled_layers = self.engine == "vllm" or self.compile is False
+        if self.compile_mode != "default" and no_compiled_layers:
             problems.append("compile_mode: applies to the transformers engine's compiled decode layers "
                             "(not with engine vllm or compile false)")
-        if self.decode_attention in ("flex", "math") and (self.engine == "vllm" or self.compile is False):
+        if self.decode_attention in ("flex", "math") and no_compiled_layers:
             problems.append("decode_attention: flex and math apply to the transformers engine's compiled decode "
                             "layers (not with engine vllm or compile false)")
         if problems:
