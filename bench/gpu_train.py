@@ -62,12 +62,12 @@ MODES = {
     "single": ["baseline_eager", "baseline_compile", "copt_default", "copt_hf_loss"],
     "techniques": ["baseline_eager", "copt_checkpointing", "copt_zero3_offload", "copt_fp8"],
     "zero": ["copt_eager_1gpu", "copt_zero2_2gpu", "copt_zero3_2gpu"],
-    "explore": ["copt_default", "copt_profile", "copt_cudnn_attn", "copt_chunk8k", "copt_coord_descent",
+    "inductor-settings": ["copt_default", "copt_profile", "copt_cudnn_attn", "copt_chunk8k", "copt_coord_descent",
                 "copt_max_autotune"],
     "final": ["baseline_eager", "copt_default", "copt_fp8"],
-    "explore2": ["baseline_compile", "copt_default", "copt_stock_mask", "copt_profile", "copt_chunk4k",
+    "attention-mask": ["baseline_compile", "copt_default", "copt_stock_mask", "copt_profile", "copt_chunk4k",
                  "copt_chunk8k", "copt_checkpointing", "copt_fp8"],
-    "explore3": ["copt_sync_each_step", "copt_default", "copt_chunk4k", "copt_chunk8k", "copt_max_autotune"],
+    "step-readout": ["copt_sync_each_step", "copt_default", "copt_chunk4k", "copt_chunk8k", "copt_max_autotune"],
 }
 STEPS = {"baseline": 10, "copt": 10, "copt-dist": 8}
 WARMUP = 3  # steps left out of the speed figure (compilation, allocator warm-up)

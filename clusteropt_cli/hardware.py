@@ -73,7 +73,7 @@ CATALOG: dict[str, GPUSpec] = {
         _nv("h200", "NVIDIA H200", 143771, 4.8,
             {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "int8": 1978.9}, (9, 0),
             450, 50, "NVLink 4",
-            # measured on the nvidia-h200 machine, 2026-11-30 (../shared/gpu/README.md): 8192^3 matmuls, D2D copy
+            # measured on an H200 (docs/benchmarks.md#h200-baselines): 8192^3 matmuls, device-to-device copy
             measured={"bf16_tflops": 774.0, "fp8_tflops": 1421.0, "copy_bandwidth": 4.26e12}),
         _nv("h20", "NVIDIA H20", 97871, 4.0,
             {"fp32": 44, "tf32": 74, "bf16": 148, "fp16": 148, "fp8": 296, "int8": 296}, (9, 0), 450, 50,

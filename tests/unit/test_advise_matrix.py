@@ -108,3 +108,27 @@ def test_slow_tpot_on_copt_serve_offers_autotuned_decode_and_emits_it(tmp_path) 
     assert recipe["compile_mode"] == "max-autotune-no-cudagraphs" and recipe["engine"] == "transformers"
     not_on_gpu = advise(spec, resolve_target("cpu")[0], InferPlan(batch=1), ["slow-tpot"])
     assert "autotuned-decode" not in _ids(not_on_gpu, 50)
+
+
+def test_every_source_is_a_paper_vendor_doc_or_a_benchmarks_anchor() -> None:
+    """A recommendation's source is something the user has: a paper, vendor docs or docs/benchmarks.md#anchor
+    (whose heading exists), never a path outside the repository or a raw results folder."""
+    import re
+    from pathlib import Path
+
+    bench = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-")
+               for h in re.findall(r"^#+ (.+)$", bench, flags=re.M)}
+    sources = set()
+    for gpus in (1, 8):
+        target, _ = resolve_target("h200", gpus=gpus)
+        spec = load_model_spec("llama-3.1-8b")
+        for symptom in ("oom", "high-ttft", "slow-tpot", "low-throughput"):
+            plan = TrainPlan(micro_batch=4, seq_len=2048, precision="fp32", attn="eager") if symptom == "oom" \
+                else InferPlan(batch=1, prompt_len=1024)
+            sources |= {r["gain_source"] for r in advise(spec, target, plan, [symptom])["recommendations"]}
+    assert len(sources) > 10
+    for source in sources:
+        assert not re.search(r"\.\./|\.txt\b|bench/results|shared", source), source
+        for anchor in re.findall(r"docs/benchmarks\.md#([\w-]+)", source):
+            assert anchor in anchors, (source, sorted(anchors))

@@ -49,7 +49,7 @@ def test_zero3_communication_is_1_5x_dp() -> None:
 
 
 def test_h200_anchor_within_10_percent() -> None:
-    """../shared/gpu/README.md: Llama-3.2-1B, 8 × 2048, AdamW fused, bf16 autocast: 73.8 GiB; checkpointing 42.5."""
+    """docs/benchmarks.md#h200-baselines: 1B shape, 8 × 2048, fused AdamW, bf16 autocast: 73.8 GiB; ckpt 42.5."""
     spec, target = load_model_spec("llama-3.2-1b"), Target(get_gpu("h200"))
     plain = train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048), target)
     ckpt = train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048, activation_checkpointing=True), target)
@@ -89,7 +89,7 @@ def test_cpu_quantity_matches_measurement(precision: str, attn: str, ckpt: bool)
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from clusteropt_cli.core.advise.measure import measure_cpu_training_step
+    from tests.cpu_step_memory import measure_cpu_training_step
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,

@@ -235,7 +235,7 @@ def test_final_model_loads_with_from_pretrained(fixtures, tmp_path, data64):
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_cpu_peak_memory_matches_the_shared_definition(fixtures, tmp_path, checkpointing):
-    """peak_mem_bytes on CPU = states + saved tensors + logits buffers (shared_api.md): with the model's own loss it
+    """peak_mem_bytes on CPU = states + saved tensors + logits buffers (docs/advise.md): with the model's own loss it
     equals `copt advise --gpu cpu`'s prediction; the fused loss holds less (no saved log-softmax)."""
     import torch
 

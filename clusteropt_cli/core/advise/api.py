@@ -84,7 +84,7 @@ def evaluate_train(spec: ModelSpec, plan: TrainPlan, target: Target) -> dict[str
                "budget_bytes": budget, "fits": None if budget is None else cpu["peak_mem_bytes"] <= budget,
                "peak_phase": "cpu-step", "model_states_bytes": cpu["model_states"],
                "breakdown": _cpu_breakdown(spec, plan, cpu), "phases": {}, "notes": [
-                   "device cpu: model states + saved tensors + logits buffers (shared_api.md definition)"],
+                   "device cpu: model states + saved tensors + logits buffers (the CPU peak of docs/advise.md)"],
                "headroom_bytes": None if budget is None else budget - cpu["peak_mem_bytes"], "cpu": cpu}
     else:
         mem = _mem_dict(train_memory(spec, plan, target))
@@ -236,7 +236,7 @@ def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptom
 
 
 def prediction_figures(memory: dict[str, Any], time: dict[str, Any], task: str) -> dict[str, float]:
-    """The shared metric names (shared_api.md) for a recipe's prediction block; None values dropped."""
+    """The metric names copt profile measures for a recipe's prediction block; None values dropped."""
     figures: dict[str, float] = {"peak_mem_bytes": float(memory["per_gpu_bytes"])}
     keys = (("step_time_s", "tokens_per_s", "mfu") if task == "train"
             # no itl_s: under load a streaming client sees tokens in bursts (p50 ITL ~0.03 ms measured on the

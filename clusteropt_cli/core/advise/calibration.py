@@ -1,6 +1,6 @@
 """Every tunable constant of the advise models, in one place, each with where its value comes from.
 
-The lead updates these from `bench/gpu_advise.py` results (bench/results/advise*.json). Nothing else in
+Measured values come from the GPU benchmarks in `bench/` (tables: docs/benchmarks.md). Nothing else in
 core/advise hard-codes an efficiency or an overhead.
 """
 
@@ -11,7 +11,7 @@ GiB = 1024**3
 # ---- memory -------------------------------------------------------------------------------------------------
 # Are the logits of the forward still referenced while backward runs (`out = model(...); out.loss.backward()`
 # keeps `out.logits`)? True is the conservative choice: it adds vocab × tokens × 2 bytes to the peak.
-# H200 anchor (../shared/gpu/README.md, 2026-11-30, Llama-3.2-1B shape, 8 × 2048, AdamW fused, bf16 autocast):
+# H200 anchor (docs/benchmarks.md#h200-baselines, Llama-3.2-1B shape, 8 × 2048, AdamW fused, bf16 autocast):
 # measured 73.8 GiB / 42.5 GiB (checkpointing); this model gives 75.4 / 44.0 held, 71.4 / 40.1 not held.
 LOGITS_HELD_IN_BACKWARD = True
 # Fraction the caching allocator reserves above the allocated peak (fragmentation, block rounding).
@@ -31,8 +31,8 @@ KV_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0}
 # Model FLOPs utilization of an eager HF training step (dense FLOPs, datasheet peak). H200 anchor: 46.6k tok/s on
 # the 1B shape at 8 × 2048 = 8.22 GFLOP/token → 383 TFLOP/s = 0.387 of 989 TFLOP/s. "compile" is copt train's
 # CUDA default (compiled decoder, mask-free causal SDPA, chunked LM-head loss, fused AdamW, each step's loss read one
-# step late so the host never stalls the GPU): 66.1k tok/s (bench/results/train-h200-2026-11-30/explore3; 61.9k in
-# the same run with the per-step sync, 61.3k/61.6k in the runs before) → 0.55.
+# step late so the host never stalls the GPU): 66.1k tok/s (docs/benchmarks.md#train; 61.9k with a per-step
+# sync) → 0.55.
 TRAIN_MFU = {"eager": 0.39, "compile": 0.55}
 # FP8 training reaches a lower fraction of its (2×) peak: casts/scaling and non-GEMM time stay. H200 anchor: copt
 # train --precision fp8 (torchao Float8Linear + the compiled defaults, before the deferred step readout) 70.1k
@@ -46,25 +46,20 @@ PREFILL_MFU = 0.50
 DECODE_BANDWIDTH_EFFICIENCY = 0.80
 # Useful fraction of a static batch's decode slots (padding, finished sequences idling until the longest ends).
 # H200: HF static generate at batch 64 2,372 tok/s vs continuous batching (generate_batch + CUDA graphs) 3,495
-# → 0.68; the guide quotes 3–5× serving throughput for continuous batching. 0.6 assumed.
+# → 0.68; Orca and vLLM report 3–5× serving throughput for continuous batching. 0.6 assumed.
 STATIC_BATCH_EFFICIENCY = 0.6
 # What a real serving stack adds to the roofline: a cost per prompt prefilled (copt's packed prefill runs attention
 # and cache writes per sequence segment in every layer), a fixed host + launch cost per decode step and a cost per
 # running sequence per step (sampling, block tables, detokenizing, one SSE event per token). copt's own engine
-# through its HTTP server (`copt serve`, streaming), H200, Llama-3.2-1B shape, bench/gpu_serve.py 2026-11-30
-# (bench/results/serve-h200-2026-11-30/): batch-1 decode 2.71 ms/token vs a 0.73 ms roofline → 1.8 ms fixed with
-# eager decoder layers, 1.89 ms/token (two runs) → 1.2 ms since the layers are compiled, 1.41–1.42 ms/token (runs
-# 6, 8b, 9) → 0.7 ms with merged projections and async scheduling (the defaults since the fourth session);
-# 256 requests (prompts 32–256) × 128 tokens: prefill 0.70 s for 36,864 prompt tokens vs 0.19 s of FLOPs at
-# PREFILL_MFU → 2.0 ms per prompt (a first form, 28 ms per 2,048-token chunk, missed prompts of 512 by −61% on
-# TTFT); 9,524 output tok/s → ~66 µs per running sequence per step (a later run on another H200 host measured
-# 8,090 tok/s for the same workload: the HTTP path is host-CPU bound, so expect ±15% across machines); with today's
-# defaults 10,467 and 8,572 tok/s (runs 6, 9; mean 9,520) → 68 µs beside the 0.7 ms fixed cost. Fifth session
-# (math decode attention, greedy argmax inside the graph): batch-1 1.22 ms/token through the server (runs 10a, 11)
-# → 0.51 ms fixed; streaming 8,294 and 8,404 tok/s (runs 10a, 11) with runs 6 and 9 (mean of the four 8,934) → 80 µs
-# per sequence (predicts 9,233).
+# through its HTTP server (`copt serve`, streaming), H200, Llama-3.2-1B shape, bench/gpu_serve.py
+# (docs/benchmarks.md#serve): 256 requests (prompts 32–256) × 128 tokens: prefill 0.70 s for 36,864 prompt tokens
+# vs 0.19 s of FLOPs at PREFILL_MFU → 2.0 ms per prompt (a cost per 2,048-token chunk instead missed prompts of 512
+# by −61% on TTFT). With the current defaults (merged projections, async scheduling, math decode attention, greedy
+# argmax inside the graph): batch-1 1.22 ms/token through the server → 0.51 ms fixed; streaming 8,300–10,500
+# output tok/s over four measurements (mean 8,934; the HTTP path is host-CPU bound, so expect ±15% across
+# machines) → 80 µs per sequence (predicts 9,233).
 # Without continuous batching the baseline is HF `generate` on a static batch, whose per-step host cost dominates
-# (../shared/gpu/README.md: batch 64 left-padded 2,372 output tok/s = 27 ms/step; batch 1 eager measured
+# (docs/benchmarks.md#h200-baselines: batch 64 left-padded 2,372 output tok/s = 27 ms/step; batch 1 eager measured
 # 43.5 ms/token, so batch-1 figures from this anchor are optimistic). vLLM is not calibrated here (roofline only).
 SERVING_ENGINES = {
     "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 2.0e-3, "step_fixed_s": 0.51e-3,
@@ -73,8 +68,8 @@ SERVING_ENGINES = {
 }
 # What `copt serve --compile-mode max-autotune-no-cudagraphs` saves per decode step (inductor's autotuned Triton
 # GEMV/GEMM templates instead of cuBLAS in the compiled decode layers). H200, 1B shape, batch 1: 1.220 → 1.126
-# ms/token in-process on one host (bench/results/serve-h200-2026-11-30/run11-defaults-math, decode profile), 1.22 →
-# 1.11 through the server (runs 11 and 12, two hosts) → 0.1 ms. Measured at batch 1 only; applied per step.
+# ms/token in-process on one host (decode profile), 1.22 → 1.11 through the server (docs/benchmarks.md#serve)
+# → 0.1 ms. Measured at batch 1 only; applied per step.
 AUTOTUNED_DECODE_STEP_S = 0.10e-3
 # Fraction of link bandwidth NCCL collectives reach (bus bandwidth / link bandwidth, large messages).
 COMM_EFFICIENCY = 0.80
@@ -87,11 +82,6 @@ COMM_OVERLAP = 0.70
 DEFAULT_GPU_HOUR_USD = {"h200": 3.50, "h100-sxm": 2.50, "h100-pcie": 2.00, "a100-80g": 1.50, "a100-40g": 1.10,
                         "h20": 1.20, "h800": 2.30, "b200": 5.00, "l40s": 0.90, "rtx4090": 0.40, "mi300x": 2.50}
 
-SOURCES = {
-    "anchor": "../shared/gpu/README.md (H200, 2026-11-30)",
-    "guide": "../shared/reference/training-inference-guide.txt",
-    "costs": "../shared/reference/cluster-inference-costs.txt",
-}
 
 # ZeRO-Offload: DeepSpeed CPUAdam seconds per parameter on the host (plus PCIe transfers, timing.py).
 # H200 anchor: ZeRO-3 + CPU offload + checkpointing, 1B shape, 8 × 2048: 1.42 s/step vs ~0.43 s of compute.

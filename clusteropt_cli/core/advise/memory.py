@@ -146,7 +146,7 @@ def model_states(num_params: float, precision: str, optimizer: str, zero: int, d
                  deepspeed: bool | None = None) -> dict[str, float]:
     """Bytes per GPU of weights, gradients and optimizer states (ZeRO partitioning over `dp` ranks).
 
-    DeepSpeed layout (zero ≥ 1, bf16/fp16): 2 + 2 + 12 bytes/param (fp32 master + Adam m, v) = the guide's 16.
+    DeepSpeed layout (zero ≥ 1, bf16/fp16): 2 + 2 + 12 bytes/param (fp32 master + Adam m, v) = 16 (ZeRO paper).
     torch autocast layout (zero 0): fp32 weights 4 + fp32 grads 4 + Adam 8 = 16 as well.
     """
     ds = zero > 0 if deepspeed is None else deepspeed
@@ -377,7 +377,7 @@ def _deepspeed_phases(states: dict[str, float], ds: dict[str, dict[str, float]],
 
 
 def cpu_training_bytes(spec: ModelSpec, plan: TrainPlan) -> dict[str, float]:
-    """The CPU 'peak' quantity of shared_api.md: states (params+grads+optimizer) + saved tensors + logits buffers.
+    """The CPU 'peak' quantity (docs/advise.md): states (params+grads+optimizer) + saved tensors + logits buffers.
 
     Saved tensors are unique non-parameter storages saved for backward during the forward (autocast weight copies
     and the fp32 log-softmax included); logits buffers are the logits tensor the model returns plus, when it is not

@@ -3,7 +3,7 @@
 Every recommendation has a stable id, why it applies here, the expected gain with its source, its cost, the
 applicability checks it passed or failed, the predicted figures after applying it (the same memory/time models
 run on the changed plan) and the copt flags that apply it. Ranking per symptom: the predicted improvement of the
-symptom's own metric, plus a bonus for the order of the guide's decision matrix.
+symptom's own metric, plus a bonus for the order of the decision matrix (MATRIX).
 """
 
 from __future__ import annotations
@@ -15,10 +15,18 @@ from typing import Any
 from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan
 from clusteropt_cli.modelspec import ModelSpec
 
-GUIDE = "training-inference-guide.txt"
-COSTS = "cluster-inference-costs.txt"
+BENCH = "docs/benchmarks.md"
+SRC_CKPT = f"Chen et al. arXiv:1604.06174; {BENCH}#train"
+SRC_MIXED = "Micikevicius et al. arXiv:1710.03740"
+SRC_FP8 = "FP8 formats arXiv:2209.05433"
+SRC_ACCUM = "DeepSpeed docs: gradient_accumulation_steps"
+SRC_POWERSGD = "PowerSGD arXiv:1905.13514"
+SRC_GEMM = "NVIDIA matmul performance guide"
+SRC_ALLOC = "PyTorch CUDA memory management docs (expandable_segments)"
+SRC_R1 = "DeepSeek-R1 arXiv:2501.12948"
+SRC_FP8_H200 = f"{SRC_FP8}; {BENCH}#h200-baselines"
 
-# The guide's decision matrix (bottleneck → techniques), in its order; ids not listed rank on predicted gain alone.
+# The decision matrix (bottleneck → techniques), in order; ids not listed rank on predicted gain alone.
 MATRIX: dict[str, list[str]] = {
     "oom": ["zero-3", "cpu-offload", "activation-checkpointing", "zero-2", "zero-1", "nvme-offload",
             "gradient-accumulation", "flash-attention", "8bit-optimizer", "tensor-parallel", "pipeline-parallel",
@@ -102,7 +110,7 @@ def _train_recs(ctx: Context) -> list[Recommendation]:
     if not p.activation_checkpointing:
         add("activation-checkpointing", "Recompute activations in backward",
             f"activations are {_gib(mem['breakdown']['activations'])} of the peak",
-            "70%+ activation memory saved", GUIDE, "+20–30% compute (measured +22% on the H200 anchor)",
+            "70%+ activation memory saved", SRC_CKPT, "+20–30% compute (measured +22% on the H200 anchor)",
             p.with_(activation_checkpointing=True), ["--activation-checkpointing"])
     for stage in (1, 2, 3):
         if p.zero < stage and not (stage == 3 and p.pp > 1):
@@ -112,46 +120,47 @@ def _train_recs(ctx: Context) -> list[Recommendation]:
             cost = {1: "no extra communication", 2: "no extra communication (reduce-scatter replaces all-reduce)",
                     3: "1.5× data-parallel communication (parameter all-gathers)"}[stage]
             add(f"zero-{stage}", f"DeepSpeed ZeRO stage {stage}", f"partitions {saves} over the data-parallel GPUs",
-                gain, f"{GUIDE}; ZeRO paper arXiv:1910.02054", cost, p.with_(zero=stage), [f"--zero {stage}"],
+                gain, "ZeRO arXiv:1910.02054", cost, p.with_(zero=stage), [f"--zero {stage}"],
                 _gpu_checks(ctx, need_multi=True))
     if p.offload == "none":
         z = 3 if p.pp == 1 else max(1, p.zero)
         add("cpu-offload", "ZeRO-Offload: optimizer states (and ZeRO-3 parameters) in host memory",
             "model states dominate the peak" if mem["model_states_bytes"] > 0.5 * mem["per_gpu_bytes"]
             else "moves the fp32 master weights and Adam states off the GPU",
-            "optimizer states leave the GPU", f"{GUIDE}; ZeRO-Offload arXiv:2101.06840",
+            "optimizer states leave the GPU", "ZeRO-Offload arXiv:2101.06840",
             "host RAM ≈ 12 bytes/param; CPU Adam + PCIe time per step (1.42 s vs 0.43 s measured on the 1B anchor)",
             p.with_(zero=max(z, p.zero), offload="cpu"), [f"--zero {max(z, p.zero)}", "--offload cpu"])
         add("nvme-offload", "ZeRO-Infinity: optimizer states on NVMe", "when host RAM cannot hold the states",
-            "optimizer states leave the GPU and the host RAM", f"{GUIDE}; ZeRO-Infinity arXiv:2104.07857",
+            "optimizer states leave the GPU and the host RAM", "ZeRO-Infinity arXiv:2104.07857",
             "NVMe bandwidth bound; slower than CPU offload", p.with_(zero=3 if p.pp == 1 else max(1, p.zero),
                                                                      offload="nvme"),
             [f"--zero {3 if p.pp == 1 else max(1, p.zero)}", "--offload nvme", "--nvme-path /local_nvme"])
     if p.attn == "eager":
         add("flash-attention", "SDPA / FlashAttention instead of eager attention",
             f"eager attention stores the {p.seq_len}×{p.seq_len} score matrix per head",
-            "attention memory O(N²) → O(N); faster kernels", f"{GUIDE}; FlashAttention-2 arXiv:2307.08691",
+            "attention memory O(N²) → O(N); faster kernels", "FlashAttention-2 arXiv:2307.08691",
             "none (same math)", p.with_(attn="sdpa"), ["--attn sdpa"])
     if p.precision in ("fp32", "fp16") and (target.gpu is None or target.gpu.supports_bf16):
         add("bf16", "bf16 mixed precision", f"{p.precision} " + ("runs on slow fp32/tf32 paths" if p.precision ==
                                                                   "fp32" else "needs loss scaling"),
-            "tensor-core throughput; fewer activation bytes", GUIDE, "weights kept in fp32 (16 bytes/param)",
+            "tensor-core throughput; fewer activation bytes", SRC_MIXED, "weights kept in fp32 (16 bytes/param)",
             p.with_(precision="bf16"), ["--precision bf16"])
     if p.precision != "fp8":
         add("fp8", "FP8 training (E4M3 forward / E5M2 gradients)", "matmuls at twice the bf16 tensor-core rate",
             "up to 2× matmul throughput (1,421 vs 774 TFLOP/s measured on the H200)",
-            f"{GUIDE}; ../shared/gpu/README.md", "numerical care (scaling); TransformerEngine/torchao",
+            SRC_FP8_H200, "numerical care (scaling); TransformerEngine/torchao",
             p.with_(precision="fp8"), ["--precision fp8"], _gpu_checks(ctx, need_fp8=True))
     if p.micro_batch > 1:
         mb = max(1, p.micro_batch // 2)
         add("gradient-accumulation", "Halve the micro-batch, double gradient accumulation",
             "same global batch with half the activations", "activations ÷2; fewer all-reduces per token",
-            GUIDE, "smaller GEMMs: slightly lower MFU", p.with_(micro_batch=mb, grad_accum=p.grad_accum * 2),
+            SRC_ACCUM, "smaller GEMMs: slightly lower MFU", p.with_(micro_batch=mb, grad_accum=p.grad_accum * 2),
             [f"--micro-batch {mb}", f"--grad-accum {p.grad_accum * 2}"])
     elif p.grad_accum < 8 and target.world > 1:
         add("gradient-accumulation", "Accumulate more micro-batches per optimizer step",
             "amortizes the gradient all-reduce over more tokens", "communication per token ÷ accumulation steps",
-            GUIDE, "larger global batch", p.with_(grad_accum=p.grad_accum * 4), [f"--grad-accum {p.grad_accum * 4}"])
+            SRC_ACCUM, "larger global batch", p.with_(grad_accum=p.grad_accum * 4),
+            [f"--grad-accum {p.grad_accum * 4}"])
     if p.optimizer == "adamw":
         add("8bit-optimizer", "8-bit AdamW (bitsandbytes)", "Adam states are 8 bytes/param",
             "optimizer states 8 → 2 bytes/param", "Dettmers et al. arXiv:2110.02861", "bitsandbytes dependency",
@@ -166,33 +175,34 @@ def _train_recs(ctx: Context) -> list[Recommendation]:
         stages = min(target.world, 8, spec.num_layers)
         m = max(4 * stages, p.grad_accum)
         add("pipeline-parallel", f"Pipeline parallelism, {stages} stages (1F1B)", "splits the layers across GPUs",
-            f"weights ÷{stages}; bubble (p−1)/(m+p−1) = {(stages - 1) / (m + stages - 1):.0%} at m={m}", GUIDE,
+            f"weights ÷{stages}; bubble (p−1)/(m+p−1) = {(stages - 1) / (m + stages - 1):.0%} at m={m}",
+            "PipeDream-Flush 1F1B arXiv:2006.09503; Megatron-LM arXiv:2104.04473",
             "pipeline bubble; 1F1B keeps stage 0's activations for p micro-batches",
             p.with_(pp=stages, pp_micro_batches=m, grad_accum=max(p.grad_accum, m)),
             [f"--pp {stages}", f"--pp-micro-batches {m}", f"--grad-accum {max(p.grad_accum, m)}"],
             _gpu_checks(ctx, need_multi=True))
     if p.zero == 0 and target.world > 1 and p.gradient_compression == "none":
         add("gradient-compression", "Compress gradients for the all-reduce (PowerSGD)",
-            "data-parallel gradient traffic crosses a slow link", "up to 90% less gradient traffic", COSTS,
+            "data-parallel gradient traffic crosses a slow link", "up to 90% less gradient traffic", SRC_POWERSGD,
             "approximate gradients (error feedback needed); DDP only (zero 0)",
             p.with_(gradient_compression="powersgd"), ["gradient_compression=powersgd"],
             _gpu_checks(ctx, need_multi=True))
     if not p.compile:
         add("operator-fusion", "torch.compile the training step", "fuses norms, RoPE, SwiGLU and casts",
             "57.5k vs 46.6k tok/s (+23%) and 50.1 vs 73.8 GiB measured on the H200 anchor",
-            "../shared/gpu/README.md", "~40 s compile on the first step", p.with_(compile=True), ["--compile"])
+            f"{BENCH}#h200-baselines", "~40 s compile on the first step", p.with_(compile=True), ["--compile"])
     mem_ratio = mem["required_bytes"] / mem["budget_bytes"] if mem.get("budget_bytes") else 1.0
     if mem_ratio < 0.5:
         mb = p.micro_batch * 2
         add("larger-micro-batch", "Double the micro-batch", "memory is under half used",
-            "bigger GEMMs and fewer optimizer steps per token", GUIDE, "larger global batch (or fewer accumulation)",
+            "bigger GEMMs and fewer optimizer steps per token", SRC_GEMM, "larger global batch (or fewer accumulation)",
             p.with_(micro_batch=mb, grad_accum=max(1, p.grad_accum // 2)),
             [f"--micro-batch {mb}", f"--grad-accum {max(1, p.grad_accum // 2)}"])
     if target.gpu is not None:
         recs.append(Recommendation(
             "expandable-segments", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
             "fragmentation can make a plan that fits by allocation fail by reservation",
-            "fragmentation 18% → below 5%", COSTS, "none", [], plan=p,
+            "fragmentation 18% → below 5%", SRC_ALLOC, "none", [], plan=p,
             flags=["(env) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]))
     return recs
 
@@ -211,11 +221,12 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
     if not p.continuous_batching:
         add("continuous-batching", "Continuous batching (iteration-level scheduling)",
             "static batches wait for their longest sequence and pad",
-            "3–5× serving throughput", f"{GUIDE} (Orca, vLLM)", "a serving engine (copt serve)",
+            "3–5× serving throughput", "Orca (OSDI '22); vLLM arXiv:2309.06180", "a serving engine (copt serve)",
             p.with_(continuous_batching=True, batch=max(p.batch, _max_seqs(ctx, p))), ["copt serve --max-batch-size"])
     if not p.chunked_prefill:
         add("chunked-prefill", "Chunked prefill", "long prompts stall every running sequence and queue new ones",
-            "flattens TTFT spikes: a new request waits for one chunk, not every prompt", f"{GUIDE} (vLLM)",
+            "flattens TTFT spikes: a new request waits for one chunk, not every prompt",
+            "Sarathi-Serve arXiv:2403.02310; vLLM docs: chunked prefill",
             "slightly lower prefill efficiency", p.with_(chunked_prefill=2048, continuous_batching=True),
             ["--max-batch-tokens 2048"])
     add("prefix-caching", "Prefix caching", "shared system prompts/few-shot prefixes are recomputed per request",
@@ -225,24 +236,24 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
         ok = p.batch <= 8
         add("speculative-decoding", "Speculative decoding (draft model or prompt lookup)",
             "decode is memory-bound: verifying k tokens costs about one step",
-            "~2–3 tokens accepted per target step", f"{GUIDE}; Leviathan et al. arXiv:2211.17192",
+            "~2–3 tokens accepted per target step", "Leviathan et al. arXiv:2211.17192",
             "a draft model; gains shrink as the batch grows",
             p.with_(speculative_tokens=4), ["--draft-model DRAFT_DIR", "--num-speculative-tokens 4"],
             [_check("low-batch", ok, f"pays at low batch (≤ 8 concurrent sequences; here {p.batch})")])
     if p.weights in ("bf16", "fp16"):
         add("awq", "AWQ 4-bit weights", "decode time is weight bytes over bandwidth",
-            "weights ~3.5× smaller; near-lossless 4-bit", f"{GUIDE}; AWQ arXiv:2306.00978",
+            "weights ~3.5× smaller; near-lossless 4-bit", "AWQ arXiv:2306.00978",
             "calibration run; int4 GEMM kernels lose at large batch", p.with_(weights="int4"),
             ["copt quantize --method awq"], _gpu_checks(ctx))
         add("gptq", "GPTQ 4-bit weights", "decode time is weight bytes over bandwidth",
-            "weights ~3.5× smaller", f"{GUIDE}; GPTQ arXiv:2210.17323", "calibration run; outlier-sensitive",
+            "weights ~3.5× smaller", "GPTQ arXiv:2210.17323", "calibration run; outlier-sensitive",
             p.with_(weights="int4"), ["copt quantize --method gptq"], _gpu_checks(ctx))
         add("fp8-w8a8", "FP8 weights and activations (W8A8)", "native FP8 tensor cores, half the weight bytes",
-            "2× matmul peak, weights ÷2", GUIDE, "needs Ada/Hopper or newer", p.with_(weights="fp8"),
+            "2× matmul peak, weights ÷2", SRC_FP8, "needs Ada/Hopper or newer", p.with_(weights="fp8"),
             ["copt quantize --method fp8"], _gpu_checks(ctx, need_fp8=True))
     if p.kv_cache in ("bf16", "fp16"):
         add("kv-cache-quantization", "FP8/INT8 KV cache", "the KV cache grows with batch × context",
-            "KV bytes ÷2 → 2× the concurrent sequences", COSTS, "small accuracy cost",
+            "KV bytes ÷2 → 2× the concurrent sequences", "vLLM docs: quantized KV cache", "small accuracy cost",
             p.with_(kv_cache="fp8" if target.gpu is not None and target.gpu.supports_fp8 else "int8"),
             ["--kv-cache-dtype fp8" if target.gpu is not None and target.gpu.supports_fp8
              else "--kv-cache-dtype int8"])
@@ -259,16 +270,16 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
             "the decode layers' matrix-vector products run cuBLAS kernels below the copy bandwidth; inductor "
             "benchmarks Triton templates against them at start-up",
             "batch-1 1.22 → 1.11 ms/token through copt serve (H200, 1B shape)",
-            "bench/results/serve-h200-2026-11-30/run11-defaults-math, run12-math-max-autotune",
+            f"{BENCH}#serve",
             "start-up 58.6 s instead of 17.4 s (autotuning)", p.with_(decode_autotune=True, continuous_batching=True),
             ["copt serve --compile-mode max-autotune-no-cudagraphs"])
     add("distillation", "Distill into a smaller student", "every decode step reads all weights",
-        "a 1.5–32B student inherits reasoning from trace SFT", GUIDE, "a training run (copt distill)", p,
+        "a 1.5–32B student inherits reasoning from trace SFT", SRC_R1, "a training run (copt distill)", p,
         ["copt distill sft"])
     recs.append(Recommendation("operator-fusion", "CUDA graphs / torch.compile for decode",
                                "HF eager decode is launch-bound (43.5 ms/token vs a 0.58 ms floor on the H200)",
                                "1.80 ms/token compiled vs 43.5 eager (24×) measured on the 1B shape",
-                               "../shared/gpu/README.md", "compile time; static shapes", plan=p,
+                               f"{BENCH}#h200-baselines", "compile time; static shapes", plan=p,
                                flags=["--cuda-graphs"]))
     return recs
 

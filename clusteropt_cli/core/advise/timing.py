@@ -12,7 +12,7 @@ from clusteropt_cli.modelspec import ModelSpec
 
 
 def bubble_fraction(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """Pipeline bubble: (p−1)/(m+p−1) for GPipe/1F1B; (p−1)/(v·m) for interleaved 1F1B (the guide's forms)."""
+    """Pipeline bubble: (p−1)/(m+p−1) for GPipe/1F1B; (p−1)/(v·m) for interleaved 1F1B (arXiv:2104.04473)."""
     if stages <= 1:
         return 0.0
     if virtual_stages > 1:

@@ -4,7 +4,7 @@ copt trains on packed blocks: every row is one unpadded causal sequence, so SDPA
 attention. transformers only uses that flag when it can prove the mask is purely causal at run time, which it
 cannot while torch.compile traces the model: it then builds an explicit [batch, 1, seq, seq] mask, which rules
 out the causal flash kernels (on the H200, 1B shape, 8 × 2048, the compiled step spent 67 of its 296 ms in masked
-cuDNN attention, bench/results/train-h200-2026-11-30/explore/). Under the attention implementation registered here
+cuDNN attention; docs/benchmarks.md#train). Under the attention implementation registered here
 transformers creates no mask at all (it builds none for implementations it does not know) and attention runs
 transformers' own SDPA forward with `is_causal=True`.
 """

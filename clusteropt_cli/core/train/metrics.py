@@ -71,7 +71,7 @@ def model_state_bytes(model: Any, optimizer: Any, full_gradients: bool = False) 
 
 
 class SavedTensorMeter:
-    """The activation part of the CPU peak (shared_api.md): bytes of the unique non-parameter storages autograd
+    """The activation part of the CPU peak (docs/advise.md): bytes of the unique non-parameter storages autograd
     saves for backward during one forward, plus the logits buffers (the logits the LM head returns and their fp32
     upcast when they are not fp32; for the fused loss, the chunk of logits it holds at once).
 

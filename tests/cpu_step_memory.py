@@ -1,9 +1,9 @@
-"""Measure the CPU training-step memory quantity of shared_api.md on a real model (imports torch lazily).
+"""Measure the CPU training-step memory quantity (docs/advise.md, device cpu) on a real model (torch imported lazily).
 
 peak_mem_bytes (device cpu) = model states (params + grads + optimizer states, all allocated after one step)
 + bytes of tensors saved for backward (unique non-parameter storages, via saved_tensors_hooks)
 + logits buffers (the logits the model returns, plus their fp32 upcast when they are not fp32).
-`copt advise --gpu cpu` predicts exactly this; `copt profile` / the closed loop can measure it with this function.
+`copt advise --gpu cpu` predicts exactly this; the advise model tests compare the two.
 """
 
 from __future__ import annotations
