@@ -110,7 +110,7 @@ def advise(
                    attn=("--attn", attn, ("sdpa", "flash", "eager")),
                    weights=("--weights", weights, ("bf16", "fp16", "fp8", "int8", "int4")),
                    kv=("--kv-cache", kv_cache, ("bf16", "fp16", "fp8", "int8")),
-                   engine=("--engine", engine, ("auto", "transformers", "vllm")))
+                   engine=("--engine", engine, ("auto", "copt", "transformers", "vllm")))
     _check_positive({"--micro-batch": micro_batch, "--seq-len": seq_len, "--grad-accum": grad_accum, "--tp": tp,
                      "--pp": pp, "--pp-micro-batches": pp_micro_batches, "--pp-virtual-stages": pp_virtual_stages,
                      "--batch": batch, "--prompt-len": prompt_len, "--gen-len": gen_len, "--gpus": gpus,

@@ -21,20 +21,30 @@ ModelArg = Annotated[
 def serve(
     model: ModelArg = None,
     overrides: OverridesArg = None,
-    engine: Annotated[str | None, typer.Option("--engine", help="auto | transformers | vllm.")] = None,
+    engine: Annotated[str | None, typer.Option("--engine", help="auto | copt | vllm (copt: copt's own engine, "
+                                                                "formerly 'transformers').")] = None,
+    vllm_version: Annotated[str | None, typer.Option("--vllm-version",
+                                                     help="vLLM version (X.Y) to build the command for (default: "
+                                                          "the installed one; for --dry-run without vLLM).")] = None,
     host: Annotated[str | None, typer.Option("--host", help="Address to bind (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port (default 8000).")] = None,
     api_key: Annotated[str | None, typer.Option("--api-key", help="Require 'Authorization: Bearer KEY'.")] = None,
     served_model_name: Annotated[str | None, typer.Option("--served-model-name",
                                                           help="Model id clients send (default: MODEL).")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="auto | bf16 | fp16 | fp32.")] = None,
-    max_batch_tokens: Annotated[int | None, typer.Option("--max-batch-tokens",
+    max_batch_tokens: Annotated[int | None, typer.Option("--max-batch-tokens", "--max-num-batched-tokens",
                                                          help="Tokens per step (chunked-prefill budget).")] = None,
-    max_batch_size: Annotated[int | None, typer.Option("--max-batch-size",
+    max_batch_size: Annotated[int | None, typer.Option("--max-batch-size", "--max-num-seqs",
                                                        help="Sequences decoded together at most.")] = None,
     kv_cache_blocks: Annotated[int | None, typer.Option("--kv-cache-blocks",
                                                         help="KV-cache size in blocks of --block-size tokens.")] = None,
     kv_cache_memory: Annotated[float | None, typer.Option("--kv-cache-memory", help="KV-cache size in GiB.")] = None,
+    kv_cache_memory_bytes: Annotated[str | None, typer.Option("--kv-cache-memory-bytes",
+                                                              help="KV-cache size in bytes (vLLM's flag; 8G, 512M "
+                                                                   "suffixes too).")] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(
+        "--gpu-memory-utilization", help="Fraction of the GPU's memory the server may use (vLLM default 0.9).")]
+    = None,
     block_size: Annotated[int | None, typer.Option("--block-size", help="Tokens per KV-cache block.")] = None,
     max_queue: Annotated[int | None, typer.Option("--max-queue", help="Waiting requests before 429.")] = None,
     max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="Context length served.")] = None,
@@ -61,8 +71,10 @@ def serve(
     decode_attention: Annotated[str | None, typer.Option("--decode-attention",
                                                          help="auto | sdpa | flex | math: attention of the "
                                                               "compiled decode steps.")] = None,
-    tensor_parallel: Annotated[int | None, typer.Option("--tensor-parallel", help="vLLM: GPUs per replica.")] = None,
-    pipeline_parallel: Annotated[int | None, typer.Option("--pipeline-parallel", help="vLLM: pipeline stages.")]
+    tensor_parallel: Annotated[int | None, typer.Option("--tensor-parallel", "--tensor-parallel-size",
+                                                                help="vLLM: GPUs per replica.")] = None,
+    pipeline_parallel: Annotated[int | None, typer.Option("--pipeline-parallel", "--pipeline-parallel-size",
+                                                                  help="vLLM: pipeline stages.")]
     = None,
     quantization: Annotated[str | None, typer.Option("--quantization", help="vLLM --quantization.")] = None,
     kv_cache_dtype: Annotated[str | None, typer.Option("--kv-cache-dtype", help="vLLM: auto | fp8.")] = None,
@@ -80,10 +92,16 @@ def serve(
     if model is not None and "=" in model and not Path(model).exists():
         overrides.insert(0, model)  # `copt serve --recipe r.yaml port=9000`: the first override landed in MODEL
         model = None
+    if kv_cache_memory_bytes is not None:
+        if kv_cache_memory is not None:
+            raise BadInputError("Give --kv-cache-memory (GiB) or --kv-cache-memory-bytes, not both.",
+                                hint="Keep one of the two.")
+        kv_cache_memory = _parse_bytes(kv_cache_memory_bytes) / 2**30
     settings = load_settings("serve", recipe, overrides, dict(
-        model=model, engine=engine, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
-        dtype=dtype, max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size,
-        kv_cache_blocks=kv_cache_blocks, kv_cache_memory=kv_cache_memory, block_size=block_size,
+        model=model, engine=engine, vllm_version=vllm_version, host=host, port=port, api_key=api_key,
+        served_model_name=served_model_name, dtype=dtype, max_batch_tokens=max_batch_tokens,
+        max_batch_size=max_batch_size, kv_cache_blocks=kv_cache_blocks, kv_cache_memory=kv_cache_memory,
+        gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
         max_queue=max_queue, max_model_len=max_model_len, draft_model=draft_model,
         num_speculative_tokens=num_speculative_tokens, prompt_lookup=prompt_lookup,
         speculative_max_batch=speculative_max_batch, cuda_graphs=cuda_graphs, compile=compile_,
@@ -92,39 +110,53 @@ def serve(
         pipeline_parallel=pipeline_parallel, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
         grace_period=grace_period))
 
-    from clusteropt_cli.core.serve.vllm import build_vllm_command, choose_engine, format_command, run_vllm
+    from clusteropt_cli.core.serve.vllm import (
+        choose_engine,
+        format_command,
+        installed_vllm_version,
+        plan_vllm_command,
+        run_vllm,
+        vllm_available,
+    )
 
     chosen = choose_engine(settings.engine)
     if chosen == "vllm":
-        try:
-            cmd = build_vllm_command(settings)
-        except ValueError as exc:
-            raise BadInputError(str(exc), hint="Change the option named above for --engine vllm.") from None
+        plan = plan_vllm_command(settings)
+        for warning in plan.warnings:
+            console.warn(warning)
         if dry_run:
             if json_out:
-                console.print_json({"engine": "vllm", "command": cmd})
+                console.print_json({"engine": "vllm", "vllm_version": plan.version,
+                                    "vllm_version_source": plan.version_source, "command": plan.argv,
+                                    "warnings": plan.warnings})
             else:
-                console.out.print(format_command(cmd), highlight=False, markup=False)
+                console.log(f"command for vLLM {plan.version} ({plan.version_source})")
+                console.out.print(format_command(plan.argv), highlight=False, markup=False)
             return
-        from clusteropt_cli.core.serve.vllm import vllm_available
-
         if not vllm_available():
             raise BadInputError("--engine vllm needs vLLM, which is not installed here.",
-                                hint="pip install vllm (on a CUDA machine), or use --engine transformers; "
+                                hint="pip install vllm (on a CUDA machine), or use --engine copt; "
                                      "--dry-run prints the vllm command.")
-        console.log(f"running: {format_command(cmd)}")
-        raise typer.Exit(run_vllm(cmd))
+        installed = installed_vllm_version()
+        if plan.version_source == "--vllm-version" and installed and installed != plan.version:
+            from clusteropt_cli.core.serve.vllm import parse_version
+
+            if parse_version(installed) != parse_version(plan.version):
+                raise BadInputError(f"--vllm-version {plan.version}, but vLLM {installed} is installed here.",
+                                    hint="Drop --vllm-version to build the command for the installed vLLM.")
+        console.log(f"running (vLLM {plan.version}): {format_command(plan.argv)}")
+        raise typer.Exit(run_vllm(plan.argv))
 
     from clusteropt_cli.core.serve.launch import check_settings, serve_transformers
 
     check_settings(settings)
     if dry_run:
-        plan = {"engine": "transformers", "settings": settings}
+        plan = {"engine": "copt", "settings": settings}
         if json_out:
             console.print_json(plan)
         else:
             console.out.print(console.kv_table("copt serve (dry run)", [
-                ("engine", "transformers"), ("model", settings.model), ("bind", f"{settings.host}:{settings.port}"),
+                ("engine", "copt"), ("model", settings.model), ("bind", f"{settings.host}:{settings.port}"),
                 ("max batch", settings.max_batch_size), ("speculation", settings.draft_model or (
                     f"prompt lookup n={settings.prompt_lookup}" if settings.prompt_lookup else "off"))]))
         return
@@ -149,3 +181,16 @@ def serve(
     console.log(f"loading {settings.model} ...")
     code = serve_transformers(settings, on_ready=ready)
     raise typer.Exit(code)
+
+
+def _parse_bytes(text: str) -> int:
+    """'8589934592', '8G', '8GiB', '512M', '1.5g' → bytes (binary units, as vLLM's human-readable sizes)."""
+    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}.get(raw[-1:], 1)
+    try:
+        value = float(raw[:-1] if scale > 1 else raw) * scale
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise BadInputError(f"--kv-cache-memory-bytes '{text}' is not a size.", hint="Pass e.g. 8G or 8589934592.")
+    return int(value)

@@ -105,7 +105,7 @@ def test_slow_tpot_on_copt_serve_offers_autotuned_decode_and_emits_it(tmp_path) 
     # at batch 1 it is the best plan (copt serve's engine plus the autotuned kernels); the recipe carries the mode
     assert result["top_plan"]["applies"] == ["autotuned-decode"]
     recipe = yaml.safe_load(emit_recipe(result, "llama-3.2-1b", tmp_path / "serve.yaml").read_text())
-    assert recipe["compile_mode"] == "max-autotune-no-cudagraphs" and recipe["engine"] == "transformers"
+    assert recipe["compile_mode"] == "max-autotune-no-cudagraphs" and recipe["engine"] == "copt"
     not_on_gpu = advise(spec, resolve_target("cpu")[0], InferPlan(batch=1), ["slow-tpot"])
     assert "autotuned-decode" not in _ids(not_on_gpu, 50)
 

@@ -122,7 +122,7 @@ def test_vllm_command_translation():
                            quantization="compressed-tensors", tensor_parallel=4, pipeline_parallel=2,
                            draft_model="/models/draft", num_speculative_tokens=3, speculative_max_batch=8,
                            kv_cache_memory=20.0)
-    cmd = build_vllm_command(settings)
+    cmd = build_vllm_command(settings, "0.33.0")
     assert cmd[:3] == ["vllm", "serve", "/models/llama"]
     pairs = {cmd[i]: cmd[i + 1] for i in range(3, len(cmd) - 1) if cmd[i].startswith("--")}
     assert pairs["--host"] == "127.0.0.1" and pairs["--port"] == "9000" and pairs["--dtype"] == "bfloat16"
@@ -130,9 +130,9 @@ def test_vllm_command_translation():
     assert pairs["--tensor-parallel-size"] == "4" and pairs["--pipeline-parallel-size"] == "2"
     assert pairs["--kv-cache-dtype"] == "fp8" and pairs["--quantization"] == "compressed-tensors"
     assert pairs["--kv-cache-memory-bytes"] == str(20 * 2**30) and pairs["--api-key"] == "k"
-    assert "--enable-chunked-prefill" in cmd
     spec = json.loads(pairs["--speculative-config"])
-    assert spec == {"model": "/models/draft", "num_speculative_tokens": 3, "disable_by_batch_size": 9}
+    assert spec == {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 3,
+                    "num_speculative_tokens_per_batch_size": [[1, 8, 3], [9, 9, 0]]}
     ngram = build_vllm_command(ServeRecipe(model="m", prompt_lookup=4))
     spec = json.loads(ngram[ngram.index("--speculative-config") + 1])
     assert spec["method"] == "ngram" and spec["prompt_lookup_max"] == 4
@@ -152,7 +152,7 @@ def test_cli_dry_run_and_validation(copt, fixtures):
     assert '"method":"ngram"' in r.stdout
     r = copt("serve", "/models/llama", "--engine", "vllm", "--dry-run", "--json")
     assert json.loads(r.stdout)["command"][:2] == ["vllm", "serve"]
-    r = copt("serve", "/no/such/model", "--engine", "transformers")
+    r = copt("serve", "/no/such/model", "--engine", "copt")
     assert r.returncode == 2 and "not a local model directory" in r.stderr
     r = copt("serve", str(fixtures.teacher), "--draft-model", str(fixtures.draft), "--prompt-lookup", "2")
     assert r.returncode == 2 and "draft_model" in r.stderr

@@ -356,13 +356,13 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
         header = f"# copt train --recipe {path.name}\n"
     else:
         data = {"task": "serve", "model": model_arg, "tensor_parallel": w["tp"],
-                "engine": "vllm" if w.get("engine") == "vllm" else "transformers",
+                "engine": "vllm" if w.get("engine") == "vllm" else "copt",
                 "max_batch_size": max(1, int(w["batch"])),
                 "kv_cache_dtype": {"bf16": "bf16", "fp16": "auto"}.get(w["kv_cache"], w["kv_cache"]),
                 "prediction": prediction}
         if w["chunked_prefill"]:
             data["max_batch_tokens"] = int(w["chunked_prefill"])
-        if w.get("decode_autotune") and data["engine"] == "transformers":
+        if w.get("decode_autotune") and data["engine"] == "copt":
             data["compile_mode"] = "max-autotune-no-cudagraphs"
         if w["speculative_tokens"]:
             data["prompt_lookup"] = 3

@@ -363,7 +363,8 @@ class EngineConfig:
     # decode-step attention of the compiled layers: "sdpa" (masked SDPA), "flex" (FlexAttention) or "math" (plain
     # tensor ops the compiler fuses); "auto" resolves in resolve_decode_attention
     decode_attention: str = "auto"
-    gpu_memory_fraction: float = 0.85
+    gpu_memory_fraction: float = 0.85  # of the memory free after loading (when gpu_memory_utilization is None)
+    gpu_memory_utilization: float | None = None  # vLLM's meaning: of the device's total memory, for everything
 
 
 def resolve_decode_attention(choice: str) -> str:
@@ -421,6 +422,7 @@ class Engine:
             cuda_graphs=settings.cuda_graphs, compile=settings.compile, compile_mode=settings.compile_mode,
             async_scheduling=settings.async_scheduling is not False,
             decode_attention=settings.decode_attention,
+            gpu_memory_utilization=getattr(settings, "gpu_memory_utilization", None),
         )
         return cls(config, observer=observer)
 
@@ -472,8 +474,17 @@ class Engine:
             capacity = int(cfg.kv_cache_memory_gib * 2**30 // per_token)
         if capacity is None and device.startswith("cuda"):
             # weights are loaded: size the cache from free GPU memory (never from system RAM)
-            free, _ = torch.cuda.mem_get_info()
-            capacity = int(free * cfg.gpu_memory_fraction // per_token)
+            free, total = torch.cuda.mem_get_info()
+            if cfg.gpu_memory_utilization is not None:  # vLLM's budget: a fraction of the whole device
+                budget = total * cfg.gpu_memory_utilization - (total - free)
+                if budget <= 0:
+                    raise BadInputError(
+                        f"--gpu-memory-utilization {cfg.gpu_memory_utilization} leaves no room for a KV cache: "
+                        f"{(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB are in use after loading.",
+                        hint="Raise --gpu-memory-utilization.")
+                capacity = int(budget // per_token)
+            else:
+                capacity = int(free * cfg.gpu_memory_fraction // per_token)
         if capacity is None:
             capacity = cfg.max_batch_size * cache_len
         slots = min(cfg.max_batch_size, capacity // cache_len)

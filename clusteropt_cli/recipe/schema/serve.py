@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from clusteropt_cli.recipe.schema.base import Prediction, Strict
 
@@ -14,18 +14,28 @@ class ServeRecipe(Strict):
 
     task: Literal["serve"] = "serve"
     model: str
-    engine: Literal["auto", "transformers", "vllm"] = "auto"
+    engine: Literal["auto", "copt", "vllm"] = Field(
+        "auto", description="copt (copt's own engine; 'transformers' is accepted as its former name), vllm, or auto "
+        "(vllm when installed with a CUDA GPU, else copt).")
+    vllm_version: str | None = Field(
+        None, description="engine vllm: the vLLM version (X.Y) to build the command for; default: the installed "
+        "one (for dry runs where vLLM is absent: the newest release copt knows).")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = None
     served_model_name: str | None = None
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     max_batch_tokens: PositiveInt | None = Field(None, description="Tokens per step (chunked prefill budget).")
-    max_batch_size: PositiveInt = Field(64, description="Sequences decoded together at most.")
+    max_batch_size: PositiveInt = Field(64, description="Sequences decoded together at most (vLLM --max-num-seqs; "
+                                                        "forwarded to vLLM only when set).")
     kv_cache_blocks: PositiveInt | None = None
     kv_cache_memory: float | None = Field(None, gt=0, description="GiB for the KV cache.")
     kv_cache_dtype: Literal["auto", "bf16", "fp8", "int8"] = "auto"
-    block_size: PositiveInt = 32
+    block_size: PositiveInt = Field(32, description="Tokens per KV-cache block (forwarded to vLLM only when set).")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="Fraction of the GPU's total memory this server may use (weights, activations "
+        "and KV cache), as vLLM's --gpu-memory-utilization; copt's engine sizes its KV cache to fit the same "
+        "budget. Default: vLLM's 0.9; copt's engine 85% of the memory free after loading.")
     max_queue: PositiveInt = 1024
     max_model_len: PositiveInt | None = None
     draft_model: str | None = None
@@ -38,22 +48,34 @@ class ServeRecipe(Strict):
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile mode of the decode layers; max-autotune-no-cudagraphs benchmarks "
                                "Triton GEMM/GEMV templates at start-up (slower start; copt captures the CUDA "
-                               "graphs itself). transformers engine only.")
+                               "graphs itself). copt engine only.")
     async_scheduling: bool | None = Field(
         None, description="Launch the next greedy decode step before handling the current one's tokens (stretches "
-        "of pure greedy decoding). None = on for the transformers engine (H200, 1B: batch-1 decode 1.70 -> 1.40 "
+        "of pure greedy decoding). None = on for the copt engine (H200, 1B: batch-1 decode 1.70 -> 1.40 "
         "ms/token in the same run), vLLM's own default for engine vllm (true/false pass --async-scheduling / "
         "--no-async-scheduling).")
     decode_attention: Literal["auto", "sdpa", "flex", "math"] = Field(
         "auto", description="Attention of the compiled decode steps: masked SDPA, FlexAttention, or plain tensor ops "
         "(math) that the compiler fuses. auto = math where the decode layers are compiled (H200, 1B, batch-1: "
-        "1.23 ms/token against 1.42 with sdpa), sdpa otherwise. flex/math: transformers engine, compiled decode "
+        "1.23 ms/token against 1.42 with sdpa), sdpa otherwise. flex/math: copt engine, compiled decode "
         "layers.")
     tensor_parallel: PositiveInt = 1
     pipeline_parallel: PositiveInt = 1
     quantization: str | None = Field(None, description="vLLM --quantization (awq, gptq, fp8, compressed-tensors).")
     grace_period: float = Field(30.0, ge=0, description="Seconds to finish in-flight requests on SIGTERM.")
     prediction: Prediction | None = None
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_alias(cls, value: object) -> object:
+        return "copt" if value == "transformers" else value
+
+    @field_validator("vllm_version", mode="before")
+    @classmethod
+    def _version_text(cls, value: object) -> object:
+        if isinstance(value, (int, float)):
+            raise ValueError("write the version as text, e.g. vllm_version='0.11' (YAML reads 0.10 as 0.1)")
+        return value
 
     @model_validator(mode="after")
     def _check_serve(self) -> ServeRecipe:
@@ -64,11 +86,18 @@ class ServeRecipe(Strict):
             problems.append("draft_model: choose a draft model or prompt_lookup, not both")
         no_compiled_layers = self.engine == "vllm" or self.compile is False
         if self.compile_mode != "default" and no_compiled_layers:
-            problems.append("compile_mode: applies to the transformers engine's compiled decode layers "
+            problems.append("compile_mode: applies to the copt engine's compiled decode layers "
                             "(not with engine vllm or compile false)")
         if self.decode_attention in ("flex", "math") and no_compiled_layers:
-            problems.append("decode_attention: flex and math apply to the transformers engine's compiled decode "
+            problems.append("decode_attention: flex and math apply to the copt engine's compiled decode "
                             "layers (not with engine vllm or compile false)")
+        if self.vllm_version is not None:
+            from clusteropt_cli.core.serve.vllm import parse_version
+
+            try:
+                parse_version(self.vllm_version)
+            except ValueError as exc:
+                problems.append(f"vllm_version: {exc}")
         if problems:
             raise ValueError("; ".join(problems))
         return self
