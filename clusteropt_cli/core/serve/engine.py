@@ -503,6 +503,9 @@ class Engine:
         self.max_batch_tokens = int(cfg.max_batch_tokens or (2048 if device.startswith("cuda") else 512))
         self.stats.graphs_captured = self.runner.capture_graphs(slots)
         self.eos_ids = self._eos_ids()
+        from clusteropt_cli.core.serve.sampling import generation_defaults
+
+        self.sampling_defaults = generation_defaults(cfg.model)  # what vLLM applies when a request omits them
         self.model_name = cfg.model
         self._free_slots = list(range(slots))  # a min-heap: lowest slot first keeps decode batches small
         self._generator = torch.Generator(device=device)

@@ -4,6 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k")
+
+
+def generation_defaults(model_dir: str) -> dict[str, Any]:
+    """The sampling defaults a model ships in generation_config.json, as vLLM applies them (`--generation-config
+    auto`): the values that differ from transformers' GenerationConfig defaults, whatever `do_sample` says. A
+    request that omits one of these gets the model's value (else 1.0 / 1.0 / off)."""
+    from pathlib import Path
+
+    if not (Path(model_dir) / "generation_config.json").is_file():
+        return {}
+    from transformers import GenerationConfig
+
+    try:
+        diff = GenerationConfig.from_pretrained(model_dir).to_diff_dict()
+    except (OSError, ValueError):
+        return {}
+    return {key: diff[key] for key in SAMPLING_DEFAULT_KEYS if diff.get(key) is not None}
+
 
 def processed_probs(logits, temperature: float, top_p: float):
     """The distribution a request samples from: softmax(logits / T) restricted to the top-p nucleus."""

@@ -247,11 +247,14 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
                          err_type="not_found_error", param="model", code="model_not_found")
         return None
 
+    defaults = getattr(engine, "sampling_defaults", None) or {}  # generation_config.json, as vLLM applies it
+
     def to_request(body: Any, prompt_ids: list[int], max_tokens: int | None) -> GenerationRequest:
         return GenerationRequest(
             prompt_ids=prompt_ids, max_new_tokens=max_tokens if max_tokens is not None else 16,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=body.stop_list(),
+            temperature=defaults.get("temperature", 1.0) if body.temperature is None else body.temperature,
+            top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p, seed=body.seed,
+            stop=body.stop_list(),
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
 
     def submit_all(requests: list[GenerationRequest]) -> list[RequestHandle] | JSONResponse:
