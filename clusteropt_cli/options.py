@@ -19,7 +19,8 @@ RecipeOpt = Annotated[
 ]
 OverridesArg = Annotated[
     list[str] | None,
-    typer.Argument(help="Recipe overrides as key.sub=value (e.g. optim.lr=3e-4).", show_default=False),
+    typer.Argument(help="Recipe key overrides as key=value, nested keys as key.sub=value (keys: docs/reference/).",
+                  show_default=False),
 ]
 OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Output directory.")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Random seed.")]
