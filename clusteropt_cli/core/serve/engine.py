@@ -435,6 +435,7 @@ class Engine:
         from transformers import AutoConfig, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
+        from clusteropt_cli.core.serve.architectures import make_runner
         from clusteropt_cli.core.serve.runner import ModelRunner, resolve_dtype
 
         hf_logging.disable_progress_bar()
@@ -456,12 +457,13 @@ class Engine:
         use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.startswith("cuda")
 
         use_compile = cfg.compile if cfg.compile is not None else use_graphs
-        self.runner = ModelRunner(cfg.model, device=device, dtype=cfg.dtype, num_slots=None, max_len=cache_len,
+        # copt's slot attention for verified architectures, transformers' own otherwise (with a notice)
+        self.runner = make_runner(cfg.model, device=device, dtype=cfg.dtype, num_slots=None, max_len=cache_len,
                                   cuda_graphs=use_graphs, compile_decode=use_compile, compile_mode=cfg.compile_mode,
                                   decode_attention=resolve_decode_attention(cfg.decode_attention))
         self.draft_runner = None
         if cfg.draft_model:
-            self.draft_runner = ModelRunner(cfg.draft_model, device=device, dtype=cfg.dtype, num_slots=None,
+            self.draft_runner = make_runner(cfg.draft_model, device=device, dtype=cfg.dtype, num_slots=None,
                                             max_len=cache_len, cuda_graphs=False)
             if self.draft_runner.vocab_size != self.runner.vocab_size:
                 raise BadInputError(

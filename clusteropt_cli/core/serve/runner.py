@@ -45,6 +45,7 @@ class StepContext:
     # decode: "sdpa" (masked SDPA), "flex" (FlexAttention over the bucket) or "math" (plain tensor ops: two small
     # matmuls around a masked softmax that inductor fuses)
     attention: str = "sdpa"
+    window_masks: dict[int, Any] = field(default_factory=dict)  # decode: sliding window → [B, 1, 1, L] bool
 
 
 def _slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, copt_step=None,
@@ -61,6 +62,14 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
         k_cache, v_cache = step.caches[module.layer_idx]
     else:
         v_cache = module.copt_v_cache
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        from clusteropt_cli.core.serve.attention import check_layer_kwargs
+
+        check_layer_kwargs(module, kwargs)
+    if getattr(module, "copt_window", None) is not None or getattr(module, "copt_softcap", None) is not None:
+        from clusteropt_cli.core.serve.attention import windowed_slot_attention
+
+        return windowed_slot_attention(module, query, key, value, step, k_cache, v_cache, scaling), None
     num_heads, head_dim = query.shape[1], query.shape[-1]
     kv_heads = key.shape[1]
     if step.mode == "decode":
@@ -204,6 +213,17 @@ class ModelRunner:
         from clusteropt_cli.core.serve.fusion import fuse_projections
 
         self.fused_projections = fuse_projections(model)  # q/k/v and gate/up as one GEMM each
+        self.max_len = int(max_len or min(int(getattr(text_config, "max_position_embeddings", 2048)), 4096))
+        # per-layer sliding windows and soft-caps (the caller checked the architecture is native: runner_for)
+        from clusteropt_cli.core.serve.architectures import apply_to_model, inspect_architecture
+
+        self.architecture = inspect_architecture(config, self.max_len)
+        if not self.architecture.native:
+            raise RuntimeError(f"copt's slot attention cannot serve this model: {self.architecture.reason}")
+        apply_to_model(model, self.architecture, self.max_len)
+        self.windows = sorted({m.copt_window for m in self._attention_modules_of(model)
+                               if m.copt_window is not None})
+        self.final_softcap = self.architecture.final_softcap
         try:
             model.set_attn_implementation(ATTN_NAME)
         except Exception:  # noqa: BLE001 - older/custom models: set it on the config directly
@@ -221,7 +241,6 @@ class ModelRunner:
         self.num_heads = int(text_config.num_attention_heads)
         self.kv_heads = int(getattr(text_config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_heads)
-        self.max_len = int(max_len or min(int(getattr(text_config, "max_position_embeddings", 2048)), 4096))
         self.num_slots = 0
         self.caches: list[tuple[Any, Any]] = []
         if num_slots is not None:
@@ -257,7 +276,11 @@ class ModelRunner:
             module.register_buffer("copt_v_cache", v, persistent=False)
 
     def _attention_modules(self) -> list[Any]:
-        layers = getattr(self.decoder, "layers", None) or []
+        return self._attention_modules_of(self.model)
+
+    @staticmethod
+    def _attention_modules_of(model: Any) -> list[Any]:
+        layers = getattr(model.get_decoder(), "layers", None) or []
         mods = [getattr(layer, "self_attn", None) for layer in layers]
         if not mods or any(m is None or not isinstance(getattr(m, "layer_idx", None), int) for m in mods):
             return []  # unknown layout: attention reads step.caches[layer_idx]
@@ -345,7 +368,7 @@ class ModelRunner:
             if not rows:
                 return torch.empty(0, self.vocab_size, device=self.device)
             picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
-            return self.lm_head(picked).float()
+            return self._logits(picked)
 
     def _kv_bucket(self, max_position: int) -> int:
         for size in self.kv_lengths:
@@ -363,8 +386,21 @@ class ModelRunner:
             mask = (torch.arange(kv_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
         step = StepContext(caches=self.caches, mode="decode", slot_ids=rows, positions=positions, mask=mask,
                            kv_len=kv_len, attention=self.decode_attention)
+        if self.windows:
+            from clusteropt_cli.core.serve.attention import decode_window_mask
+
+            step.window_masks = {w: decode_window_mask(positions, kv_len, w, self.scratch_pos) for w in self.windows}
         hidden = self._hidden(input_ids[:, None], positions[:, None], step)
-        return self.lm_head(hidden[:, -1]).float()
+        return self._logits(hidden[:, -1])
+
+    def _logits(self, hidden):
+        """float32 next-token logits of hidden states [N, hidden] (with the model's final soft-capping, if any)."""
+        logits = self.lm_head(hidden).float()
+        if self.final_softcap:
+            import torch
+
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def forward_decode(self, slots: list[int], positions: list[int], tokens: list[int]):
         """One token for each of len(slots) sequences; returns float32 logits [len(slots), V] in that order."""
