@@ -19,6 +19,8 @@ def quantize(
     model: Annotated[str | None, typer.Argument(help="Local Hugging Face model directory.", show_default=False)] = None,
     overrides: OverridesArg = None,
     method: _opt("--method", "awq | gptq | fp8 | int8 | rtn (default awq).") = None,
+    scheme: _opt("--scheme", "llm-compressor preset: W4A16 | W4A16_ASYM | W8A16 (with awq/gptq/rtn) | W8A8 | "
+                 "FP8_DYNAMIC; sets bits/group size/symmetry or the method.") = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Output directory (default "
                                                 "./<model>-<method>-w<bits>g<group>).", show_default=False)] = None,
     bits: _opt("--bits", "Weight bits 2 | 3 | 4 | 8 (default 4; fp8/int8 are 8).", int) = None,
@@ -44,7 +46,8 @@ def quantize(
     from clusteropt_cli.recipe.load import load_settings
 
     settings = load_settings("quantize", recipe, overrides, dict(
-        model=model, output=str(output) if output else None, method=method, bits=bits, group_size=group_size,
+        model=model, output=str(output) if output else None, scheme=scheme, method=method, bits=bits,
+        group_size=group_size,
         symmetric=symmetric, calib=calib, num_samples=num_samples, seq_len=seq_len, ignore=ignore,
         backend=backend, eval=eval_file, compare_rtn=compare_rtn))
     the_plan = plan(settings, overwrite=overwrite)
@@ -78,6 +81,7 @@ def _table(report):
         ("backend", report.backend_version),
         ("size", f"{console.human_bytes(report.size_before_bytes)} → {console.human_bytes(report.size_after_bytes)}"
                  f" ({report.compression_ratio:.2f}x smaller)"),
+        ("servable by vLLM", _servable(report)),
         ("calibration", f"{report.calib_samples} samples, {report.calib_tokens} tokens"
          if report.calib_samples else "none"),
         ("quantize time", f"{report.quantize_time_s:.1f} s (total {report.total_time_s:.1f} s)"),
@@ -90,3 +94,8 @@ def _table(report):
         rows.append(("eval", f"{report.eval_tokens} tokens in blocks of {report.eval_block_len}"))
     rows.append(("sample", repr(report.sample_generation)))
     return console.kv_table("copt quantize", rows)
+
+
+def _servable(report) -> str:
+    info = report.servable_by_vllm or {}
+    return f"{'yes' if info.get('servable') else 'no'} ({info.get('reason', '?')})"

@@ -26,7 +26,20 @@ def test_cli_json_report_and_checkpoint(copt, fixtures, tmp_path):
     assert report["ppl_after"] == pytest.approx(report["ppl_before"], rel=0.03)
     assert report["sample_generation"]
     assert report["compression_ratio"] > 2.0
+    assert report["servable_by_vllm"]["servable"] and "W4A16" in report["servable_by_vllm"]["reason"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rtn4"]
+
+
+def test_unservable_checkpoint_is_announced_before_work_and_reported(copt, fixtures, tmp_path):
+    out = tmp_path / "rtn3"
+    proc = copt("quantize", str(fixtures.teacher), "--method", "rtn", "--bits", "3", "--group-size", "64",
+                "--output", str(out), env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warning = proc.stderr.index("vLLM will not serve this checkpoint: 3-bit weights")
+    assert warning < proc.stderr.index("quantizing")  # before the work starts
+    assert "servable by vLLM" in proc.stdout and "no (3-bit weights" in proc.stdout
+    report = json.loads((out / "copt_quant_report.json").read_text())
+    assert report["servable_by_vllm"]["servable"] is False
 
 
 def _settings(fixtures, out, **fields):

@@ -70,6 +70,7 @@ class QuantizeReport:
     observer: str | None = None  # how integer weight scales were chosen (awq/gptq/rtn on llmcompressor)
     awq_duo_scaling: bool | str | None = None
     awq_clip: dict | None = None  # llm-awq's clipping search: layers clipped, mean clip ratio, sample tokens
+    servable_by_vllm: dict | None = None  # {"servable": bool, "reason": str} (core/quantize/servable.py)
 
 
 def default_output(settings: QuantizeRecipe) -> Path:
@@ -158,6 +159,11 @@ def plan(settings: QuantizeRecipe, overwrite: bool = False) -> Plan:
         raise MissingDependencyError(f"--backend {settings.backend}: '{module}' is not installed.",
                                      hint=f"pip install 'clusteropt-cli[{extra}]'")
     warnings.extend(_hardware_warnings(settings))
+    from clusteropt_cli.core.quantize.servable import vllm_servability
+
+    servable = vllm_servability(settings)
+    if not servable.servable:
+        warnings.append(f"vLLM will not serve this checkpoint: {servable.reason}")
     return Plan(settings, model_dir, output, calib_texts, eval_text, warnings)
 
 
@@ -211,6 +217,7 @@ def run(plan_: Plan, progress=None, verbose: bool = False) -> QuantizeReport:
 
     from clusteropt_cli.core.quantize import backends
     from clusteropt_cli.core.quantize.evaluate import eval_blocks, generate_smoke, weights_bytes
+    from clusteropt_cli.core.quantize.servable import vllm_servability
 
     s = plan_.settings
     started = time.perf_counter()
@@ -262,7 +269,7 @@ def run(plan_: Plan, progress=None, verbose: bool = False) -> QuantizeReport:
             sample_generation=sample, device=device, warnings=list(plan_.warnings) + facts.get("warnings", []),
             observer=s.weight_observer,
             awq_duo_scaling=s.awq_duo_scaling if s.llmcompressor_awq else None,
-            awq_clip=facts.get("awq_clip"))
+            awq_clip=facts.get("awq_clip"), servable_by_vllm=vllm_servability(s).as_dict())
         report.compression_ratio = round(report.size_before_bytes / max(report.size_after_bytes, 1), 3)
         report.total_time_s = round(time.perf_counter() - started, 3)
         (tmp / REPORT_NAME).write_text(json.dumps(asdict(report), indent=2) + "\n")

@@ -16,6 +16,18 @@ BACKEND_METHODS: dict[str, tuple[str, ...]] = {
     "autoawq": ("awq",),
 }
 CALIBRATED_METHODS = ("awq", "gptq", "int8")
+# llm-compressor's preset scheme names (compressed_tensors PRESET_SCHEMES) → the recipe keys they fix. W_A16 presets
+# leave the algorithm (awq, gptq, rtn) to `method`.
+SCHEMES: dict[str, dict] = {
+    "W2A16": {"bits": 2, "group_size": 128, "symmetric": True},
+    "W3A16": {"bits": 3, "group_size": 128, "symmetric": True},
+    "W4A16": {"bits": 4, "group_size": 128, "symmetric": True},
+    "W4A16_ASYM": {"bits": 4, "group_size": 128, "symmetric": False},
+    "W8A16": {"bits": 8, "group_size": 128, "symmetric": True},
+    "W8A8": {"method": "int8"},
+    "INT8": {"method": "int8"},
+    "FP8_DYNAMIC": {"method": "fp8"},
+}
 
 
 class QuantizeRecipe(Strict):
@@ -24,6 +36,10 @@ class QuantizeRecipe(Strict):
     task: Literal["quantize"] = "quantize"
     model: str = Field(description="Local Hugging Face model directory (with config.json).")
     output: str | None = Field(None, description="Output directory (default ./<model>-<method>-w<bits>[g<group>]).")
+    scheme: str | None = Field(
+        None, description="llm-compressor's preset name: W4A16, W4A16_ASYM, W8A16 (with method awq, gptq or rtn; "
+        "W2A16/W3A16 too), W8A8 or INT8 (method int8), FP8_DYNAMIC (method fp8). Sets bits, group_size, symmetric "
+        "(or the method); an explicit key that disagrees is an error.")
     method: Literal["awq", "gptq", "fp8", "int8", "rtn"] = "awq"
     bits: Literal[2, 3, 4, 8] | None = Field(
         None, description="Weight bits; default 4 for awq/gptq/rtn, 8 for fp8/int8."
@@ -55,6 +71,29 @@ class QuantizeRecipe(Strict):
         "observer sets the q/k projections'), minmax otherwise. The --compare-rtn baseline of awq/gptq uses "
         "minmax.")
     prediction: Prediction | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_scheme(cls, data: object) -> object:
+        if not isinstance(data, dict) or data.get("scheme") is None:
+            return data
+        name = str(data["scheme"]).upper()
+        if name == "FP8":
+            raise ValueError("scheme: FP8 is llm-compressor's static per-tensor activation scheme, which copt does "
+                             "not write; use FP8_DYNAMIC (per-token activation scales, no calibration)")
+        if name not in SCHEMES:
+            raise ValueError(f"scheme: unknown '{data['scheme']}' (choose from {', '.join(SCHEMES)})")
+        data = {**data, "scheme": name}
+        fixed = dict(SCHEMES[name])
+        if "bits" in fixed and data.get("method") in ("fp8", "int8"):
+            raise ValueError(f"scheme: {name} is weight-only; method {data['method']} writes W8A8 (use method awq, "
+                             "gptq or rtn, or scheme W8A8/FP8_DYNAMIC)")
+        clashes = [f"{key}={data[key]}" for key, value in fixed.items()
+                   if data.get(key) is not None and data[key] != value]
+        if clashes:
+            raise ValueError(f"scheme: {name} sets {', '.join(f'{k}={v}' for k, v in fixed.items())}; "
+                             f"it disagrees with {', '.join(clashes)}")
+        return {**data, **fixed}
 
     @model_validator(mode="after")
     def _check_bits(self) -> QuantizeRecipe:
