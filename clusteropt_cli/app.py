@@ -9,9 +9,8 @@ from typing import Annotated
 import typer
 
 from clusteropt_cli import __version__
-from clusteropt_cli.commands import advise, distill, env, profile, quantize, recipes, serve, train
 
-app = typer.Typer(
+APP_SETTINGS: dict = dict(
     name="copt",
     help="copt: optimize LLM training and inference on GPUs — advise, quantize, distill, train, serve, profile.",
     no_args_is_help=True,
@@ -27,7 +26,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def root(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
@@ -40,18 +38,81 @@ def root(
 
 
 # ---- the command registry: one visible place --------------------------------------------------------------
-app.command("advise")(advise.advise)
-app.command("quantize")(quantize.quantize)
-app.add_typer(distill.app, name="distill")
-app.command("train")(train.train)
-app.command("serve")(serve.serve)
-app.add_typer(profile.app, name="profile")
-app.add_typer(recipes.app, name="recipes")
-app.command("env")(env.env)
+# name → (module under clusteropt_cli.commands, attribute, a group of subcommands?)
+COMMANDS: dict[str, tuple[str, str, bool]] = {
+    "advise": ("advise", "advise", False),
+    "quantize": ("quantize", "quantize", False),
+    "distill": ("distill", "app", True),
+    "train": ("train", "train", False),
+    "serve": ("serve", "serve", False),
+    "profile": ("profile", "app", True),
+    "recipes": ("recipes", "app", True),
+    "env": ("env", "env", False),
+}
+
+
+def build_app(only: str | None = None) -> typer.Typer:
+    """The typer app with every command, or with only `only` (what main() runs: `copt advise --help` then imports
+    and builds one command module instead of all eight)."""
+    import importlib
+
+    built = typer.Typer(**APP_SETTINGS)
+    built.callback()(root)
+    for name, (module, attribute, group) in COMMANDS.items():
+        if only is not None and name != only:
+            continue
+        target = getattr(importlib.import_module(f"clusteropt_cli.commands.{module}"), attribute)
+        if group:
+            built.add_typer(target, name=name)
+        else:
+            built.command(name)(target)
+    return built
+
+
+def __getattr__(name: str):
+    """`app`: the whole command tree (completions, the reference generator, tests), built on first use."""
+    if name == "app":
+        globals()["app"] = build_app()
+        return globals()["app"]
+    raise AttributeError(name)
+
+
+def _invoked(argv: list[str]) -> str | None:
+    """The command argv runs, when it names one (global flags before it take no value)."""
+    first = next((arg for arg in argv if not arg.startswith("-")), None)
+    return first if first in COMMANDS else None
 
 
 def _debug_enabled(argv: list[str]) -> bool:
     return "--debug" in argv or os.environ.get("COPT_DEBUG", "").lower() in ("1", "true", "yes")
+
+
+# Libraries that log on import or on every call what is not the user's business: a missing optional kernel
+# (torchao's "Failed to load ..._C_mxfp8..."), deprecations of their own calls (torch pytree), "no accelerator"
+# notes on CPU (DeepSpeed, llm-compressor) and progress bars. Without --debug only their errors get through.
+_QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "DeepSpeed", "accelerate", "datasets", "gptqmodel", "optimum")
+_QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
+              "LLM_COMPRESSOR_LOG_LEVEL": "ERROR"}
+
+
+def _errors_only(record) -> bool:
+    import logging
+
+    return record.levelno >= logging.ERROR
+
+
+def _quiet_libraries() -> None:
+    """Route library warnings, info logs and progress bars away unless --debug (a filter, not a level: some
+    libraries reset their logger's level when they create it)."""
+    import logging
+    import warnings
+
+    for key, value in _QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).addFilter(_errors_only)
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(?!clusteropt_cli)")
 
 
 def _render_error(message: str, hint: str | None) -> None:
@@ -71,8 +132,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _debug_enabled(argv)
     previous_debug = os.environ.get("COPT_DEBUG")
+    if not debug:
+        _quiet_libraries()
     try:
-        command = typer.main.get_command(app)
+        command = typer.main.get_command(build_app(_invoked(argv)))
         result = command.main(args=argv, prog_name="copt", standalone_mode=False)
         code = result if isinstance(result, int) else 0
     except KeyboardInterrupt:

@@ -237,6 +237,7 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l draft-model
 complete -c copt -n "__fish_seen_subcommand_from serve" -l dry-run
 complete -c copt -n "__fish_seen_subcommand_from serve" -l dtype
 complete -c copt -n "__fish_seen_subcommand_from serve" -l engine
+complete -c copt -n "__fish_seen_subcommand_from serve" -l gpu-memory-utilization
 complete -c copt -n "__fish_seen_subcommand_from serve" -l grace-period
 complete -c copt -n "__fish_seen_subcommand_from serve" -l help
 complete -c copt -n "__fish_seen_subcommand_from serve" -l host
@@ -244,15 +245,19 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l json
 complete -c copt -n "__fish_seen_subcommand_from serve" -l kv-cache-blocks
 complete -c copt -n "__fish_seen_subcommand_from serve" -l kv-cache-dtype
 complete -c copt -n "__fish_seen_subcommand_from serve" -l kv-cache-memory
+complete -c copt -n "__fish_seen_subcommand_from serve" -l kv-cache-memory-bytes
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-batch-size
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-batch-tokens
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-model-len
+complete -c copt -n "__fish_seen_subcommand_from serve" -l max-num-batched-tokens
+complete -c copt -n "__fish_seen_subcommand_from serve" -l max-num-seqs
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-queue
 complete -c copt -n "__fish_seen_subcommand_from serve" -l no-async-scheduling
 complete -c copt -n "__fish_seen_subcommand_from serve" -l no-compile
 complete -c copt -n "__fish_seen_subcommand_from serve" -l no-cuda-graphs
 complete -c copt -n "__fish_seen_subcommand_from serve" -l num-speculative-tokens
 complete -c copt -n "__fish_seen_subcommand_from serve" -l pipeline-parallel
+complete -c copt -n "__fish_seen_subcommand_from serve" -l pipeline-parallel-size
 complete -c copt -n "__fish_seen_subcommand_from serve" -l port
 complete -c copt -n "__fish_seen_subcommand_from serve" -l prompt-lookup
 complete -c copt -n "__fish_seen_subcommand_from serve" -l quantization
@@ -260,6 +265,8 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l recipe
 complete -c copt -n "__fish_seen_subcommand_from serve" -l served-model-name
 complete -c copt -n "__fish_seen_subcommand_from serve" -l speculative-max-batch
 complete -c copt -n "__fish_seen_subcommand_from serve" -l tensor-parallel
+complete -c copt -n "__fish_seen_subcommand_from serve" -l tensor-parallel-size
+complete -c copt -n "__fish_seen_subcommand_from serve" -l vllm-version
 complete -c copt -n "__fish_seen_subcommand_from serve" -s r
 complete -c copt -n "__fish_seen_subcommand_from train" -l activation-checkpointing
 complete -c copt -n "__fish_seen_subcommand_from train" -l attn

@@ -116,3 +116,34 @@ def test_env_human_output(copt):
     result = copt("env")
     assert result.returncode == 0, result.stderr
     assert "torch" in result.stdout and "Backends" in result.stdout
+
+
+def test_library_noise_is_routed_to_debug():
+    """Without --debug, library warnings/info logs (torchao's missing kernels, DeepSpeed's accelerator note, torch
+    pytree deprecations) and foreign progress bars are silenced; their errors and copt's own warnings get through."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import logging, os, sys, warnings\n"
+        "from clusteropt_cli import app\n"
+        "if sys.argv[1] == 'quiet': app._quiet_libraries()\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "logging.getLogger('torchao').warning('Failed to load _C_mxfp8')\n"
+        "logging.getLogger('DeepSpeed').warning('Setting accelerator to CPU')\n"
+        "logging.getLogger('torch.utils._pytree').warning('register_constant is deprecated')\n"
+        "logging.getLogger('DeepSpeed').error('a real library error')\n"
+        "warnings.warn_explicit('old api', FutureWarning, 'x.py', 1, module='transformers.foo')\n"
+        "warnings.warn_explicit('copt says', UserWarning, 'y.py', 1, module='clusteropt_cli.core.serve.runner')\n"
+        "print(os.environ.get('TQDM_DISABLE'), os.environ.get('TRANSFORMERS_VERBOSITY'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "TRANSFORMERS_VERBOSITY")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    quiet = subprocess.run([sys.executable, "-c", code, "quiet"], capture_output=True, text=True, env=env)
+    loud = subprocess.run([sys.executable, "-c", code, "debug"], capture_output=True, text=True, env=env)
+    for noise in ("_C_mxfp8", "accelerator to CPU", "register_constant", "old api"):
+        assert noise not in quiet.stderr and noise in loud.stderr, noise
+    assert "a real library error" in quiet.stderr and "copt says" in quiet.stderr
+    assert quiet.stdout.split() == ["1", "error"] and loud.stdout.split() == ["None", "None"]
