@@ -56,7 +56,15 @@ class GenerationRequest:
     max_new_tokens: int = 16
     temperature: float = 0.0  # 0 → greedy
     top_p: float = 1.0
-    seed: int | None = None
+    top_k: int = 0  # 0 (or -1): off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None  # the same seed gives the same tokens whatever else runs
+    logprobs: int | None = None  # per output token: its logprob and this many top alternatives (0: none)
+    prompt_logprobs: int | None = None  # the same for every prompt token (max_new_tokens may then be 0)
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids (EOS is added unless ignore_eos)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -78,6 +86,10 @@ class GenerationResult:
     spec_drafted: int = 0
     spec_accepted: int = 0
     error: str | None = None
+    # with request.logprobs: one (token id, logprob, [(id, logprob), ...]) per output token
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # with request.prompt_logprobs: None for the first prompt token, then as above
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -99,6 +111,8 @@ class RequestHandle:
         self._result: GenerationResult | None = None
         self._cancelled = False
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event, bool]] = []
+        # output index → (token id, logprob, top alternatives), filled before the token is pushed (streaming reads it)
+        self.logprobs: dict[int, tuple[int, float, list[tuple[int, float]]]] = {}
 
     # engine side
     def _push(self, token_ids: list[int], result: GenerationResult | None = None,
@@ -305,20 +319,21 @@ class EngineObserver:
 class _Seq:
     """Engine-side state of one request."""
 
-    __slots__ = ("req", "handle", "rid", "prompt", "out", "num_computed", "slot", "draft_computed", "generator",
+    __slots__ = ("req", "handle", "rid", "prompt", "out", "num_computed", "slot", "draft_computed", "settings",
                  "temperature", "top_p", "stop_ids", "max_new", "t_arrival", "t_first", "t_last", "drafted",
-                 "accepted", "finish_reason", "stop_reason", "text")
+                 "accepted", "finish_reason", "stop_reason", "text", "prompt_lp")
 
     def __init__(self, req: GenerationRequest, handle: RequestHandle, stop_ids: set[int], max_new: int,
-                 generator: Any):
+                 settings: Any):
         self.req, self.handle, self.rid = req, handle, handle.request_id
         self.prompt = list(req.prompt_ids)
         self.out: list[int] = []
         self.num_computed = 0
         self.slot = -1
         self.draft_computed = 0
-        self.generator = generator
+        self.settings = settings  # device_sampling.RowSettings
         self.temperature, self.top_p = float(req.temperature), float(req.top_p)
+        self.prompt_lp: list[Any] | None = [None] if req.prompt_logprobs is not None else None
         self.stop_ids, self.max_new = stop_ids, max_new
         self.t_arrival = time.perf_counter()
         self.t_first: float | None = None
@@ -510,8 +525,9 @@ class Engine:
         self.sampling_defaults = generation_defaults(cfg.model)  # what vLLM applies when a request omits them
         self.model_name = cfg.model
         self._free_slots = list(range(slots))  # a min-heap: lowest slot first keeps decode batches small
-        self._generator = torch.Generator(device=device)
-        self._generator.manual_seed(0)
+        import random
+
+        self._rng = random.Random(0)  # seeds of requests that send none
         self._loaded = True
 
     def _eos_ids(self) -> set[int]:
@@ -575,18 +591,33 @@ class Engine:
             raise BadInputError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens.",
                 hint="Shorten the prompt or start the server with a larger --max-model-len.")
-        if request.max_new_tokens < 1:
-            raise BadInputError("max_tokens must be at least 1.", hint="Pass max_tokens >= 1.")
+        if request.max_new_tokens < (0 if request.prompt_logprobs is not None else 1):
+            raise BadInputError("max_tokens must be at least 1 (0 only with prompt logprobs).",
+                                hint="Pass max_tokens >= 1.")
         vocab = self.runner.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in request.prompt_ids):
             raise BadInputError(f"Prompt token ids must be integers in [0, {vocab}).", hint="Check the prompt ids.")
         if request.temperature < 0 or not 0 < request.top_p <= 1:
             raise BadInputError("temperature must be >= 0 and top_p in (0, 1].", hint="Fix the sampling options.")
+        from clusteropt_cli.core.serve.device_sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS
+
+        if request.top_k < -1 or not 0 <= request.min_p <= 1 or request.repetition_penalty <= 0:
+            raise BadInputError("top_k must be -1, 0 or positive, min_p in [0, 1] and repetition_penalty > 0.",
+                                hint="Fix the sampling options.")
+        bias = request.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS or any(not 0 <= int(t) < vocab for t in bias):
+            raise BadInputError(f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids in [0, {vocab}).",
+                                hint="Check the logit_bias keys.")
+        if request.min_tokens and len(set(request.stop_token_ids) | self.eos_ids) > MAX_STOP_IDS:
+            raise BadInputError(f"min_tokens suppresses at most {MAX_STOP_IDS} stop token ids.",
+                                hint="Send fewer stop_token_ids.")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(request, name)
+            if k is not None and not 0 <= k <= 20:
+                raise BadInputError(f"{name} must be between 0 and 20.", hint=f"Pass {name} <= 20.", )
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; returns at once with a handle (raises QueueFullError / BadInputError)."""
-        import torch
-
         if not self._accepting or self._thread is None:
             raise EngineStoppedError("The engine is not accepting requests (stopped or draining).",
                                      hint="Start the engine (engine.start()) or wait for the restart.")
@@ -603,14 +634,22 @@ class Engine:
             handle = RequestHandle(request, rid)
             stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(self.eos_ids))
             room = self.max_model_len - len(request.prompt_ids)
-            generator = None
-            if request.seed is not None and request.temperature > 0:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(int(request.seed))
-            seq = _Seq(request, handle, stop_ids, min(request.max_new_tokens, room), generator)
+            seq = _Seq(request, handle, stop_ids, min(request.max_new_tokens, room), self._row_settings(request))
             self._incoming.append(seq)
             self._cond.notify_all()
         return handle
+
+    def _row_settings(self, request: GenerationRequest) -> Any:
+        from clusteropt_cli.core.serve.device_sampling import RowSettings
+
+        seed = request.seed if request.seed is not None else self._rng.getrandbits(63)
+        stops = tuple(sorted(set(request.stop_token_ids) | (set() if request.ignore_eos else self.eos_ids)))
+        return RowSettings(
+            temperature=float(request.temperature), top_p=float(request.top_p), top_k=max(0, int(request.top_k)),
+            min_p=float(request.min_p), seed=int(seed), presence_penalty=float(request.presence_penalty),
+            frequency_penalty=float(request.frequency_penalty), repetition_penalty=float(request.repetition_penalty),
+            logit_bias={int(k): float(v) for k, v in (request.logit_bias or {}).items()} or None,
+            min_tokens=int(request.min_tokens), stop_ids=stops if request.min_tokens else ())
 
     def generate(self, requests: list[GenerationRequest], timeout: float | None = None) -> list[GenerationResult]:
         """Submit all requests (continuous batching does the rest) and block until every one has finished."""
@@ -670,6 +709,7 @@ class Engine:
         while self._waiting and self._free_slots:
             seq = self._waiting.popleft()
             seq.slot = heapq.heappop(self._free_slots)
+            self.runner.sampler.assign(seq.slot, seq.settings, seq.prompt)
             self._running.append(seq)
         # 3. decode (or speculate) for generating sequences
         decoding = [s for s in self._running if s.out and s.finish_reason is None]
@@ -677,7 +717,8 @@ class Engine:
         stats.add_phase("schedule", t1 - t0)
         if decoding:
             use_spec = (self.draft_runner is not None or self.config.prompt_lookup) and (
-                len(decoding) <= self.config.speculative_max_batch)
+                len(decoding) <= self.config.speculative_max_batch) and not any(
+                s.settings.has_penalties or s.req.logprobs is not None for s in decoding)
             if use_spec:
                 self._spec_step(decoding)
                 stats.add_phase("speculative", clock() - t1)
@@ -714,7 +755,10 @@ class Engine:
             start = seq.num_computed
             packed.append((seq.slot, start, seq.prompt[start : start + n]))
             last = start + n == len(seq.prompt)
-            wanted.append([n - 1] if last else [])
+            if seq.prompt_lp is not None:  # every position's logits: the next prompt token's logprob
+                wanted.append(list(range(n)))
+            else:
+                wanted.append([n - 1] if last else [])
             if last:
                 done.append(seq)
         logits = self.runner.forward_packed(packed, wanted)
@@ -722,6 +766,13 @@ class Engine:
             import torch
 
             torch.cuda.synchronize()
+        last_rows, row = [], 0
+        for (seq, n), rows in zip(chunks, wanted, strict=True):
+            if seq.prompt_lp is not None:
+                self._record_prompt_logprobs(seq, logits[row : row + len(rows)], seq.num_computed)
+            if seq.num_computed + n == len(seq.prompt):
+                last_rows.append(row + len(rows) - 1)
+            row += len(rows)
         for seq, n in chunks:
             seq.num_computed += n
         self.stats.prefill_chunks += len(chunks)
@@ -729,23 +780,45 @@ class Engine:
         t1 = clock()
         self.stats.add_phase("prefill_forward", t1 - t0)
         if done:
-            self._suppress_early_stops(logits, done)
-            tokens = self._sample(logits, done)
+            if len(last_rows) != logits.shape[0]:
+                import torch
+
+                logits = logits.index_select(0, torch.tensor(last_rows, dtype=torch.long, device=logits.device))
+            generating = [i for i, s in enumerate(done) if s.max_new > 0]
+            for s in done:
+                if s.max_new <= 0:  # prompt logprobs only (echo with max_tokens 0)
+                    self._finish(s, "length")
+            if not generating:
+                return
+            if len(generating) != len(done):
+                import torch
+
+                logits = logits.index_select(0, torch.tensor(generating, dtype=torch.long, device=logits.device))
+                done = [done[i] for i in generating]
+            tokens = self._choose(logits, done)
             t2 = clock()
             self.stats.add_phase("prefill_sample_sync", t2 - t1)
             self._emit_one_each(done, tokens)
             self.stats.add_phase("emit", clock() - t2)
 
     def _decode_step(self, seqs: list[_Seq]) -> None:
+        from clusteropt_cli.core.serve.sampling import to_host
+
         clock = time.perf_counter
         t0 = clock()
-        logits = self.runner.forward_decode([s.slot for s in seqs], [s.length - 1 for s in seqs],
-                                            [s.last_token() for s in seqs])
+        slots, positions = [s.slot for s in seqs], [s.length - 1 for s in seqs]
+        last = [s.last_token() for s in seqs]
+        plain = self.runner.sampler.flags(slots)[0]
+        if plain or any(s.req.logprobs is not None for s in seqs):
+            logits = self.runner.forward_decode(slots, positions, last)
+            t1 = clock()
+            tokens = self._choose(logits, seqs)
+        else:  # sampled on the device: the decode graph and the sampling graph back to back
+            chosen = self.runner.decode_sample(slots, positions, last)
+            t1 = clock()
+            tokens = to_host(chosen)
         for s in seqs:
             s.num_computed += 1
-        t1 = clock()
-        self._suppress_early_stops(logits, seqs)
-        tokens = self._sample(logits, seqs)
         t2 = clock()
         self.stats.decode_steps += 1
         self._emit_one_each(seqs, tokens)
@@ -755,25 +828,25 @@ class Engine:
         stats.add_phase("decode_sample_sync", t2 - t1)
         stats.add_phase("emit", t3 - t2)
 
-    # ---- async scheduling: greedy decode stretches fed on the device ------------------------------------
+    # ---- async scheduling: decode stretches fed on the device ------------------------------------------
     CHAIN_MAX_STEPS = 256  # hand control back to the loop at least this often
 
     def _can_chain(self, seqs: list[_Seq]) -> bool:
-        """A stretch of pure greedy decoding: every running sequence decodes, nothing waits for a slot or a
-        prefill, and no request needs its logits changed (min_tokens) or sampled."""
+        """A stretch of pure decoding: every running sequence decodes, nothing waits for a slot or a prefill, and
+        no request wants logprobs (greedy or sampled: the tokens are chosen on the device either way)."""
         if not self.config.async_scheduling or len(seqs) != len(self._running) or self._waiting or self._incoming:
             return False
-        return all(s.temperature <= 0 and not (s.req.min_tokens and len(s.out) < s.req.min_tokens) for s in seqs)
+        return all(s.req.logprobs is None for s in seqs)
 
     def _chain_goes_on(self, seqs: list[_Seq], steps: int) -> bool:
         return (steps < self.CHAIN_MAX_STEPS and not self._stop and not self._incoming
                 and all(s.finish_reason is None and not s.handle._cancelled for s in seqs))
 
     def _decode_chain(self, seqs: list[_Seq]) -> None:
-        """Decode steps whose greedy tokens are fed back on the device: step k+1 is launched before step k's tokens
-        are read, so emitting, stop checks and streaming overlap the GPU. When the stretch ends (a sequence
-        finished or was cancelled, a request arrived) the step already in flight is drained: its tokens are kept
-        for the sequences still running, dropped for the others (their slot's extra KV entry is never read)."""
+        """Decode steps whose tokens (greedy or sampled) are fed back on the device: step k+1 is launched before
+        step k's tokens are read, so emitting, stop checks and streaming overlap the GPU. When the stretch ends (a
+        sequence finished or was cancelled, a request arrived) the step already in flight is drained: its tokens are
+        kept for the sequences still running, dropped for the others (their slot's extra KV entry is never read)."""
         clock = time.perf_counter
         stats = self.stats
         t0 = clock()
@@ -810,21 +883,61 @@ class Engine:
             _wake_all(self._wakes)
             self._wakes = {}
 
-    def _suppress_early_stops(self, logits, seqs: list[_Seq]) -> None:
-        from clusteropt_cli.core.serve.sampling import suppress
+    def _choose(self, logits, seqs: list[_Seq]) -> list[int]:
+        """The next token of each sequence from its logits row (on the device), plus logprobs where asked."""
+        from clusteropt_cli.core.serve.sampling import to_host
 
-        for i, seq in enumerate(seqs):
-            if seq.req.min_tokens and len(seq.out) < seq.req.min_tokens:
-                suppress(logits[i], sorted(seq.stop_ids | self.eos_ids))
+        sampler = self.runner.sampler
+        slots, positions = [s.slot for s in seqs], [s.length for s in seqs]
+        if any(s.req.logprobs is not None for s in seqs):
+            tokens, logprobs = sampler.sample(logits, slots, positions, logprobs=True)
+            host = to_host(tokens)
+            self._record_logprobs(seqs, tokens, logprobs)
+            return host
+        if sampler.flags(slots)[0]:
+            return to_host(logits.argmax(-1))
+        return to_host(sampler.sample(logits, slots, positions))
 
-    def _sample(self, logits, seqs: list[_Seq]) -> list[int]:
-        from clusteropt_cli.core.serve.sampling import sample_rows
+    def _record_logprobs(self, seqs: list[_Seq], tokens, logprobs) -> None:
+        """Each requesting sequence's token logprob and top alternatives, keyed by its output index."""
+        import torch
 
-        return sample_rows(logits, seqs, generator=self._generator)
+        from clusteropt_cli.core.serve.device_sampling import LOGPROB_FLOOR
+
+        rows = [i for i, s in enumerate(seqs) if s.req.logprobs is not None]
+        index = torch.tensor(rows, dtype=torch.long, device=logprobs.device)
+        lp = logprobs.index_select(0, index).clamp_min(LOGPROB_FLOOR)
+        chosen = tokens.index_select(0, index)
+        values = lp.gather(1, chosen[:, None])[:, 0].tolist()
+        k = max(seqs[i].req.logprobs for i in rows)
+        top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+        top_v, top_i, chosen = top_v.tolist(), top_i.tolist(), chosen.tolist()
+        for j, i in enumerate(rows):
+            seq = seqs[i]
+            kk = seq.req.logprobs
+            top = list(zip(top_i[j][:kk], top_v[j][:kk], strict=True))
+            seq.handle.logprobs[len(seq.out)] = (chosen[j], values[j], top)
+
+    def _record_prompt_logprobs(self, seq: _Seq, logits, start: int) -> None:
+        """Logprobs (of the model's raw distribution) of prompt tokens start+1 .. from the chunk's rows."""
+        import torch
+
+        from clusteropt_cli.core.serve.device_sampling import LOGPROB_FLOOR
+
+        targets = seq.prompt[start + 1 : start + 1 + logits.shape[0]]
+        if not targets:
+            return
+        lp = torch.log_softmax(logits[: len(targets)].float(), -1).clamp_min(LOGPROB_FLOOR)
+        t = torch.tensor(targets, dtype=torch.long, device=lp.device)
+        values = lp.gather(1, t[:, None])[:, 0].tolist()
+        k = seq.req.prompt_logprobs
+        top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+        for tok, v, ti, tv in zip(targets, values, top_i.tolist(), top_v.tolist(), strict=True):
+            seq.prompt_lp.append((tok, v, list(zip(ti, tv, strict=True))))
 
     # ---- speculative decoding ----------------------------------------------------------------------------
     def _spec_step(self, seqs: list[_Seq]) -> None:
-        from clusteropt_cli.core.serve.sampling import accept_drafts
+        from clusteropt_cli.core.serve.device_sampling import speculative_accept
 
         k_max = self.config.num_speculative_tokens
         budgets = {}
@@ -836,12 +949,16 @@ class Engine:
         packed = [(s.slot, s.num_computed, [s.last_token()] + drafts[s.rid]) for s in seqs]
         wanted = [list(range(1 + len(drafts[s.rid]))) for s in seqs]
         logits = self.runner.forward_packed(packed, wanted)
-        self._suppress_early_stops_rows(logits, seqs, wanted)
+        # every row's processed distribution at the position of the token it chooses
+        row_slots = [s.slot for s, rows in zip(seqs, wanted, strict=True) for _ in rows]
+        row_pos = [s.length + j for s, rows in zip(seqs, wanted, strict=True) for j in range(len(rows))]
+        scaled, args, pos = self.runner.sampler.processed(logits, row_slots, row_pos)
         row = 0
         for seq in seqs:
             k = len(drafts[seq.rid])
-            tokens = accept_drafts(logits[row : row + k + 1], drafts[seq.rid], draft_probs.get(seq.rid), seq,
-                                   generator=self._generator)
+            window = slice(row, row + k + 1)
+            tokens = speculative_accept(scaled[window], {n: v[window] for n, v in args.items()}, pos[window],
+                                        drafts[seq.rid], draft_probs.get(seq.rid), seq.settings)
             row += k + 1
             accepted = len(tokens) - 1
             old_len = seq.length
@@ -855,15 +972,6 @@ class Engine:
             self._emit(seq, tokens)
         self.stats.spec_steps += 1
 
-    def _suppress_early_stops_rows(self, logits, seqs: list[_Seq], wanted: list[list[int]]) -> None:
-        from clusteropt_cli.core.serve.sampling import suppress
-
-        row = 0
-        for seq, rows in zip(seqs, wanted, strict=True):
-            if seq.req.min_tokens and len(seq.out) < seq.req.min_tokens:
-                suppress(logits[row : row + len(rows)], sorted(seq.stop_ids | self.eos_ids))
-            row += len(rows)
-
     def _draft(self, seqs: list[_Seq], budgets: dict[str, int]) -> tuple[dict[str, list[int]], dict[str, Any]]:
         drafts: dict[str, list[int]] = {s.rid: [] for s in seqs}
         probs: dict[str, Any] = {}
@@ -875,12 +983,13 @@ class Engine:
             return drafts, probs
         import torch
 
-        from clusteropt_cli.core.serve.sampling import processed_probs
+        from clusteropt_cli.core.serve.device_sampling import draft_sample
 
         active = [s for s in seqs if budgets[s.rid] > 0]
         if not active:
             return drafts, probs
         runner = self.draft_runner
+        sampler = self.runner.sampler  # the target's row settings (same slots)
         packed, wanted = [], []
         for seq in active:
             ids = seq.all_ids()
@@ -894,15 +1003,18 @@ class Engine:
         current = active
         row_logits = logits
         for j in range(max(budgets[s.rid] for s in active)):
+            scaled, args, pos = sampler.processed(row_logits, [s.slot for s in current],
+                                                  [s.length + j for s in current])
+            sampled, row_probs = draft_sample(scaled, args, pos)
+            greedy = scaled.argmax(-1).tolist()
+            sampled = sampled.tolist()
             picks = []
             for i, seq in enumerate(current):
                 if seq.temperature <= 0:
-                    tok = int(row_logits[i].argmax())
+                    tok = greedy[i]
                 else:
-                    p = processed_probs(row_logits[i], seq.temperature, seq.top_p)
-                    gen = seq.generator if seq.generator is not None else self._generator
-                    tok = int(torch.multinomial(p, 1, generator=gen))
-                    step_rows[seq.rid].append(p)
+                    tok = sampled[i]
+                    step_rows[seq.rid].append(row_probs[i])
                 drafts[seq.rid].append(tok)
                 picks.append(tok)
             nxt = [(s, t) for s, t in zip(current, picks, strict=True) if len(drafts[s.rid]) < budgets[s.rid]]

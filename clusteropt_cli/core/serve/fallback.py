@@ -55,6 +55,9 @@ class TransformersRunner:
         self.scratch_pos = self.max_len
         self._cache: list[Any] = [None] * self.num_slots
         self._tokens: list[list[int]] = [[] for _ in range(self.num_slots)]
+        from clusteropt_cli.core.serve.device_sampling import SlotSampler
+
+        self.sampler = SlotSampler(self.num_slots, self.vocab_size, self.device)
 
     def capture_graphs(self, max_batch: int) -> int:
         return 0
@@ -103,12 +106,16 @@ class TransformersRunner:
             return torch.cat([self._run(slot, pos, [tok], [0])
                               for slot, pos, tok in zip(slots, positions, tokens, strict=True)])
 
+    def decode_sample(self, slots: list[int], positions: list[int], tokens: list[int]):
+        logits = self.forward_decode(slots, positions, tokens)
+        return self.sampler.sample(logits, slots, [p + 1 for p in positions])
+
     def start_chain(self, slots: list[int], positions: list[int], tokens: list[int]) -> _Chain:
         return _Chain(self, slots, positions, tokens)
 
 
 class _Chain:
-    """Greedy decode steps (runner.DecodeChain's interface); each step runs when launched."""
+    """Decode steps (runner.DecodeChain's interface); each step runs when launched."""
 
     def __init__(self, runner: TransformersRunner, slots: list[int], positions: list[int], tokens: list[int]):
         self.runner, self.slots = runner, list(slots)
@@ -116,7 +123,11 @@ class _Chain:
 
     def launch(self) -> PendingTokens:
         logits = self.runner.forward_decode(self.slots, self.positions, self.tokens)
-        chosen = logits.argmax(-1).cpu()
+        sampler = self.runner.sampler
+        if sampler.flags(self.slots)[0]:
+            chosen = logits.argmax(-1).cpu()
+        else:
+            chosen = sampler.sample(logits, self.slots, [p + 1 for p in self.positions]).cpu()
         self.tokens = chosen.tolist()
         self.positions = [p + 1 for p in self.positions]
         return PendingTokens(chosen, None)

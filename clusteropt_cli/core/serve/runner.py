@@ -274,6 +274,11 @@ class ModelRunner:
             k, v = self.caches[module.layer_idx]
             module.register_buffer("copt_k_cache", k, persistent=False)
             module.register_buffer("copt_v_cache", v, persistent=False)
+        from clusteropt_cli.core.serve.device_sampling import SlotSampler
+
+        # per-slot sampling state on the device (compiled with the decode layers: one fused kernel per variant)
+        self.sampler = SlotSampler(self.num_slots, self.vocab_size, self.device,
+                                   compiled=bool(getattr(self, "compiled_layers", 0)) and self.device.type == "cuda")
 
     def _attention_modules(self) -> list[Any]:
         return self._attention_modules_of(self.model)
@@ -376,8 +381,9 @@ class ModelRunner:
                 return size
         return self.max_len
 
-    def _decode_eager(self, input_ids, positions, kv_len: int):
-        """Decode rows 0..B-1 = slots 0..B-1 (B = len(input_ids)); returns float32 logits [B, V]."""
+    def _decode_eager(self, input_ids, positions, kv_len: int, out=None):
+        """Decode rows 0..B-1 = slots 0..B-1 (B = len(input_ids)); returns float32 logits [B, V] (written into
+        `out` when given)."""
         import torch
 
         rows = torch.arange(input_ids.shape[0], device=self.device)
@@ -391,16 +397,19 @@ class ModelRunner:
 
             step.window_masks = {w: decode_window_mask(positions, kv_len, w, self.scratch_pos) for w in self.windows}
         hidden = self._hidden(input_ids[:, None], positions[:, None], step)
-        return self._logits(hidden[:, -1])
+        return self._logits(hidden[:, -1], out)
 
-    def _logits(self, hidden):
-        """float32 next-token logits of hidden states [N, hidden] (with the model's final soft-capping, if any)."""
+    def _logits(self, hidden, out=None):
+        """float32 next-token logits of hidden states [N, hidden] (with the model's final soft-capping, if any),
+        written into `out` when given (the CUDA graphs' shared logits buffer)."""
+        if out is not None and not self.final_softcap:
+            return out.copy_(self.lm_head(hidden))  # the float32 conversion in the copy
         logits = self.lm_head(hidden).float()
         if self.final_softcap:
             import torch
 
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return logits if out is None else out.copy_(logits)
 
     def forward_decode(self, slots: list[int], positions: list[int], tokens: list[int]):
         """One token for each of len(slots) sequences; returns float32 logits [len(slots), V] in that order."""
@@ -426,8 +435,27 @@ class ModelRunner:
                 return logits[:n]
             return logits.index_select(0, torch.tensor(slots, dtype=torch.long, device=self.device))
 
+    def decode_sample(self, slots: list[int], positions: list[int], tokens: list[int]):
+        """One decode step and its tokens chosen by the slots' sampling settings, on the device (a device tensor
+        [len(slots)]; with CUDA graphs, the decode graph and the sampling graph replayed back to back)."""
+        import torch
+
+        sampler = self.sampler
+        _plain, sort, penalize = sampler.flags(slots)
+        rows = max(slots) + 1
+        with torch.inference_mode():
+            if self.use_graphs:
+                kv_len = self._kv_bucket(max(positions))
+                graph = self._graph_for(rows, kv_len)
+                if graph is not None:
+                    graph.run(slots, positions, tokens)
+                    out = sampler.graph_sample(self.logits_buf[: graph.batch], graph.batch, sort, penalize)
+                    return out.index_select(0, torch.tensor(slots, dtype=torch.long, device=self.device))
+            logits = self.forward_decode(slots, positions, tokens)
+            return sampler.sample(logits, slots, [p + 1 for p in positions])
+
     def start_chain(self, slots: list[int], positions: list[int], tokens: list[int]) -> DecodeChain:
-        """Greedy decode steps for these slots whose inputs stay on the device (see DecodeChain)."""
+        """Decode steps for these slots whose inputs stay on the device (see DecodeChain)."""
         return DecodeChain(self, slots, positions, tokens)
 
     # ---- CUDA graphs -------------------------------------------------------------------------------------
@@ -451,11 +479,15 @@ class ModelRunner:
             return 0
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
+        # every decode graph writes its logits here (rows 0..bucket-1): one sampling graph per batch bucket reads them
+        self.logits_buf = torch.zeros(max(self._batch_buckets), self.vocab_size, dtype=torch.float32,
+                                      device=self.device)
         try:
             with torch.inference_mode():
                 for kv_len in reversed(self.kv_lengths):
                     for bucket in reversed(self._batch_buckets):
                         self._graph_for(bucket, kv_len)
+                self.capture_sampling_graphs()
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - a model whose step cannot be captured still serves, eagerly
             import warnings
@@ -473,6 +505,17 @@ class ModelRunner:
             self.graph_error = f"{type(exc).__name__}: {exc}"
             self.use_graphs = False
         return len(self._graphs)
+
+    def capture_sampling_graphs(self) -> None:
+        """Capture the sampling step of every batch bucket and variant (top-k/top-p sort, penalties) up front,
+        so the first sampled request does not pay a compile and capture. Rows are inactive: nothing is counted."""
+        sampler = self.sampler
+        sampler.graph_pool = self._graph_pool
+        sampler.active.zero_()
+        for bucket in reversed(self._batch_buckets):
+            for sort in (False, True):
+                for penalize in (False, True):
+                    sampler.graph_sample(self.logits_buf[:bucket], bucket, sort, penalize)
 
     compile_error: str | None = None
 
@@ -500,8 +543,13 @@ class _DecodeGraph:
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=runner._graph_pool):
-            self.logits = runner._decode_eager(self.input_ids, self.positions, kv_len)
+            self.logits = runner._decode_eager(self.input_ids, self.positions, kv_len,
+                                               out=runner.logits_buf[:batch])
             self.greedy = greedy_tokens(self.logits)  # every row's argmax, in the graph (used by DecodeChain)
+            # the sampling graph's inputs: the position of the token each row chooses, and which rows decode
+            sampler = runner.sampler
+            sampler.position[:batch].copy_(self.positions + 1)
+            sampler.active[:batch].copy_(self.positions != runner.scratch_pos)
 
     def run(self, slots: list[int], positions: list[int], tokens: list[int]):
         import torch
@@ -532,10 +580,11 @@ def greedy_tokens(logits: Any) -> Any:
 
 
 class DecodeChain:
-    """Greedy decode steps fed on the device: each step's argmax becomes the next step's input without a host
-    round trip, so the engine can launch step k+1 before it reads step k's tokens and handle them (emit, stop
-    checks, streaming) while the GPU runs (vLLM calls this overlap async scheduling). Rows are slots, as in
-    forward_decode; rows of slots outside the chain stay on the scratch column."""
+    """Decode steps fed on the device: each step's token (the in-graph argmax for plain greedy rows, the sampling
+    graph's choice otherwise) becomes the next step's input without a host round trip, so the engine can launch step k+1
+    before it reads step k's tokens and handle them (emit, stop checks, streaming) while the GPU runs (vLLM calls
+    this overlap async scheduling). Rows are slots, as in forward_decode; rows of slots outside the chain stay on
+    the scratch column."""
 
     def __init__(self, runner: ModelRunner, slots: list[int], positions: list[int], tokens: list[int]):
         import torch
@@ -551,6 +600,8 @@ class DecodeChain:
         self.ids[self.index] = torch.tensor(tokens, dtype=torch.long, device=dev)
         self.positions[self.index] = torch.tensor(positions, dtype=torch.long, device=dev)
         self.max_position = max(positions)
+        self.slots = list(slots)
+        self.plain, self.sort, self.penalize = runner.sampler.flags(slots)
         self.cuda = dev.type == "cuda"
         # two pinned buffers: the step in flight writes one while the engine reads the other
         self._host = [torch.empty(len(slots), dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
@@ -568,10 +619,19 @@ class DecodeChain:
                 graph.input_ids.copy_(self.ids)
                 graph.positions.copy_(self.positions)
                 graph.graph.replay()
-                chosen = graph.greedy.index_select(0, self.index)
+                if self.plain:
+                    chosen = graph.greedy.index_select(0, self.index)
+                else:
+                    out = runner.sampler.graph_sample(runner.logits_buf[: graph.batch], graph.batch, self.sort,
+                                                      self.penalize)
+                    chosen = out.index_select(0, self.index)
             else:
-                logits = runner._decode_eager(self.ids, self.positions, kv_len)
-                chosen = logits.index_select(0, self.index).argmax(-1)
+                logits = runner._decode_eager(self.ids, self.positions, kv_len).index_select(0, self.index)
+                if self.plain:
+                    chosen = logits.argmax(-1)
+                else:
+                    chosen = runner.sampler.sample_rows(logits, self.slots, self.index,
+                                                        self.positions.index_select(0, self.index) + 1)
             self.ids.index_copy_(0, self.index, chosen)
             self.positions.index_add_(0, self.index, torch.ones_like(chosen))
             self.max_position += 1

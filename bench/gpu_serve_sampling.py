@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""copt serve, greedy against sampled requests in the same run (H200, Llama-3.2-1B shape, random weights).
+
+Run from the repo root:  python3 bench/gpu_serve_sampling.py --out $OUT/sampling.json      (≤ 8 minutes)
+                         python3 bench/gpu_serve_sampling.py --smoke --out /tmp/s.json     (CPU: checks the script)
+
+Sampling settings (`--sampling`, comma-separated; default all):
+  greedy   temperature 0
+  t0.7     temperature 0.7
+  t1.0     temperature 1.0 (OpenAI's default)
+  t1.0p95  temperature 1.0, top_p 0.95
+  pen      temperature 0.7, top_k 50, presence_penalty 0.5 (the penalties' graph variant)
+
+Cases, each per sampling setting:
+  engine_b1     in-process Engine, one request of 256 tokens at a time: decode ms/token (median of 3)
+  http_b1       `copt serve`, one streaming request of 256 tokens at a time: ms/token at the client (median of 3)
+  http_c64      64 concurrent streaming requests (prompts 32–256 tokens, 128 output tokens, ignore_eos): tok/s
+  http_c256     the same with 256 clients
+Also checked on the device: a seeded request gives the same tokens alone and inside a batch of 64 others
+(`seeded_reproducible`), and whether the sampling graphs were captured (`sampler_graph_error`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+SAMPLING = {
+    "greedy": {"temperature": 0.0},
+    "t0.7": {"temperature": 0.7},
+    "t1.0": {"temperature": 1.0},
+    "t1.0p95": {"temperature": 1.0, "top_p": 0.95},
+    "pen": {"temperature": 0.7, "top_k": 50, "presence_penalty": 0.5},
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def bench_engine(model_dir: Path, prompts: list[list[int]], names: list[str], b1_tokens: int) -> dict:
+    import gpu_serve
+
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
+
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=str(model_dir), max_batch_size=gpu_serve.NUM_REQUESTS,
+                                 max_model_len=gpu_serve.MAX_MODEL_LEN, kv_cache_memory_gib=gpu_serve.KV_GIB,
+                                 max_batch_tokens=4096))
+    engine.start()
+    out: dict = {"startup_s": round(time.perf_counter() - t0, 1), "graphs": engine.stats.graphs_captured,
+                 "graph_error": engine.runner.graph_error, "compile_error": engine.runner.compile_error,
+                 "sampler_graph_error": engine.runner.sampler.graph_error,
+                 "sampler_graphs": len(engine.runner.sampler._graphs)}
+    try:
+        for name in names:
+            params = SAMPLING[name]
+            engine.generate([GenerationRequest(prompt_ids=prompts[0][:32], max_new_tokens=16, ignore_eos=True,
+                                               **params)])  # warm-up
+            per_token = []
+            chained = engine.stats.chained_steps
+            for i in range(3):
+                r = engine.generate([GenerationRequest(prompt_ids=prompts[0][:32], max_new_tokens=b1_tokens,
+                                                       ignore_eos=True, seed=i, **params)])[0]
+                per_token.append(1000 * (r.latency_s - r.ttft_s) / (r.num_output_tokens - 1))
+            out[name] = {"engine_b1_ms_per_token": sorted(per_token)[1], "runs_ms": sorted(per_token),
+                         "chained_steps": engine.stats.chained_steps - chained}
+            log(f"engine b1 {name}: {out[name]['engine_b1_ms_per_token']:.3f} ms/token")
+        # seeded reproducibility on the device: alone vs. inside a batch of other sampled requests
+        seeded = dict(prompt_ids=prompts[1][:40], max_new_tokens=64, ignore_eos=True, temperature=1.0, top_p=0.95,
+                      seed=4321)
+        alone = engine.generate([GenerationRequest(**seeded)])[0].output_ids
+        others = [GenerationRequest(prompt_ids=p, max_new_tokens=64, ignore_eos=True, temperature=0.8)
+                  for p in prompts[2:66]]
+        mixed = engine.generate(others[:20] + [GenerationRequest(**seeded)] + others[20:])[20].output_ids
+        out["seeded_reproducible"] = alone == mixed
+        log(f"seeded reproducible in a batch: {alone == mixed}")
+    finally:
+        engine.stop()
+        del engine
+        gpu_serve.free_gpu()
+    return out
+
+
+async def _request(client, url: str, prompt: list[int], max_tokens: int, params: dict) -> dict:
+    body = {"model": "llama-1b-shape", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, **params}
+    t0 = time.perf_counter()
+    times, tokens = [], 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("usage"):
+                tokens = obj["usage"]["completion_tokens"]
+            if obj["choices"] and obj["choices"][0]["text"]:
+                times.append(time.perf_counter())
+    return {"tokens": tokens, "times": [t - t0 for t in times]}
+
+
+async def _load(url: str, prompts: list[list[int]], max_tokens: int, params: dict) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*[_request(client, url, p, max_tokens, params) for p in prompts])
+        wall = time.perf_counter() - t0
+    tokens = sum(o["tokens"] for o in out)
+    tpot = sorted((o["times"][-1] - o["times"][0]) / (len(o["times"]) - 1) for o in out if len(o["times"]) > 1)
+    return {"requests": len(out), "output_tokens": tokens, "wall_s": round(wall, 3),
+            "output_tokens_per_s": tokens / wall, "tpot_ms_p50": 1000 * tpot[len(tpot) // 2] if tpot else None}
+
+
+def bench_http(model_dir: Path, prompts: list[list[int]], names: list[str], b1_tokens: int,
+               clients: list[int]) -> dict:
+    import gpu_serve
+
+    port = gpu_serve.free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = gpu_serve.start_server(model_dir, port)
+    out: dict = {}
+    try:
+        out["startup_s"] = round(gpu_serve.wait_healthy(url, proc, timeout=300), 1)
+        asyncio.run(_load(url, prompts[:16], 16, {}))
+        for name in names:
+            params = SAMPLING[name]
+            row: dict = {}
+            try:
+                runs = [asyncio.run(_load(url, [prompts[1][:32]], b1_tokens, {**params, "seed": i}))
+                        for i in range(3)]
+                row["http_b1_ms_per_token"] = sorted(r["tpot_ms_p50"] for r in runs)[1]
+                for c in clients:
+                    res = asyncio.run(_load(url, prompts[:c], gpu_serve.OUT_TOKENS, params))
+                    row[f"http_c{c}_tok_s"] = res["output_tokens_per_s"]
+                    row[f"http_c{c}_tpot_ms_p50"] = res["tpot_ms_p50"]
+            except Exception as exc:  # noqa: BLE001 - recorded, the next setting runs
+                row["error"] = f"{type(exc).__name__}: {exc}"
+            out[name] = row
+            log(f"http {name}: {row}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except Exception:  # noqa: BLE001
+            proc.kill()
+        tail = proc.stderr.read()[-2000:] if proc.stderr else ""
+        if tail:
+            log("server stderr tail:\n" + tail)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sampling", default=",".join(SAMPLING), help=f"comma-separated of {', '.join(SAMPLING)}")
+    parser.add_argument("--clients", default="64,256", help="concurrent HTTP clients per throughput case")
+    parser.add_argument("--skip", default="", help="comma-separated: engine, http")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, few requests (checks the script on CPU)")
+    args = parser.parse_args()
+    names = [n for n in args.sampling.split(",") if n]
+    unknown = [n for n in names if n not in SAMPLING]
+    if unknown:
+        parser.error(f"unknown --sampling {unknown}; choose from {list(SAMPLING)}")
+    clients = [int(c) for c in args.clients.split(",") if c]
+    skip = set(filter(None, args.skip.split(",")))
+    import gpu_serve
+    import torch
+
+    b1_tokens = 256
+    if args.smoke:
+        gpu_serve.NUM_REQUESTS, gpu_serve.OUT_TOKENS, gpu_serve.KV_GIB = 16, 8, 0.05
+        clients, b1_tokens = sorted({min(c, 8) for c in clients}), 16
+    results: dict = {"bench": "gpu_serve_sampling", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                     "sampling": {n: SAMPLING[n] for n in names}, "clients": clients}
+    tmp = Path(tempfile.mkdtemp(prefix="copt-sampling-bench-"))
+    model_dir = tmp / "llama-1b-shape"
+    made = gpu_serve.make_model_dir(model_dir, small=args.smoke)
+    vocab = made["vocab"]
+    del made
+    gpu_serve.free_gpu()
+    prompts = gpu_serve.workload(vocab, max([*clients, 66]))
+    if "engine" not in skip:
+        try:
+            results["engine"] = bench_engine(model_dir, prompts, names, b1_tokens)
+        except Exception as exc:  # noqa: BLE001
+            results["engine"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    if "http" not in skip:
+        try:
+            results["http"] = bench_http(model_dir, prompts, names, b1_tokens, clients)
+        except Exception as exc:  # noqa: BLE001
+            results["http"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, default=str))
+
+    eng, http = results.get("engine", {}), results.get("http", {})
+    print(f"\ncopt serve sampling benchmark — {results['gpu']}, {results['date']}")
+    head = f"{'sampling':<10}{'engine b1 ms':>13}{'http b1 ms':>12}" + "".join(f"{f'c{c} tok/s':>12}"
+                                                                             for c in clients)
+    print(head)
+    base = eng.get("greedy", {}).get("engine_b1_ms_per_token")
+    for n in names:
+        e, h = eng.get(n, {}), http.get(n, {})
+        cells = [e.get("engine_b1_ms_per_token"), h.get("http_b1_ms_per_token")]
+        cells += [h.get(f"http_c{c}_tok_s") for c in clients]
+        fmt = [f"{v:.3f}" if isinstance(v, float) and v < 100 else f"{v:,.0f}" if v else "-" for v in cells]
+        print(f"{n:<10}{fmt[0]:>13}{fmt[1]:>12}" + "".join(f"{x:>12}" for x in fmt[2:]))
+        if base and e.get("engine_b1_ms_per_token") and n != "greedy":
+            print(f"{'':<10}{e['engine_b1_ms_per_token'] / base - 1:>+12.1%} vs greedy")
+    for k in ("startup_s", "graphs", "graph_error", "compile_error", "sampler_graph_error", "sampler_graphs",
+              "seeded_reproducible"):
+        if k in eng:
+            print(f"engine {k}: {eng[k]}")
+    if "error" in eng or "error" in http:
+        print("errors:", eng.get("error"), http.get("error"))
+    print(f"results: {args.out}")
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,438 @@
+"""Token selection on the device, per row, for every request mix (vLLM's sampling parameters).
+
+Every KV-cache slot has a row of sampling state on the device (`SlotSampler`): temperature, top-p, top-k, min-p,
+presence/frequency/repetition penalties, `logit_bias`, the `min_tokens` stop-token suppression, a 64-bit seed,
+and (for the penalties) the counts of the tokens the request generated. A step's tokens are chosen from the
+step's logits with tensor ops only (`choose_tokens`), so the selection is captured in a CUDA graph next to the
+decode step and chained decode steps feed sampled tokens back without a host round trip.
+
+Randomness without generators: a row samples with the Gumbel-max trick in its exponential form,
+token = argmax_v p(v) / E(v) with E(v) ~ Exp(1), and E(v) is a counter-based hash of (seed, position, v). The
+noise a request sees depends on nothing but its own seed and the position of the token, so the same seed gives
+the same text whatever else is batched with it (and whichever path — CUDA graph, eager, speculative — chose the
+token). Requests without a seed get one drawn from the engine's random stream.
+
+Logprobs are those of the distribution the token is sampled from before truncation: the logits after
+`logit_bias`, `min_tokens` suppression, the penalties and the temperature (1 for greedy rows), log-softmaxed;
+top-k / top-p / min-p then restrict which tokens can be drawn but do not renormalize the reported logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+M32 = 0xFFFFFFFF
+_MIX = 0x045D9F3B  # < 2**31: every product of a 32-bit value stays inside int64
+_GOLD = 0x61C88647
+_SALT_ACCEPT = 0x2545F491  # speculative acceptance draws
+_SALT_DRAFT = 0x5BD1E995  # the draft model's own samples
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_STOP_IDS = 64  # stop token ids suppressed for min_tokens (EOS ids included)
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: suppressed tokens report this
+
+
+def _hash32(x):
+    """A 32-bit integer mix (values held in int64, all intermediate products below 2**63)."""
+    x = ((x >> 16) ^ x) * _MIX & M32
+    x = ((x >> 16) ^ x) * _MIX & M32
+    return (x >> 16) ^ x
+
+
+def exponential_noise(seed_lo, seed_hi, position, token_ids):
+    """Exp(1) noise E(seed, position, token): seed_lo/seed_hi/position [B] int64, token_ids [B, V] or [1, V]
+    int64 → [B, V] float32. Counter-based: no state, independent of the batch the row is in."""
+    import torch
+
+    k1 = _hash32(seed_lo ^ _hash32(position & M32))
+    k2 = _hash32(seed_hi ^ _hash32(k1 + 1))
+    h = _hash32(_hash32(((token_ids * _GOLD) & M32) ^ k1[:, None]) ^ k2[:, None])
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)  # (0, 1), 24 bits
+    return -torch.log(u)
+
+
+def uniform_draw(seed_lo, seed_hi, position):
+    """One U(0,1) per row for (seed, position) — speculative acceptance tests. [B] int64 → [B] float32."""
+    import torch
+
+    k = _hash32(_hash32(seed_lo ^ _SALT_ACCEPT) ^ _hash32((seed_hi ^ _hash32(position & M32)) & M32))
+    return ((k >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+def process_logits(logits, temperature, position, prompt_len, min_tokens, stop_ids, bias_ids, bias_vals, presence,
+                   frequency, repetition, counts, prompt_mask, penalize: bool):
+    """Logits [B, V] → the processed logits the row samples from, already divided by the temperature (1 for
+    greedy rows). `penalize` adds logit_bias, min_tokens suppression and (with counts) the penalties."""
+    import torch
+
+    x = logits.float()
+    if penalize:
+        if counts is not None:
+            c = counts.float()
+            generated = c > 0
+            seen = generated | prompt_mask
+            rep = repetition[:, None]
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+            x = x - frequency[:, None] * c - presence[:, None] * generated.float()
+        x = x.scatter_add(1, bias_ids, bias_vals)
+        early = (position - prompt_len) < min_tokens  # tokens generated before this one < min_tokens
+        block = torch.where(early[:, None] & (stop_ids >= 0), float("-inf"), 0.0)
+        x = x.scatter_add(1, stop_ids.clamp_min(0), block)
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    return x / t[:, None]
+
+
+def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort: bool):
+    """One token per row from processed logits: greedy rows (temperature 0) take the argmax, the others sample
+    (Gumbel-max over the exponential noise of (seed, position)) from the distribution restricted by min-p and,
+    with `sort`, by top-k and top-p. A row whose every logit is -inf gives a token, never NaN."""
+    import torch
+
+    vocab = scaled.shape[-1]
+    best = scaled.argmax(-1)
+    top = scaled.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    if sort:
+        values, order = scaled.sort(-1, descending=True)
+        w = torch.exp(values - top)  # unnormalized probabilities, largest first
+        cum = w.cumsum(-1)
+        total = cum[:, -1:]
+        drop = (cum - w) > top_p[:, None] * total  # keep the smallest prefix whose mass reaches top_p
+        ranks = torch.arange(vocab, device=scaled.device)
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+        drop = drop | (ranks[None, :] >= k[:, None]) | (w < min_p[:, None] * w[:, :1])
+        w = w.masked_fill(drop, 0.0)
+        pick = (w / exponential_noise(seed_lo, seed_hi, position, order)).argmax(-1, keepdim=True)
+        sampled = order.gather(-1, pick).squeeze(-1)
+    else:
+        w = torch.exp(scaled - top)  # the maximum is 1
+        w = w.masked_fill(w < min_p[:, None], 0.0)
+        ids = torch.arange(vocab, device=scaled.device)[None, :]
+        sampled = (w / exponential_noise(seed_lo, seed_hi, position, ids)).argmax(-1)
+    return torch.where(temperature > 0, sampled, best)
+
+
+def sample_kernel(logits, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, prompt_len, min_tokens,
+                  stop_ids, bias_ids, bias_vals, presence, frequency, repetition, counts, prompt_mask,
+                  sort: bool, penalize: bool):
+    """process_logits + choose_tokens (one function: torch.compile fuses the elementwise work)."""
+    scaled = process_logits(logits, temperature, position, prompt_len, min_tokens, stop_ids, bias_ids, bias_vals,
+                            presence, frequency, repetition, counts, prompt_mask, penalize)
+    return choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort)
+
+
+@dataclass
+class RowSettings:
+    """The sampling settings of one request, as the sampler state stores them."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()  # suppressed while fewer than min_tokens tokens were generated
+
+    @property
+    def needs_sort(self) -> bool:
+        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+    @property
+    def penalized(self) -> bool:
+        """Needs process_logits' penalize branch (bias, suppression or penalties)."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.has_penalties
+
+    @property
+    def greedy_plain(self) -> bool:
+        """The argmax of the raw logits (the decode graph's own greedy tokens)."""
+        return self.temperature <= 0 and not self.penalized
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    s = int(seed) % (1 << 64)
+    return s & M32, s >> 32
+
+
+class SlotSampler:
+    """Sampling state for `num_rows` KV-cache slots on the device, and the step's token selection.
+
+    Row i is slot i, as in the runner's decode steps. `position` and `active` are inputs of the captured sampling
+    graphs (the position of the token being chosen, and which rows decode in this step)."""
+
+    def __init__(self, num_rows: int, vocab: int, device: Any, compiled: bool = False):
+        import torch
+
+        self.num_rows, self.vocab, self.device = num_rows, vocab, device
+        f = dict(dtype=torch.float32, device=device)
+        i = dict(dtype=torch.long, device=device)
+        self.fparams = torch.zeros(num_rows, 6, **f)  # temperature, top_p, min_p, presence, frequency, repetition
+        self.fparams[:, 1] = 1.0
+        self.fparams[:, 5] = 1.0
+        self.iparams = torch.zeros(num_rows, 5, **i)  # top_k, seed_lo, seed_hi, prompt_len, min_tokens
+        self.stop_ids = torch.full((num_rows, MAX_STOP_IDS), -1, **i)
+        self.bias_ids = torch.zeros(num_rows, MAX_LOGIT_BIAS, **i)
+        self.bias_vals = torch.zeros(num_rows, MAX_LOGIT_BIAS, **f)
+        self.counts = torch.zeros(num_rows, vocab, dtype=torch.int32, device=device)
+        self.prompt_mask = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
+        self.position = torch.zeros(num_rows, **i)
+        self.active = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        self.out = torch.zeros(num_rows, **i)
+        self.settings: list[RowSettings | None] = [None] * num_rows
+        self.kernel = sample_kernel
+        if compiled:
+            import torch._dynamo
+
+            self.kernel = torch.compile(sample_kernel, dynamic=True)
+        self._graphs: dict[tuple[int, bool, bool], Any] = {}
+        self.graph_error: str | None = None
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def assign(self, slot: int, settings: RowSettings, prompt_ids: list[int]) -> None:
+        """Install a request's settings in its slot's row (once per request, at admission)."""
+        import torch
+
+        s = settings
+        lo, hi = split_seed(s.seed)
+        self.fparams[slot] = torch.tensor([s.temperature, s.top_p, s.min_p, s.presence_penalty,
+                                           s.frequency_penalty, s.repetition_penalty], dtype=torch.float32)
+        self.iparams[slot] = torch.tensor([s.top_k, lo, hi, len(prompt_ids), s.min_tokens], dtype=torch.long)
+        if s.penalized:
+            stops = list(s.stop_ids)[:MAX_STOP_IDS] if s.min_tokens else []
+            row = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long)
+            if stops:
+                row[: len(stops)] = torch.tensor(stops, dtype=torch.long)
+            self.stop_ids[slot] = row
+            ids = torch.zeros(MAX_LOGIT_BIAS, dtype=torch.long)
+            vals = torch.zeros(MAX_LOGIT_BIAS, dtype=torch.float32)
+            bias = list((s.logit_bias or {}).items())[:MAX_LOGIT_BIAS]
+            if bias:
+                ids[: len(bias)] = torch.tensor([int(k) for k, _ in bias], dtype=torch.long)
+                vals[: len(bias)] = torch.tensor([float(v) for _, v in bias], dtype=torch.float32)
+            self.bias_ids[slot] = ids
+            self.bias_vals[slot] = vals
+            if s.has_penalties:
+                self.counts[slot].zero_()
+                self.prompt_mask[slot].zero_()
+                if s.repetition_penalty != 1.0 and prompt_ids:
+                    self.prompt_mask[slot, torch.tensor(sorted(set(prompt_ids)), device=self.device)] = True
+        self.settings[slot] = s
+
+    def _rows(self, index):
+        """The kernel's per-row arguments for the rows `index` (a slice for graphs, a long tensor otherwise)."""
+        fp, ip = self.fparams[index], self.iparams[index]
+        return dict(temperature=fp[:, 0], top_p=fp[:, 1], min_p=fp[:, 2], presence=fp[:, 3], frequency=fp[:, 4],
+                    repetition=fp[:, 5], top_k=ip[:, 0], seed_lo=ip[:, 1], seed_hi=ip[:, 2], prompt_len=ip[:, 3],
+                    min_tokens=ip[:, 4], stop_ids=self.stop_ids[index], bias_ids=self.bias_ids[index],
+                    bias_vals=self.bias_vals[index])
+
+    def flags(self, slots: list[int]) -> tuple[bool, bool, bool]:
+        """(plain greedy for every row, any row needs the sort, any row needs penalize)."""
+        rows = [self.settings[s] for s in slots]
+        return (all(r.greedy_plain for r in rows), any(r.needs_sort for r in rows), any(r.penalized for r in rows))
+
+    def count_penalties(self, slots: list[int]) -> bool:
+        return any(self.settings[s].has_penalties for s in slots)
+
+    # ---- selection ---------------------------------------------------------------------------------------
+    def sample(self, logits, slots: list[int], positions: list[int], *, logprobs: bool = False):
+        """Tokens for rows of `logits` [n, V] belonging to `slots`, each choosing the token at `positions[i]`.
+        Updates the penalty counts. Returns a device tensor [n] (and, with `logprobs`, the processed logprobs
+        [n, V] as a second value)."""
+        import torch
+
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return self.sample_rows(logits, slots, index, pos, logprobs=logprobs)
+
+    def sample_rows(self, logits, slots: list[int], index, pos, *, logprobs: bool = False):
+        """sample() with the slots and positions already on the device (index, pos: [n] long)."""
+        import torch
+
+        _plain, sort, penalize = self.flags(slots)
+        args = self._rows(index)
+        counts = prompt_mask = None
+        count = penalize and self.count_penalties(slots)
+        if count:
+            counts, prompt_mask = self.counts.index_select(0, index), self.prompt_mask.index_select(0, index)
+        if not logprobs:
+            tokens = self.kernel(logits, position=pos, counts=counts, prompt_mask=prompt_mask, sort=sort,
+                                 penalize=penalize, **args)
+            lp = None
+        else:
+            scaled = process_logits(logits, args["temperature"], pos, args["prompt_len"], args["min_tokens"],
+                                    args["stop_ids"], args["bias_ids"], args["bias_vals"], args["presence"],
+                                    args["frequency"], args["repetition"], counts, prompt_mask, penalize)
+            tokens = choose_tokens(scaled, args["temperature"], args["top_p"], args["top_k"], args["min_p"],
+                                   args["seed_lo"], args["seed_hi"], pos, sort)
+            lp = torch.log_softmax(scaled, -1).nan_to_num(nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
+        if count:
+            self.counts.index_put_((index, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        return (tokens, lp) if logprobs else tokens
+
+    def processed(self, logits, slots: list[int], positions: list[int]):
+        """Processed logits (temperature applied) of rows [n, V] — the speculative path's distributions."""
+        import torch
+
+        _plain, _sort, penalize = self.flags(slots)
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        a = self._rows(index)
+        return process_logits(logits, a["temperature"], pos, a["prompt_len"], a["min_tokens"], a["stop_ids"],
+                              a["bias_ids"], a["bias_vals"], a["presence"], a["frequency"], a["repetition"], None,
+                              None, penalize), a, pos
+
+    # ---- CUDA graphs: rows 0..batch-1 read the shared logits buffer ---------------------------------------
+    def graph_sample(self, logits_rows, batch: int, sort: bool, penalize: bool):
+        """Sample rows 0..batch-1 from `logits_rows` (the runner's shared logits buffer, [batch, V]) into
+        self.out[:batch], counting tokens of active rows; position/active rows are inputs. Replays a captured
+        graph when one exists for (batch, sort, penalize); eager otherwise."""
+        import torch
+
+        key = (batch, sort, penalize)
+        graph = self._graphs.get(key)
+        if graph is None and self.graph_error is None and logits_rows.is_cuda:
+            try:
+                graph = self._capture(logits_rows, batch, sort, penalize)
+            except Exception as exc:  # noqa: BLE001 - sampling still works eagerly
+                self.graph_error = f"{type(exc).__name__}: {exc}"
+                torch.cuda.synchronize()
+        if graph is not None:
+            graph.replay()
+        else:
+            self._graph_body(logits_rows, batch, sort, penalize)
+        return self.out[:batch]
+
+    def _graph_body(self, logits_rows, batch: int, sort: bool, penalize: bool) -> None:
+        import torch
+
+        rows = slice(0, batch)
+        args = self._rows(rows)
+        counts = self.counts[rows] if penalize else None
+        prompt_mask = self.prompt_mask[rows] if penalize else None
+        tokens = self.kernel(logits_rows, position=self.position[rows], counts=counts, prompt_mask=prompt_mask,
+                             sort=sort, penalize=penalize, **args)
+        self.out[rows].copy_(tokens)
+        if penalize:
+            self.counts[rows].scatter_add_(1, tokens[:, None], self.active[rows, None].to(torch.int32))
+
+    def _capture(self, logits_rows, batch: int, sort: bool, penalize: bool):
+        import torch
+
+        counts_before = self.counts[:batch].clone() if penalize else None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile / warm up outside the capture
+                self._graph_body(logits_rows, batch, sort, penalize)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=getattr(self, "graph_pool", None)):
+            self._graph_body(logits_rows, batch, sort, penalize)
+        if counts_before is not None:  # the warm-up runs counted tokens: undo
+            self.counts[:batch].copy_(counts_before)
+        self._graphs[(batch, sort, penalize)] = graph
+        return graph
+
+
+# ---- speculative decoding ----------------------------------------------------------------------------------
+def truncated_probs(scaled, top_p, top_k, min_p):
+    """The normalized distribution choose_tokens samples from (top-k, top-p, min-p applied) — [B, V]."""
+    import torch
+
+    vocab = scaled.shape[-1]
+    top = scaled.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    values, order = scaled.sort(-1, descending=True)
+    w = torch.exp(values - top)
+    cum = w.cumsum(-1)
+    drop = (cum - w) > top_p[:, None] * cum[:, -1:]
+    ranks = torch.arange(vocab, device=scaled.device)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    drop = drop | (ranks[None, :] >= k[:, None]) | (w < min_p[:, None] * w[:, :1])
+    w = w.masked_fill(drop, 0.0)
+    probs = torch.zeros_like(w).scatter(-1, order, w)
+    return probs / probs.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def _expand(args: dict[str, Any], n: int, key: str):
+    return args[key][:1].expand(n) if args[key].shape[0] == 1 else args[key]
+
+
+def speculative_accept(scaled, args: dict[str, Any], positions, draft_tokens: list[int], draft_probs,
+                       settings: RowSettings) -> list[int]:
+    """Speculative verification of one sequence on its processed target logits `scaled` [k+1, V] (rows at the
+    positions of the k drafts and the bonus token; `args` the sampler's row settings of these rows). Returns the
+    tokens to append: accepted drafts plus one.
+
+    Greedy: drafts are kept while they equal the target's argmax (token-for-token the target's greedy output).
+    Sampling with a deterministic drafter (prompt lookup, draft_probs None): the target's own sample at each
+    position (the same Gumbel noise as a plain decode step) is compared with the draft; equal → accepted. That is
+    the rejection rule for a one-hot proposal (accept with p(d), else sample p without d) and gives the same
+    tokens as decoding without speculation. With a draft model (draft_probs [k, V], the distributions the drafts
+    were drawn from): accept d with probability min(1, p(d)/q(d)), on rejection sample normalize(max(0, p - q)),
+    and the bonus token from p (Leviathan et al. / Chen et al.): the output follows the target's distribution."""
+    import torch
+
+    k = len(draft_tokens)
+    if settings.temperature <= 0:
+        best = scaled.argmax(-1).tolist()
+        out = []
+        for i in range(k):
+            out.append(best[i])
+            if best[i] != draft_tokens[i]:
+                return out
+        out.append(best[k])
+        return out
+    n = k + 1
+    seed_lo, seed_hi = _expand(args, n, "seed_lo"), _expand(args, n, "seed_hi")
+    own = choose_tokens(scaled, _expand(args, n, "temperature"), _expand(args, n, "top_p"),
+                        _expand(args, n, "top_k"), _expand(args, n, "min_p"), seed_lo, seed_hi, positions,
+                        sort=settings.needs_sort).tolist()
+    if draft_probs is None:
+        out = []
+        for i in range(k):
+            out.append(own[i])
+            if own[i] != draft_tokens[i]:
+                return out
+        out.append(own[k])
+        return out
+    p = truncated_probs(scaled, _expand(args, n, "top_p"), _expand(args, n, "top_k"), _expand(args, n, "min_p"))
+    q = draft_probs.to(p.dtype)
+    d = torch.tensor(draft_tokens, dtype=torch.long, device=p.device)
+    p_d = p[:k].gather(1, d[:, None])[:, 0]
+    q_d = q.gather(1, d[:, None])[:, 0].clamp_min(1e-20)
+    u = uniform_draw(seed_lo[:k], seed_hi[:k], positions[:k])
+    accept = (u < (p_d / q_d).clamp(max=1.0)).tolist()
+    out = []
+    for i, token in enumerate(draft_tokens):
+        if accept[i]:
+            out.append(token)
+            continue
+        residual = (p[i] - q[i]).clamp_min(0.0)
+        if float(residual.sum()) <= 0:
+            residual = p[i]
+        noise = exponential_noise(seed_lo[i : i + 1], seed_hi[i : i + 1], positions[i : i + 1],
+                                  torch.arange(p.shape[-1], device=p.device)[None, :])
+        out.append(int((residual[None, :] / noise).argmax(-1)))
+        return out
+    out.append(own[k])
+    return out
+
+
+def draft_sample(scaled, args: dict[str, Any], positions):
+    """The draft model's sampled tokens and the distributions they were drawn from (rows [B, V]); its noise is
+    salted so that it is independent of the target's at the same position."""
+    import torch
+
+    probs = truncated_probs(scaled, args["top_p"], args["top_k"], args["min_p"])
+    ids = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    noise = exponential_noise(args["seed_lo"] ^ _SALT_DRAFT, args["seed_hi"], positions, ids)
+    return (probs / noise).argmax(-1), probs
