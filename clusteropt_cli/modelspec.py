@@ -3,10 +3,14 @@
 `load_model_spec(source)` takes a built-in preset name (`clusteropt_cli/presets/*.json`, each the model's public
 config.json), a model directory, a config.json path or a config dict. Parameter counts are exact for the
 architectures transformers implements and copt knows (llama, mistral, qwen2, qwen3, mixtral, qwen2_moe,
-qwen3_moe, deepseek_v2/v3, gpt2): embeddings, tied heads, GQA, MoE experts (routed + shared, dense-first
-layers), MLA projections and biases are all counted as the HF modules allocate them (buffers such as
-DeepSeek's `e_score_correction_bias` are not parameters). Other decoder-only configs with the usual keys are
-treated as llama-like and marked `exact=False`.
+qwen3_moe, phi3, gemma, gemma2, gemma3, deepseek_v2/v3, gpt2): embeddings, tied heads, GQA, MoE experts (routed +
+shared, dense-first layers), MLA projections, q/k norms, Gemma's four norms per layer and biases are all counted as
+the HF modules allocate them (buffers such as DeepSeek's `e_score_correction_bias` are not parameters). Other
+decoder-only configs with the usual keys are treated as llama-like and marked `exact=False`.
+
+Sliding-window layers (Mistral-style, or hybrid local/global through `layer_types` / `sliding_window_pattern` as
+in Gemma-2/3, Qwen2/3's `max_window_layers`) are listed per layer in `layer_windows`, the way transformers builds
+its masks: their KV cache and attention cost stop growing at the window.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ from clusteropt_cli.errors import BadInputError
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
 # families whose parameter layout we count exactly
-LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmo2", "granite"}
+LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmo2", "granite", "phi3",
+              "gemma", "gemma2", "gemma3_text"}
+GEMMA_FAMILIES = {"gemma", "gemma2", "gemma3_text"}  # tied embeddings by default, (1 + w) RMSNorms
+# families whose config defaults to tied input/output embeddings when config.json omits tie_word_embeddings
+TIED_BY_DEFAULT = GEMMA_FAMILIES | {"gpt2"}
 MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
 GPT2_LIKE = {"gpt2"}
 
@@ -58,6 +66,8 @@ class ModelSpec:
     kv_lora_rank: int = 0  # MLA: compressed KV latent width (0 = not MLA)
     q_lora_rank: int = 0
     sliding_window: int | None = None
+    # per layer: the sliding window (None = full attention); empty = every layer full
+    layer_windows: tuple[int | None, ...] = ()
     # MLP / MoE
     mlp_gated: bool = True  # SwiGLU (gate, up, down) vs 2-matrix GELU MLP
     num_experts: int = 0  # routed experts per MoE layer (0 = dense)
@@ -98,6 +108,23 @@ class ModelSpec:
         head = self.vocab_size * self.hidden_size if self.tie_word_embeddings else 0
         return self.num_active_params - self.embedding_params + head
 
+    @property
+    def num_sliding_layers(self) -> int:
+        return sum(w is not None for w in self.layer_windows)
+
+    def layer_contexts(self, context_len: float, windowed: bool = True) -> float:
+        """Sum over layers of the keys one layer holds/attends for a sequence of `context_len` tokens: a
+        sliding-window layer keeps min(window, context), a full layer the whole context."""
+        if not windowed or not self.layer_windows:
+            return self.num_layers * context_len
+        return sum(context_len if w is None else min(w, context_len) for w in self.layer_windows)
+
+    def kv_cache_bytes_per_seq(self, context_len: float, dtype_bytes: float, windowed: bool = True) -> float:
+        """KV cache bytes of one sequence of `context_len` tokens over all layers; with `windowed`, a
+        sliding-window layer holds only its window (vLLM's hybrid allocator, transformers' sliding caches)."""
+        per_layer_token = self.kv_cache_bytes_per_token(dtype_bytes) / self.num_layers
+        return per_layer_token * self.layer_contexts(context_len, windowed)
+
     def kv_cache_bytes_per_token(self, dtype_bytes: float, mla_compressed: bool = True) -> float:
         """KV cache bytes per token over all layers: 2·layers·kv_heads·head_dim·bytes.
 
@@ -111,9 +138,10 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def attention_flops_per_token(self, context_len: int) -> float:
-        """Forward FLOPs of QKᵀ and AV for one query token attending to `context_len` keys, all layers."""
+        """Forward FLOPs of QKᵀ and AV for one query token attending to `context_len` keys, all layers (a
+        sliding-window layer attends at most its window)."""
         v_dim = self.v_head_dim or self.head_dim
-        return 2.0 * self.num_layers * self.num_heads * (self.head_dim + v_dim) * context_len
+        return 2.0 * self.num_heads * (self.head_dim + v_dim) * self.layer_contexts(context_len)
 
     def forward_flops_per_token(self, context_len: int) -> float:
         """2·N_active (matmul parameters) + attention over `context_len` keys."""
@@ -145,6 +173,8 @@ class ModelSpec:
             "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size,
             "tie_word_embeddings": self.tie_word_embeddings, "num_experts": self.num_experts,
             "experts_per_token": self.experts_per_token, "mla": self.is_mla, "exact": self.exact,
+            "sliding_window_layers": self.num_sliding_layers,
+            "sliding_window": sorted({w for w in self.layer_windows if w is not None}) or None,
         }
 
 
@@ -199,7 +229,7 @@ def _spec_decoder(cfg: dict[str, Any], name: str) -> ModelSpec:
     vocab = _require_int(cfg, name, "vocab_size")
     kv_heads = int(_get(cfg, "num_key_value_heads", default=heads))
     inter = int(_get(cfg, "intermediate_size", default=4 * h))
-    tied = bool(cfg.get("tie_word_embeddings", False))
+    tied = bool(cfg.get("tie_word_embeddings", mtype in TIED_BY_DEFAULT))
     max_pos = int(_get(cfg, "max_position_embeddings", default=4096))
     mla = mtype in MLA_FAMILIES or bool(cfg.get("kv_lora_rank"))
 
@@ -226,14 +256,16 @@ def _spec_decoder(cfg: dict[str, Any], name: str) -> ModelSpec:
     else:
         head_dim = int(_get(cfg, "head_dim", default=h // heads))
         v_dim = head_dim
-        qkv_bias = mtype == "qwen2" or bool(cfg.get("attention_bias", False))
-        o_bias = bool(cfg.get("attention_bias", False)) and mtype != "qwen2"
+        # Qwen2 and Qwen2-MoE: biases on q, k and v only (Qwen2-MoE's `qkv_bias`, on unless switched off)
+        qkv_bias = (mtype == "qwen2" or (mtype == "qwen2_moe" and cfg.get("qkv_bias", True))
+                    or bool(cfg.get("attention_bias", False)))
+        o_bias = bool(cfg.get("attention_bias", False)) and mtype not in ("qwen2", "qwen2_moe")
         attn = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
         if qkv_bias:
             attn += heads * head_dim + 2 * kv_heads * head_dim
         if o_bias:
             attn += h
-        if mtype in ("qwen3", "qwen3_moe", "olmo2"):  # per-head RMSNorm on q and k
+        if mtype in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"):  # per-head RMSNorm on q and k
             attn += 2 * head_dim if mtype != "olmo2" else heads * head_dim + kv_heads * head_dim
 
     mlp_bias = bool(cfg.get("mlp_bias", False))
@@ -267,7 +299,7 @@ def _spec_decoder(cfg: dict[str, Any], name: str) -> ModelSpec:
             moe_layers = [True] * layers
     n_moe = sum(moe_layers)
 
-    norms = 2 * h
+    norms = 4 * h if mtype in ("gemma2", "gemma3_text") else 2 * h  # Gemma-2/3: pre and post norms around both
     dense_layer = attn + gated(inter) + norms
     moe_total = attn + norms + router + num_experts * gated(moe_inter) + (gated(shared_inter) if shared_inter else 0)
     moe_active = attn + norms + router + top_k * gated(moe_inter) + (gated(shared_inter) if shared_inter else 0)
@@ -278,18 +310,50 @@ def _spec_decoder(cfg: dict[str, Any], name: str) -> ModelSpec:
     active = outer + (layers - n_moe) * dense_layer + n_moe * moe_active
 
     exact = mtype in LLAMA_LIKE or mtype in MLA_FAMILIES
-    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    windows = layer_windows(cfg, mtype, layers)
+    sliding = next((w for w in windows if w is not None), None)
     return ModelSpec(
         name=name, model_type=mtype, num_layers=layers, hidden_size=h, num_heads=heads, num_kv_heads=kv_heads,
         head_dim=head_dim, intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
         max_position_embeddings=max_pos, num_params=total, num_active_params=active, embedding_params=embed,
         exact=exact, qkv_bias=qkv_bias, v_head_dim=v_dim, qk_rope_head_dim=rope_dim, kv_lora_rank=kv_lora,
-        q_lora_rank=q_lora, sliding_window=int(sliding) if isinstance(sliding, int) else None, mlp_gated=True,
+        q_lora_rank=q_lora, sliding_window=sliding, layer_windows=tuple(windows) if sliding else (), mlp_gated=True,
         num_experts=num_experts, experts_per_token=top_k, moe_intermediate_size=moe_inter,
         shared_expert_intermediate_size=shared_inter, num_moe_layers=n_moe, torch_dtype=cfg.get("torch_dtype",
                                                                                                  cfg.get("dtype")),
         config=cfg,
     )
+
+
+# the hybrid pattern a family's config class fills in when config.json has no layer_types (transformers 5)
+_DEFAULT_PATTERN = {"gemma2": 2, "gemma3_text": 6, "cohere2": 4}
+
+
+def layer_windows(cfg: dict[str, Any], mtype: str, layers: int) -> list[int | None]:
+    """Per layer, the sliding window transformers' masks apply (None: full attention), from a config.json dict.
+
+    `layer_types` when present; otherwise the family's rule: Gemma-2/3 (and Cohere2) alternate local and global
+    layers by `sliding_window_pattern`, Qwen2/Qwen3 window the layers from `max_window_layers` on (only with
+    `use_sliding_window`), Qwen2-MoE every other layer below `max_window_layers`; Mistral, Mixtral, Phi-3 and
+    Qwen3-MoE window every layer."""
+    window = cfg.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return [None] * layers
+    if "use_sliding_window" in cfg and not cfg.get("use_sliding_window"):
+        return [None] * layers
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return [window if t == "sliding_attention" else None for t in types]
+    if mtype in _DEFAULT_PATTERN:
+        pattern = int(cfg.get("sliding_window_pattern") or _DEFAULT_PATTERN[mtype])
+        return [window if (i + 1) % pattern else None for i in range(layers)]
+    if mtype in ("qwen2", "qwen3"):
+        first = int(cfg.get("max_window_layers", layers) or 0)
+        return [window if i >= first else None for i in range(layers)]
+    if mtype == "qwen2_moe":
+        below = int(cfg.get("max_window_layers", layers) or 0)
+        return [window if (i + 1) % 2 and i < below else None for i in range(layers)]
+    return [window] * layers
 
 
 def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:

@@ -414,11 +414,19 @@ def weight_bytes(spec: ModelSpec, weights: str) -> float:
     return (spec.num_params - kept) * per + kept * 2
 
 
+def windowed_kv_cache(plan: InferPlan) -> bool:
+    """Whether the serving stack keeps only the window of a sliding-window layer: vLLM (hybrid KV cache manager)
+    and transformers' generate (sliding cache layers) do; copt's own engine keeps whole slots for every layer."""
+    return not (plan.continuous_batching and plan.engine == "copt")
+
+
 def kv_cache_bytes(spec: ModelSpec, plan: InferPlan, tokens_per_seq: float | None = None) -> float:
-    per_token = spec.kv_cache_bytes_per_token(cal.KV_BYTES[plan.kv_cache])
+    """KV cache of the plan's batch (per GPU): per layer min(window, context) tokens on sliding-window layers
+    where the stack keeps only the window (windowed_kv_cache), the whole context otherwise."""
     shard = min(plan.tp, spec.num_kv_heads) if not spec.is_mla else 1
     ctx = plan.prompt_len + plan.gen_len if tokens_per_seq is None else tokens_per_seq
-    return plan.batch * ctx * per_token / shard
+    per_seq = spec.kv_cache_bytes_per_seq(ctx, cal.KV_BYTES[plan.kv_cache], windowed=windowed_kv_cache(plan))
+    return plan.batch * per_seq / shard
 
 
 def _prefill_working_set(spec: ModelSpec, plan: InferPlan) -> float:

@@ -149,9 +149,12 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         ttft = prefill_s  # static batch: every prompt of the batch is prefilled before the first token
     ctx = plan.prompt_len + plan.gen_len / 2
     kv_read = kv_cache_bytes(spec, plan, ctx)
-    # MoE decode reads only the experts the batch routes to (at most all of them)
+    # MoE decode reads only the experts the batch routes to: the active parameters (k experts per layer) plus the
+    # other experts some token of the batch picks — E·(1 - (1 - k/E)^B) distinct experts under uniform routing
     if spec.is_moe:
-        expert_share = min(1.0, plan.batch * spec.experts_per_token / spec.num_experts)
+        k, experts = spec.experts_per_token, spec.num_experts
+        distinct = experts * (1.0 - (1.0 - k / experts) ** plan.batch)
+        expert_share = min(1.0, max(0.0, (distinct - k) / max(1, experts - k)))
         active_w = w_bytes * (spec.num_active_params + (spec.num_params - spec.num_active_params) * expert_share) \
             / spec.num_params
     else:
