@@ -133,6 +133,12 @@ def _render_endpoint(report: Any, report_path: Path | None = None) -> None:
                "TPOT ms p50/90", "E2E ms p50/99", "errors"]
     console.out.print(console.grid(f"copt profile endpoint: {report.model.get('name')} @ "
                                    f"{report.workload.get('url')}", headers, rows))
+    control = report.workload.get("output_length_control")
+    if control:
+        mean = report.workload.get("mean_output_tokens")
+        console.out.print(f"output lengths: {control}"
+                          + (f"; {mean} tokens per request on average (max_tokens {report.workload.get('gen_len')})"
+                             if mean is not None else ""), highlight=False, markup=False)
     _render_verdict(report, report_path)
 
 
@@ -297,8 +303,10 @@ def endpoint(
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed requests before the sweep.")] = 1,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="OPENAI_API_KEY", show_envvar=False,
                                                 help="Bearer token for the server.")] = None,
-    ignore_eos: Annotated[bool, typer.Option(
-        "--ignore-eos/--no-ignore-eos", help="Ask for exactly --gen-len tokens (vLLM-style ignore_eos).")] = True,
+    ignore_eos: Annotated[bool | None, typer.Option(
+        "--ignore-eos/--no-ignore-eos", help="Ask for exactly --gen-len tokens with vLLM's ignore_eos (default: "
+        "sent, and dropped if the server rejects it; --ignore-eos insists, --no-ignore-eos never sends it).",
+        show_default=False)] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="PNG: throughput against TTFT/TPOT per level.")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed for prompts and arrivals.")] = 0,
     expect: ExpectOpt = None,

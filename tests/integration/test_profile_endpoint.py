@@ -58,6 +58,14 @@ def _fake_openai_app():
     async def broken(request: Request):
         return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
 
+    @app.post("/strict/v1/completions")
+    async def strict(request: Request):  # answers vLLM extras as `transformers serve` does
+        body = await request.json()
+        extra = {key for key in body if key in ("ignore_eos", "min_tokens")}
+        if extra:
+            return JSONResponse({"detail": f"Unexpected fields in the request: {extra}"}, status_code=422)
+        return StreamingResponse(stream(body, cut=False), media_type="text/event-stream")
+
     @app.post("/cut/v1/completions")
     async def cut(request: Request):
         body = await request.json()
@@ -121,32 +129,63 @@ def test_endpoint_sweep_report_plot_and_expect(fake_server, copt, tmp_path):
     assert plot.stat().st_size > 5000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_endpoint_closed_port_counts_connection_errors(copt, tmp_path):
-    """Nothing listens: every request is a counted 'connect' error, the command still exits 0 with a report."""
+def test_endpoint_closed_port_exits_non_zero(copt, tmp_path):
+    """Nothing listens: every request fails with 'connect'; a profile that measured nothing exits 2."""
     url = f"http://127.0.0.1:{_free_port()}"
     proc = copt("profile", "endpoint", "--url", url, "--model", "m", "--concurrency", "2", "--num-requests", "5",
                 "--warmup", "1", "--json", timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout)
-    (level,) = doc["levels"]
-    assert level["requests"] == 5 and level["completed"] == 0 and level["errors"] == {"connect": 5}
-    assert doc["metrics"]["error_rate"] == 1.0
-    assert doc["verdict"]["bottleneck"] == "unknown" and "connect" in doc["verdict"]["evidence"][0]
+    assert proc.returncode == 2, proc.stderr
+    assert "Every request" in proc.stderr and "connect" in proc.stderr and "Is the server running" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_endpoint_falls_back_when_the_server_rejects_ignore_eos(fake_server, copt):
+    """A server that validates strictly (422 for ignore_eos): dropped after the first refusal and reported;
+    --ignore-eos insists (every request fails: non-zero exit with the server's message); --no-ignore-eos never
+    sends it."""
+    from clusteropt_cli.core.profile.endpoint import profile_endpoint
+    from clusteropt_cli.core.profile.settings import EndpointSettings
+
+    def run(**kw):
+        return profile_endpoint(EndpointSettings(url=fake_server + "/strict", model="m", concurrency=[2],
+                                                 num_requests=4, warmup=1, gen_len=5, prompt_len=4, **kw))
+
+    report = run()
+    assert report.levels[0].completed == 4 and report.levels[0].errors == {}
+    control = report.workload["output_length_control"]
+    assert control.startswith("max_tokens only: the server rejected ignore_eos (http 422: Unexpected fields")
+    assert report.workload["ignore_eos"] is False and report.workload["mean_output_tokens"] == 5
+    assert run(ignore_eos=False).workload["output_length_control"] == "max_tokens only (--no-ignore-eos)"
+    assert profile_endpoint(EndpointSettings(url=fake_server, model="m", concurrency=[1], num_requests=2, warmup=0,
+                                             gen_len=3, prompt_len=4)).workload["output_length_control"] == \
+        "ignore_eos"
+    proc = copt("profile", "endpoint", "--url", fake_server + "/strict", "--model", "m", "--concurrency", "1",
+                "--num-requests", "2", "--gen-len", "3", "--ignore-eos", timeout=60)
+    assert proc.returncode == 2
+    assert "Every request" in proc.stderr and "Unexpected fields in the request" in proc.stderr
 
 
 def test_endpoint_server_errors_and_cut_streams_are_counted(fake_server):
     """HTTP 500s and streams cut mid-way are errors by kind, never exceptions; Poisson mode is bounded."""
-    from clusteropt_cli.core.profile.endpoint import profile_endpoint
+    from clusteropt_cli.core.profile.endpoint import _run, profile_endpoint
     from clusteropt_cli.core.profile.settings import EndpointSettings
+    from clusteropt_cli.errors import CheckFailedError
 
-    broken = profile_endpoint(EndpointSettings(url=fake_server + "/broken", model="m", concurrency=[3],
-                                               num_requests=6, warmup=0, gen_len=4, prompt_len=4))
-    assert broken.levels[0].errors == {"http_500": 6} and broken.levels[0].completed == 0
-    cut = profile_endpoint(EndpointSettings(url=fake_server + "/cut", model="m", rate=[200.0], num_requests=5,
-                                            warmup=0, gen_len=6, prompt_len=4))
-    level = cut.levels[0]
+    broken = EndpointSettings(url=fake_server + "/broken", model="m", concurrency=[3], num_requests=6, warmup=0,
+                              gen_len=4, prompt_len=4)
+    levels, facts = asyncio.run(_run(broken, ["a b c"], lambda _m: None))
+    assert levels[0].errors == {"http_500": 6} and levels[0].completed == 0
+    assert facts["failures"] == {"http_500": "boom"}  # the server's own message
+    with pytest.raises(CheckFailedError, match="failed .6 sent.: http_500: boom"):
+        profile_endpoint(broken)
+    cut = EndpointSettings(url=fake_server + "/cut", model="m", rate=[200.0], num_requests=5, warmup=0, gen_len=6,
+                           prompt_len=4)
+    levels, _ = asyncio.run(_run(cut, ["a b c"], lambda _m: None))
+    level = levels[0]
     assert level.rate == 200.0 and level.requests == 5 and level.completed == 0
     assert set(level.errors) == {"disconnect"}, level.errors
+    with pytest.raises(CheckFailedError, match="disconnect"):
+        profile_endpoint(cut)
     start = time.perf_counter()
     timed = profile_endpoint(EndpointSettings(url=fake_server, model="m", concurrency=[2], duration_s=0.3,
                                               warmup=0, gen_len=4, prompt_len=4))
@@ -208,3 +247,50 @@ def test_endpoint_bad_flags_exit_2(copt, tmp_path):
     proc = copt("profile", "endpoint", "--url", "http://127.0.0.1:1", "--model", "m", "--plot", str(existing))
     assert proc.returncode == 2 and "--overwrite" in proc.stderr and existing.read_bytes() == b"x"
     assert not Path(tmp_path / "missing").exists()
+
+
+@pytest.mark.slow
+def test_endpoint_against_transformers_serve(fixtures):
+    """A third-party OpenAI server, `transformers serve` on the fixture teacher (CPU, offline): it answers
+    ignore_eos with HTTP 422; the profile falls back and completes; a wrong model id exits 2 with its message."""
+    import shutil
+
+    if shutil.which("transformers") is None:
+        pytest.skip("the transformers CLI is not on PATH")
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen(["transformers", "serve", str(fixtures.teacher), "--port", str(port), "--device",
+                               "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    try:
+        import httpx
+
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if server.poll() is not None:
+                pytest.fail(f"transformers serve exited: {server.stderr.read().decode()[-2000:]}")
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("transformers serve did not come up within 120 s")
+        base = [sys.executable, "-m", "clusteropt_cli", "profile", "endpoint", "--url", f"http://127.0.0.1:{port}",
+                "--concurrency", "1,2", "--num-requests", "4", "--prompt-len", "16", "--gen-len", "8"]
+        proc = subprocess.run(base + ["--model", str(fixtures.teacher), "--json"], capture_output=True, text=True,
+                              env=env, timeout=180)
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert all(lv["completed"] == 4 and lv["errors"] == {} for lv in doc["levels"]), doc["levels"]
+        assert "the server rejected ignore_eos (http 422" in doc["workload"]["output_length_control"]
+        assert "ignore_eos" in proc.stderr  # said while it happened
+        proc = subprocess.run(base + ["--model", "no-such-model"], capture_output=True, text=True, env=env,
+                              timeout=180)
+        assert proc.returncode == 2 and "Every request" in proc.stderr and "no-such-model" in proc.stderr
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()

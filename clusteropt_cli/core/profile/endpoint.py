@@ -5,6 +5,12 @@ request by a total timeout. Connection failures, HTTP errors, timeouts and broke
 never raised. TTFT = time to the first streamed text; ITL = gaps between streamed chunks; TPOT = (E2E − TTFT) /
 (output tokens − 1), output tokens from the final `usage` chunk when the server sends it, else one per chunk.
 A stream that ends with finish_reason "abort"/"error" counts as an error ("aborted").
+
+Output lengths: requests carry vLLM's `ignore_eos` so each runs to max_tokens. Servers that validate strictly
+(`transformers serve`: HTTP 422 "Unexpected fields in the request: {'ignore_eos'}") reject it; unless
+--ignore-eos forces it, copt then drops the field for the rest of the run, bounds outputs by max_tokens alone and
+says so in the report (`workload.output_length_control`). A run in which every request failed raises with the
+server's own error message.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from clusteropt_cli.core.profile.stats import latency_summary
 from clusteropt_cli.core.profile.verdict import endpoint_verdict
 from clusteropt_cli.core.profile_report import EndpointLevel, HardwareInfo, ProfileReport
 from clusteropt_cli.core.textfiles import jsonl_rows, string_field
-from clusteropt_cli.errors import BadInputError
+from clusteropt_cli.errors import BadInputError, CheckFailedError
 
 Log = Callable[[str], None]
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
@@ -41,6 +47,7 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    detail: str | None = None  # the server's error message (HTTP errors)
 
     @property
     def tpot_s(self) -> float | None:
@@ -93,6 +100,36 @@ def synthetic_prompts(count: int, prompt_len: int, seed: int, tokenizer: str | N
     return out
 
 
+def server_message(body: bytes) -> str:
+    """The error message in an error response: OpenAI's error.message, FastAPI's detail, else the text."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return text[:500]
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:500]
+        if isinstance(err, str):
+            return err[:500]
+        detail = data.get("detail", data.get("message"))
+        if isinstance(detail, list):  # pydantic errors: [{"loc": [...], "msg": ...}, ...]
+            return "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" if isinstance(d, dict)
+                             else str(d) for d in detail)[:500]
+        if detail is not None:
+            return str(detail)[:500]
+    return text[:500]
+
+
+def rejects_ignore_eos(result: RequestResult) -> bool:
+    """An HTTP 400/422 whose message names the ignore_eos field (or, for 422, extra fields in general)."""
+    if result.error not in ("http_400", "http_422"):
+        return False
+    detail = (result.detail or "").lower()
+    return "ignore_eos" in detail or (result.error == "http_422" and ("extra" in detail or "unexpected" in detail))
+
+
 # ---- one request -------------------------------------------------------------------------------------------
 def _text_of(chunk: dict[str, Any]) -> str:
     choices = chunk.get("choices") or []
@@ -120,8 +157,8 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], headers: d
         nonlocal last, chunks, usage
         async with client.stream("POST", url, json=payload, headers=headers) as resp:
             if resp.status_code != 200:
-                await resp.aread()
                 result.error = f"http_{resp.status_code}"
+                result.detail = server_message(await resp.aread())
                 return
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -184,18 +221,38 @@ class _Runner:
         self.url = completions_url(s.url)
         self.headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
         self.next_prompt = 0
+        self.send_ignore_eos = s.ignore_eos is not False
+        self.rejection: str | None = None  # the server's message when it refused ignore_eos
+        self.log: Log = lambda _msg: None
 
     def payload(self) -> dict[str, Any]:
         prompt = self.prompts[self.next_prompt % len(self.prompts)]
         self.next_prompt += 1
         body: dict[str, Any] = {"model": self.s.model, "prompt": prompt, "max_tokens": self.s.gen_len,
                                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-        if self.s.ignore_eos:
+        if self.send_ignore_eos:
             body["ignore_eos"] = True
         return body
 
     async def request(self) -> RequestResult:
-        return await one_request(self.client, self.url, self.payload(), self.headers, self.s.request_timeout_s)
+        body = self.payload()
+        result = await one_request(self.client, self.url, body, self.headers, self.s.request_timeout_s)
+        if self.s.ignore_eos is None and "ignore_eos" in body and rejects_ignore_eos(result):
+            if self.send_ignore_eos:  # the first request to see it switches the run over
+                self.send_ignore_eos = False
+                self.rejection = f"{result.error.replace('_', ' ')}: {result.detail}"
+                self.log(f"the server rejected ignore_eos ({self.rejection}); sending requests without it: output "
+                         "lengths are bounded by max_tokens only (pass --ignore-eos to insist)")
+            body.pop("ignore_eos")
+            result = await one_request(self.client, self.url, body, self.headers, self.s.request_timeout_s)
+        return result
+
+    def length_control(self) -> str:
+        if self.send_ignore_eos:
+            return "ignore_eos" + (" (forced by --ignore-eos)" if self.s.ignore_eos else "")
+        if self.rejection:
+            return f"max_tokens only: the server rejected ignore_eos ({self.rejection})"
+        return "max_tokens only (--no-ignore-eos)"
 
     async def by_concurrency(self, concurrency: int) -> tuple[list[RequestResult], float]:
         limit = self.s.requests_for(concurrency)
@@ -271,7 +328,7 @@ def _server_hardware(url: str) -> HardwareInfo:
     return HardwareInfo(device="remote", name=f"server at {url} (hardware not visible over HTTP)")
 
 
-async def _run(s: EndpointSettings, prompts: list[str], log: Log) -> list[EndpointLevel]:
+async def _run(s: EndpointSettings, prompts: list[str], log: Log) -> tuple[list[EndpointLevel], dict[str, Any]]:
     import httpx
 
     levels: list[EndpointLevel] = []
@@ -280,23 +337,35 @@ async def _run(s: EndpointSettings, prompts: list[str], log: Log) -> list[Endpoi
     timeout = httpx.Timeout(s.request_timeout_s, connect=min(5.0, s.request_timeout_s))
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         runner = _Runner(s, client, prompts)
+        runner.log = log
+        failures: dict[str, str] = {}  # error kind → the server's first message for it
+
+        def note(results: list[RequestResult]) -> None:
+            for r in results:
+                if not r.ok and r.error and r.error not in failures:
+                    failures[r.error] = r.detail or ""
+
         for i in range(s.warmup):
             warm = await runner.request()
-            log(f"warm-up request {i + 1}/{s.warmup}: " + ("ok" if warm.ok else f"failed ({warm.error})"))
+            note([warm])
+            log(f"warm-up request {i + 1}/{s.warmup}: " + ("ok" if warm.ok else f"failed ({warm.error}"
+                                                           + (f": {warm.detail}" if warm.detail else "") + ")"))
         slo_ttft = s.slo_ttft_ms / 1e3 if s.slo_ttft_ms is not None else None
         slo_tpot = s.slo_tpot_ms / 1e3 if s.slo_tpot_ms is not None else None
         for c in s.concurrency:
             log(f"concurrency {c}: sending {s.requests_for(c) or 'for ' + str(s.duration_s) + ' s'}")
             results, duration = await runner.by_concurrency(c)
+            note(results)
             levels.append(summarize_level(results, duration, concurrency=c, slo_ttft_s=slo_ttft,
                                           slo_tpot_s=slo_tpot))
             log(_level_line(levels[-1]))
         for rate in s.rate:
             log(f"rate {rate}/s (Poisson): sending {s.requests_for(None) or 'for ' + str(s.duration_s) + ' s'}")
             results, duration = await runner.by_rate(rate)
+            note(results)
             levels.append(summarize_level(results, duration, rate=rate, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot))
             log(_level_line(levels[-1]))
-    return levels
+    return levels, {"length_control": runner.length_control(), "failures": failures}
 
 
 def _level_line(level: EndpointLevel) -> str:
@@ -314,9 +383,11 @@ def profile_endpoint(s: EndpointSettings, log: Log | None = None) -> ProfileRepo
     else:
         largest = max([s.requests_for(c) or 256 for c in s.concurrency] + [s.requests_for(None) or 256])
         prompts = synthetic_prompts(min(largest + s.warmup, 4096), s.prompt_len, s.seed, s.tokenizer)
-    levels = asyncio.run(_run(s, prompts, log))
+    levels, facts = asyncio.run(_run(s, prompts, log))
     metrics: dict[str, float | None] = {}
     done = [lv for lv in levels if lv.completed > 0]
+    if not done:
+        raise _all_failed(s, levels, facts["failures"])
     if done:
         from clusteropt_cli.core.profile.expect import level_figures
 
@@ -329,7 +400,28 @@ def profile_endpoint(s: EndpointSettings, log: Log | None = None) -> ProfileRepo
     workload = {"url": s.url, "concurrency": s.concurrency or None, "rate": s.rate or None,
                 "num_requests": s.num_requests, "duration_s": s.duration_s, "prompt_len": s.prompt_len,
                 "gen_len": s.gen_len, "dataset": str(s.dataset) if s.dataset else None,
-                "slo_ttft_ms": s.slo_ttft_ms, "slo_tpot_ms": s.slo_tpot_ms, "ignore_eos": s.ignore_eos}
+                "slo_ttft_ms": s.slo_ttft_ms, "slo_tpot_ms": s.slo_tpot_ms,
+                "ignore_eos": facts["length_control"].startswith("ignore_eos"),
+                "output_length_control": facts["length_control"],
+                "mean_output_tokens": _mean_output_tokens(levels)}
     return ProfileReport(kind="endpoint", mode="endpoint", created_at=datetime.now(UTC).isoformat(timespec="seconds"),
                          copt_version=__version__, hardware=_server_hardware(s.url), model={"name": s.model},
                          workload=workload, metrics=metrics, levels=levels, verdict=verdict)
+
+
+def _mean_output_tokens(levels: list[EndpointLevel]) -> float | None:
+    done = sum(lv.completed for lv in levels)
+    tokens = sum(lv.output_tokens_per_s * lv.duration_s for lv in levels)
+    return round(tokens / done, 1) if done else None
+
+
+def _all_failed(s: EndpointSettings, levels: list[EndpointLevel], failures: dict[str, str]) -> Exception:
+    """Every request failed: an error that passes on what the server said."""
+    total = sum(lv.requests for lv in levels)
+    kinds = ", ".join(f"{kind}: {msg}" if msg else kind for kind, msg in failures.items()) or "no requests sent"
+    message = f"Every request to {completions_url(s.url)} failed ({total} sent): {kinds}"
+    if any(k in ("http_404", "http_400", "http_401", "http_403", "http_422", "connect") for k in failures):
+        hint = ("Check --url, --model (GET /v1/models lists the names the server serves) and --api-key."
+                if "connect" not in failures else "Is the server running at --url?")
+        return BadInputError(message, hint=hint)
+    return CheckFailedError(message, hint="The server failed the requests; its log says why.")

@@ -85,7 +85,7 @@ class EndpointSettings:
     request_timeout_s: float = 60.0
     warmup: int = 1
     api_key: str | None = None
-    ignore_eos: bool = True
+    ignore_eos: bool | None = None  # None: send vLLM's ignore_eos, drop it if the server rejects it
     seed: int = 0
 
     def validate(self) -> None:
