@@ -237,6 +237,8 @@ def test_inspect_refuses_what_slot_attention_cannot_do():
     assert not inspect_architecture(dynamic, max_len=4096).native
     assert inspect_architecture(dynamic, max_len=1024).native  # the scaling never engages within the cache
     assert inspect_architecture(T.Gemma2Config(num_hidden_layers=2)).attn_softcap == 50.0
+    multimodal = T.Gemma3Config(text_config={"num_hidden_layers": 2})
+    assert "multimodal" in inspect_architecture(multimodal).reason
 
 
 def test_slot_attention_refuses_a_window_it_was_not_given():

@@ -95,9 +95,15 @@ def inspect_architecture(config: Any, max_len: int | None = None) -> Architectur
 
     `max_len` is the engine's cache length: a length-dependent rotary scaling is harmless while every position
     (the scratch column included) stays within the model's original context."""
+    outer = str(getattr(config, "model_type", "") or "unknown")
     config = _text_config(config)
     model_type = str(getattr(config, "model_type", "") or "unknown")
     arch = Architecture(model_type=model_type, native=False)
+    if outer != model_type:
+        arch.model_type = outer
+        arch.reason = (f"model type '{outer}' wraps its '{model_type}' language model (a multimodal checkpoint); "
+                       "copt's slot attention serves text-only checkpoints")
+        return arch
     if model_type not in NATIVE_MODEL_TYPES:
         arch.reason = (f"model type '{model_type}' is not one copt's slot attention is verified for "
                        f"({', '.join(sorted(NATIVE_MODEL_TYPES))})")
