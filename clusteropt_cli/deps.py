@@ -14,7 +14,7 @@ EXTRAS: dict[str, list[str]] = {
     "gptq": ["gptqmodel", "optimum"],
     "train": ["deepspeed"],
     "serve": ["fastapi", "uvicorn"],
-    "distill": ["trl"],
+    "distill": ["trl", "math-verify"],
     "profile": ["matplotlib", "httpx"],
     "dev": ["pytest", "ruff", "openai"],
 }

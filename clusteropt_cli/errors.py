@@ -92,6 +92,7 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "prometheus_client": "serve",
     "httpx": "profile",
     "trl": "distill",
+    "math_verify": "distill",
     "matplotlib": "profile",
     "openai": "dev",
 }

@@ -247,7 +247,8 @@ def traces(
         "--verify", help="Keep only samples whose final answer matches the prompt's answer (rejection sampling).")]
     = False,
     match: Annotated[str | None, typer.Option(
-        "--match", help="exact | numeric | regex for prompts without 'match' (default: numeric for numbers).")]
+        "--match", help="exact | numeric | regex | math (Math-Verify: LaTeX fractions, radicals, intervals, "
+                  "percentages) for prompts without 'match' (default: numeric for numbers).")]
     = None,
     no_think: Annotated[bool, typer.Option("--no-think", help="Do not start answers with '<think>\\n'.")] = False,
     batch: Annotated[int | None, typer.Option("--batch", help="Prompts handed to the engine at once.")] = None,

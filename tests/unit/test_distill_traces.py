@@ -13,6 +13,7 @@ from clusteropt_cli.core.distill.traces import (
     SamplingSettings,
     answers_match,
     extract_answer,
+    make_trace,
     parse_number,
     progress_path,
     read_prompts,
@@ -49,6 +50,48 @@ def test_parse_number(text, value):
 ])
 def test_answers_match(answer, expected, mode, ok):
     assert answers_match(answer, expected, mode) is ok
+
+
+# the routine answers a reasoning model writes, against the reference a dataset stores
+MATH_CASES = [
+    (r"The answer is $\boxed{\frac{1}{2}}$.", "0.5"),
+    (r"\dfrac{3}{4}", "3/4"),
+    (r"x \in \left[1, 2\right)", "[1, 2)"),
+    (r"1{,}000", "1000"),
+    (r"50\%", "0.5"),
+    (r"2\sqrt{3}", r"\sqrt{12}"),
+    (r"x = 5", "5"),
+]
+
+
+@pytest.mark.parametrize(("answer", "expected"), MATH_CASES)
+def test_math_matching_through_math_verify(answer, expected):
+    pytest.importorskip("math_verify")
+    assert answers_match(answer, expected, "math")
+
+
+def test_numeric_and_exact_fail_the_routine_math_answers():
+    """Why --match math exists: the other modes miss most of these."""
+    misses = [a for a, e in MATH_CASES if not (answers_match(extract_answer(a), e, "numeric")
+                                               or answers_match(extract_answer(a), e, "exact"))]
+    assert len(misses) >= 5
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    (r"\boxed{\frac{1}{3}}", "0.5"), ("[1, 2]", "[1, 2)"), (r"2\sqrt{2}", r"2\sqrt{3}"), ("100", "1000"),
+    (r"\frac{4}{3}", "3/4"), ("no answer here", "7"), ("", "7"),
+])
+def test_math_matching_rejects_wrong_answers(answer, expected):
+    pytest.importorskip("math_verify")
+    assert not answers_match(answer, expected, "math")
+
+
+def test_math_mode_in_a_trace_reads_nested_boxes():
+    pytest.importorskip("math_verify")
+    prompt = PromptRecord("q", "half of one?", "0.5", "math")
+    trace = make_trace(prompt, 0, Generation(r"halve it</think> so \boxed{\frac{1}{2}}", 9, "stop"),
+                       think_prefix="<think>\n", teacher="t", default_match=None)
+    assert trace.verified is True and trace.answer == r"\frac{1}{2}" and trace.match == "math"
 
 
 def write_prompts(path, rows):

@@ -32,8 +32,8 @@ from typing import Any, Literal
 from clusteropt_cli.core.textfiles import jsonl_rows, string_field
 from clusteropt_cli.errors import BadInputError
 
-MatchMode = Literal["exact", "numeric", "regex"]
-MATCH_MODES: tuple[str, ...] = ("exact", "numeric", "regex")
+MatchMode = Literal["exact", "numeric", "regex", "math"]
+MATCH_MODES: tuple[str, ...] = ("exact", "numeric", "regex", "math")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TRACE_FIELDS = ("prompt_id", "prompt", "sample", "completion", "reasoning", "answer", "expected", "match",
                 "verified", "num_tokens", "finish_reason", "teacher")
@@ -112,7 +112,18 @@ def split_reasoning(completion: str) -> tuple[str | None, str | None]:
     return reasoning.strip(), tail.strip()
 
 
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+def _last_boxed(text: str) -> str | None:
+    """The contents of the last \\boxed{...}, nested braces included (\\boxed{\\frac{1}{2}} → \\frac{1}{2})."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None
+
 _ANSWER_LINE = re.compile(r"(?i)(?:final answer|answer)\s*(?:is|:)\s*(.+)")
 
 
@@ -120,9 +131,9 @@ def extract_answer(answer_text: str | None) -> str | None:
     """The final answer inside the answer text: the last \\boxed{...}, else an 'Answer: X' line, else the text."""
     if answer_text is None:
         return None
-    boxed = _BOXED.findall(answer_text)
-    if boxed:
-        return boxed[-1].strip()
+    boxed = _last_boxed(answer_text)
+    if boxed is not None:
+        return boxed.strip()
     lines = _ANSWER_LINE.findall(answer_text)
     if lines:
         return lines[-1].strip().rstrip(".").strip()
@@ -156,10 +167,14 @@ def answers_match(answer: str | None, expected: str, mode: MatchMode) -> bool:
     """Does the extracted answer match the expected one?
 
     exact: equal after normalize_text; numeric: the last number in the answer equals the expected number
-    (relative tolerance 1e-6); regex: `re.fullmatch(expected, answer)` on the stripped answer.
+    (relative tolerance 1e-6); regex: `re.fullmatch(expected, answer)` on the stripped answer; math: the two are
+    the same mathematical object by Math-Verify (LaTeX or plain expressions: fractions, radicals, intervals,
+    percentages, thousands separators, equations x = 5).
     """
     if answer is None:
         return False
+    if mode == "math":
+        return math_equal(answer, expected)
     if mode == "exact":
         return normalize_text(answer) == normalize_text(expected)
     if mode == "numeric":
@@ -170,6 +185,32 @@ def answers_match(answer: str | None, expected: str, mode: MatchMode) -> bool:
     if mode == "regex":
         return re.fullmatch(expected, answer.strip(), flags=re.DOTALL) is not None
     raise ValueError(f"unknown match mode {mode!r}")
+
+
+def _as_latex(text: str) -> str:
+    """Math-Verify finds LaTeX inside $...$, \\(...\\), \\[...\\] or \\boxed{}; a bare answer gets $...$."""
+    text = text.strip()
+    if any(mark in text for mark in ("$", "\\boxed", "\\(", "\\[")):
+        return text
+    return f"${text}$"
+
+
+def math_equal(answer: str, expected: str) -> bool:
+    """Math-Verify's verdict: parse both (LaTeX and plain expressions), compare symbolically and numerically."""
+    import threading
+
+    from clusteropt_cli.deps import require
+
+    require("math_verify", "distill")
+    from math_verify import parse, verify
+
+    # its timeouts use SIGALRM, which only the main thread can set
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(_as_latex(expected), parsing_timeout=timeout)
+    pred = parse(_as_latex(answer), parsing_timeout=timeout)
+    if not gold or not pred:
+        return False
+    return bool(verify(gold, pred, timeout_seconds=timeout))
 
 
 def default_match_mode(expected: str) -> MatchMode:
@@ -223,7 +264,9 @@ def make_trace(prompt: PromptRecord, sample: int, generation: Generation, *, thi
     verified: bool | None = None
     if prompt.answer is not None:
         mode = prompt.match or default_match or default_match_mode(prompt.answer)
-        verified = answers_match(answer, prompt.answer, mode)  # type: ignore[arg-type]
+        # Math-Verify finds the answer itself (the last \boxed{}, nested braces included) in the answer text
+        checked = answer_text if mode == "math" else answer
+        verified = answers_match(checked, prompt.answer, mode)  # type: ignore[arg-type]
     return TraceRecord(prompt.id, prompt.prompt, sample, completion, reasoning, answer, prompt.answer, mode,
                        verified, generation.num_tokens, generation.finish_reason, teacher)
 

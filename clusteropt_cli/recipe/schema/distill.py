@@ -32,9 +32,9 @@ class DistillRecipe(TrainingOptions):
     sample_temperature: float = Field(0.7, ge=0, description="traces: sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="traces: nucleus sampling mass.")
     verify: bool = Field(False, description="traces: keep only samples whose answer matches the prompt's answer.")
-    match: Literal["exact", "numeric", "regex"] | None = Field(
+    match: Literal["exact", "numeric", "regex", "math"] | None = Field(
         None, description="traces: how answers are compared when a prompt has no `match` (default: numeric for "
-                          "numbers, else exact).")
+                          "numbers, else exact; math: Math-Verify's symbolic comparison of LaTeX answers).")
     think: bool = Field(True, description="traces: start each answer with '<think>\\n' (R1-style reasoning first).")
     gen_batch: PositiveInt = Field(64, description="traces: prompts handed to the engine at once.")
     # sft
