@@ -11,6 +11,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# GPTQModel packs 4-bit weights with a C++ extension it compiles on first use (minutes on a small machine); its
+# Python path packs the tiny fixture models in well under a second.
+os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     try:
@@ -40,11 +44,24 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def fixtures():
+def fixtures(pytestconfig):
     """The trained teacher/student/draft models, tokenizer and text splits (built once, cached)."""
-    from tests.fixture_models import build_fixtures
+    import time
 
-    return build_fixtures()
+    from tests.fixture_models import _cache_root, build_fixtures
+
+    root = _cache_root()
+    if (root / "DONE.json").exists():
+        return build_fixtures()
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    say = pytestconfig.pluginmanager.getplugin("terminalreporter")
+    start = time.time()
+    with capture.global_and_fixture_disabled():
+        say.write_line(f"\nbuilding the tiny fixture models once (about 2 minutes; cached in {root}) ...")
+    built = build_fixtures()
+    with capture.global_and_fixture_disabled():
+        say.write_line(f"fixture models built in {time.time() - start:.0f} s")
+    return built
 
 
 def run_copt(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path | None = None,

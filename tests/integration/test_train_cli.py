@@ -52,6 +52,7 @@ def single_process_losses(fixtures, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.jit
 @pytest.mark.parametrize(("zero_args", "precision"), [
     (["--zero", "2"], "fp32"), (["--zero", "3", "--offload", "cpu"], "fp32"),
     (["--zero", "2"], "bf16"), (["--zero", "3", "--offload", "cpu"], "bf16"),

@@ -153,6 +153,7 @@ print(json.dumps({"seen": seen, "param_dtype": str(next(model.parameters()).dtyp
 
 
 @pytest.mark.slow
+@pytest.mark.jit
 @pytest.mark.parametrize("zero", [2, 3])
 def test_deepspeed_bf16_forward_is_bf16_under_gpu_autocast_semantics(tmp_path, zero):
     """The forward inside DeepSpeed computes in bf16 even where DeepSpeed disables an outer autocast (CUDA): the
