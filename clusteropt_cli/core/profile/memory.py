@@ -71,9 +71,6 @@ class SavedTensorTracker:
 
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def is_counted(self, tensor: Any) -> bool:
-        return tensor.untyped_storage().data_ptr() in self.live
-
 
 def tensor_bytes(tensors: Iterable[Any]) -> int:
     """Bytes of the unique storages behind some tensors."""

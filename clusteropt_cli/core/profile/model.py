@@ -30,7 +30,6 @@ from clusteropt_cli.core.profile_report import HardwareInfo, OpTime, ProfileRepo
 from clusteropt_cli.errors import BadInputError, UnsupportedHardwareError
 
 Log = Callable[[str], None]
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass

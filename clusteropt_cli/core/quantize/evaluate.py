@@ -15,11 +15,6 @@ def weights_bytes(model_dir: str | Path) -> int:
                if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
 
 
-def dir_bytes(model_dir: str | Path) -> int:
-    """Bytes of every file in a directory."""
-    return sum(p.stat().st_size for p in Path(model_dir).rglob("*") if p.is_file())
-
-
 @dataclass
 class Perplexity:
     """Perplexity over non-overlapping blocks of an evaluation text."""

@@ -288,18 +288,11 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)
     graphs_captured: int = 0
     chained_steps: int = 0  # decode steps launched ahead by async scheduling
-    # wall seconds the engine thread spent per phase of its steps (where the time goes; see `phase_report`)
+    # wall seconds the engine thread spent per phase of its steps (where the time goes)
     phase_s: dict[str, float] = field(default_factory=dict)
 
     def add_phase(self, name: str, seconds: float) -> None:
         self.phase_s[name] = self.phase_s.get(name, 0.0) + seconds
-
-    def phase_report(self) -> dict[str, float]:
-        """Seconds per phase plus ms per step (engine steps) — for benchmarks."""
-        out = {k: round(v, 4) for k, v in sorted(self.phase_s.items())}
-        out["steps"] = self.steps
-        out["decode_steps"] = self.decode_steps
-        return out
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -13,7 +13,6 @@ and we (1) write key/value into a per-slot static cache and (2) attend over the 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -263,7 +262,6 @@ class ModelRunner:
         import torch
 
         self.num_slots = int(num_slots)
-        self.scratch_slot = self.num_slots
         self.scratch_pos = self.max_len  # decode rows of slots that are not decoding write this column
         shape = (self.num_slots + 1, self.kv_heads, self.max_len + 1, self.head_dim)
         self.caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -325,9 +323,6 @@ class ModelRunner:
         self.decode_attention = "sdpa"
 
     # ---- sizes -------------------------------------------------------------------------------------------
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.caches[0][0].element_size()
-
     @staticmethod
     def kv_bytes_per_token_of(config: Any, dtype_bytes: int) -> int:
         heads = int(config.num_attention_heads)
@@ -657,17 +652,3 @@ class PendingTokens:
         if self.done is not None:
             self.done.synchronize()  # releases the GIL while the GPU finishes the step
         return self.host.tolist()
-
-
-def free_gpu_bytes() -> int | None:
-    """Free bytes on the current CUDA device (None without CUDA)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    free, _total = torch.cuda.mem_get_info()
-    return int(free)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return int(math.ceil(a / b))
