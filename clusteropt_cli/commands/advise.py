@@ -302,6 +302,8 @@ def _render(r: dict[str, Any]) -> None:
     if trows:
         assumptions = ", ".join(f"{k}={v}" for k, v in r["assumptions"].items())
         out.print(console.grid(f"Time ({assumptions})", ["figure", "value"], trows))
+    if r.get("vllm"):
+        out.print(f"vLLM: {r['vllm']['args']}  ({r['vllm']['note']})", highlight=False, markup=False)
     if r["recommendations"]:
         rec_rows = []
         for rec in r["recommendations"][:10]:

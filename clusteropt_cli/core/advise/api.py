@@ -229,6 +229,10 @@ def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptom
                      "time": top_result["time"], "assumptions": top_result["time_assumptions"]},
         "notes": list(notes or []) + base["memory"].get("notes", []) + base.get("time_notes", []),
     }
+    if task == "infer":
+        from clusteropt_cli.core.advise.vllm_terms import vllm_capacity
+
+        result["vllm"] = vllm_capacity(result["workload"], base["time"].get("max_concurrent_seqs"))
     result["prediction"] = prediction_figures(result["top_plan"]["memory"], result["top_plan"]["time"], task)
     if measured:
         result["measured"] = compare(measured, prediction_figures(base["memory"], base["time"], task))
