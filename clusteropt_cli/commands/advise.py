@@ -45,17 +45,28 @@ def advise(
     activation_checkpointing: Annotated[bool | None, typer.Option(
         "--activation-checkpointing/--no-activation-checkpointing", help="[train] Recompute activations.",
         show_default=False)] = None,
-    attn: Annotated[str | None, typer.Option("--attn", help="[train] sdpa | flash | eager.",
-                                             show_default=False)] = None,
+    attn: Annotated[str | None, typer.Option("--attn", help="[train] sdpa | flash_attention_2 | eager (as copt "
+                                             "train and transformers spell them).", show_default=False)] = None,
     compile_: Annotated[bool | None, typer.Option("--compile/--no-compile", help="[train] torch.compile.",
                                                   show_default=False)] = None,
-    tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel degree.", show_default=False)] = None,
-    pp: Annotated[int | None, typer.Option("--pp", help="[train] Pipeline stages.", show_default=False)] = None,
-    pp_micro_batches: Annotated[int | None, typer.Option("--pp-micro-batches", help="[train] Pipeline micro-batches "
-                                                                                   "m.", show_default=False)] = None,
-    pp_virtual_stages: Annotated[int | None, typer.Option("--pp-virtual-stages", help="[train] Interleaved virtual "
-                                                                                     "stages v.",
-                                                          show_default=False)] = None,
+    tp: Annotated[int | None, typer.Option("--tensor-parallel", help="Tensor-parallel degree.",
+                                           show_default=False)] = None,
+    pp: Annotated[int | None, typer.Option("--pipeline-stages", help="[train] Pipeline stages.",
+                                           show_default=False)] = None,
+    pp_micro_batches: Annotated[int | None, typer.Option("--pipeline-micro-batches", help="[train] Pipeline "
+                                                         "micro-batches m.", show_default=False)] = None,
+    pp_virtual_stages: Annotated[int | None, typer.Option("--virtual-stages", help="[train] Interleaved virtual "
+                                                          "stages v.", show_default=False)] = None,
+    data: Annotated[str | None, typer.Option("--data", help="[train] Text to train on: named in the printed copt "
+                                             "train commands and the emitted recipe.", show_default=False)] = None,
+    temperature: Annotated[float | None, typer.Option("--temperature", help="[infer] Sampling temperature of the "
+                                                      "requests (0 = greedy; OpenAI's default is 1).",
+                                                      show_default=False, min=0.0)] = None,
+    tp_alias: Annotated[int | None, typer.Option("--tp", hidden=True)] = None,
+    pp_alias: Annotated[int | None, typer.Option("--pp", hidden=True)] = None,
+    pp_micro_alias: Annotated[int | None, typer.Option("--pp-micro-batches", hidden=True)] = None,
+    pp_virtual_alias: Annotated[int | None, typer.Option("--pp-virtual-stages", hidden=True)] = None,
+    kv_alias: Annotated[str | None, typer.Option("--kv-cache", hidden=True)] = None,
     batch: Annotated[int | None, typer.Option("--batch", help="[infer] Concurrent sequences.",
                                               show_default=False)] = None,
     prompt_len: Annotated[int | None, typer.Option("--prompt-len", help="[infer] Prompt tokens.",
@@ -64,8 +75,8 @@ def advise(
                                                 show_default=False)] = None,
     weights: Annotated[str | None, typer.Option("--weights", help="[infer] bf16 | fp8 | int8 | int4.",
                                                 show_default=False)] = None,
-    kv_cache: Annotated[str | None, typer.Option("--kv-cache", help="[infer] bf16 | fp8 | int8.",
-                                                 show_default=False)] = None,
+    kv_cache: Annotated[str | None, typer.Option("--kv-cache-dtype", help="[infer] auto | bf16 | fp8 | int8 (as copt "
+                                                 "serve spells it).", show_default=False)] = None,
     engine: Annotated[str | None, typer.Option("--engine", help="[infer] Serving engine the figures are for: "
                                                "transformers (copt serve's own, calibrated) | vllm (roofline).",
                                                show_default=False)] = None,
@@ -94,6 +105,12 @@ def advise(
     from clusteropt_cli.modelspec import list_presets as presets
     from clusteropt_cli.modelspec import load_model_spec
 
+    tp, pp = _alias(tp, tp_alias, "--tensor-parallel", "--tp"), _alias(pp, pp_alias, "--pipeline-stages", "--pp")
+    pp_micro_batches = _alias(pp_micro_batches, pp_micro_alias, "--pipeline-micro-batches", "--pp-micro-batches")
+    pp_virtual_stages = _alias(pp_virtual_stages, pp_virtual_alias, "--virtual-stages", "--pp-virtual-stages")
+    kv_cache = _alias(kv_cache, kv_alias, "--kv-cache-dtype", "--kv-cache")
+    if attn is not None and attn.lower() == "flash":  # the old spelling
+        attn = "flash_attention_2"
     if list_presets or list_gpus:
         _print_lists(list_presets, list_gpus, json_out, presets())
         return
@@ -104,15 +121,16 @@ def advise(
     bad = [s for s in symptoms if s not in SYMPTOMS]
     if bad:
         raise BadInputError(f"Unknown --symptom {', '.join(bad)}.", hint=f"Choose from: {', '.join(SYMPTOMS)}")
-    _check_choices(precision=("--precision", precision, ("bf16", "fp16", "fp8", "fp32")),
-                   optimizer=("--optimizer", optimizer, ("adamw", "adamw-8bit", "sgd")),
-                   offload=("--offload", offload, ("none", "cpu", "nvme")),
-                   attn=("--attn", attn, ("sdpa", "flash", "eager")),
+    _check_choices(precision=("--precision", precision, _schema_choices("train", "precision")),
+                   optimizer=("--optimizer", optimizer, _schema_choices("train", "optimizer")),
+                   offload=("--offload", offload, _schema_choices("train", "offload")),
+                   attn=("--attn", attn, _schema_choices("train", "attn")),
                    weights=("--weights", weights, ("bf16", "fp16", "fp8", "int8", "int4")),
-                   kv=("--kv-cache", kv_cache, ("bf16", "fp16", "fp8", "int8")),
-                   engine=("--engine", engine, ("auto", "copt", "transformers", "vllm")))
-    _check_positive({"--micro-batch": micro_batch, "--seq-len": seq_len, "--grad-accum": grad_accum, "--tp": tp,
-                     "--pp": pp, "--pp-micro-batches": pp_micro_batches, "--pp-virtual-stages": pp_virtual_stages,
+                   kv=("--kv-cache-dtype", kv_cache, _schema_choices("serve", "kv_cache_dtype") + ("fp16",)),
+                   engine=("--engine", engine, _schema_choices("serve", "engine") + ("transformers",)))
+    _check_positive({"--micro-batch": micro_batch, "--seq-len": seq_len, "--grad-accum": grad_accum,
+                     "--tensor-parallel": tp, "--pipeline-stages": pp, "--pipeline-micro-batches": pp_micro_batches,
+                     "--virtual-stages": pp_virtual_stages,
                      "--batch": batch, "--prompt-len": prompt_len, "--gen-len": gen_len, "--gpus": gpus,
                      "--nodes": nodes})
     if zero is not None and zero not in (0, 1, 2, 3):
@@ -135,7 +153,7 @@ def advise(
         given = {"model": model, "micro_batch": micro_batch, "seq_len": seq_len, "precision": precision,
                  "grad_accum": grad_accum, "activation_checkpointing": activation_checkpointing, "batch": batch,
                  "prompt_len": prompt_len, "gen_len": gen_len, "gpu": gpu, "gpus": gpus,
-                 "memory_budget": memory_budget}
+                 "memory_budget": memory_budget, "compile": compile_, "loss_impl": None}
         task, filled, profile_symptoms, measured = api.defaults_from_profile(report, task, given)
         symptoms = list(dict.fromkeys(symptoms + profile_symptoms))
         model, micro_batch, seq_len, precision = filled["model"], filled["micro_batch"], filled["seq_len"], \
@@ -143,6 +161,9 @@ def advise(
         grad_accum, activation_checkpointing = filled["grad_accum"], filled["activation_checkpointing"]
         batch, prompt_len, gen_len = filled["batch"], filled["prompt_len"], filled["gen_len"]
         gpu, gpus, memory_budget = filled["gpu"], filled["gpus"], filled["memory_budget"]
+        compile_ = filled["compile"]
+        if filled["loss_impl"] and not any(o.startswith("loss_impl=") for o in overrides or []):
+            overrides = [*(overrides or []), f"loss_impl={filled['loss_impl']}"]
 
     target, notes = api.resolve_target(gpu, gpus, nodes, memory_budget, gpu_hour_usd)
     if model is None and not recipe:
@@ -156,7 +177,8 @@ def advise(
         settings, plan = _infer_settings(model, recipe, overrides, target, locals())
     model_arg = str(settings.model)
     spec = load_model_spec(model_arg)
-    result = api.advise(spec, target, plan, symptoms, model_arg=model_arg, notes=notes, measured=measured)
+    result = api.advise(spec, target, plan, symptoms, model_arg=model_arg, notes=notes, measured=measured,
+                        data=data)
 
     written = []
     if emit_recipe is not None:
@@ -172,6 +194,23 @@ def advise(
         console.log(f"wrote {path}")
     if fail_if_oom:
         api.check_fits(result)
+
+
+def _alias(value: Any, old: Any, flag: str, old_flag: str) -> Any:
+    """The value of a flag given under its current name or its old (hidden) one, not both."""
+    if value is not None and old is not None and value != old:
+        raise BadInputError(f"{flag} {value} and {old_flag} {old} disagree.", hint=f"Pass {flag} only.")
+    return value if value is not None else old
+
+
+def _schema_choices(task: str, field: str) -> tuple[str, ...]:
+    """The values the recipe schema allows for a field (one vocabulary for advise, train and serve)."""
+    import typing
+
+    from clusteropt_cli.recipe.schema import RECIPE_MODELS
+
+    annotation = RECIPE_MODELS[task].model_fields[field].annotation
+    return tuple(str(a) for a in typing.get_args(annotation) if a is not None and not isinstance(a, type))
 
 
 def _check_choices(**choices: tuple[str, str | None, tuple[str, ...]]) -> None:
@@ -192,14 +231,15 @@ def _train_settings(model: str | None, recipe: str | None, overrides: list[str] 
     from clusteropt_cli.core.advise.plan import TrainPlan
     from clusteropt_cli.recipe.load import load_settings
 
-    attn = {"flash": "flash_attention_2"}.get(v["attn"], v["attn"])
+    attn = v["attn"]
     cli = {"model": model, "micro_batch": v["micro_batch"], "seq_len": v["seq_len"], "grad_accum": v["grad_accum"],
            "precision": v["precision"], "optimizer": v["optimizer"], "zero": v["zero"], "offload": v["offload"],
            "activation_checkpointing": v["activation_checkpointing"], "attn": attn, "compile": v["compile_"],
            "gpus": target.gpus_per_node if target.gpus_per_node > 1 else v["gpus"], "nodes": v["nodes"]}
     if v["offload"] == "nvme":
         cli["nvme_path"] = "/local_nvme"
-    # --tp/--pp/--pp-* describe any Megatron-style layout advise can model; they stay out of the train recipe
+    # --tensor-parallel/--pipeline-* describe any Megatron-style layout advise can model; they stay out of the
+    # train recipe
     # (copt train's own pipeline engine has narrower rules, checked only when a recipe is emitted)
     s = load_settings("train", recipe, overrides, cli)
     plan = TrainPlan(micro_batch=s.micro_batch, seq_len=s.seq_len, grad_accum=s.grad_accum, precision=s.precision,
@@ -209,7 +249,8 @@ def _train_settings(model: str | None, recipe: str | None, overrides: list[str] 
                      pp=v["pp"] or s.pipeline_stages,
                      pp_micro_batches=v["pp_micro_batches"] or s.pipeline_micro_batches,
                      pp_virtual_stages=v["pp_virtual_stages"] or s.virtual_stages, compile=s.compile,
-                     gradient_compression=s.gradient_compression)
+                     gradient_compression=s.gradient_compression, loss_impl=s.loss_impl,
+                     loss_chunk_tokens=s.loss_chunk_tokens)
     return s, plan
 
 
@@ -223,9 +264,13 @@ def _infer_settings(model: str | None, recipe: str | None, overrides: list[str] 
            "kv_cache_dtype": {"fp16": "auto"}.get(kv, kv) if kv else None}
     s = load_settings("serve", recipe, overrides, cli)
     kv_dtype = {"auto": "bf16"}.get(s.kv_cache_dtype, s.kv_cache_dtype)
+    # copt serve batches continuously (its own engine or vLLM): the plan is what it runs
     plan = InferPlan(batch=v["batch"] or 1, prompt_len=v["prompt_len"] or 512, gen_len=v["gen_len"] or 256,
                      weights=v["weights"] or "bf16", kv_cache=kv_dtype, tp=s.tensor_parallel,
-                     engine="vllm" if s.engine == "vllm" else "copt")
+                     engine="vllm" if s.engine == "vllm" else "copt", continuous_batching=True,
+                     chunked_prefill=s.max_batch_tokens, decode_autotune=s.compile_mode != "default",
+                     speculative_tokens=s.num_speculative_tokens if (s.prompt_lookup or s.draft_model) else 0,
+                     temperature=v["temperature"] or 0.0)
     return s, plan
 
 

@@ -280,8 +280,12 @@ def _float_list(text: str | None, flag: str) -> list[float]:
 
 @app.command("endpoint")
 def endpoint(
-    url: Annotated[str, typer.Option("--url", help="Server root, e.g. http://127.0.0.1:8000 (or its /v1 base).")],
-    model_name: Annotated[str, typer.Option("--model", help="Model name the server serves (GET /v1/models).")],
+    url: Annotated[str | None, typer.Option(
+        "--url", help="Server root, e.g. http://127.0.0.1:8000 (or its /v1 base); with --expect, default: the "
+                      "recipe's host and port.", show_default=False)] = None,
+    model_name: Annotated[str | None, typer.Option(
+        "--model", help="Model name the server serves (GET /v1/models); with --expect, default: the recipe's "
+                        "served_model_name or model.", show_default=False)] = None,
     concurrency: Annotated[str | None, typer.Option(
         "--concurrency", help="Concurrent requests, a sweep: 1,8,32. (default: 1)")] = None,
     rate: Annotated[str | None, typer.Option(
@@ -290,8 +294,15 @@ def endpoint(
         "--num-requests", help="Requests per level (default: 4 per concurrent slot, at least 8; 32 per rate).")
     ] = None,
     duration: Annotated[float | None, typer.Option("--duration", help="Seconds per level at most.")] = None,
-    prompt_len: Annotated[int, typer.Option("--prompt-len", help="Synthetic prompt length in tokens.")] = 128,
-    gen_len: Annotated[int, typer.Option("--gen-len", help="max_tokens per request.")] = 64,
+    prompt_len: Annotated[int | None, typer.Option(
+        "--prompt-len", help="Synthetic prompt length in tokens (default 128; with --expect, the predicted "
+                             "workload's).", show_default=False)] = None,
+    gen_len: Annotated[int | None, typer.Option(
+        "--gen-len", help="max_tokens per request (default 64; with --expect, the predicted workload's).",
+        show_default=False)] = None,
+    temperature: Annotated[float | None, typer.Option(
+        "--temperature", help="Sampling temperature of the requests (default 0: greedy; with --expect, the "
+                              "predicted workload's).", show_default=False)] = None,
     dataset: Annotated[Path | None, typer.Option(
         "--dataset", help="A .jsonl of prompts ({\"prompt\": ...} or {\"text\": ...}) instead of synthetic ones.")
     ] = None,
@@ -321,17 +332,25 @@ def endpoint(
     _check_outputs({"--report": report_path, "--plot": plot}, overwrite)
     if plot is not None and plot.suffix.lower() != ".png":
         raise BadInputError(f"--plot {plot}: the plot is a PNG; name the file *.png.")
-    settings = EndpointSettings(
-        url=url, model=model_name, concurrency=_int_list(concurrency, "--concurrency"),
-        rate=_float_list(rate, "--rate"), num_requests=num_requests, duration_s=duration, prompt_len=prompt_len,
-        gen_len=gen_len, dataset=dataset, tokenizer=tokenizer, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
-        request_timeout_s=request_timeout, warmup=warmup, api_key=api_key, ignore_eos=ignore_eos, seed=seed)
-    settings.validate()
     expectation = None
-    if expect is not None:
-        from clusteropt_cli.core.profile.expect import load_expectation
+    given = {"url": url, "model": model_name, "concurrency": _int_list(concurrency, "--concurrency"),
+             "prompt_len": prompt_len, "gen_len": gen_len, "temperature": temperature}
+    if expect is not None:  # the endpoint and workload the prediction is for, where not typed
+        from clusteropt_cli.core.profile.expect import endpoint_values_from_recipe, load_expectation
 
         expectation = load_expectation(expect)
+        given = endpoint_values_from_recipe(expectation, given, rate_given=bool(rate))
+    missing = [flag for flag, key in (("--url", "url"), ("--model", "model")) if not given[key]]
+    if missing:
+        raise BadInputError(f"{' and '.join(missing)} required.", hint="Name the server and the model it serves, "
+                                                                        "or pass --expect with a serve recipe.")
+    settings = EndpointSettings(
+        url=given["url"], model=given["model"], concurrency=given["concurrency"],
+        rate=_float_list(rate, "--rate"), num_requests=num_requests, duration_s=duration,
+        prompt_len=given["prompt_len"] or 128, gen_len=given["gen_len"] or 64, dataset=dataset, tokenizer=tokenizer,
+        slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, request_timeout_s=request_timeout, warmup=warmup,
+        api_key=api_key, ignore_eos=ignore_eos, seed=seed, temperature=given["temperature"] or 0.0)
+    settings.validate()
     if plot is not None:
         from clusteropt_cli.deps import require
 

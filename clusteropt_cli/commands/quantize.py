@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from clusteropt_cli import console
-from clusteropt_cli.options import JsonOpt, OverridesArg, OverwriteOpt, RecipeOpt
+from clusteropt_cli.options import DryRunOpt, JsonOpt, OverridesArg, OverwriteOpt, RecipeOpt
 from clusteropt_cli.options import opt as _opt
 
 
@@ -38,6 +38,7 @@ def quantize(
     compare_rtn: Annotated[bool | None, typer.Option("--compare-rtn", help="Also score round-to-nearest at the "
                                                      "same bits (needs --eval).", show_default=False)] = None,
     overwrite: OverwriteOpt = False,
+    dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
     recipe: RecipeOpt = None,
 ) -> None:
@@ -53,6 +54,14 @@ def quantize(
     the_plan = plan(settings, overwrite=overwrite)
     for warning in the_plan.warnings:
         console.warn(warning)
+    if dry_run:  # every input validated above; nothing loaded or written
+        info = {"model": settings.model, "method": settings.method, "backend": settings.backend,
+                "output": str(the_plan.output)}
+        if json_out:
+            console.print_json(info)
+        else:
+            console.out.print(console.kv_table("copt quantize (dry run)", list(info.items())))
+        return
     verbose = os.environ.get("COPT_DEBUG", "").lower() in ("1", "true", "yes")
     if not verbose:
         os.environ.setdefault("TQDM_DISABLE", "1")  # library progress bars; ours is on stderr

@@ -93,7 +93,8 @@ class ProfileReport(_Model):
 
 
 def load_profile(path: str) -> ProfileReport:
-    """Read and validate a profile JSON; errors name the file and the fields."""
+    """Read and validate a profile JSON (copt's, or a guidellm / `vllm bench serve` report, read as an endpoint
+    profile); errors name the file and the fields."""
     import json
     from pathlib import Path
 
@@ -109,7 +110,12 @@ def load_profile(path: str) -> ProfileReport:
         raise BadInputError(f"Cannot read profile {p}: {exc.strerror}", hint="Write one with 'copt profile'.") from exc
     except json.JSONDecodeError as exc:
         raise BadInputError(f"Profile {p} is not JSON: {exc}", hint="Pass the --json output of copt profile.") from exc
-    version = str(data.get("schema_version", ""))
+    from clusteropt_cli.core.profile.external import detect_tool, external_report
+
+    tool = detect_tool(data)
+    if tool is not None and "schema_version" not in data:
+        return external_report(data, tool)
+    version = str(data.get("schema_version", "")) if isinstance(data, dict) else ""
     if not version.startswith("copt.profile/1"):
         raise BadInputError(f"Profile {p} has schema_version {version!r}; this copt reads {SCHEMA_VERSION}.")
     try:

@@ -29,7 +29,7 @@ def cli(capsys):
 
 def test_json_schema_and_anchor(cli) -> None:
     proc = cli("advise", "--model", "llama-3.2-1b", "--gpu", "h200", "--micro-batch", "8", "--seq-len", "2048",
-                "--json")
+                "--no-compile", "loss_impl=hf", "--json")  # the eager HF loop of the 73.8 GiB anchor
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
     assert r["schema_version"] == "copt.advise/1"
@@ -83,7 +83,7 @@ def test_bad_input_exit_2(cli, tmp_path) -> None:
         (["--model", "llama-9b", "--gpu", "h100"], "neither a preset"),
         (["--model", str(tmp_path / "missing.json"), "--gpu", "h100"], "neither a preset"),
         (["--model", "llama-3.2-1b", "--gpu", "h100", "--seq-len", "0"], "--seq-len"),
-        (["--model", "llama-3.2-1b", "--gpu", "h100", "--gpus", "8", "--pp", "32"], "--pp"),
+        (["--model", "llama-3.2-1b", "--gpu", "h100", "--gpus", "8", "--pp", "32"], "--pipeline-stages 32"),
         (["--model", "llama-3.2-1b", "--gpu", "v100"], "--gpu"),
         (["--model", "llama-3.2-1b", "--gpu", "h100", "--symptom", "slow"], "--symptom"),
     ]
@@ -119,7 +119,9 @@ def test_from_profile(cli, tmp_path) -> None:
     profile = {
         "schema_version": "copt.profile/1", "kind": "model", "mode": "train", "created_at": "2026-11-30T00:00:00Z",
         "copt_version": "0", "hardware": {"device": "cuda", "name": "NVIDIA H200", "catalog": "h200", "count": 1},
-        "model": {"name": "llama-3.2-1b"}, "workload": {"micro_batch": 8, "seq_len": 2048, "precision": "bf16"},
+        "model": {"name": "llama-3.2-1b"},
+        # the eager HF loop measured there (copt profile model records compile and loss_impl)
+        "workload": {"micro_batch": 8, "seq_len": 2048, "precision": "bf16", "compile": False, "loss_impl": "hf"},
         "metrics": {"peak_mem_bytes": 73.8 * GiB, "tokens_per_s": 46600.0},
         "verdict": {"bottleneck": "memory-capacity-bound", "symptoms": ["oom"]},
     }

@@ -74,7 +74,7 @@ def test_zero_needs_more_than_one_gpu() -> None:
 def test_impossible_plans_name_the_flag() -> None:
     target, _ = resolve_target("h100-sxm", gpus=8)
     spec = load_model_spec("llama-3.2-1b")
-    with pytest.raises(BadInputError, match="--pp 32 is more pipeline stages than the model's 16 layers"):
+    with pytest.raises(BadInputError, match="--pipeline-stages 32 is more pipeline stages than the model's 16 layers"):
         advise(spec, target, TrainPlan(pp=32))
     with pytest.raises(BadInputError, match="--seq-len must be at least 1"):
         advise(spec, target, TrainPlan(seq_len=0))

@@ -51,22 +51,24 @@ def test_zero3_communication_is_1_5x_dp() -> None:
 def test_h200_anchor_within_10_percent() -> None:
     """docs/benchmarks.md#h200-baselines: 1B shape, 8 × 2048, fused AdamW, bf16 autocast: 73.8 GiB; ckpt 42.5."""
     spec, target = load_model_spec("llama-3.2-1b"), Target(get_gpu("h200"))
-    plain = train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048), target)
-    ckpt = train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048, activation_checkpointing=True), target)
+    eager = {"compile": False, "loss_impl": "hf"}  # the eager HF loop those figures were measured on
+    plain = train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048, **eager), target)
+    ckpt = train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048, activation_checkpointing=True, **eager), target)
     assert plain.model_states_bytes / GiB == pytest.approx(18.4, rel=0.01)
     assert plain.per_gpu_bytes / GiB == pytest.approx(73.8, rel=0.10)
     assert ckpt.per_gpu_bytes / GiB == pytest.approx(42.5, rel=0.10)
     assert plain.fits and ckpt.fits
     # and on an 80 GB H100 the plain plan is called OOM while checkpointing fits
     h100 = Target(get_gpu("h100-sxm"))
-    assert train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048), h100).fits is False
-    assert train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048, activation_checkpointing=True), h100).fits
+    assert train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048, **eager), h100).fits is False
+    assert train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048, activation_checkpointing=True, **eager),
+                        h100).fits
 
 
 def test_h200_anchor_speed() -> None:
     spec, target = load_model_spec("llama-3.2-1b"), Target(get_gpu("h200"))
-    tps = train_time(spec, TrainPlan(micro_batch=8, seq_len=2048), target).figures["tokens_per_s"]
-    tps_ckpt = train_time(spec, TrainPlan(micro_batch=8, seq_len=2048, activation_checkpointing=True),
+    tps = train_time(spec, TrainPlan(micro_batch=8, seq_len=2048, compile=False), target).figures["tokens_per_s"]
+    tps_ckpt = train_time(spec, TrainPlan(micro_batch=8, seq_len=2048, activation_checkpointing=True, compile=False),
                           target).figures["tokens_per_s"]
     assert tps == pytest.approx(46.6e3, rel=0.10)
     assert tps_ckpt == pytest.approx(38.2e3, rel=0.10)
@@ -76,7 +78,8 @@ def test_eager_attention_is_quadratic() -> None:
     spec, target = load_model_spec("llama-3.2-1b"), Target(get_gpu("h200"))
 
     def act(attn: str, seq: int) -> float:
-        return train_memory(spec, TrainPlan(micro_batch=1, seq_len=seq, attn=attn), target).breakdown["activations"]
+        return train_memory(spec, TrainPlan(micro_batch=1, seq_len=seq, attn=attn, compile=False), target
+                            ).breakdown["activations"]
 
     assert act("sdpa", 4096) / act("sdpa", 2048) == pytest.approx(2.0, rel=0.02)
     assert act("eager", 4096) / act("eager", 2048) > 2.5
@@ -116,7 +119,8 @@ def test_deepspeed_buffers_1b_on_2_gpus(zero: int) -> None:
                             "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 8192,
                             "vocab_size": 128256, "tie_word_embeddings": True, "head_dim": 64})
     assert spec.num_params == _P
-    plan = TrainPlan(micro_batch=4, seq_len=2048, activation_checkpointing=True, zero=zero)
+    # the model's own loss (fp32 logits) keeps these pins about DeepSpeed's buffers; copt train's config (5e7 buckets)
+    plan = TrainPlan(micro_batch=4, seq_len=2048, activation_checkpointing=True, zero=zero, loss_impl="hf")
     mem = train_memory(spec, plan, Target(get_gpu("h200"), gpus_per_node=2))
     ds = mem.deepspeed_buffers
     assert mem.peak_phase == "loss-backward"
@@ -124,7 +128,7 @@ def test_deepspeed_buffers_1b_on_2_gpus(zero: int) -> None:
     if zero in (1, 2):
         assert mem.breakdown["weights"] == pytest.approx(2 * _P)  # bit16_groups_flat, not partitioned
         assert ds["loss"] == {}  # no gradient or bucket exists at the loss of a steady-state step
-        assert ds["end-of-backward"] == pytest.approx({"ipg_buckets": 2 * 5e8 * 2, "grads_in_partition": _P})
+        assert ds["end-of-backward"] == pytest.approx({"ipg_buckets": 2 * 5e7 * 2, "grads_in_partition": _P})
         assert ds["optimizer-step"] == pytest.approx({"grads_in_partition": _P, "flat_grad_partition": _P,
                                                       "fp32_grad_partition": 2 * _P})
         assert mem.per_gpu_bytes / 1e9 == pytest.approx(25.27, abs=0.01)
@@ -132,12 +136,12 @@ def test_deepspeed_buffers_1b_on_2_gpus(zero: int) -> None:
         assert mem.breakdown["weights"] == pytest.approx(_P)  # bf16 partition
         loss = ds["loss"]
         assert loss["grad_partitions_flat_buffer"] == pytest.approx(_P)
-        assert loss["ipg_bucket"] == 1e9
+        assert loss["ipg_bucket"] == 1e8
         assert loss["prefetch_bucket"] == 1e8
         # tied embedding/head (262.7M) + layers 13-15 (60.8M each) recur within stage3_max_reuse_distance
         layer = (_P - 128256 * 2048) / 16
         assert loss["gathered_params"] == pytest.approx(2 * (128256 * 2048 + 3 * layer))
-        assert mem.per_gpu_bytes / 1e9 == pytest.approx(27.26, abs=0.01)
+        assert mem.per_gpu_bytes / 1e9 == pytest.approx(26.36, abs=0.01)  # 0.9 GB less: 5e7, not 5e8, buckets
 
 
 def test_serving_prediction_reproduces_the_h200_engine_anchor() -> None:

@@ -19,6 +19,7 @@ from clusteropt_cli.core.advise.memory import (
     train_memory,
 )
 from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan, validate_infer, validate_train
+from clusteropt_cli.core.advise.recipes import command_for, serve_recipe_data, train_recipe_data
 from clusteropt_cli.core.advise.recommend import Context, Recommendation, recommend
 from clusteropt_cli.core.advise.timing import infer_time, train_time
 from clusteropt_cli.errors import BadInputError, CheckFailedError
@@ -119,27 +120,6 @@ def _rec_dict(rec: Recommendation, rank: int | None, model_arg: str, task: str) 
             "command": rec.command}
 
 
-def _command_for(task: str, model_arg: str, plan: TrainPlan | InferPlan, target: Target, flags: list[str]) -> str:
-    head = f"copt advise --model {model_arg} --task {task} --gpu {target.name}"
-    if target.world > 1:
-        head += f" --gpus {target.gpus_per_node}" + (f" --nodes {target.nodes}" if target.nodes > 1 else "")
-    base = _plan_flags(plan)
-    shown = [f for f in flags if f.startswith("--")]
-    if task == "train" and getattr(plan, "tp", 1) > 1:
-        # the figures are for a Megatron-style layout; copt train cannot run it, so no recipe is chained
-        return (f"{head} {base} {' '.join(shown)}  # tensor parallelism is not in copt train: run this layout with "
-                "Megatron-LM, torchtitan or NeMo")
-    if task == "train" and all(f.startswith("--") for f in flags):
-        return f"{head} {base} {' '.join(shown)} --emit-recipe plan.yaml && copt train --recipe plan.yaml".strip()
-    return "; ".join([*[f for f in flags if not f.startswith("--")], f"{head} {base} {' '.join(shown)}".strip()])
-
-
-def _plan_flags(plan: TrainPlan | InferPlan) -> str:
-    if isinstance(plan, TrainPlan):
-        return f"--micro-batch {plan.micro_batch} --seq-len {plan.seq_len}"
-    return f"--batch {plan.batch} --prompt-len {plan.prompt_len} --gen-len {plan.gen_len}"
-
-
 # Not stacked into the emitted plan: an allocator setting, and tensor parallelism, which copt train does not run
 # (a recipe could not carry it, so its prediction would not describe what runs).
 _NOT_STACKED = {"expandable-segments", "tensor-parallel"}
@@ -185,7 +165,7 @@ def _merge(current: Any, changed: Any, original: Any) -> Any:
 
 def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptoms: list[str] | None = None,
            model_arg: str = "MODEL", notes: list[str] | None = None,
-           measured: dict[str, float] | None = None) -> dict[str, Any]:
+           measured: dict[str, float] | None = None, data: str | None = None) -> dict[str, Any]:
     """The whole advise result as a `copt.advise/1` dict."""
     symptoms = list(dict.fromkeys(symptoms or []))
     task = "train" if isinstance(plan, TrainPlan) else "infer"
@@ -204,7 +184,7 @@ def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptom
     ctx = Context(spec, target, plan, evaluate, base, model_arg)
     ranked, rejected = recommend(ctx, symptoms)
     for rec in ranked + rejected:
-        rec.command = _command_for(task, model_arg, rec.plan, target, rec.flags)
+        rec.command = command_for(rec.id, task, rec.plan, model_arg, target, data)
     top, applied = _top_plan(ctx, ranked, symptoms)
     top_result = evaluate(top)
     result: dict[str, Any] = {
@@ -234,6 +214,11 @@ def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptom
 
         result["vllm"] = vllm_capacity(result["workload"], base["time"].get("max_concurrent_seqs"))
     result["prediction"] = prediction_figures(result["top_plan"]["memory"], result["top_plan"]["time"], task)
+    # the command that runs the top plan as predicted (the same recipe --emit-recipe writes)
+    result["top_plan"]["command"] = command_for(
+        "+".join(applied) or "plan", task, top, model_arg, target, data) if task == "infer" or top.tp == 1 else None
+    if data:
+        result["data"] = data
     if measured:
         result["measured"] = compare(measured, prediction_figures(base["memory"], base["time"], task))
     return result
@@ -297,9 +282,14 @@ def defaults_from_profile(report: Any, task: str, given: dict[str, Any]
             values[key] = values[key] or wl.get(key)
         if values["activation_checkpointing"] is None and wl.get("activation_checkpointing") is not None:
             values["activation_checkpointing"] = bool(wl["activation_checkpointing"])
+        # the loop the profile measured (compiled or not, its loss) is the loop to predict
+        if values.get("compile") is None and wl.get("compile") is not None:
+            values["compile"] = bool(wl["compile"])
+        if values.get("loss_impl") is None and wl.get("loss_impl") in ("auto", "fused", "hf"):
+            values["loss_impl"] = wl["loss_impl"]
     elif report.mode != "train":
         task = "infer"
-        values["batch"] = values["batch"] or wl.get("batch") or wl.get("concurrency")
+        values["batch"] = values["batch"] or wl.get("batch") or _measured_concurrency(report)
         values["prompt_len"] = values["prompt_len"] or wl.get("prompt_len")
         values["gen_len"] = values["gen_len"] or wl.get("gen_len") or wl.get("max_tokens")
     if values["gpu"] is None:
@@ -310,14 +300,25 @@ def defaults_from_profile(report: Any, task: str, given: dict[str, Any]
     return task, values, list(report.verdict.symptoms), dict(report.metrics)
 
 
+def _measured_concurrency(report: Any) -> int | None:
+    """The concurrency of the endpoint level whose figures are the profile's metrics (the last completed one)."""
+    done = [lv for lv in getattr(report, "levels", []) if lv.completed > 0 and lv.concurrency]
+    if done:
+        return int(done[-1].concurrency)
+    listed = report.workload.get("concurrency")
+    if isinstance(listed, list):
+        listed = max((int(c) for c in listed if c), default=None)
+    return int(listed) if listed else None
+
+
 def check_recipe_runnable(task: str, tp: int) -> None:
     """A train plan with tensor parallelism gets no recipe: copt train cannot run it."""
     if task == "train" and tp > 1:
         raise BadInputError(
-            f"--emit-recipe with --tp {tp}: copt train has no tensor parallelism, so the recipe's prediction would "
-            "not describe what runs.",
-            hint="Drop --tp (advise then plans with ZeRO, offload and pipelines, which copt train runs), or run "
-                 "this layout with Megatron-LM / torchtitan.")
+            f"--emit-recipe with --tensor-parallel {tp}: copt train has no tensor parallelism, so the recipe's "
+            "prediction would not describe what runs.",
+            hint="Drop --tensor-parallel (advise then plans with ZeRO, offload and pipelines, which copt train runs), "
+                 "or run this layout with Megatron-LM / torchtitan.")
 
 
 def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: bool = False) -> Path:
@@ -338,44 +339,20 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
                   "recommendation": ",".join(result["top_plan"]["applies"]) or None}
     check_recipe_runnable(result["task"], w["tp"])
     if result["task"] == "train":
-        data: dict[str, Any] = {
-            "task": "train", "model": model_arg, "precision": w["precision"],
-            "activation_checkpointing": w["activation_checkpointing"],
-            "attn": "flash_attention_2" if w["attn"] == "flash" else w["attn"], "micro_batch": w["micro_batch"],
-            "grad_accum": w["grad_accum"], "seq_len": w["seq_len"], "optimizer": w["optimizer"], "zero": w["zero"],
-            "offload": w["offload"], "compile": w["compile"], "gpus": result["hardware"]["gpus_per_node"],
-            "nodes": result["hardware"]["nodes"], "gradient_compression": w["gradient_compression"],
-            "pipeline_stages": w["pp"], "prediction": prediction,
-            # the memory model counts the model's own loss (fp32 logits); pin it so train and --expect run it
-            "loss_impl": "hf",
-        }
-        if w["offload"] == "nvme":
-            data["nvme_path"] = "/local_nvme"
-        if w["pp"] > 1:
-            data["pipeline_micro_batches"] = w["pp_micro_batches"] or w["grad_accum"]
-            if w["pp_virtual_stages"] > 1:
-                data["pipeline_schedule"] = "interleaved-1f1b"
-                data["virtual_stages"] = w["pp_virtual_stages"]
+        data = train_recipe_data(TrainPlan(**w), model_arg, result["hardware"]["gpus_per_node"],
+                                 result["hardware"]["nodes"], data=result.get("data"))
+        data["prediction"] = prediction
         task = "train"
         header = f"# copt train --recipe {path.name}\n"
     else:
-        data = {"task": "serve", "model": model_arg, "tensor_parallel": w["tp"],
-                "engine": "vllm" if w.get("engine") == "vllm" else "copt",
-                "max_batch_size": max(1, int(w["batch"])),
-                "kv_cache_dtype": {"bf16": "bf16", "fp16": "auto"}.get(w["kv_cache"], w["kv_cache"]),
-                "prediction": prediction}
-        if w["chunked_prefill"]:
-            data["max_batch_tokens"] = int(w["chunked_prefill"])
-        if w.get("decode_autotune") and data["engine"] == "copt":
-            data["compile_mode"] = "max-autotune-no-cudagraphs"
-        if w["speculative_tokens"]:
-            data["prompt_lookup"] = 3
-            data["num_speculative_tokens"] = int(w["speculative_tokens"])
+        data = serve_recipe_data(InferPlan(**w), model_arg)
+        data["prediction"] = prediction
         if w["weights"] in ("int4", "fp8", "int8"):
             prediction["assumptions"]["weights"] = w["weights"]
         # the workload the figures are for, so `copt profile --expect` measures the same one
         prediction["assumptions"].update(batch=int(w["batch"]), concurrency=int(w["batch"]),
-                                         prompt_len=int(w["prompt_len"]), gen_len=int(w["gen_len"]))
+                                         prompt_len=int(w["prompt_len"]), gen_len=int(w["gen_len"]),
+                                         temperature=float(w.get("temperature", 0.0)))
         task = "serve"
         header = f"# copt serve --recipe {path.name}\n"
     validated = validate_recipe(task, data, origin="The emitted recipe")
@@ -386,40 +363,17 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
 
 
 def deepspeed_config(result: dict[str, Any]) -> dict[str, Any]:
-    """A DeepSpeed config for the top training plan."""
+    """The DeepSpeed config copt train writes for the top training plan (train's generator, the same config the
+    memory model sizes DeepSpeed's buffers from)."""
+    from clusteropt_cli.core.advise.memory import train_options
+    from clusteropt_cli.core.train.deepspeed_config import deepspeed_config as train_deepspeed_config
+
     if result["task"] != "train":
         raise BadInputError("--emit-ds-config needs --task train.", hint="Drop --emit-ds-config for inference.")
     w = result["top_plan"]["workload"]
-    dp = max(1, result["hardware"]["world"] // (w["tp"] * w["pp"]))
-    zero: dict[str, Any] = {"stage": w["zero"], "overlap_comm": True, "contiguous_gradients": True,
-                            "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
-    if w["zero"] >= 3:
-        zero.update({"stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
-                     "stage3_gather_16bit_weights_on_model_save": True})
-    if w["offload"] != "none":
-        device = w["offload"]
-        target: dict[str, Any] = {"device": device, "pin_memory": True}
-        if device == "nvme":
-            target["nvme_path"] = "/local_nvme"
-        zero["offload_optimizer"] = dict(target)
-        if w["zero"] >= 3:
-            zero["offload_param"] = dict(target)
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": w["micro_batch"],
-        "gradient_accumulation_steps": w["grad_accum"],
-        "train_batch_size": w["micro_batch"] * w["grad_accum"] * dp,
-        "gradient_clipping": 1.0,
-        "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                 "weight_decay": 0.0}},
-        "steps_per_print": 10,
-        "wall_clock_breakdown": False,
-    }
-    if w["precision"] == "bf16" or w["precision"] == "fp8":
-        config["bf16"] = {"enabled": True}
-    elif w["precision"] == "fp16":
-        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-    return config
+    plan = TrainPlan(**w)
+    dp = max(1, result["hardware"]["world"] // (plan.tp * plan.pp))
+    return train_deepspeed_config(train_options(plan), dp)
 
 
 def emit_ds_config(result: dict[str, Any], path: Path, overwrite: bool = False) -> Path:

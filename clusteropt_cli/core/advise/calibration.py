@@ -14,6 +14,12 @@ GiB = 1024**3
 # H200 anchor (docs/benchmarks.md#h200-baselines, Llama-3.2-1B shape, 8 × 2048, AdamW fused, bf16 autocast):
 # measured 73.8 GiB / 42.5 GiB (checkpointing); this model gives 75.4 / 44.0 held, 71.4 / 40.1 not held.
 LOGITS_HELD_IN_BACKWARD = True
+# Saved activations of a torch.compile'd decoder layer (memory.compiled_layer_bytes_per_token) relative to the
+# minimal set the partitioner must keep. H200 anchor, bench/results/train-h200-2026-11-30/explore3 (copt train
+# defaults: compiled decoder, fused chunked loss, mask-free causal SDPA, fused AdamW), Llama-3.2-1B shape, 8 × 2048:
+# peak 43,496,511,488 bytes (40.5 GiB); FP8 (torchao Float8Linear + the same defaults), final/: 35,110,114,816
+# bytes (32.7 GiB). Fitted so that both anchors are met with the model's other terms.
+COMPILED_ACTIVATION_FACTOR = {"default": 1.16, "fp8": 0.874}
 # Fraction the caching allocator reserves above the allocated peak (fragmentation, block rounding).
 # Seen on the H200: reserved/allocated 1.03–1.08 for steady training loops; 1.06 assumed.
 ALLOCATOR_FRAGMENTATION = 0.06
@@ -66,6 +72,13 @@ SERVING_ENGINES = {
              "step_per_seq_s": 80e-6},
     "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }
+# What a sampled request (temperature > 0) adds per decode step of copt's engine over greedy decoding: sampling runs
+# outside the captured decode graph (softmax, top-p/top-k, multinomial on the host's schedule) and the async
+# greedy fast path does not apply. H200, Llama-3.2-1B shape, batch 1, measured by a third-party load tester
+# through copt serve: 1.22 ms/token greedy, 1.75-2.04 ms/token at temperature 0.7-1.0 (issue "copt advise
+# predicts what copt actually runs") → +0.53 to +0.82 ms; 0.65 ms taken. One constant: recalibrate it when
+# sampling gets faster on the device.
+SAMPLED_DECODE_STEP_S = 0.65e-3
 # What `copt serve --compile-mode max-autotune-no-cudagraphs` saves per decode step (inductor's autotuned Triton
 # GEMV/GEMM templates instead of cuBLAS in the compiled decode layers). H200, 1B shape, batch 1: 1.220 → 1.126
 # ms/token in-process on one host (decode profile), 1.22 → 1.11 through the server (docs/benchmarks.md#serve)

@@ -25,13 +25,37 @@ from clusteropt_cli.core.advise import calibration as cal
 from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan
 from clusteropt_cli.modelspec import ModelSpec
 
-# DeepSpeed settings that `deepspeed_config()` (api.py) writes; the buffers below are sized from them.
-DS_REDUCE_BUCKET = 5e8  # reduce_bucket_size (elements)
-DS_OVERLAP_COMM = True  # overlap_comm: ZeRO-1/2 double-buffer their gradient bucket
-DS_PREFETCH_BUCKET = 5e7  # stage3_prefetch_bucket_size (elements)
-DS_PERSISTENCE_THRESHOLD = 1e5  # stage3_param_persistence_threshold (elements): smaller params stay gathered
+# DeepSpeed settings: read from the config copt train writes (core/train/deepspeed_config.py), the one generator
+# advise also uses for --emit-ds-config; the buffers below are sized from it (ds_settings).
 DS_MAX_REUSE_DISTANCE = 1e9  # stage3_max_reuse_distance, DeepSpeed's default (elements)
 DS_MAX_LIVE_PARAMETERS = 1e9  # stage3_max_live_parameters, DeepSpeed's default (elements)
+
+
+def ds_settings(plan: TrainPlan, world: int = 1) -> dict[str, float]:
+    """The ZeRO settings copt train writes for this plan (train's generator), with DeepSpeed's defaults for the
+    keys it leaves out: reduce/allgather buckets, overlap, stage-3 prefetch and persistence threshold."""
+    from clusteropt_cli.core.train.deepspeed_config import deepspeed_config
+
+    zero = deepspeed_config(train_options(plan), max(1, world))["zero_optimization"]
+    return {"reduce_bucket_size": float(zero.get("reduce_bucket_size", 5e8)),
+            "allgather_bucket_size": float(zero.get("allgather_bucket_size", 5e8)),
+            "overlap_comm": bool(zero.get("overlap_comm", False)),
+            "stage3_prefetch_bucket_size": float(zero.get("stage3_prefetch_bucket_size", 5e7)),
+            "stage3_param_persistence_threshold": float(zero.get("stage3_param_persistence_threshold", 1e5)),
+            "stage3_max_reuse_distance": float(zero.get("stage3_max_reuse_distance", DS_MAX_REUSE_DISTANCE)),
+            "stage3_max_live_parameters": float(zero.get("stage3_max_live_parameters", DS_MAX_LIVE_PARAMETERS))}
+
+
+def train_options(plan: TrainPlan, **extra: object) -> object:
+    """A copt train recipe (TrainRecipe, validated) carrying this plan's training options."""
+    from clusteropt_cli.recipe.schema.train import TrainRecipe
+
+    values = {"model": "plan", "precision": plan.precision, "micro_batch": plan.micro_batch,
+              "grad_accum": plan.grad_accum, "seq_len": plan.seq_len, "optimizer": plan.optimizer, "zero": plan.zero,
+              "offload": plan.offload, "activation_checkpointing": plan.activation_checkpointing,
+              "nvme_path": "/local_nvme" if plan.offload == "nvme" else None, "loss_impl": plan.loss_impl}
+    values.update(extra)
+    return TrainRecipe.model_validate(values)
 
 
 @dataclass
@@ -115,19 +139,83 @@ def _mlp_saved(spec: ModelSpec, mode: str, tp: int, moe: bool) -> float:
     return router + routed + shared
 
 
-def activation_bytes_per_token(spec: ModelSpec, plan: TrainPlan) -> dict[str, float]:
-    """Saved bytes per token: per dense layer, per MoE layer, the layer input (checkpointing), the final block."""
+def compiled_layer_bytes_per_token(spec: ModelSpec, mode: str, tp: int, fp8: bool = False) -> float | None:
+    """Bytes per token a torch.compile'd Llama-family decoder layer saves for backward, or None where the compiled
+    form is not modelled (MLA, GPT-2, eager attention: the eager count applies).
+
+    Inductor's partitioner keeps the smallest set backward needs and recomputes cheap pointwise ops from it: per
+    norm its input (the residual stream, fp32 under autocast) and the one bf16 cast of its output that the
+    projections share; q, k, v after RoPE, the attention output and its log-sum-exp; gate, up and their SwiGLU
+    product. Weight casts are recomputed from the fp32 weights, not saved. torchao's Float8Linear saves the inputs
+    of the linears in fp8 instead (1 byte). COMPILED_ACTIVATION_FACTOR scales the set to the H200 measurements
+    (calibration.py).
+    """
+    if spec.is_mla or spec.model_type == "gpt2":
+        return None
+    h = spec.hidden_size
+    a = 4 if mode == "fp32" else 2
+    r = 2 if mode == "half" else 4  # residual stream dtype
+    lin_in = 1 if fp8 else a  # a linear's saved input
+    q, kv = spec.q_width / tp, spec.kv_width / tp
+    vdim = spec.num_heads * (spec.v_head_dim or spec.head_dim) / tp
+    heads = spec.num_heads / tp
+    attn = r * h + 4 + lin_in * h + a * (q + 2 * kv) + lin_in * vdim + 4 * heads
+    if spec.model_type in ("qwen3", "qwen3_moe"):
+        attn += 4 * (q + kv) / 1  # per-head q/k norms keep their fp32 inputs
+    inter = spec.intermediate_size / tp
+    mlp = r * h + 4 + lin_in * h + a * 2 * inter + lin_in * inter
+    factor = cal.COMPILED_ACTIVATION_FACTOR["fp8" if fp8 else "default"]
+    return (attn + mlp) * factor
+
+
+def activation_bytes_per_token(spec: ModelSpec, plan: TrainPlan, compiled: bool = False,
+                               loss: str = "hf") -> dict[str, float]:
+    """Saved bytes per token: per dense layer, per MoE layer, the layer input (checkpointing), the final block.
+
+    `compiled`: the decoder runs under torch.compile (compiled_layer_bytes_per_token for its dense layers);
+    `loss`: "fused" (copt train's chunked head + cross-entropy: the final hidden states, their reshaped copy and
+    the gradient the loss computes for them) or "hf" (the lm_head's saved input; logits counted apart).
+    """
     mode = training_mode(plan)
     h = spec.hidden_size
     norm = 6 * h if mode == "half" else 8 * h  # RMSNorm/LayerNorm input + normalized (fp32)
     small = 8  # rsqrt / mean+rstd
     attn = _attention_saved(spec, mode, plan.attn, plan.seq_len, plan.tp)
     dense = 2 * (norm + small) + attn + _mlp_saved(spec, mode, plan.tp, moe=False)
+    compiled_dense = compiled_layer_bytes_per_token(spec, mode, plan.tp, fp8=plan.precision == "fp8") \
+        if compiled and plan.attn != "eager" else None
+    if compiled_dense is not None:
+        dense = compiled_dense
     moe = 2 * (norm + small) + attn + _mlp_saved(spec, mode, plan.tp, moe=True) if spec.is_moe else 0.0
     residual = 2 if mode == "half" else 4
-    lm_input = 4 * h if mode == "fp32" else 2 * h  # the lm_head's saved input (a cast under autocast)
-    final = norm + small + lm_input + 8  # final norm, lm_head input, int64 labels
+    if loss == "fused":
+        hidden = 2 if mode == "half" else 4  # the final norm's output: fp32 under autocast
+        # final norm's input (+ its output under eager), the [:, :-1] reshaped copy, the loss's gradient for it
+        final = (residual * h + 4 if compiled else norm + small) + 2 * hidden * h + 16
+    else:
+        lm_input = 4 * h if mode == "fp32" else 2 * h  # the lm_head's saved input (a cast under autocast)
+        final = norm + small + lm_input + 8  # final norm, lm_head input, int64 labels
     return {"dense_layer": dense, "moe_layer": moe, "layer_input": residual * h, "final": final}
+
+
+def fused_loss_bytes(spec: ModelSpec, mode: str, tokens: float, tp: int, chunk_tokens: int | None) -> dict[str, float]:
+    """Buffers of copt train's fused chunked loss (core/train/losses.py) beyond the per-token `final` term.
+
+    forward: the fp32 gradient of the head weight (V × h, accumulated chunk by chunk), the head weight cast to the
+    compute dtype (under autocast; DeepSpeed's bf16 weight needs none) and one chunk's logits and their gradient in
+    the compute dtype (the cross-entropy kernel is compiled on CUDA, so its fp32 temporaries are fused away).
+    backward: the saved fp32 head gradient and its scaled copy (cast to the weight's dtype).
+    """
+    vocab = spec.vocab_size / tp
+    head = vocab * spec.hidden_size
+    chunk = chunk_tokens or max(256, 2**30 // (4 * spec.vocab_size))
+    chunk = min(chunk, tokens)
+    c = 4 if mode == "fp32" else 2
+    weight_cast = 2 * head if mode == "amp" else 0.0
+    fwd = 4 * head + weight_cast + 2 * c * chunk * vocab
+    scaled = 4 * head + (2 * head if mode == "half" else 0.0)
+    bwd = 4 * head + scaled
+    return {"forward": fwd, "backward": bwd, "saved": 4 * head, "logits": 0.0}
 
 
 def _logits_bytes(spec: ModelSpec, mode: str, tokens: float, tp: int) -> dict[str, float]:
@@ -174,7 +262,8 @@ def model_states(num_params: float, precision: str, optimizer: str, zero: int, d
     return {"weights": weights, "gradients": grads, "optimizer": optim}
 
 
-def _zero3_gathered_at_loss(spec: ModelSpec, plan: TrainPlan, layer_params: float) -> float:
+def _zero3_gathered_at_loss(spec: ModelSpec, plan: TrainPlan, layer_params: float,
+                            cfg: dict[str, float] | None = None) -> float:
     """Elements ZeRO-3 still holds gathered when the loss runs (after the lm_head's forward).
 
     PartitionedParameterCoordinator.__params_to_release (deepspeed 0.19.8) keeps a module's parameters gathered
@@ -183,6 +272,7 @@ def _zero3_gathered_at_loss(spec: ModelSpec, plan: TrainPlan, layer_params: floa
     (its checkpointed re-forward and) its backward. With a tied head the embedding matrix is the head's weight.
     The total is capped at stage3_max_live_parameters.
     """
+    cfg = cfg or ds_settings(plan)
     n = spec.num_layers
     embed = spec.embedding_params / plan.tp
     head = embed if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size / plan.tp
@@ -199,21 +289,21 @@ def _zero3_gathered_at_loss(spec: ModelSpec, plan: TrainPlan, layer_params: floa
     for name, pos in last_use.items():
         traversed = 0.0
         for later_name, later_numel in trace[pos + 1:]:
-            if traversed >= DS_MAX_REUSE_DISTANCE:
+            if traversed >= cfg["stage3_max_reuse_distance"]:
                 break
             if later_name == name:
                 kept[name] = trace[pos][1]
                 break
             traversed += later_numel
-    return min(sum(kept.values()), DS_MAX_LIVE_PARAMETERS)
+    return min(sum(kept.values()), cfg["stage3_max_live_parameters"])
 
 
 def deepspeed_terms(spec: ModelSpec, plan: TrainPlan, dp: int) -> dict[str, dict[str, float]]:
     """Named DeepSpeed 0.19.8 buffers (bytes per GPU) live in each phase of a steady-state step, beyond the
     model states of `model_states` (bit16 weights or their partition, fp32 master partition, Adam moments).
 
-    Read from deepspeed/runtime/zero/stage_1_and_2.py and stage3.py for the config `deepspeed_config()` writes
-    (bf16/fp16, grad_accum_dtype unset = the model dtype, overlap_comm, contiguous_gradients, DeepSpeed AdamW):
+    Read from deepspeed/runtime/zero/stage_1_and_2.py and stage3.py for the config copt train writes (ds_settings)
+    (bf16/fp16, grad_accum_dtype unset = the model dtype, overlap_comm, contiguous_gradients): copt train's config:
 
     ZeRO-1/2 (DeepSpeedZeroOptimizer):
       * `ipg_buckets`: setup_buckets() allocates at the first gradient hook of each backward
@@ -234,6 +324,7 @@ def deepspeed_terms(spec: ModelSpec, plan: TrainPlan, dp: int) -> dict[str, dict
         and parameters under stage3_param_persistence_threshold (the norms), which are never partitioned.
       * step: the fp32 gradient partition of the sub-group (4 × params/dp).
     """
+    cfg = ds_settings(plan, dp)
     lp = 4.0 if plan.precision == "fp32" else 2.0
     part = _local_params(spec, plan) / dp
     offload = plan.offload != "none"
@@ -241,7 +332,7 @@ def deepspeed_terms(spec: ModelSpec, plan: TrainPlan, dp: int) -> dict[str, dict
     layer_params = max(0.0, (spec.num_params - spec.embedding_params - head) / spec.num_layers) / plan.tp
     terms: dict[str, dict[str, float]] = {"loss": {}, "end-of-backward": {}, "optimizer-step": {}}
     if plan.zero in (1, 2):
-        buckets = (2 if DS_OVERLAP_COMM else 1) * DS_REDUCE_BUCKET * lp
+        buckets = (2 if cfg["overlap_comm"] else 1) * cfg["reduce_bucket_size"] * lp
         grads_part = 0.0 if offload else lp * part
         terms["end-of-backward"] = {"ipg_buckets": buckets, "grads_in_partition": grads_part}
         if not offload:
@@ -249,12 +340,13 @@ def deepspeed_terms(spec: ModelSpec, plan: TrainPlan, dp: int) -> dict[str, dict
                                        "fp32_grad_partition": 4.0 * part}
     elif plan.zero >= 3:
         persistent = (2 * spec.num_layers + 1) * spec.hidden_size * lp  # the RMSNorm/LayerNorm weights
-        if spec.hidden_size >= DS_PERSISTENCE_THRESHOLD:
+        if spec.hidden_size >= cfg["stage3_param_persistence_threshold"]:
             persistent = 0.0
-        always = {"grad_partitions_flat_buffer": 0.0 if offload else lp * part, "ipg_bucket": DS_REDUCE_BUCKET * lp,
+        always = {"grad_partitions_flat_buffer": 0.0 if offload else lp * part,
+                  "ipg_bucket": cfg["reduce_bucket_size"] * lp,
                   "persistent_params": persistent}
-        prefetch = DS_PREFETCH_BUCKET * lp
-        terms["loss"] = {**always, "gathered_params": _zero3_gathered_at_loss(spec, plan, layer_params) * lp,
+        prefetch = cfg["stage3_prefetch_bucket_size"] * lp
+        terms["loss"] = {**always, "gathered_params": _zero3_gathered_at_loss(spec, plan, layer_params, cfg) * lp,
                          "prefetch_bucket": prefetch}
         terms["end-of-backward"] = {**always, "gathered_params": layer_params * lp, "prefetch_bucket": prefetch}
         terms["optimizer-step"] = {**always, **({} if offload else {"fp32_grad_partition": 4.0 * part})}
@@ -277,11 +369,20 @@ def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEsti
     ds = deepspeed_terms(spec, plan, dp) if plan.uses_deepspeed else None
     buffers = 0.0
     if ds is not None:
-        notes.append("DeepSpeed 0.19.8 buffers for the emitted config (reduce_bucket_size 5e8, overlap_comm"
-                     + (", prefetch 5e7, persistence 1e5)" if plan.zero >= 3 else ")"))
+        cfg = ds_settings(plan, dp)
+        notes.append(f"DeepSpeed 0.19.8 buffers for the config copt train writes (reduce_bucket_size "
+                     f"{cfg['reduce_bucket_size']:.0e}, overlap_comm"
+                     + (f", prefetch {cfg['stage3_prefetch_bucket_size']:.0e}, persistence "
+                        f"{cfg['stage3_param_persistence_threshold']:.0e})" if plan.zero >= 3 else ")"))
+
+    # what copt train runs for this plan on this device (its own rules): compiled decoder? fused loss?
+    compiled = plan.runs_compiled(target.device)
+    loss = plan.loss(spec)
+    notes.append(f"copt train's step: {'compiled' if compiled else 'eager'} decoder, "
+                 f"{'fused chunked' if loss == 'fused' else 'the model’s own (fp32 logits)'} loss")
 
     # activations
-    per_token = activation_bytes_per_token(spec, plan)
+    per_token = activation_bytes_per_token(spec, plan, compiled, loss)
     tokens = plan.micro_batch * plan.seq_len
     layers_local = spec.num_layers / plan.pp
     moe_frac = spec.num_moe_layers / spec.num_layers
@@ -298,11 +399,14 @@ def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEsti
         stored = layers_local * full_layer * tokens * in_flight
         recompute = 0.0
     final = per_token["final"] * tokens
-    logits = _logits_bytes(spec, mode, tokens, plan.tp)
-    # bf16 weight copies made by autocast (matmul weights; kept by the cast cache and the linears' saved inputs)
+    logits = _logits_bytes(spec, mode, tokens, plan.tp) if loss == "hf" else \
+        fused_loss_bytes(spec, mode, tokens, plan.tp, plan.loss_chunk_tokens)
+    # bf16 weight copies made by autocast (matmul weights; kept by the cast cache and the linears' saved inputs).
+    # A compiled decoder recomputes its casts in backward; the fused loss counts its own head cast.
     matmul_local = spec.matmul_params_active / (plan.tp * plan.pp) if not spec.is_moe else local
-    casts = 2 * matmul_local if mode == "amp" else 0.0
-    head_cast = 2 * spec.vocab_size * spec.hidden_size / plan.tp if mode == "amp" else 0.0
+    head_cast = 2 * spec.vocab_size * spec.hidden_size / plan.tp if mode == "amp" and loss == "hf" else 0.0
+    casts = (head_cast if compiled else 2 * matmul_local) if mode == "amp" else 0.0
+    layer_casts = 2 * local / max(1.0, layers_local) if mode == "amp" and not compiled else 0.0
     if plan.zero >= 3:
         casts = head_cast = 0.0  # ZeRO-3 gathers bf16 params per layer (in the buffers above)
 
@@ -315,9 +419,12 @@ def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEsti
         "loss-backward": base + stored + final + (head_cast if plan.activation_checkpointing else casts)
         + logits["backward"],
         "end-of-backward": states["weights"] + states["optimizer"] + states["gradients"] + buffers
-        + (recompute + stored / max(1.0, layers_local) if plan.activation_checkpointing else 0.0)
-        + (2 * local / max(1.0, layers_local) if mode == "amp" else 0.0),
+        + (recompute + stored / max(1.0, layers_local) if plan.activation_checkpointing else 0.0) + layer_casts,
     }
+    if spec.tie_word_embeddings and plan.pp == 1:
+        # the embedding's backward makes a dense V × h gradient and adds it to the tied weight's (the head's) grad
+        phases["embedding-backward"] = states["weights"] + states["optimizer"] + states["gradients"] + buffers \
+            + (4.0 if mode != "half" else 2.0) * spec.vocab_size * spec.hidden_size / plan.tp
     peak_phase = max(phases, key=phases.get)
     peak = phases[peak_phase]
     if peak_phase == "loss-forward":
@@ -326,9 +433,12 @@ def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEsti
         act, lg = stored + final, logits["backward"]
         wcast = head_cast if plan.activation_checkpointing else casts
         grads = grads_resident
-    else:
+    elif peak_phase == "end-of-backward":
         act = recompute + (stored / max(1.0, layers_local) if plan.activation_checkpointing else 0.0)
-        lg, wcast, grads = 0.0, (2 * local / max(1.0, layers_local) if mode == "amp" else 0.0), states["gradients"]
+        lg, wcast, grads = 0.0, layer_casts, states["gradients"]
+    else:  # embedding-backward: the tied embedding's dense gradient, counted with the gradients
+        act, lg, wcast = 0.0, 0.0, 0.0
+        grads = phases[peak_phase] - states["weights"] - states["optimizer"] - buffers
     breakdown = {
         "weights": states["weights"], "gradients": grads, "optimizer": states["optimizer"],
         "activations": act, "logits": lg, "kv_cache": 0.0, "autocast_weight_copies": wcast, "buffers": buffers,

@@ -57,15 +57,41 @@ class TrainPlan:
     pp: int = 1
     pp_micro_batches: int | None = None  # default: grad_accum
     pp_virtual_stages: int = 1
-    compile: bool = False
+    compile: bool | None = None  # None: copt train's default (on for CUDA; never under DeepSpeed), as in the recipe
     gradient_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    loss_impl: Literal["auto", "fused", "hf"] = "auto"  # the recipe's loss_impl (auto: fused unless ZeRO-3)
+    loss_chunk_tokens: int | None = None
 
     @property
     def uses_deepspeed(self) -> bool:
         return self.zero > 0
 
+    @property
+    def pipeline_stages(self) -> int:  # the recipe's name, so copt train's rules read a plan like its options
+        return self.pp
+
+    def runs_compiled(self, device: str) -> bool:
+        """Whether copt train runs this plan's decoder under torch.compile on `device` (train's own rule)."""
+        from clusteropt_cli.core.train.loop import runs_compiled
+
+        return runs_compiled(self, device)
+
+    def loss(self, spec: ModelSpec) -> str:
+        """'fused' or 'hf': the LM loss copt train runs for this plan and model (train's own rule)."""
+        from clusteropt_cli.core.train.loop import loss_kind
+
+        return loss_kind(self, fused_supported=supports_fused_loss(spec))
+
     def with_(self, **changes) -> TrainPlan:
         return replace(self, **changes)
+
+
+def supports_fused_loss(spec: ModelSpec) -> bool:
+    """What copt train's losses.supports_fused_loss finds on the built model, from the config alone: a bias-free
+    linear head without logit soft-capping or scaling."""
+    cfg = getattr(spec, "config", None) or {}
+    return not (cfg.get("final_logit_softcapping") or float(cfg.get("logit_scale", 1.0) or 1.0) != 1.0
+                or spec.model_type in ("gemma2", "gemma3", "cohere", "cohere2"))
 
 
 @dataclass(frozen=True)
@@ -82,6 +108,7 @@ class InferPlan:
     speculative_acceptance: float = 0.7
     engine: Literal["copt", "vllm"] = "copt"  # the serving stack continuous batching runs on
     decode_autotune: bool = False  # copt serve --compile-mode max-autotune-no-cudagraphs (autotuned decode kernels)
+    temperature: float = 0.0  # of the requests: 0 = greedy; > 0 = sampled (the OpenAI default is 1)
 
     def with_(self, **changes) -> InferPlan:
         return replace(self, **changes)
@@ -96,32 +123,36 @@ def validate_train(spec: ModelSpec, plan: TrainPlan, target: Target) -> None:
     """Every impossible combination at once, each naming its flag."""
     problems: list[str] = []
     for flag, value in (("--micro-batch", plan.micro_batch), ("--seq-len", plan.seq_len),
-                        ("--grad-accum", plan.grad_accum), ("--tp", plan.tp), ("--pp", plan.pp),
-                        ("--pp-micro-batches", plan.pp_micro_batches), ("--pp-virtual-stages", plan.pp_virtual_stages),
+                        ("--grad-accum", plan.grad_accum), ("--tensor-parallel", plan.tp),
+                        ("--pipeline-stages", plan.pp), ("--pipeline-micro-batches", plan.pp_micro_batches),
+                        ("--virtual-stages", plan.pp_virtual_stages),
                         ("--gpus", target.gpus_per_node), ("--nodes", target.nodes)):
         _positive(problems, flag, value)
     if plan.zero not in (0, 1, 2, 3):
         problems.append(f"--zero must be 0, 1, 2 or 3 (got {plan.zero})")
     if plan.pp > spec.num_layers:
-        problems.append(f"--pp {plan.pp} is more pipeline stages than the model's {spec.num_layers} layers")
+        problems.append(f"--pipeline-stages {plan.pp} is more pipeline stages than the model's {spec.num_layers} "
+                        "layers")
     elif plan.pp * plan.pp_virtual_stages > spec.num_layers:
-        problems.append(f"--pp × --pp-virtual-stages = {plan.pp * plan.pp_virtual_stages} exceeds the model's "
-                        f"{spec.num_layers} layers")
+        problems.append(f"--pipeline-stages × --virtual-stages = {plan.pp * plan.pp_virtual_stages} exceeds the "
+                        f"model's {spec.num_layers} layers")
     if plan.tp > 1 and spec.num_heads % plan.tp:
-        problems.append(f"--tp {plan.tp} does not divide the model's {spec.num_heads} attention heads")
+        problems.append(f"--tensor-parallel {plan.tp} does not divide the model's {spec.num_heads} attention heads")
     if plan.tp > 1 and spec.num_kv_heads % plan.tp and plan.tp % spec.num_kv_heads:
-        problems.append(f"--tp {plan.tp} and the model's {spec.num_kv_heads} KV heads do not divide each other")
+        problems.append(f"--tensor-parallel {plan.tp} and the model's {spec.num_kv_heads} KV heads do not divide "
+                        "each other")
     if target.world % (plan.tp * plan.pp) and target.world >= 1:
-        problems.append(f"--tp × --pp = {plan.tp * plan.pp} must divide the {target.world} GPUs (--gpus × --nodes)")
+        problems.append(f"--tensor-parallel × --pipeline-stages = {plan.tp * plan.pp} must divide the "
+                        f"{target.world} GPUs (--gpus × --nodes)")
     if plan.offload != "none" and plan.zero == 0:
         problems.append("--offload needs DeepSpeed ZeRO: add --zero 1, 2 or 3")
     if plan.zero == 3 and plan.pp > 1:
-        problems.append("--zero 3 cannot be combined with --pp > 1 (use --zero 1 with pipelines)")
+        problems.append("--zero 3 cannot be combined with --pipeline-stages > 1 (use --zero 1 with pipelines)")
     if plan.seq_len > 4 * spec.max_position_embeddings:
         problems.append(f"--seq-len {plan.seq_len} is far beyond the model's max_position_embeddings "
                         f"{spec.max_position_embeddings}")
     if target.device == "cpu" and (plan.zero or plan.tp > 1 or plan.pp > 1):
-        problems.append("--gpu cpu models a single-process CPU step: drop --zero/--tp/--pp")
+        problems.append("--gpu cpu models a single-process CPU step: drop --zero/--tensor-parallel/--pipeline-stages")
     if problems:
         raise BadInputError("Impossible training plan:\n" + "\n".join(f"  - {p}" for p in problems),
                             hint="Fix the flags named above (copt advise --help lists them).")
@@ -130,12 +161,12 @@ def validate_train(spec: ModelSpec, plan: TrainPlan, target: Target) -> None:
 def validate_infer(spec: ModelSpec, plan: InferPlan, target: Target) -> None:
     problems: list[str] = []
     for flag, value in (("--batch", plan.batch), ("--prompt-len", plan.prompt_len), ("--gen-len", plan.gen_len),
-                        ("--tp", plan.tp), ("--gpus", target.gpus_per_node), ("--nodes", target.nodes)):
+                        ("--tensor-parallel", plan.tp), ("--gpus", target.gpus_per_node), ("--nodes", target.nodes)):
         _positive(problems, flag, value)
     if plan.tp > 1 and spec.num_heads % plan.tp:
-        problems.append(f"--tp {plan.tp} does not divide the model's {spec.num_heads} attention heads")
+        problems.append(f"--tensor-parallel {plan.tp} does not divide the model's {spec.num_heads} attention heads")
     if plan.tp > target.world:
-        problems.append(f"--tp {plan.tp} needs {plan.tp} GPUs; --gpus × --nodes gives {target.world}")
+        problems.append(f"--tensor-parallel {plan.tp} needs {plan.tp} GPUs; --gpus × --nodes gives {target.world}")
     if plan.prompt_len + plan.gen_len > 4 * spec.max_position_embeddings:
         problems.append(f"--prompt-len + --gen-len exceeds the model's context ({spec.max_position_embeddings})")
     if problems:

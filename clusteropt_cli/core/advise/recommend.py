@@ -134,7 +134,7 @@ def _train_recs(ctx: Context) -> list[Recommendation]:
             "optimizer states leave the GPU and the host RAM", "ZeRO-Infinity arXiv:2104.07857",
             "NVMe bandwidth bound; slower than CPU offload", p.with_(zero=3 if p.pp == 1 else max(1, p.zero),
                                                                      offload="nvme"),
-            [f"--zero {3 if p.pp == 1 else max(1, p.zero)}", "--offload nvme", "--nvme-path /local_nvme"])
+            [f"--zero {3 if p.pp == 1 else max(1, p.zero)}", "--offload nvme", "--nvme-path NVME_DIR"])
     if p.attn == "eager":
         add("flash-attention", "SDPA / FlashAttention instead of eager attention",
             f"eager attention stores the {p.seq_len}×{p.seq_len} score matrix per head",
@@ -169,25 +169,26 @@ def _train_recs(ctx: Context) -> list[Recommendation]:
         t = min(8, target.gpus_per_node)
         add("tensor-parallel", f"Tensor parallelism over {t} GPUs", "splits every layer's weights and activations",
             f"weights and activations ÷{t}", "Megatron-LM arXiv:1909.08053",
-            "4 all-reduces per layer on NVLink; stays inside a node", p.with_(tp=t), [f"--tp {t}"],
+            "4 all-reduces per layer on NVLink; stays inside a node", p.with_(tp=t), [f"--tensor-parallel {t}"],
             _gpu_checks(ctx, need_multi=True))
-    if p.pp == 1 and target.world > 1 and p.zero < 3:
-        stages = min(target.world, 8, spec.num_layers)
+    # copt train's pipeline engine: one stage per process (no data parallelism), no ZeRO, bf16 or fp32
+    if p.pp == 1 and 1 < target.world <= min(8, spec.num_layers) and p.zero == 0 and p.precision in ("bf16", "fp32"):
+        stages = target.world
         m = max(4 * stages, p.grad_accum)
         add("pipeline-parallel", f"Pipeline parallelism, {stages} stages (1F1B)", "splits the layers across GPUs",
             f"weights ÷{stages}; bubble (p−1)/(m+p−1) = {(stages - 1) / (m + stages - 1):.0%} at m={m}",
             "PipeDream-Flush 1F1B arXiv:2006.09503; Megatron-LM arXiv:2104.04473",
             "pipeline bubble; 1F1B keeps stage 0's activations for p micro-batches",
             p.with_(pp=stages, pp_micro_batches=m, grad_accum=max(p.grad_accum, m)),
-            [f"--pp {stages}", f"--pp-micro-batches {m}", f"--grad-accum {max(p.grad_accum, m)}"],
+            [f"--pipeline-stages {stages}", f"--pipeline-micro-batches {m}", f"--grad-accum {max(p.grad_accum, m)}"],
             _gpu_checks(ctx, need_multi=True))
     if p.zero == 0 and target.world > 1 and p.gradient_compression == "none":
         add("gradient-compression", "Compress gradients for the all-reduce (PowerSGD)",
             "data-parallel gradient traffic crosses a slow link", "up to 90% less gradient traffic", SRC_POWERSGD,
             "approximate gradients (error feedback needed); DDP only (zero 0)",
-            p.with_(gradient_compression="powersgd"), ["gradient_compression=powersgd"],
+            p.with_(gradient_compression="powersgd"), ["--gradient-compression powersgd"],
             _gpu_checks(ctx, need_multi=True))
-    if not p.compile:
+    if target.gpu is not None and not p.runs_compiled(target.device) and not p.uses_deepspeed:
         add("operator-fusion", "torch.compile the training step", "fuses norms, RoPE, SwiGLU and casts",
             "57.5k vs 46.6k tok/s (+23%) and 50.1 vs 73.8 GiB measured on the H200 anchor",
             f"{BENCH}#h200-baselines", "~40 s compile on the first step", p.with_(compile=True), ["--compile"])
@@ -254,9 +255,10 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
     if p.kv_cache in ("bf16", "fp16"):
         add("kv-cache-quantization", "FP8/INT8 KV cache", "the KV cache grows with batch × context",
             "KV bytes ÷2 → 2× the concurrent sequences", "vLLM docs: quantized KV cache", "small accuracy cost",
-            p.with_(kv_cache="fp8" if target.gpu is not None and target.gpu.supports_fp8 else "int8"),
+            # copt's own engine keeps the KV cache in the model dtype: a quantized cache is served by vLLM
+            p.with_(kv_cache="fp8" if target.gpu is not None and target.gpu.supports_fp8 else "int8", engine="vllm"),
             ["--kv-cache-dtype fp8" if target.gpu is not None and target.gpu.supports_fp8
-             else "--kv-cache-dtype int8"])
+             else "--kv-cache-dtype int8", "--engine vllm"])
     if p.tp == 1 and target.world > 1:
         t = min(target.world, 8)
         while ctx.spec.num_heads % t:
@@ -264,7 +266,7 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
         if t > 1:
             add("tensor-parallel", f"Tensor parallelism over {t} GPUs", "splits weights, KV and FLOPs per token",
                 f"prefill and decode up to {t}× faster (NVLink)", "Megatron-LM arXiv:1909.08053",
-                "all-reduces per layer", p.with_(tp=t), [f"--tensor-parallel {t}"])
+                "all-reduces per layer", p.with_(tp=t, engine="vllm"), [f"--tensor-parallel {t}", "--engine vllm"])
     if p.engine == "copt" and not p.decode_autotune and target.gpu is not None:  # copt serve's engine only
         add("autotuned-decode", "Autotuned decode kernels (copt serve --compile-mode max-autotune-no-cudagraphs)",
             "the decode layers' matrix-vector products run cuBLAS kernels below the copy bandwidth; inductor "
@@ -361,6 +363,8 @@ def recommend(ctx: Context, symptoms: list[str]) -> tuple[list[Recommendation], 
             score = _metric_gain("low-throughput", ctx.base, after) if after["memory"]["fits"] is not False else 0.0
         if after["memory"]["fits"] is False and ctx.base["memory"]["fits"] is not False:
             score -= 1.0  # never trade a fitting plan for one that does not fit
+        if ctx.train and rec.plan.tp > 1 and score > 0:
+            score *= 0.5  # copt train cannot run it (Megatron-LM / torchtitan can): rank runnable plans first
         rec.score = round(score, 4)
         applicable.append(rec)
     applicable = [r for r in applicable if r.score > 0 or (not wanted and r.score >= 0)]

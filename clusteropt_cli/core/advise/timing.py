@@ -63,7 +63,7 @@ def train_time(spec: ModelSpec, plan: TrainPlan, target: Target) -> TimeEstimate
     if plan.activation_checkpointing:  # decoder layers run their forward twice (the head is not checkpointed)
         head = spec.vocab_size * spec.hidden_size
         recompute = 2.0 * (spec.matmul_params_active - head) + spec.attention_flops_per_token(plan.seq_len)
-    mfu = cal.TRAIN_MFU["compile" if plan.compile else "eager"]
+    mfu = cal.TRAIN_MFU["compile" if plan.runs_compiled(target.device) else "eager"]
     dtype = "fp8" if plan.precision == "fp8" and gpu.supports_fp8 else plan.precision
     if dtype == "fp8":
         mfu *= cal.FP8_MFU_FACTOR
@@ -166,6 +166,9 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         tpot += engine["step_fixed_s"] + engine["step_per_seq_s"] * plan.batch
         if plan.decode_autotune and engine_name == "copt":
             tpot = max(tpot - cal.AUTOTUNED_DECODE_STEP_S, floor)
+        if plan.temperature > 0 and engine_name == "copt":
+            # sampled requests leave the greedy fast path (argmax inside the captured graph, async scheduling)
+            tpot += cal.SAMPLED_DECODE_STEP_S
     spec_speedup = 1.0
     if plan.speculative_tokens:
         a, k = plan.speculative_acceptance, plan.speculative_tokens
@@ -190,6 +193,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     assumptions = {"prefill_mfu": cal.PREFILL_MFU, "decode_bandwidth_efficiency": cal.DECODE_BANDWIDTH_EFFICIENCY,
                    "hbm_bandwidth_tbs": gpu.hbm_bandwidth / 1e12, "peak_tflops": peak / tp / 1e12}
     assumptions["engine"] = engine_name
+    assumptions["sampling"] = "sampled (temperature > 0)" if plan.temperature > 0 else "greedy"
     notes = []
     if engine:
         assumptions.update({k: v for k, v in engine.items() if v})

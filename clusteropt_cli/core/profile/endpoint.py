@@ -229,7 +229,8 @@ class _Runner:
         prompt = self.prompts[self.next_prompt % len(self.prompts)]
         self.next_prompt += 1
         body: dict[str, Any] = {"model": self.s.model, "prompt": prompt, "max_tokens": self.s.gen_len,
-                                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+                                "temperature": self.s.temperature, "stream": True,
+                                "stream_options": {"include_usage": True}}
         if self.send_ignore_eos:
             body["ignore_eos"] = True
         return body
@@ -403,7 +404,7 @@ def profile_endpoint(s: EndpointSettings, log: Log | None = None) -> ProfileRepo
                 "slo_ttft_ms": s.slo_ttft_ms, "slo_tpot_ms": s.slo_tpot_ms,
                 "ignore_eos": facts["length_control"].startswith("ignore_eos"),
                 "output_length_control": facts["length_control"],
-                "mean_output_tokens": _mean_output_tokens(levels)}
+                "mean_output_tokens": _mean_output_tokens(levels), "temperature": s.temperature}
     return ProfileReport(kind="endpoint", mode="endpoint", created_at=datetime.now(UTC).isoformat(timespec="seconds"),
                          copt_version=__version__, hardware=_server_hardware(s.url), model={"name": s.model},
                          workload=workload, metrics=metrics, levels=levels, verdict=verdict)

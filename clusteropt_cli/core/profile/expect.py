@@ -116,6 +116,28 @@ def model_values_from_recipe(exp: Expectation) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
 
+def endpoint_values_from_recipe(exp: Expectation, given: dict[str, Any], rate_given: bool = False) -> dict[str, Any]:
+    """What `profile endpoint` sends to check a serve recipe's prediction: the recipe's server (host, port,
+    served name) and the workload the figures are for (concurrency, prompt/gen lengths, temperature), wherever the
+    command's own flags leave them unset."""
+    if exp.task != "serve":
+        raise BadInputError(f"--expect {exp.path}: profile endpoint checks a serve recipe (this one is "
+                            f"task {exp.task}).", hint="Check a train recipe with 'copt profile model --expect'.")
+    r, a = exp.recipe, exp.assumptions
+    values = dict(given)
+    if not values.get("url"):
+        host = "127.0.0.1" if r.host in ("0.0.0.0", "::", "") else r.host
+        values["url"] = f"http://{host}:{r.port}"
+    values["model"] = values.get("model") or r.served_model_name or r.model
+    if not values.get("concurrency") and not rate_given:
+        want = a.get("concurrency", a.get("batch"))
+        values["concurrency"] = [int(want)] if want else []
+    for key in ("prompt_len", "gen_len", "temperature"):
+        if values.get(key) is None and a.get(key) is not None:
+            values[key] = a[key]
+    return values
+
+
 def _endpoint_level(report: ProfileReport, exp: Expectation):
     """The endpoint level a prediction speaks of: assumptions.concurrency (or batch), else the last level."""
     want = exp.assumptions.get("concurrency", exp.assumptions.get("batch"))

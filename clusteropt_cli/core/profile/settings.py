@@ -87,9 +87,12 @@ class EndpointSettings:
     api_key: str | None = None
     ignore_eos: bool | None = None  # None: send vLLM's ignore_eos, drop it if the server rejects it
     seed: int = 0
+    temperature: float = 0.0  # 0 = greedy; > 0 = sampled requests (the OpenAI default is 1)
 
     def validate(self) -> None:
         problems = []
+        if self.temperature < 0:
+            problems.append(f"--temperature must not be negative (got {self.temperature})")
         if not self.url.startswith(("http://", "https://")):
             problems.append(f"--url {self.url!r} must start with http:// or https://")
         if not self.model:

@@ -122,7 +122,7 @@ def prepare_model(options: Any, model: Any, device_type: str, *, for_deepspeed: 
     if options.precision == "fp8":
         converted = convert_to_fp8(model)
         log(f"fp8: {converted} linear layers run through torchao Float8Linear")
-    if compile_enabled(options, device_type) and not for_deepspeed:
+    if runs_compiled(options, device_type, engine_kind="deepspeed" if for_deepspeed else None):
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
         decoder.compile()
         log("torch.compile: decoder compiled (the first step includes compilation)")
@@ -135,17 +135,31 @@ def compile_enabled(options: Any, device_type: str) -> bool:
     return bool(device_type == "cuda") if value is None else bool(value)
 
 
-def default_loss_fn(options: Any, model: Any, engine_kind: str) -> Any:
-    """The fused chunked LM cross-entropy when it applies (not under ZeRO-3, whose partitioned head weight is
-    only gathered inside the head's own forward), else the model's own loss."""
-    from clusteropt_cli.core.train.losses import hf_causal_lm_loss, make_fused_causal_lm_loss, supports_fused_loss
+def runs_compiled(options: Any, device_type: str, engine_kind: str | None = None) -> bool:
+    """Whether the decoder runs under torch.compile: options.compile (None: on for CUDA), never under DeepSpeed
+    (its engine wraps the module). `copt advise` predicts with this same rule."""
+    kind = engine_kind or _engine_kind(options)
+    return compile_enabled(options, device_type) and kind != "deepspeed"
 
+
+def loss_kind(options: Any, fused_supported: bool = True, engine_kind: str | None = None) -> str:
+    """'fused' (chunked head + cross-entropy) or 'hf' (the model's own loss) for these options. auto = fused
+    unless ZeRO-3 (its partitioned head weight is only gathered inside the head's own forward) or the model's head
+    does not allow it. `copt advise` predicts with this same rule."""
+    kind = engine_kind or _engine_kind(options)
     choice = getattr(options, "loss_impl", "auto")
-    fused_ok = supports_fused_loss(model) and not (engine_kind == "deepspeed" and options.zero == 3)
+    fused_ok = fused_supported and not (kind == "deepspeed" and options.zero == 3)
     if choice == "fused" and not fused_ok:
         raise BadInputError("loss_impl=fused does not apply to this model/engine (needs a bias-free LM head and "
                             "zero < 3).", hint="set loss_impl to auto or hf")
-    if choice == "hf" or not fused_ok:
+    return "hf" if choice == "hf" or not fused_ok else "fused"
+
+
+def default_loss_fn(options: Any, model: Any, engine_kind: str) -> Any:
+    """The fused chunked LM cross-entropy when it applies (loss_kind), else the model's own loss."""
+    from clusteropt_cli.core.train.losses import hf_causal_lm_loss, make_fused_causal_lm_loss, supports_fused_loss
+
+    if loss_kind(options, supports_fused_loss(model), engine_kind) == "hf":
         return hf_causal_lm_loss
     return make_fused_causal_lm_loss(getattr(options, "loss_chunk_tokens", None))
 

@@ -1,0 +1,174 @@
+"""advise's plans as copt recipes, and the complete commands that run them.
+
+One source of truth: a training plan is written as the `copt train` recipe (TrainRecipe) that runs it, an inference
+plan as the `copt serve` recipe (ServeRecipe); `--emit-recipe` writes these dicts and every command advise prints
+is derived from the same dicts (the recipe's non-default fields as the subcommand's own flags). Inputs advise
+cannot know are named by the placeholders in PLACEHOLDERS.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan
+
+# what the user supplies; each appears verbatim in a printed command when advise was not told
+DATA_PLACEHOLDER = "DATA.txt"
+TOKENIZER_PLACEHOLDER = "TOKENIZER_DIR"
+PROMPTS_PLACEHOLDER = "PROMPTS.jsonl"
+STUDENT_PLACEHOLDER = "STUDENT"
+CALIB_PLACEHOLDER = "CALIB.txt"
+NVME_PLACEHOLDER = "NVME_DIR"
+PLACEHOLDERS = (DATA_PLACEHOLDER, TOKENIZER_PLACEHOLDER, PROMPTS_PLACEHOLDER, STUDENT_PLACEHOLDER, CALIB_PLACEHOLDER,
+                NVME_PLACEHOLDER)
+
+QUANTIZE_METHODS = {"awq": "awq", "gptq": "gptq", "fp8-w8a8": "fp8"}
+# recipe keys without a flag of their own: passed as `key=value` overrides
+_TRAIN_OVERRIDES = ("optimizer", "loss_impl", "loss_chunk_tokens")
+# recipe keys that are always spelled out in a train command (the workload the prediction is for)
+_TRAIN_ALWAYS = ("precision", "micro_batch", "seq_len")
+
+
+def train_recipe_data(plan: TrainPlan, model_arg: str, gpus: int = 1, nodes: int = 1,
+                      data: str | None = None, nvme_path: str = NVME_PLACEHOLDER) -> dict[str, Any]:
+    """The `copt train` recipe (as a dict, TrainRecipe fields) that runs `plan`."""
+    out: dict[str, Any] = {
+        "task": "train", "model": model_arg, "precision": plan.precision,
+        "activation_checkpointing": plan.activation_checkpointing,
+        "attn": "flash_attention_2" if plan.attn == "flash" else plan.attn, "micro_batch": plan.micro_batch,
+        "grad_accum": plan.grad_accum, "seq_len": plan.seq_len, "optimizer": plan.optimizer, "zero": plan.zero,
+        "offload": plan.offload, "gpus": gpus, "nodes": nodes, "gradient_compression": plan.gradient_compression,
+        "pipeline_stages": plan.pp,
+    }
+    if data:
+        out["data"] = data
+    if plan.compile is not None:
+        out["compile"] = plan.compile
+    if plan.loss_impl != "auto":
+        out["loss_impl"] = plan.loss_impl
+    if plan.loss_chunk_tokens:
+        out["loss_chunk_tokens"] = plan.loss_chunk_tokens
+    if plan.offload == "nvme":
+        out["nvme_path"] = nvme_path
+    if plan.pp > 1:
+        out["pipeline_micro_batches"] = plan.pp_micro_batches or plan.grad_accum
+        if plan.pp_virtual_stages > 1:
+            out["pipeline_schedule"] = "interleaved-1f1b"
+            out["virtual_stages"] = plan.pp_virtual_stages
+    return out
+
+
+def quantized_path(model_arg: str, method: str) -> str:
+    """Where `copt quantize --method METHOD` is told to write the quantized checkpoint of `model_arg`."""
+    stem = Path(model_arg.rstrip("/")).name or "model"
+    if stem.endswith(".json"):
+        stem = Path(model_arg).parent.name or "model"
+    return str(Path(model_arg.rstrip("/")).parent / f"{stem}-{method}") if Path(model_arg).is_dir() \
+        else f"{stem}-{method}"
+
+
+def serve_recipe_data(plan: InferPlan, model_arg: str, quantize_method: str | None = None) -> dict[str, Any]:
+    """The `copt serve` recipe (as a dict, ServeRecipe fields) that serves `plan`."""
+    model = model_arg
+    if plan.weights in ("int4", "int8", "fp8"):
+        model = quantized_path(model_arg, quantize_method or {"int4": "awq", "int8": "int8", "fp8": "fp8"}
+                               [plan.weights])
+    data: dict[str, Any] = {"task": "serve", "model": model, "tensor_parallel": plan.tp,
+                            # copt's own engine runs one GPU with a model-dtype KV cache: tensor parallelism and
+                            # a quantized KV cache are served through vLLM
+                            "engine": "vllm" if plan.engine == "vllm" or plan.tp > 1
+                            or plan.kv_cache in ("fp8", "int8") else "copt",
+                            # room for the plan's concurrent requests (never below copt serve's default)
+                            "max_batch_size": max(64, int(plan.batch)),
+                            # bf16/fp16: the model's own dtype
+                            "kv_cache_dtype": {"bf16": "auto", "fp16": "auto"}.get(plan.kv_cache, plan.kv_cache)}
+    if plan.chunked_prefill:
+        data["max_batch_tokens"] = int(plan.chunked_prefill)
+    if plan.decode_autotune and data["engine"] == "copt":
+        data["compile_mode"] = "max-autotune-no-cudagraphs"
+    if plan.speculative_tokens:
+        data["prompt_lookup"] = 3
+        data["num_speculative_tokens"] = int(plan.speculative_tokens)
+    return data
+
+
+def _flags(task: str, data: dict[str, Any], always: tuple[str, ...] = ()) -> list[str]:
+    """The recipe's fields that differ from the schema's defaults (and `always`), as the subcommand's flags."""
+    from clusteropt_cli.recipe.schema import RECIPE_MODELS
+
+    fields = RECIPE_MODELS[task].model_fields
+    flags: list[str] = []
+    overrides: list[str] = []
+    for key, value in data.items():
+        if key in ("task", "model", "prediction") or value is None:
+            continue
+        if key not in always and key in fields and fields[key].default == value:
+            continue
+        if task == "train" and key in _TRAIN_OVERRIDES:
+            overrides.append(f"{key}={value}")
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            flags += [flag, shlex.quote(str(value))]
+    return flags + overrides
+
+
+def _needs_tokenizer(model_arg: str) -> bool:
+    path = Path(model_arg)
+    return not (path.is_dir() and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                     "tokenizer.model")))
+
+
+def train_command(plan: TrainPlan, model_arg: str, target: Target, data: str | None = None,
+                  output: str = "runs/plan") -> str:
+    """`copt train` with the flags of the recipe that runs `plan`."""
+    recipe = train_recipe_data(plan, model_arg, target.gpus_per_node, target.nodes, data=data or DATA_PLACEHOLDER)
+    parts = ["copt", "train", "--model", shlex.quote(model_arg)]
+    if _needs_tokenizer(model_arg):
+        parts += ["--tokenizer", TOKENIZER_PLACEHOLDER]
+    parts += _flags("train", recipe, _TRAIN_ALWAYS) + ["--output", output]
+    return " ".join(parts)
+
+
+def serve_command(plan: InferPlan, model_arg: str, quantize_method: str | None = None) -> str:
+    """`copt serve` with the flags of the recipe that serves `plan` (after `copt quantize` for quantized weights)."""
+    recipe = serve_recipe_data(plan, model_arg, quantize_method)
+    serve = " ".join(["copt", "serve", shlex.quote(recipe["model"]), *_flags("serve", recipe)])
+    if recipe["model"] != model_arg:
+        method = quantize_method or {"int4": "awq", "int8": "int8", "fp8": "fp8"}[plan.weights]
+        calib = f" --calib {CALIB_PLACEHOLDER}" if method in ("awq", "gptq") else ""
+        return (f"copt quantize {shlex.quote(model_arg)} --method {method}{calib} --output "
+                f"{shlex.quote(recipe['model'])} && {serve}")
+    return serve
+
+
+def command_for(rec_id: str, task: str, plan: TrainPlan | InferPlan, model_arg: str, target: Target,
+                data: str | None = None) -> str:
+    """The complete command that applies recommendation `rec_id` (its changed plan `plan`)."""
+    if task == "train":
+        assert isinstance(plan, TrainPlan)
+        if plan.tp > 1:
+            # the figures are for a Megatron-style layout copt train cannot run: re-plan it with advise
+            head = f"copt advise --model {shlex.quote(model_arg)} --task train --gpu {target.name}"
+            if target.world > 1:
+                head += f" --gpus {target.gpus_per_node}" + (f" --nodes {target.nodes}" if target.nodes > 1 else "")
+            return (f"{head} --micro-batch {plan.micro_batch} --seq-len {plan.seq_len} --tensor-parallel {plan.tp}"
+                    "  # copt train has no tensor parallelism: run this layout with Megatron-LM or torchtitan")
+        command = train_command(plan, model_arg, target, data, output=f"runs/{rec_id}")
+        if rec_id == "expandable-segments":
+            command = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True " + command
+        return command
+    assert isinstance(plan, InferPlan)
+    m = shlex.quote(model_arg)
+    if rec_id == "distillation":
+        return (f"copt distill traces --teacher {m} --prompts {PROMPTS_PLACEHOLDER} --output traces.jsonl && "
+                f"copt distill sft --student {STUDENT_PLACEHOLDER} --traces traces.jsonl --output student")
+    if rec_id == "prefix-caching":
+        return f"copt serve {m} --engine vllm  # vLLM caches shared prompt prefixes by default"
+    if rec_id == "operator-fusion":
+        return f"{serve_command(plan, model_arg)} --cuda-graphs --compile"
+    return serve_command(plan, model_arg, QUANTIZE_METHODS.get(rec_id))

@@ -1,0 +1,171 @@
+"""Read the JSON reports of third-party load testers as `copt.profile/1` endpoint reports.
+
+* guidellm (`guidellm benchmark ... --output-path report.json`): `{"benchmarks": [...]}`, one benchmark per load
+  level; each has `metrics.<name>.successful` distribution summaries (`mean`, `median`, `percentiles.p50`...),
+  latencies in milliseconds. Its `inter_token_latency_ms` is (last token − first token) / (tokens − 1), what
+  copt calls TPOT; its `time_per_output_token_ms` includes the TTFT and is not used.
+* `vllm bench serve --save-result` (one level per file): flat keys `median_ttft_ms`, `median_tpot_ms`,
+  `median_itl_ms`, `median_e2el_ms`, `output_throughput`, `request_throughput`, `completed`, `max_concurrency`,
+  `request_rate`, `total_input_tokens`, `total_output_tokens`, `duration`.
+
+Latency percentiles become seconds under copt's names (p50/p90/p99/mean); each file becomes one ProfileReport whose
+metrics are those of its highest completed level, like `copt profile endpoint`.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from clusteropt_cli import __version__
+from clusteropt_cli.core.profile_report import EndpointLevel, HardwareInfo, ProfileReport
+
+_PCTS = {"p50": ("p50", "median"), "p90": ("p90",), "p99": ("p99",), "mean": ("mean",)}
+
+
+def detect_tool(data: Any) -> str | None:
+    """'guidellm', 'vllm-bench' or None for a JSON document."""
+    if not isinstance(data, dict):
+        return None
+    benchmarks = data.get("benchmarks")
+    if isinstance(benchmarks, list) and benchmarks and isinstance(benchmarks[0], dict) and \
+            "metrics" in benchmarks[0]:
+        return "guidellm"
+    if "output_throughput" in data and any(k in data for k in ("median_ttft_ms", "mean_ttft_ms")):
+        return "vllm-bench"
+    return None
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _guidellm_summary(metrics: dict[str, Any], name: str) -> dict[str, Any]:
+    """The `successful` distribution of a guidellm metric (older reports keep it at the top level)."""
+    entry = metrics.get(name) or {}
+    if not isinstance(entry, dict):
+        return {}
+    summary = entry.get("successful", entry)
+    return summary if isinstance(summary, dict) else {}
+
+
+def _ms_to_s(summary: dict[str, Any], scale: float = 1e-3) -> dict[str, float]:
+    """p50/p90/p99/mean of a distribution summary, times `scale` (ms → s by default)."""
+    pcts = summary.get("percentiles") or {}
+    out: dict[str, float] = {}
+    for key, names in _PCTS.items():
+        for source in names:
+            value = _num(pcts.get(source)) if source.startswith("p") else None
+            if value is None:
+                value = _num(summary.get(source))
+            if value is not None:
+                out[key] = value * scale
+                break
+    return out
+
+
+def _guidellm_concurrency(bench: dict[str, Any]) -> tuple[int | None, float | None]:
+    """(concurrent streams, request rate) of a guidellm benchmark's scheduling strategy."""
+    for holder in (bench.get("config"), bench.get("args"), bench):
+        if not isinstance(holder, dict):
+            continue
+        strategy = holder.get("strategy")
+        if isinstance(strategy, dict):
+            kind = str(strategy.get("type_") or strategy.get("type") or "")
+            streams = _num(strategy.get("streams"))
+            rate = _num(strategy.get("rate"))
+            if streams is not None:
+                return int(streams), None
+            if kind == "synchronous":
+                return 1, None
+            if rate is not None:
+                return None, rate
+    return None, None
+
+
+def _from_guidellm(data: dict[str, Any]) -> tuple[list[EndpointLevel], dict[str, Any], str | None]:
+    levels, prompt, gen = [], [], []
+    model = None
+    for bench in data["benchmarks"]:
+        metrics = bench.get("metrics") or {}
+        concurrency, rate = _guidellm_concurrency(bench)
+        totals = ((bench.get("scheduler_metrics") or {}).get("requests_made") or metrics.get("request_totals")
+                  or bench.get("request_totals") or {})
+        completed = int(_num(totals.get("successful")) or _num(_guidellm_summary(metrics, "request_latency")
+                                                               .get("count")) or 0)
+        errored = int(_num(totals.get("errored")) or 0)
+        incomplete = int(_num(totals.get("incomplete")) or 0)
+        start, end = _num(bench.get("start_time")), _num(bench.get("end_time"))
+        duration = _num(bench.get("duration")) or (
+            (end - start) if start is not None and end is not None and end > start else None)
+        rps = _num(_guidellm_summary(metrics, "requests_per_second").get("mean"))
+        out_tps = _num(_guidellm_summary(metrics, "output_tokens_per_second").get("mean")) or 0.0
+        if duration is None:
+            duration = completed / rps if rps else 0.0
+        errors = {k: v for k, v in (("errored", errored), ("incomplete", incomplete)) if v}
+        e2e = _ms_to_s(_guidellm_summary(metrics, "request_latency"), scale=1.0)  # guidellm: seconds
+        tpot = _ms_to_s(_guidellm_summary(metrics, "inter_token_latency_ms"))
+        levels.append(EndpointLevel(
+            concurrency=concurrency, rate=rate, requests=completed + errored + incomplete, completed=completed,
+            errors=errors, duration_s=max(duration or 0.0, 1e-9), request_throughput=rps or 0.0,
+            output_tokens_per_s=out_tps, ttft_s=_ms_to_s(_guidellm_summary(metrics, "time_to_first_token_ms")),
+            itl_s=tpot, tpot_s=tpot, e2e_s=e2e))
+        p = _num(_guidellm_summary(metrics, "prompt_token_count").get("mean"))
+        g = _num(_guidellm_summary(metrics, "output_token_count").get("mean"))
+        if p:
+            prompt.append(p)
+        if g:
+            gen.append(g)
+    args = data.get("args") or {}
+    if isinstance(args, dict):
+        model = args.get("model") or None
+    workload = {"tool": "guidellm", "prompt_len": round(sum(prompt) / len(prompt)) if prompt else None,
+                "gen_len": round(sum(gen) / len(gen)) if gen else None}
+    return levels, workload, model
+
+
+def _from_vllm(data: dict[str, Any]) -> tuple[list[EndpointLevel], dict[str, Any], str | None]:
+    def pct(metric: str) -> dict[str, float]:
+        out = {}
+        for key, source in (("p50", "median"), ("p90", "p90"), ("p99", "p99"), ("mean", "mean")):
+            value = _num(data.get(f"{source}_{metric}_ms"))
+            if value is not None:
+                out[key] = value / 1e3
+        return out
+
+    completed = int(_num(data.get("completed")) or 0)
+    failed = int(_num(data.get("failed")) or 0)
+    rate = _num(data.get("request_rate"))  # "inf" is a string: no rate limit
+    concurrency = _num(data.get("max_concurrency"))
+    level = EndpointLevel(
+        concurrency=int(concurrency) if concurrency else (None if rate else None), rate=rate,
+        requests=completed + failed, completed=completed, errors={"failed": failed} if failed else {},
+        duration_s=max(_num(data.get("duration")) or 0.0, 1e-9),
+        request_throughput=_num(data.get("request_throughput")) or 0.0,
+        output_tokens_per_s=_num(data.get("output_throughput")) or 0.0,
+        ttft_s=pct("ttft"), itl_s=pct("itl"), tpot_s=pct("tpot"), e2e_s=pct("e2el"))
+    workload = {"tool": "vllm bench serve",
+                "prompt_len": round(data["total_input_tokens"] / completed)
+                if completed and _num(data.get("total_input_tokens")) else None,
+                "gen_len": round(data["total_output_tokens"] / completed)
+                if completed and _num(data.get("total_output_tokens")) else None}
+    return [level], workload, data.get("model_id") or None
+
+
+def external_report(data: dict[str, Any], tool: str) -> ProfileReport:
+    """A `copt.profile/1` endpoint report from a guidellm or `vllm bench serve` JSON document."""
+    from clusteropt_cli.core.profile.expect import level_figures
+    from clusteropt_cli.core.profile.verdict import endpoint_verdict
+
+    levels, workload, model = _from_guidellm(data) if tool == "guidellm" else _from_vllm(data)
+    done = [lv for lv in levels if lv.completed > 0]
+    metrics: dict[str, float | None] = {}
+    if done:
+        metrics.update(level_figures(done[-1]))
+        metrics["max_output_tokens_per_s"] = max(lv.output_tokens_per_s for lv in done)
+    workload["concurrency"] = [lv.concurrency for lv in levels if lv.concurrency is not None] or None
+    workload["rate"] = [lv.rate for lv in levels if lv.rate is not None] or None
+    return ProfileReport(kind="endpoint", mode="endpoint", created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                         copt_version=__version__, hardware=HardwareInfo(device="remote"),
+                         model={"name": model} if model else {}, workload=workload, metrics=metrics, levels=levels,
+                         verdict=endpoint_verdict(levels, slo_ttft_s=None, slo_tpot_s=None))
