@@ -34,12 +34,15 @@ def test_high_ttft_chunked_prefill_first() -> None:
 
 def test_slow_tpot_speculative_quantization_kv() -> None:
     target, _ = resolve_target("h100-sxm")
-    result = advise(load_model_spec("llama-3.1-8b"), target, InferPlan(batch=1, prompt_len=1024), ["slow-tpot"])
+    # the plan copt serve runs (continuous batching), as `copt advise --task infer` builds it
+    result = advise(load_model_spec("llama-3.1-8b"), target, InferPlan(batch=1, prompt_len=1024,
+                                                                       continuous_batching=True), ["slow-tpot"])
     top = _ids(result, 4)
     assert "speculative-decoding" in top and ({"awq", "gptq"} & set(top))
     assert "kv-cache-quantization" in _ids(result)
     # at batch 64 speculative decoding no longer pays: it is listed as not applicable
-    busy = advise(load_model_spec("llama-3.1-8b"), target, InferPlan(batch=64), ["slow-tpot"])
+    busy = advise(load_model_spec("llama-3.1-8b"), target, InferPlan(batch=64, continuous_batching=True),
+                  ["slow-tpot"])
     assert "speculative-decoding" in [n["id"] for n in busy["not_applicable"]]
 
 

@@ -365,6 +365,8 @@ def recommend(ctx: Context, symptoms: list[str]) -> tuple[list[Recommendation], 
             score -= 1.0  # never trade a fitting plan for one that does not fit
         if ctx.train and rec.plan.tp > 1 and score > 0:
             score *= 0.5  # copt train cannot run it (Megatron-LM / torchtitan can): rank runnable plans first
+        if not ctx.train and rec.plan.engine != ctx.plan.engine and score > 0:
+            score *= 0.5  # a switch to vLLM is priced on its roofline (no measured overheads): an upper bound
         rec.score = round(score, 4)
         applicable.append(rec)
     applicable = [r for r in applicable if r.score > 0 or (not wanted and r.score >= 0)]
