@@ -82,7 +82,18 @@ def process_logits(logits, temperature, position, prompt_len, min_tokens, stop_i
     return x / t[:, None]
 
 
-def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort: bool):
+def perturbed_scores(scores, keep, seed_lo, seed_hi, position, token_ids):
+    """Gumbel-perturbed log-scores: scores - log E(seed, position, token), -inf where not `keep`. argmax of this
+    row is a sample from softmax(scores) restricted to `keep` (log p - log E: the Gumbel-max trick). Pointwise
+    only: torch.compile fuses it into one kernel."""
+    import torch
+
+    e = exponential_noise(seed_lo, seed_hi, position, token_ids)
+    return torch.where(keep, scores - torch.log(e), torch.full_like(scores, float("-inf")))
+
+
+def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort: bool,
+                  perturb=perturbed_scores):
     """One token per row from processed logits: greedy rows (temperature 0) take the argmax, the others sample
     (Gumbel-max over the exponential noise of (seed, position)) from the distribution restricted by min-p and,
     with `sort`, by top-k and top-p. A row whose every logit is -inf gives a token, never NaN."""
@@ -90,35 +101,33 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
 
     vocab = scaled.shape[-1]
     best = scaled.argmax(-1)
-    top = scaled.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     if sort:
         values, order = scaled.sort(-1, descending=True)
+        top = values[:, :1]
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         w = torch.exp(values - top)  # unnormalized probabilities, largest first
         cum = w.cumsum(-1)
-        total = cum[:, -1:]
-        drop = (cum - w) > top_p[:, None] * total  # keep the smallest prefix whose mass reaches top_p
+        keep = (cum - w) <= top_p[:, None] * cum[:, -1:]  # the smallest prefix whose mass reaches top_p
         ranks = torch.arange(vocab, device=scaled.device)
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
-        drop = drop | (ranks[None, :] >= k[:, None]) | (w < min_p[:, None] * w[:, :1])
-        w = w.masked_fill(drop, 0.0)
-        pick = (w / exponential_noise(seed_lo, seed_hi, position, order)).argmax(-1, keepdim=True)
+        keep = keep & (ranks[None, :] < k[:, None]) & (w >= min_p[:, None] * w[:, :1])
+        pick = perturb(values, keep, seed_lo, seed_hi, position, order).argmax(-1, keepdim=True)
         sampled = order.gather(-1, pick).squeeze(-1)
     else:
-        w = torch.exp(scaled - top)  # the maximum is 1
-        w = w.masked_fill(w < min_p[:, None], 0.0)
+        # min-p: p >= min_p * p_max  ⇔  scaled >= max + log(min_p)
+        floor = scaled.amax(-1, keepdim=True) + torch.log(min_p)[:, None]
         ids = torch.arange(vocab, device=scaled.device)[None, :]
-        sampled = (w / exponential_noise(seed_lo, seed_hi, position, ids)).argmax(-1)
+        sampled = perturb(scaled, scaled >= floor, seed_lo, seed_hi, position, ids).argmax(-1)
     return torch.where(temperature > 0, sampled, best)
 
 
 def sample_kernel(logits, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, prompt_len, min_tokens,
                   stop_ids, bias_ids, bias_vals, presence, frequency, repetition, counts, prompt_mask,
-                  sort: bool, penalize: bool):
-    """process_logits + choose_tokens (one function: torch.compile fuses the elementwise work)."""
+                  sort: bool, penalize: bool, perturb=perturbed_scores):
+    """process_logits + choose_tokens."""
     scaled = process_logits(logits, temperature, position, prompt_len, min_tokens, stop_ids, bias_ids, bias_vals,
                             presence, frequency, repetition, counts, prompt_mask, penalize)
-    return choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort)
+    return choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort, perturb)
 
 
 @dataclass
@@ -186,13 +195,11 @@ class SlotSampler:
         self.active = torch.zeros(num_rows, dtype=torch.bool, device=device)
         self.out = torch.zeros(num_rows, **i)
         self.settings: list[RowSettings | None] = [None] * num_rows
-        self.kernel = sample_kernel
-        if compiled:
-            import torch._dynamo
-
-            self.kernel = torch.compile(sample_kernel, dynamic=True)
+        # the noise and the masking as one fused pointwise kernel (the reductions and the sort stay eager ops)
+        self.perturb = torch.compile(perturbed_scores, dynamic=True) if compiled else perturbed_scores
         self._graphs: dict[tuple[int, bool, bool], Any] = {}
         self.graph_error: str | None = None
+        self.compile_error: str | None = None
 
     # ---- state -------------------------------------------------------------------------------------------
     def assign(self, slot: int, settings: RowSettings, prompt_ids: list[int]) -> None:
@@ -263,15 +270,15 @@ class SlotSampler:
         if count:
             counts, prompt_mask = self.counts.index_select(0, index), self.prompt_mask.index_select(0, index)
         if not logprobs:
-            tokens = self.kernel(logits, position=pos, counts=counts, prompt_mask=prompt_mask, sort=sort,
-                                 penalize=penalize, **args)
+            tokens = sample_kernel(logits, position=pos, counts=counts, prompt_mask=prompt_mask, sort=sort,
+                                   penalize=penalize, perturb=self.perturb, **args)
             lp = None
         else:
             scaled = process_logits(logits, args["temperature"], pos, args["prompt_len"], args["min_tokens"],
                                     args["stop_ids"], args["bias_ids"], args["bias_vals"], args["presence"],
                                     args["frequency"], args["repetition"], counts, prompt_mask, penalize)
             tokens = choose_tokens(scaled, args["temperature"], args["top_p"], args["top_k"], args["min_p"],
-                                   args["seed_lo"], args["seed_hi"], pos, sort)
+                                   args["seed_lo"], args["seed_hi"], pos, sort, self.perturb)
             lp = torch.log_softmax(scaled, -1).nan_to_num(nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
         if count:
             self.counts.index_put_((index, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
@@ -301,9 +308,14 @@ class SlotSampler:
         if graph is None and self.graph_error is None and logits_rows.is_cuda:
             try:
                 graph = self._capture(logits_rows, batch, sort, penalize)
-            except Exception as exc:  # noqa: BLE001 - sampling still works eagerly
-                self.graph_error = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - sampling still works: uncompiled, then eagerly
                 torch.cuda.synchronize()
+                if self.perturb is not perturbed_scores:
+                    self.compile_error = f"{type(exc).__name__}: {exc}"
+                    self.perturb = perturbed_scores
+                    self._graphs.clear()
+                    return self.graph_sample(logits_rows, batch, sort, penalize)
+                self.graph_error = f"{type(exc).__name__}: {exc}"
         if graph is not None:
             graph.replay()
         else:
@@ -317,8 +329,8 @@ class SlotSampler:
         args = self._rows(rows)
         counts = self.counts[rows] if penalize else None
         prompt_mask = self.prompt_mask[rows] if penalize else None
-        tokens = self.kernel(logits_rows, position=self.position[rows], counts=counts, prompt_mask=prompt_mask,
-                             sort=sort, penalize=penalize, **args)
+        tokens = sample_kernel(logits_rows, position=self.position[rows], counts=counts, prompt_mask=prompt_mask,
+                               sort=sort, penalize=penalize, perturb=self.perturb, **args)
         self.out[rows].copy_(tokens)
         if penalize:
             self.counts[rows].scatter_add_(1, tokens[:, None], self.active[rows, None].to(torch.int32))

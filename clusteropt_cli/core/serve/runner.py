@@ -482,7 +482,6 @@ class ModelRunner:
                 for kv_len in reversed(self.kv_lengths):
                     for bucket in reversed(self._batch_buckets):
                         self._graph_for(bucket, kv_len)
-                self.capture_sampling_graphs()
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - a model whose step cannot be captured still serves, eagerly
             import warnings
@@ -499,6 +498,10 @@ class ModelRunner:
             warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {exc}); decoding eagerly", stacklevel=2)
             self.graph_error = f"{type(exc).__name__}: {exc}"
             self.use_graphs = False
+            return 0
+        with torch.inference_mode():  # its own fallbacks (uncompiled, eager): never costs the decode graphs
+            self.capture_sampling_graphs()
+        torch.cuda.synchronize()
         return len(self._graphs)
 
     def capture_sampling_graphs(self) -> None:
