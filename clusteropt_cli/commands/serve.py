@@ -172,6 +172,8 @@ def serve(
                         f"{info['cuda_graphs']} CUDA graphs, {info.get('merged_projections', 0)} merged projection "
                         f"groups (q/k/v, gate/up), decode attention {info.get('decode_attention', 'sdpa')}, "
                         f"speculation: {info['speculation']}")
+            if info.get("attention"):
+                console.log(f"attention: {info['attention']}")
             fp8 = info.get("fp8_linears") or {}
             if fp8.get("count"):
                 console.log(f"FP8 W8A8: {fp8['count']} linear layers, "

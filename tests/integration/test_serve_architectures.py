@@ -160,7 +160,22 @@ def test_native_engine_matches_hf_greedy_beyond_the_window(family_dirs, name, ca
     assert max(len(set(out)) for out in expected) > 2, "degenerate reference output"
     got, engine = _engine_greedy(family_dirs[name], prompts)
     assert isinstance(engine.runner, ModelRunner)  # served natively, by copt's slot attention
+    assert engine.runner.attention_path.startswith("copt slot attention")
     assert "transformers' own attention" not in capfd.readouterr().err
+    assert got == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma2-hybrid", "mistral-sliding"])
+def test_compiled_decode_layers_keep_the_windows(family_dirs, name):
+    """Decode steps through torch.compile'd layers (the GPU default) attend through the same windows and
+    soft-caps: windowed and full layers share the compiled layer forward."""
+    from transformers import AutoConfig
+
+    prompts = _prompts(int(AutoConfig.from_pretrained(family_dirs[name]).vocab_size))
+    expected, _ = _hf_greedy(family_dirs[name], prompts)
+    got, engine = _engine_greedy(family_dirs[name], prompts, compile=True, decode_attention="math")
+    assert engine.runner.compiled_layers == 4 and engine.runner.decode_attention == "math"
     assert got == expected
 
 
@@ -191,6 +206,7 @@ def test_unverified_architectures_fall_back_visibly_and_stay_correct(family_dirs
     assert gap > 1e-3
     got, engine = _engine_greedy(family_dirs[name], prompts)
     assert isinstance(engine.runner, TransformersRunner)
+    assert "fallback" in engine.runner.attention_path
     assert "transformers' own attention and KV cache" in capfd.readouterr().err
     assert got == expected
 
@@ -253,3 +269,24 @@ def test_slot_attention_refuses_a_window_it_was_not_given():
         check_layer_kwargs(module, {"softcap": 50.0})
     check_layer_kwargs(SimpleNamespace(copt_window_declared=512, copt_softcap=50.0),
                        {"sliding_window": 512, "softcap": 50.0})
+
+
+@pytest.mark.slow
+def test_copt_serve_announces_the_fallback_and_answers_exactly(family_dirs):
+    """Through the server: the fallback is announced on stderr and the completion is transformers' greedy."""
+    import httpx
+
+    from tests.integration.test_serve_helpers import running_server
+
+    model = family_dirs["cohere2-hybrid"]
+    prompt = _prompts(1024)[0]
+    expected, _ = _hf_greedy(model, [prompt])
+    with running_server(model, "--max-model-len", "128") as (url, proc):
+        body = {"model": str(model), "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                "return_token_ids": True, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == expected[0]
+    err = proc.stderr.read()
+    assert "model type 'cohere2' is not one copt's slot attention is verified for" in err
+    assert "attention: transformers' own attention and cache" in err

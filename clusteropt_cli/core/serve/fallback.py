@@ -50,6 +50,10 @@ class TransformersRunner:
         if num_slots is not None:
             self.allocate(num_slots)
 
+    @property
+    def attention_path(self) -> str:
+        return f"transformers' own attention and cache, one sequence at a time (fallback: {self.reason})"
+
     def allocate(self, num_slots: int) -> None:
         self.num_slots = int(num_slots)
         self.scratch_pos = self.max_len

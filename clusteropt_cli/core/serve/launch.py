@@ -64,7 +64,8 @@ def serve_transformers(settings: Any, on_ready: Callable[[str, dict], None] | No
             "fp8_linears": {"count": engine.runner.fp8_linears,
                             "kernel": "scaled_mm" if engine.runner.fp8_kernels else "emulated"},
             "merged_projections": engine.runner.fused_projections,
-            "decode_attention": engine.runner.decode_attention}
+            "decode_attention": engine.runner.decode_attention,
+            "attention": engine.runner.attention_path}
     return run_server(engine, host=settings.host, port=settings.port, served_model_name=name,
                       api_key=settings.api_key, grace_period=settings.grace_period,
                       on_ready=(lambda url: on_ready(url, info)) if on_ready else None)

@@ -517,6 +517,11 @@ class ModelRunner:
 
     compile_error: str | None = None
 
+    @property
+    def attention_path(self) -> str:
+        """What serves attention, for the start-up info."""
+        return f"copt slot attention ({self.architecture.describe()})"
+
     graph_error: str | None = None
 
     _batch_buckets: list[int] = []
