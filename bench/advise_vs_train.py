@@ -1,0 +1,231 @@
+"""copt advise's prediction next to copt train running exactly that plan, on one GPU.
+
+For each case advise predicts the plan (in-process API: memory per GPU, tokens/s, fits) and ranks what to change
+when it does not fit; then copt train's loop (run_training, with copt train's defaults: compiled decoder, fused
+chunked loss, mask-free causal SDPA, fused AdamW, deferred step readout) runs the plan advise emitted, built from the
+same recipe dict `copt advise --emit-recipe` writes, for a few steps on a random-weight model of the config's shape
+and random token blocks. Measured peak (torch.cuda.max_memory_allocated) and tokens/s sit next to the prediction.
+
+    python3 bench/advise_vs_train.py --out $OUT/advise_vs_train.json            # all cases, ~8 min on one H200
+    python3 bench/advise_vs_train.py --cases 1b,1b-ckpt --out $OUT/a.json        # a subset
+    python3 bench/advise_vs_train.py --list                                     # predictions only (any machine)
+
+Cases: Llama-3.2-1B shape 8 × 2048, 3B 4 × 2048, Llama-3.1-8B 2 × 2048 (the plan advise ranks first if the given
+one does not fit), each with and without activation checkpointing, and the 1B with --precision fp8. Each case runs
+in its own process (clean peak counters; an OOM costs only that case and is recorded: a plan predicted not to fit
+should OOM). The first step of each case includes torch.compile (~40-100 s): it and the next two steps are left out
+of tokens/s. A wall-clock budget (--budget-s, default 520 s) skips what no longer fits (recorded as skipped: run those
+with --cases in a second call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # DeepSpeed's ops on the H200, if advise picks ZeRO
+
+GiB = 1024**3
+WARMUP = 3  # steps left out of tokens/s (compilation, allocator warm-up)
+# name → (model preset, micro-batch, plan overrides); seq_len 2048 everywhere
+# (in the order they run: the plain plans first, so a tight budget skips variants, not shapes)
+CASES: dict[str, tuple[str, int, dict]] = {
+    "1b": ("llama-3.2-1b", 8, {}),
+    "3b": ("llama-3.2-3b", 4, {}),
+    "8b": ("llama-3.1-8b", 2, {}),
+    "1b-ckpt": ("llama-3.2-1b", 8, {"activation_checkpointing": True}),
+    "3b-ckpt": ("llama-3.2-3b", 4, {"activation_checkpointing": True}),
+    "8b-ckpt": ("llama-3.1-8b", 2, {"activation_checkpointing": True}),
+    "1b-fp8": ("llama-3.2-1b", 8, {"precision": "fp8"}),
+}
+SEQ_LEN = 2048
+
+
+def predict(name: str, gpu: str | None) -> dict:
+    """advise's plan for the case (the top plan: the given one, or what advise stacks until it fits) and its
+    prediction, with the copt train recipe dict that runs it."""
+    from clusteropt_cli.core.advise import api
+    from clusteropt_cli.core.advise.plan import TrainPlan
+    from clusteropt_cli.core.advise.recipes import train_recipe_data
+    from clusteropt_cli.modelspec import load_model_spec
+
+    model, micro_batch, overrides = CASES[name]
+    target, _notes = api.resolve_target(gpu)
+    spec = load_model_spec(model)
+    result = api.advise(spec, target, TrainPlan(micro_batch=micro_batch, seq_len=SEQ_LEN, **overrides),
+                        model_arg=model)
+    top = TrainPlan(**result["top_plan"]["workload"])
+    recipe = train_recipe_data(top, model, target.gpus_per_node, target.nodes)
+    mem, tm = result["top_plan"]["memory"], result["top_plan"]["time"]
+    return {"model": model, "gpu": target.name, "applies": result["top_plan"]["applies"],
+            "given_fits": result["memory"]["fits"], "recipe": recipe,
+            "peak_mem_bytes": mem["per_gpu_bytes"], "required_bytes": mem["required_bytes"], "fits": mem["fits"],
+            "peak_phase": mem["peak_phase"], "tokens_per_s": tm.get("tokens_per_s"),
+            "runs_compiled": top.runs_compiled(target.device), "loss": top.loss(spec)}
+
+
+def build_model(model: str):
+    """A random-weight model of the preset's shape, initialized on the GPU (an 8B fp32 init on the host is slow)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from clusteropt_cli.modelspec import load_model_spec
+
+    cfg = load_model_spec(model).to_hf_config()
+    cfg = {k: v for k, v in cfg.items() if k not in ("torch_dtype", "dtype", "architectures")}
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config.use_cache = False
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def run_plan(recipe: dict, steps: int) -> dict:
+    """copt train's loop on the recipe advise emitted (data and output supplied here), `steps` optimizer steps."""
+    import tempfile
+
+    import torch
+
+    from clusteropt_cli.core.train import PackedDataset, read_metrics, run_training
+    from clusteropt_cli.recipe.schema.train import TrainRecipe
+
+    values = {k: v for k, v in recipe.items() if k not in ("data", "prediction")}
+    options = TrainRecipe.model_validate({**values, "max_steps": steps, "lr": 1e-4, "warmup_steps": 0})
+    model = build_model(recipe["model"])
+    blocks = options.micro_batch * options.grad_accum * steps
+    g = torch.Generator().manual_seed(0)
+    dataset = PackedDataset(torch.randint(0, model.config.vocab_size, (blocks, options.seq_len), generator=g))
+    torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run_training(options, model, dataset, tmp, save_final=False)
+        rows = read_metrics(Path(tmp) / "metrics.jsonl")
+    timed = rows[WARMUP:] or rows[1:] or rows
+    step_time = sum(r["step_time_s"] for r in timed) / max(1, len(timed))
+    tokens = options.micro_batch * options.grad_accum * options.seq_len
+    return {"engine": result.engine, "tokens_per_s": tokens / step_time if rows else None,
+            "step_time_s": step_time if rows else None, "first_step_s": rows[0]["step_time_s"] if rows else None,
+            "peak_mem_bytes": torch.cuda.max_memory_allocated(),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "final_loss": result.final_loss,
+            "steps_timed": len(timed)}
+
+
+def worker(name: str, gpu: str | None, steps: int, out: Path) -> None:
+    import torch
+
+    pred = predict(name, gpu)
+    try:
+        measured = {"ok": True, **run_plan(pred["recipe"], steps)}
+    except Exception as exc:  # noqa: BLE001 - recorded: an OOM is a result when advise said it does not fit
+        measured = {"ok": False, "oom": isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc),
+                    "error": f"{type(exc).__name__}: {str(exc)[:400]}",
+                    "peak_mem_bytes": torch.cuda.max_memory_allocated()}
+    out.write_text(json.dumps(measured))
+
+
+def _err(pred: float | None, meas: float | None) -> float | None:
+    return None if not pred or not meas else 100.0 * (pred - meas) / meas
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="JSON results")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from: {', '.join(CASES)}")
+    parser.add_argument("--gpu", help="catalog GPU advise plans for (default: the detected GPU)")
+    parser.add_argument("--steps", type=int, default=6, help=f"optimizer steps per case (first {WARMUP} untimed)")
+    parser.add_argument("--budget-s", type=float, default=520.0, help="wall-clock budget for all cases")
+    parser.add_argument("--case-timeout-s", type=float, default=200.0)
+    parser.add_argument("--list", action="store_true", help="print advise's predictions and exit (no GPU needed)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    names = [n.strip() for n in args.cases.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    if args.worker:
+        worker(args.worker, args.gpu, args.steps, args.worker_out)
+        return
+    gpu = args.gpu or ("h200" if args.list else None)
+    if args.list:
+        for name in names:
+            p = predict(name, gpu)
+            print(f"{name:8} {p['model']:13} applies={'+'.join(p['applies']) or '-':24} "
+                  f"peak {p['peak_mem_bytes'] / GiB:6.1f} GiB  required {p['required_bytes'] / GiB:6.1f} GiB  "
+                  f"fits={p['fits']}  {p['tokens_per_s'] or 0:9,.0f} tok/s  compiled={p['runs_compiled']} "
+                  f"loss={p['loss']}")
+        return
+    if args.out is None:
+        parser.error("--out is required (or --list)")
+
+    import tempfile
+
+    import torch
+
+    started = time.time()
+    report = {"bench": "advise_vs_train", "date": time.strftime("%Y-%m-%d"),
+              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+              "torch": torch.__version__, "seq_len": SEQ_LEN, "steps": args.steps, "warmup_steps": WARMUP,
+              "cases": {}}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            pred = predict(name, gpu)
+            case: dict = {"predicted": pred}
+            left = args.budget_s - (time.time() - started)
+            if left < 45:
+                case["measured"] = {"ok": False, "error": "skipped: out of the time budget"}
+            else:
+                out = Path(tmp) / f"{name}.json"
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--worker-out", str(out),
+                       "--steps", str(args.steps), *(["--gpu", args.gpu] if args.gpu else [])]
+                t0 = time.time()
+                try:
+                    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO,
+                                          timeout=min(left, args.case_timeout_s))
+                    tail = (proc.stdout + proc.stderr)[-2000:]
+                    case["measured"] = json.loads(out.read_text()) if out.exists() else {
+                        "ok": False, "error": f"exit {proc.returncode}", "log_tail": tail}
+                except subprocess.TimeoutExpired:
+                    case["measured"] = {"ok": False, "error": "timed out"}
+                case["measured"]["wall_s"] = time.time() - t0
+            m = case["measured"]
+            case["peak_error_pct"] = _err(pred["peak_mem_bytes"], m.get("peak_mem_bytes")) if m.get("ok") else None
+            case["tokens_per_s_error_pct"] = _err(pred["tokens_per_s"], m.get("tokens_per_s")) if m.get("ok") else None
+            case["fit_verdict_right"] = (m.get("ok") is True) == bool(pred["fits"]) if (m.get("ok") or m.get("oom")) \
+                else None
+            report["cases"][name] = case
+            print(f"[{time.time() - started:5.0f}s] {name}: {'ok' if m.get('ok') else m.get('error')}", flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2))  # after every case: a timeout keeps what ran
+
+    print(f"\nadvise vs copt train on {report['gpu']}, seq {SEQ_LEN}, {args.steps} steps ({WARMUP} untimed), "
+          f"{report['date']}")
+    print(f"{'case':8} {'plan':26} {'pred GiB':>8} {'meas GiB':>8} {'err':>7} {'pred tok/s':>10} {'meas tok/s':>10} "
+          f"{'err':>7}  fits(pred/ran)")
+    nan = float("nan")
+    for name, case in report["cases"].items():
+        p, m = case["predicted"], case["measured"]
+        plan = f"mb{p['recipe']['micro_batch']} " + ("+".join(p["applies"]) or "as given")
+        if p["recipe"].get("activation_checkpointing"):
+            plan += " ckpt"
+        if p["recipe"].get("precision") == "fp8":
+            plan += " fp8"
+        ran = "ran" if m.get("ok") else ("OOM" if m.get("oom") else "failed")
+        print(f"{name:8} {plan[:26]:26} {p['peak_mem_bytes'] / GiB:8.1f} "
+              f"{(m.get('peak_mem_bytes') or nan) / GiB if m.get('ok') else nan:8.1f} "
+              f"{case['peak_error_pct'] if case['peak_error_pct'] is not None else nan:+6.1f}% "
+              f"{p['tokens_per_s'] or nan:10,.0f} {m.get('tokens_per_s') or nan:10,.0f} "
+              f"{case['tokens_per_s_error_pct'] if case['tokens_per_s_error_pct'] is not None else nan:+6.1f}%  "
+              f"{p['fits']}/{ran}" + ("" if m.get("ok") or m.get("oom") else f"  {str(m.get('error'))[:60]}"))
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
