@@ -8,6 +8,7 @@ Exit codes (documented in the README):
     4  unsupported hardware (e.g. FP8 on a GPU below compute capability 8.9)
     5  out of memory
     6  a check failed: the plan does not fit (--fail-if-oom) or a prediction missed (--tolerance)
+    7  no space left on the device an output is written to (the partial files are removed)
     130 interrupted (Ctrl-C)
 """
 
@@ -72,6 +73,12 @@ class CheckFailedError(CoptError):
     exit_code = 6
 
 
+class DiskFullError(CoptError):
+    """An output ran out of space on its filesystem (ENOSPC); the partial files were removed."""
+
+    exit_code = 7
+
+
 def missing_extra(extra: str, module: str) -> MissingDependencyError:
     """The error for an optional extra whose module does not import."""
     return MissingDependencyError(
@@ -105,7 +112,21 @@ def _from_import_error(exc: ImportError) -> CoptError | None:
     return None
 
 
+def _disk_full(exc: BaseException) -> CoptError | None:
+    from clusteropt_cli.core.io import disk_full_error, is_disk_full
+
+    if not is_disk_full(exc):
+        return None
+    path = getattr(exc, "filename", None)
+    return disk_full_error(path) if path else DiskFullError(
+        "No space left on device while writing an output.",
+        hint="Free space there or choose an --output on a larger filesystem.")
+
+
 def _from_os_error(exc: OSError) -> CoptError | None:
+    mapped = _disk_full(exc)
+    if mapped is not None:
+        return mapped
     text = str(exc)
     if "is not a local folder" in text or "does not appear to have a file named" in text or (
         "Can't load" in text and "config" in text
@@ -118,6 +139,9 @@ def _from_os_error(exc: OSError) -> CoptError | None:
 
 
 def _from_runtime_error(exc: RuntimeError) -> CoptError | None:
+    mapped = _disk_full(exc)
+    if mapped is not None:
+        return mapped
     text = str(exc)
     if "out of memory" in text.lower():
         return OutOfMemoryError(

@@ -367,12 +367,71 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
+    return read_config_json(path)
+
+
+def read_config_json(path: Path, flag: str = "--model") -> dict[str, Any]:
+    """A config.json as a dict; a file that is not UTF-8 JSON holding an object is a bad input (exit 2) named."""
+    path = Path(path)
     try:
-        return json.loads(path.read_text())
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
-        raise BadInputError(f"Cannot read model config {path}: {exc.strerror}", hint="Check the --model path.") from exc
+        raise BadInputError(f"Cannot read model config {path}: {exc.strerror}", hint=f"Check the {flag} path.") from exc
+    except UnicodeDecodeError as exc:
+        raise BadInputError(f"Model config {path} is not UTF-8 text (byte {exc.start} is not valid UTF-8).",
+                            hint="config.json must be the JSON file save_pretrained writes; restore it from the "
+                                 "model's source.") from None
+    try:
+        config = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise BadInputError(f"Model config {path} is not valid JSON: {exc}", hint="Pass a config.json.") from exc
+        raise BadInputError(f"Model config {path} is not valid JSON: {exc}",
+                            hint="config.json must be the JSON file save_pretrained writes; restore it from the "
+                                 "model's source.") from None
+    if not isinstance(config, dict):
+        raise BadInputError(f"Model config {path} is not a JSON object (it is a {type(config).__name__}).",
+                            hint="config.json must hold one JSON object of the model's settings.")
+    return config
+
+
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+CONVERT_HINT = ("python -c \"from transformers import AutoModelForCausalLM as M; "
+                "M.from_pretrained('{src}').save_pretrained('{src}-safetensors')\"")
+
+
+def check_loadable_model(model_dir: Path | None, config: dict[str, Any], flag: str = "--model",
+                         need_weights: bool = True) -> None:
+    """What transformers would fail on (or run) when loading this model, as exit-2 errors naming the file and the
+    fix: an architecture transformers does not implement (custom code: copt never sets trust_remote_code), and
+    weights only in pickle files (copt loads safetensors only: a pickle can run code)."""
+    where = f"{flag} {model_dir}" if model_dir is not None else flag
+    model_type = config.get("model_type")
+    text_type = (config.get("text_config") or {}).get("model_type") if isinstance(config.get("text_config"),
+                                                                                  dict) else None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES and text_type not in CONFIG_MAPPING_NAMES:
+        if config.get("auto_map"):
+            raise BadInputError(
+                f"{where}: model_type '{model_type}' needs the Python code shipped with the model (config.json has "
+                "auto_map); copt does not run code from model directories (trust_remote_code is off).",
+                hint="Use a version of the model in an architecture transformers implements (many custom models "
+                     "have one; e.g. convert it with the model's own conversion script), then pass that directory.")
+        raise BadInputError(
+            f"{where}: unknown model_type '{model_type}' in config.json (this transformers does not implement it).",
+            hint="Check config.json's model_type (e.g. llama, qwen2, mistral), or upgrade transformers if the "
+                 "architecture is newer than it.")
+    if model_dir is None or not need_weights or not Path(model_dir).is_dir():
+        return
+    directory = Path(model_dir)
+    if any(directory.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for pattern in PICKLE_WEIGHTS for p in directory.glob(pattern))
+    if pickles:
+        raise BadInputError(
+            f"{where} has its weights only as pickle files ({', '.join(pickles[:3])}); copt loads safetensors "
+            "only (unpickling a file can run code).",
+            hint="Convert it once, where you trust the file: " + CONVERT_HINT.format(src=directory) +
+                 " and pass the new directory.")
 
 
 def load_model_spec(source: str | Path | dict[str, Any]) -> ModelSpec:

@@ -49,5 +49,6 @@ ZeroOpt = opt("--zero", "DeepSpeed ZeRO stage 0 | 1 | 2 | 3.", int)
 OffloadOpt = opt("--offload", "none | cpu | nvme (ZeRO optimizer/parameter offload).")
 GpusOpt = opt("--gpus", "Processes per node (GPUs; on CPU, processes).", int)
 SaveEveryOpt = opt("--save-every", "Write a resumable checkpoint every N steps.", int)
+KeepCheckpointsOpt = opt("--keep-checkpoints", "Checkpoints to keep, the newest N (default 2).", int)
 ResumeOpt = Annotated[bool | None, typer.Option("--resume", help="Continue from the latest checkpoint in --output.",
                                                 show_default=False)]

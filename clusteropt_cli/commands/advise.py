@@ -135,9 +135,12 @@ def advise(
                      "--nodes": nodes})
     if zero is not None and zero not in (0, 1, 2, 3):
         raise BadInputError(f"--zero must be 0, 1, 2 or 3 (got {zero}).")
+    from clusteropt_cli.core.io import check_output
+
     for flag, out in (("--emit-recipe", emit_recipe), ("--emit-ds-config", emit_ds_config)):
-        if out is not None and out.exists() and not overwrite:
-            raise BadInputError(f"{flag} {out} already exists.", hint="Pass --overwrite to replace it.")
+        if out is not None:
+            check_output(out, {"--model": model, "--from-profile": from_profile, "--recipe": recipe},
+                         overwrite=overwrite, kind="file", flag=flag)
     if emit_ds_config is not None and task != "train":
         raise BadInputError("--emit-ds-config needs --task train.")
     if emit_recipe is not None:  # before any work

@@ -105,11 +105,11 @@ def _run_maybe_launched(settings: Any, subcommand: str, overwrite: bool, run_her
     """Run in this process, or (--gpus/--nodes > 1) relaunch copt under copt train's launcher (torchrun or
     deepspeed) with the same arguments; every rank runs `run_here`, the parent reads distill_result.json."""
     import json
-    import shutil
     import sys
 
     from clusteropt_cli import console
-    from clusteropt_cli.core.distill.logits import RESULT_FILE, prepare_output_dir
+    from clusteropt_cli.core.distill.logits import RESULT_FILE
+    from clusteropt_cli.core.io import replacing_output_dir
     from clusteropt_cli.core.train.launch import is_launched_child, plan_launch, run_launch
     from clusteropt_cli.errors import CoptError
 
@@ -122,15 +122,12 @@ def _run_maybe_launched(settings: Any, subcommand: str, overwrite: bool, run_her
     plan = plan_launch(settings, argv)
     if plan.launcher == "none":
         return run_here()
-    if not settings.resume:
-        if overwrite and out.exists():
-            shutil.rmtree(out)
-        prepare_output_dir(out, overwrite=False, resume=False)
-    console.log(f"launching {plan.world_size} processes with {plan.launcher}: {plan.shell}")
-    code = run_launch(plan)
-    if code != 0:
-        raise CoptError(f"The distillation processes exited with code {code} (their errors are printed above).",
-                        hint="fix the error above; with --save-every, rerun with --resume to continue")
+    with replacing_output_dir(out, overwrite=overwrite, resume=bool(settings.resume), command=f"distill {subcommand}"):
+        console.log(f"launching {plan.world_size} processes with {plan.launcher}: {plan.shell}")
+        code = run_launch(plan)
+        if code != 0:
+            raise CoptError(f"The distillation processes exited with code {code} (their errors are printed above).",
+                            hint="fix the error above; with --save-every, rerun with --resume to continue")
     return json.loads((out / RESULT_FILE).read_text())
 
 
@@ -193,7 +190,12 @@ def logits(
 ) -> None:
     """Train a student to match the teacher's next-token distributions (KL/JSD soft labels + CE)."""
     from clusteropt_cli import console
-    from clusteropt_cli.core.distill.logits import check_logits_inputs, distill_logits, prepare_output_dir
+    from clusteropt_cli.core.distill.logits import (
+        check_logits_inputs,
+        distill_logits,
+        logits_inputs,
+        prepare_output_dir,
+    )
     from clusteropt_cli.recipe.load import load_settings
 
     values = {"mode": "logits", "teacher": teacher, "student": student, "data": data,
@@ -203,8 +205,9 @@ def logits(
                                  lr, zero, offload, gpus, save_every, resume, seed)}
     settings = load_settings("distill", recipe, overrides, values)
     out_dir = _require_output(settings)
-    if out_dir.exists() and not settings.resume and not overwrite and not _is_rank():
-        prepare_output_dir(out_dir, overwrite=False, resume=False)
+    if not _is_rank():
+        prepare_output_dir(out_dir, overwrite=overwrite, resume=settings.resume,
+                           inputs=logits_inputs(settings, recipe))
     check_logits_inputs(settings)  # every input problem before any model is loaded
     def run_here() -> Any:
         with _library_output_to_stderr(), _progress_callbacks(f"distill {settings.loss}") as callbacks:
@@ -270,6 +273,11 @@ def traces(
               "gen_batch": batch, "teacher_dtype": teacher_dtype, "seed": seed}
     settings = load_settings("distill", recipe, overrides, values)
     out = _require_output(settings)
+    from clusteropt_cli.core.io import check_output
+
+    # an existing traces file is resumed (or replaced with --overwrite); never one of the inputs
+    check_output(out, {"--teacher": settings.teacher, "--prompts": settings.prompts, "--recipe": recipe},
+                 overwrite=True, kind="file")
     with _library_output_to_stderr(), console.progress_bar("traces (prompts)", None) as advance:
         def on_batch(done: int, total: int) -> None:
             advance(0, f"{done}/{total} prompts")
@@ -317,7 +325,7 @@ def sft(
     """Fine-tune the student on the kept traces (chat template; loss only on the completion tokens)."""
     from clusteropt_cli import console
     from clusteropt_cli.core.distill.logits import prepare_output_dir
-    from clusteropt_cli.core.distill.sft import distill_sft
+    from clusteropt_cli.core.distill.sft import distill_sft, sft_inputs
     from clusteropt_cli.recipe.load import load_settings
 
     values = {"mode": "sft", "student": student, "traces": traces_file, "eval_traces": eval_traces,
@@ -326,8 +334,9 @@ def sft(
                                  lr, zero, offload, gpus, save_every, resume, seed)}
     settings = load_settings("distill", recipe, overrides, values)
     out_dir = _require_output(settings)
-    if out_dir.exists() and not settings.resume and not overwrite and not _is_rank():
-        prepare_output_dir(out_dir, overwrite=False, resume=False)
+    if not _is_rank():
+        prepare_output_dir(out_dir, overwrite=overwrite, resume=settings.resume, inputs=sft_inputs(settings, recipe))
+
     def run_here() -> Any:
         with _library_output_to_stderr(), _progress_callbacks("distill sft") as callbacks:
             return distill_sft(settings, output_dir=out_dir, overwrite=overwrite, callbacks=callbacks)

@@ -32,12 +32,17 @@ ToleranceOpt = Annotated[
 ]
 
 
-def _check_outputs(paths: dict[str, Path | None], overwrite: bool) -> None:
-    """Refuse, before any work, to replace a user's files without --overwrite."""
+def _check_outputs(paths: dict[str, Path | None], overwrite: bool, inputs: dict[str, Any] | None = None) -> None:
+    """Refuse, before any work, to replace a user's files without --overwrite, or to write over an input."""
+    from clusteropt_cli.core.io import check_output
+
     problems = [f"{flag} {path} already exists" for flag, path in paths.items()
-                if path is not None and path.exists() and not overwrite]
+                if path is not None and path.exists() and not path.is_dir() and not overwrite]
     if problems:
         raise BadInputError("; ".join(problems) + ".", hint="Pass --overwrite to replace it, or choose another name.")
+    for flag, path in paths.items():
+        if path is not None:
+            check_output(path, inputs, overwrite=overwrite, kind="file", flag=flag)
 
 
 def _write_report(report: Any, path: Path | None) -> None:
@@ -224,7 +229,8 @@ def model(
     """Time one inference batch or one training step; peak memory, MFU/MBU and the bottleneck verdict."""
     from clusteropt_cli.core.profile.settings import ModelProfileSettings
 
-    _check_outputs({"--report": report_path, "--trace": trace}, overwrite)
+    _check_outputs({"--report": report_path, "--trace": trace}, overwrite,
+                   inputs={"MODEL": model_path, "--expect": expect})
     values: dict[str, Any] = {}
     expectation = None
     if expect is not None:
@@ -329,7 +335,8 @@ def endpoint(
     """Load-test an OpenAI-compatible server (streaming /v1/completions): TTFT, ITL, TPOT, E2E per level."""
     from clusteropt_cli.core.profile.settings import EndpointSettings
 
-    _check_outputs({"--report": report_path, "--plot": plot}, overwrite)
+    _check_outputs({"--report": report_path, "--plot": plot}, overwrite,
+                   inputs={"--dataset": dataset, "--tokenizer": tokenizer, "--expect": expect})
     if plot is not None and plot.suffix.lower() != ".png":
         raise BadInputError(f"--plot {plot}: the plot is a PNG; name the file *.png.")
     expectation = None

@@ -51,7 +51,7 @@ def quantize(
         group_size=group_size,
         symmetric=symmetric, calib=calib, num_samples=num_samples, seq_len=seq_len, ignore=ignore,
         backend=backend, eval=eval_file, compare_rtn=compare_rtn))
-    the_plan = plan(settings, overwrite=overwrite)
+    the_plan = plan(settings, overwrite=overwrite, recipe=recipe)
     for warning in the_plan.warnings:
         console.warn(warning)
     if dry_run:  # every input validated above; nothing loaded or written

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import shutil
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,6 +17,7 @@ from clusteropt_cli.options import (
     GpusOpt,
     GradAccumOpt,
     JsonOpt,
+    KeepCheckpointsOpt,
     LrOpt,
     MaxStepsOpt,
     MicroBatchOpt,
@@ -70,6 +70,7 @@ def train(
     master_addr: _opt("--master-addr", "Rendezvous address (default: first host).") = None,
     master_port: _opt("--master-port", "Rendezvous port (default 29500).", int) = None,
     save_every: SaveEveryOpt = None,
+    keep_checkpoints: KeepCheckpointsOpt = None,
     resume: ResumeOpt = None,
     seed: SeedOpt = None,
     overwrite: OverwriteOpt = False,
@@ -89,7 +90,7 @@ def train(
         pipeline_stages=pipeline_stages, pipeline_schedule=pipeline_schedule,
         pipeline_micro_batches=pipeline_micro_batches, virtual_stages=virtual_stages, gpus=gpus, nodes=nodes,
         hostfile=hostfile, launcher=launcher, master_addr=master_addr, master_port=master_port,
-        save_every=save_every, resume=resume, seed=seed))
+        save_every=save_every, keep_checkpoints=keep_checkpoints, resume=resume, seed=seed))
     child = is_launched_child()
     if child:
         _run_rank(settings, json_out)
@@ -99,25 +100,28 @@ def train(
 
     # the hardware check imports torch: a launching parent leaves it to the ranks, which check before any work
     launching = settings.gpus * settings.nodes > 1
-    validate_train(settings, overwrite=overwrite, device_type=None if dry_run or launching else _device_type())
+    validate_train(settings, overwrite=overwrite, device_type=None if dry_run or launching else _device_type(),
+                   recipe=recipe)
     child_args = sys.argv[1:] if _argv_is_ours() else _rebuild_argv(settings, json_out)
     plan = plan_launch(settings, [a for a in child_args if a != "--dry-run"])
     if dry_run:
         _render_dry_run(settings, plan, json_out)
         return
-    out = Path(settings.output)
-    if overwrite and out.exists() and not settings.resume:
-        shutil.rmtree(out)
-    if plan.launcher == "none":
-        _run_rank(settings, json_out)
-        return
-    console.log(f"launching {plan.world_size} processes with {plan.launcher}: {plan.shell}")
-    code = run_launch(plan)
-    if code != 0:
-        from clusteropt_cli.errors import CoptError
+    from clusteropt_cli.core.io import replacing_output_dir
 
-        raise CoptError(f"The training processes exited with code {code} (their errors are printed above).",
-                        hint="fix the error above; with --save-every, rerun with --resume to continue")
+    out = Path(settings.output)
+    # with --overwrite the old output is moved aside (after validation), restored if this run fails
+    with replacing_output_dir(out, overwrite=overwrite, resume=bool(settings.resume), command="train"):
+        if plan.launcher == "none":
+            _run_rank(settings, json_out)
+            return
+        console.log(f"launching {plan.world_size} processes with {plan.launcher}: {plan.shell}")
+        code = run_launch(plan)
+        if code != 0:
+            from clusteropt_cli.errors import CoptError
+
+            raise CoptError(f"The training processes exited with code {code} (their errors are printed above).",
+                            hint="fix the error above; with --save-every, rerun with --resume to continue")
     result_file = out / "train_result.json"
     if result_file.exists():
         import json

@@ -8,6 +8,7 @@ from typing import Any
 
 from clusteropt_cli.errors import RecipeError
 
+MAX_RECIPE_BYTES = 1 << 20
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -53,16 +54,31 @@ def read_recipe_file(source: str | Path) -> dict[str, Any]:
     from clusteropt_cli.recipe.registry import resolve_recipe
 
     path = resolve_recipe(str(source))
+    if path.is_dir():
+        raise RecipeError(f"Recipe {path} is a directory.", hint="Pass a recipe YAML file or a built-in name "
+                                                                 "(copt recipes list).")
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise RecipeError(f"Cannot read recipe {path}: {exc.strerror}", hint="Check the path.") from exc
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"Recipe {path} is {len(raw):,} bytes; a recipe is a short YAML file (at most "
+                          f"{MAX_RECIPE_BYTES:,}).", hint="Check that --recipe names the recipe, not a data file.")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"Recipe {path} is not UTF-8 text (byte {exc.start}); is it a binary file?",
+                          hint="Pass a YAML recipe (copt recipes show NAME prints one).") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         raise RecipeError(f"Recipe {path} is not valid YAML{where}.", hint="Fix the YAML syntax.") from exc
+    except RecursionError:
+        raise RecipeError(f"Recipe {path} nests too deeply to be a recipe.",
+                          hint="A recipe is a flat mapping of keys (a few nested levels at most); check the file.") \
+            from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -57,6 +57,11 @@ def test_overwrite_replaces_and_failure_leaves_nothing(fixtures, tmp_path, monke
     (out / "old.txt").write_text("previous run")
     with pytest.raises(BadInputError, match="already exists"):
         plan(_settings(fixtures, out, method="fp8"))
+    with pytest.raises(BadInputError, match="would delete: old.txt"):  # not copt's: --overwrite refuses too
+        plan(_settings(fixtures, out, method="fp8"), overwrite=True)
+    from clusteropt_cli.core.io import write_output_marker
+
+    write_output_marker(out, "quantize")  # as a previous copt run leaves it
     report = run(plan(_settings(fixtures, out, method="fp8"), overwrite=True))
     assert not (out / "old.txt").exists() and (out / "copt_quant_report.json").is_file()
     assert report.ppl_before is None and report.size_after_bytes < report.size_before_bytes

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clusteropt_cli.core.distill.losses import DistillLossConfig, distillation_loss, per_token_divergence
-from clusteropt_cli.core.distill.vocab import VocabCheck, check_vocab_compatible, load_tokenizer
+from clusteropt_cli.core.distill.vocab import VocabCheck, check_vocab_compatible, load_tokenizer, read_config
 from clusteropt_cli.core.train.attention import check_unpadded
 from clusteropt_cli.errors import BadInputError
 
@@ -88,20 +88,18 @@ def build_student(source: Any, seed: int = 0) -> Any:
     return load_model(source, seed)
 
 
-def prepare_output_dir(output_dir: Path, *, overwrite: bool, resume: bool) -> None:
-    """Refuse to train into an existing directory unless resuming (--resume) or replacing it (--overwrite)."""
-    import shutil
+def prepare_output_dir(output_dir: Path, *, overwrite: bool, resume: bool, inputs: dict | None = None) -> None:
+    """copt's output rule (core/io.check_output): never over an input; an existing directory only with --resume, or
+    with --overwrite when copt wrote it. Deletes nothing (the replacement happens in `replacing_output_dir`)."""
+    from clusteropt_cli.core.io import check_output
 
-    output_dir = Path(output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise BadInputError(f"--output {output_dir} exists and is not a directory.", hint="Choose another --output.")
-    if output_dir.exists() and any(output_dir.iterdir()):
-        if resume:
-            return
-        if not overwrite:
-            raise BadInputError(f"--output {output_dir} already exists.",
-                                hint="Pass --overwrite to replace it, or --resume to continue its checkpoints.")
-        shutil.rmtree(output_dir)
+    check_output(output_dir, inputs, overwrite=overwrite, resume=resume)
+
+
+def logits_inputs(settings: Any, recipe: str | None = None) -> dict[str, Any]:
+    """The input paths of `copt distill logits` (what --output must stay clear of)."""
+    return {"--teacher": settings.teacher, "--student": settings.student, "--data": settings.data,
+            "--eval-data": settings.eval_data, "--recipe": recipe}
 
 
 CHUNK_ABOVE_ELEMENTS = 2**26  # logits of more than 64M elements (256 MiB in fp32) per micro-batch: go chunked
@@ -233,7 +231,11 @@ def check_logits_inputs(settings: DistillRecipe) -> tuple[Any, VocabCheck]:
         raise BadInputError(f"--teacher {settings.teacher} is not a model directory.",
                             hint="Pass the teacher's local Hugging Face directory (config.json, weights, tokenizer).")
     if not settings.data or not Path(settings.data).is_file():
-        raise BadInputError(f"--data {settings.data} does not exist.", hint="Pass a .txt or .jsonl (text) file.")
+        what = "is a directory" if settings.data and Path(settings.data).is_dir() else "does not exist"
+        raise BadInputError(f"--data {settings.data} {what}.", hint="Pass a .txt or .jsonl (text) file.")
+    from clusteropt_cli.modelspec import check_loadable_model
+
+    check_loadable_model(Path(settings.teacher), read_config(Path(settings.teacher)), "--teacher")
     student = resolve_student(settings.student or "")
     from clusteropt_cli.core.train.validate import check_hardware
 
@@ -253,35 +255,39 @@ def distill_logits(settings: DistillRecipe, *, output_dir: Path, overwrite: bool
     eval_text = eval_text or settings.eval_data
     if eval_text is not None and not Path(eval_text).is_file():
         raise BadInputError(f"--eval-data {eval_text} does not exist.", hint="Pass a held-out .txt/.jsonl file.")
+    from clusteropt_cli.core.io import replacing_output_dir
     from clusteropt_cli.core.train.launch import is_launched_child
 
-    if not is_launched_child():  # under a launcher the parent prepared it
-        prepare_output_dir(output_dir, overwrite=overwrite, resume=settings.resume)
-    tokenizer = load_tokenizer(Path(settings.teacher))
-    dataset = build_text_dataset(settings.data, tokenizer, settings.seq_len)
-    device = pick_device()
-    teacher = load_causal_lm(settings.teacher, settings.teacher_dtype, device, settings.precision)
-    student = build_student(student_source, settings.seed)
-    config = DistillLossConfig(settings.loss, settings.temperature, settings.alpha, settings.top_k)
-    shared = vocab.shared_logits if vocab.teacher_vocab_size != vocab.student_vocab_size else None
-    result = LogitsResult(str(output_dir), str(settings.teacher), str(settings.student), settings.loss,
-                          settings.temperature, settings.alpha, settings.top_k, 0)
-    eval_blocks = None
-    if eval_text is not None:
-        eval_blocks = build_text_dataset(eval_text, tokenizer, settings.seq_len).blocks[:EVAL_BLOCKS]
-        result.eval_kl_before = mean_kl_to_teacher(student.to(device), teacher, eval_blocks, shared_logits=shared)
-        student.to("cpu")
-    loss_fn = make_distill_loss_fn(teacher, config, shared, zero_stage=settings.zero)
-    train = run_training(settings, student, dataset, output_dir, loss_fn=loss_fn,
-                         tokenizer=tokenizer, callbacks=callbacks,
-                         extra_result={"distill": {"loss": settings.loss, "temperature": settings.temperature,
-                                                   "alpha": settings.alpha, "top_k": settings.top_k}})
-    result.train = _train_summary(train)
-    result.steps = int(train.steps)
-    if eval_blocks is not None:
-        trained = load_causal_lm(output_dir, "fp32", device)
-        result.eval_kl_after = mean_kl_to_teacher(trained, teacher, eval_blocks, shared_logits=shared)
-    write_result(output_dir, result)
+    launched = is_launched_child()  # under a launcher the parent prepared the output
+    if not launched:
+        prepare_output_dir(output_dir, overwrite=overwrite, resume=settings.resume, inputs=logits_inputs(settings))
+    with replacing_output_dir(output_dir, overwrite=overwrite, resume=settings.resume, command="distill logits",
+                              enabled=not launched):
+        tokenizer = load_tokenizer(Path(settings.teacher))
+        dataset = build_text_dataset(settings.data, tokenizer, settings.seq_len)
+        device = pick_device()
+        teacher = load_causal_lm(settings.teacher, settings.teacher_dtype, device, settings.precision)
+        student = build_student(student_source, settings.seed)
+        config = DistillLossConfig(settings.loss, settings.temperature, settings.alpha, settings.top_k)
+        shared = vocab.shared_logits if vocab.teacher_vocab_size != vocab.student_vocab_size else None
+        result = LogitsResult(str(output_dir), str(settings.teacher), str(settings.student), settings.loss,
+                              settings.temperature, settings.alpha, settings.top_k, 0)
+        eval_blocks = None
+        if eval_text is not None:
+            eval_blocks = build_text_dataset(eval_text, tokenizer, settings.seq_len).blocks[:EVAL_BLOCKS]
+            result.eval_kl_before = mean_kl_to_teacher(student.to(device), teacher, eval_blocks, shared_logits=shared)
+            student.to("cpu")
+        loss_fn = make_distill_loss_fn(teacher, config, shared, zero_stage=settings.zero)
+        train = run_training(settings, student, dataset, output_dir, loss_fn=loss_fn,
+                             tokenizer=tokenizer, callbacks=callbacks,
+                             extra_result={"distill": {"loss": settings.loss, "temperature": settings.temperature,
+                                                       "alpha": settings.alpha, "top_k": settings.top_k}})
+        result.train = _train_summary(train)
+        result.steps = int(train.steps)
+        if eval_blocks is not None:
+            trained = load_causal_lm(output_dir, "fp32", device)
+            result.eval_kl_after = mean_kl_to_teacher(trained, teacher, eval_blocks, shared_logits=shared)
+        write_result(output_dir, result)
     return result
 
 

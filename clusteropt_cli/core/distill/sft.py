@@ -127,6 +127,12 @@ class SFTResult:
     eval_loss_after: float | None = None
 
 
+def sft_inputs(settings: Any, recipe: str | None = None) -> dict[str, Any]:
+    """The input paths of `copt distill sft` (what --output must stay clear of)."""
+    return {"--student": settings.student, "--traces": settings.traces, "--eval-traces": settings.eval_traces,
+            "--recipe": recipe}
+
+
 def distill_sft(settings: Any, *, output_dir: Any, overwrite: bool = False, callbacks: tuple = ()) -> SFTResult:
     """Fine-tune the student on the kept traces with copt train's loop (loss only on completion tokens)."""
     from pathlib import Path
@@ -157,25 +163,29 @@ def distill_sft(settings: Any, *, output_dir: Any, overwrite: bool = False, call
         raise BadInputError(f"--student {settings.student} has no tokenizer files.",
                             hint="SFT renders the traces with the student's chat template: pass a model directory "
                                  "that holds its tokenizer.")
+    from clusteropt_cli.core.io import replacing_output_dir
     from clusteropt_cli.core.train.launch import is_launched_child
 
-    if not is_launched_child():  # under a launcher the parent prepared it
-        prepare_output_dir(Path(output_dir), overwrite=overwrite, resume=settings.resume)
-    tokenizer = load_tokenizer(tokenizer_dir)
-    dataset = build_sft_dataset(rows, tokenizer, settings.seq_len)
-    eval_set = build_sft_dataset(eval_rows, tokenizer, settings.seq_len) if eval_rows else None
-    student = build_student(source, settings.seed)
-    device = pick_device()
-    result = SFTResult(str(output_dir), str(settings.student), str(settings.traces), len(dataset), dataset.dropped,
-                       dataset.num_completion_tokens, 0, {})
-    if eval_set is not None:
-        result.eval_loss_before = completion_loss(student.to(device), eval_set)
-        student.to("cpu")
-    train = run_training(settings, student, dataset, Path(output_dir), tokenizer=tokenizer, callbacks=callbacks,
-                         extra_result={"sft": {"traces": str(settings.traces), "examples": len(dataset)}})
-    result.train = _train_summary(train)
-    result.steps = int(train.steps)
-    if eval_set is not None:
-        result.eval_loss_after = completion_loss(load_causal_lm(output_dir, "fp32", device), eval_set)
-    write_result(Path(output_dir), result)
+    launched = is_launched_child()  # under a launcher the parent prepared the output
+    if not launched:
+        prepare_output_dir(Path(output_dir), overwrite=overwrite, resume=settings.resume, inputs=sft_inputs(settings))
+    with replacing_output_dir(Path(output_dir), overwrite=overwrite, resume=settings.resume, command="distill sft",
+                              enabled=not launched):
+        tokenizer = load_tokenizer(tokenizer_dir)
+        dataset = build_sft_dataset(rows, tokenizer, settings.seq_len)
+        eval_set = build_sft_dataset(eval_rows, tokenizer, settings.seq_len) if eval_rows else None
+        student = build_student(source, settings.seed)
+        device = pick_device()
+        result = SFTResult(str(output_dir), str(settings.student), str(settings.traces), len(dataset), dataset.dropped,
+                           dataset.num_completion_tokens, 0, {})
+        if eval_set is not None:
+            result.eval_loss_before = completion_loss(student.to(device), eval_set)
+            student.to("cpu")
+        train = run_training(settings, student, dataset, Path(output_dir), tokenizer=tokenizer, callbacks=callbacks,
+                             extra_result={"sft": {"traces": str(settings.traces), "examples": len(dataset)}})
+        result.train = _train_summary(train)
+        result.steps = int(train.steps)
+        if eval_set is not None:
+            result.eval_loss_after = completion_loss(load_causal_lm(output_dir, "fp32", device), eval_set)
+        write_result(Path(output_dir), result)
     return result

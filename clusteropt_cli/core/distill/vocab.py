@@ -4,7 +4,6 @@ config and tokenizer files only (no weights loaded)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,12 +23,13 @@ class VocabCheck:
 
 def read_config(path: Path) -> dict:
     """config.json of a model directory (or a config.json path)."""
+    from clusteropt_cli.modelspec import read_config_json
+
     config_path = path / "config.json" if path.is_dir() else path
-    try:
-        return json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise BadInputError(f"Cannot read the model config {config_path}: {exc}",
-                            hint="Pass a Hugging Face model directory that contains config.json.") from exc
+    if not config_path.is_file():
+        raise BadInputError(f"Cannot read the model config {config_path}: no such file.",
+                            hint="Pass a Hugging Face model directory that contains config.json.")
+    return read_config_json(config_path)
 
 
 def _vocab_size(config: dict) -> int | None:

@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from clusteropt_cli.core.io import atomic_output_dir, check_output_dir
+from clusteropt_cli.core.io import atomic_output_dir, check_output
 from clusteropt_cli.core.quantize.calib import read_calibration_texts, read_eval_text
 from clusteropt_cli.errors import BadInputError, MissingDependencyError, RecipeError
 from clusteropt_cli.recipe.schema.quantize import QuantizeRecipe
@@ -95,7 +95,7 @@ def _linear_in_features(config: dict) -> dict[str, int]:
     return {k: v for k, v in widths.items() if isinstance(v, int)}
 
 
-def plan(settings: QuantizeRecipe, overwrite: bool = False) -> Plan:
+def plan(settings: QuantizeRecipe, overwrite: bool = False, recipe: str | None = None) -> Plan:
     """Validate every input up front (no heavy imports); raise one error naming the flag to change."""
     warnings: list[str] = []
     model_dir = Path(settings.model).expanduser()
@@ -106,13 +106,13 @@ def plan(settings: QuantizeRecipe, overwrite: bool = False) -> Plan:
     if not (model_dir / "config.json").is_file():
         raise BadInputError(f"MODEL {model_dir} has no config.json.",
                             hint="Pass a Hugging Face model directory saved with save_pretrained.")
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise BadInputError(f"MODEL {model_dir}/config.json cannot be read: {exc}") from None
-    if not any(model_dir.glob("*.safetensors")) and not any(model_dir.glob("*.bin")):
-        raise BadInputError(f"MODEL {model_dir} has no weights (*.safetensors / *.bin).",
+    from clusteropt_cli.modelspec import PICKLE_WEIGHTS, check_loadable_model, read_config_json
+
+    config = read_config_json(model_dir / "config.json", "MODEL")
+    if not any(model_dir.glob("*.safetensors")) and not any(p for g in PICKLE_WEIGHTS for p in model_dir.glob(g)):
+        raise BadInputError(f"MODEL {model_dir} has no weights (*.safetensors).",
                             hint="Pass a directory that holds the model's weights.")
+    check_loadable_model(model_dir, config, "MODEL")
     if (config.get("quantization_config") or {}).get("quant_method"):
         raise BadInputError(f"MODEL {model_dir} is already quantized "
                             f"({config['quantization_config']['quant_method']}).",
@@ -130,9 +130,8 @@ def plan(settings: QuantizeRecipe, overwrite: bool = False) -> Plan:
         warnings.append(f"--asymmetric is ignored for {settings.method} (the format is symmetric)")
 
     output = Path(settings.output).expanduser() if settings.output else default_output(settings)
-    if output.resolve() == model_dir.resolve():
-        raise BadInputError("--output is the model directory.", hint="Write the quantized model somewhere else.")
-    check_output_dir(output, overwrite)
+    check_output(output, {"MODEL": model_dir, "--calib": settings.calib, "--eval": settings.eval,
+                           "--recipe": recipe}, overwrite=overwrite)
 
     calib_texts = None
     if settings.needs_calibration:
@@ -237,7 +236,7 @@ def run(plan_: Plan, progress=None, verbose: bool = False) -> QuantizeReport:
         blocks = eval_blocks(tokenizer, plan_.eval_text, min(s.seq_len, _max_positions(model)), s.eval_tokens)
         ppl_before = _score(model, blocks, device)
 
-    with atomic_output_dir(plan_.output, overwrite=True) as tmp:
+    with atomic_output_dir(plan_.output, overwrite=True, command="quantize") as tmp:
         t0 = time.perf_counter()
         facts = backends.quantize(model, tokenizer, s, plan_.calib_texts, tmp, progress=progress, verbose=verbose)
         quantize_time = time.perf_counter() - t0

@@ -24,9 +24,14 @@ def read_texts(path: str | Path, text_field: str = "text") -> list[str]:
             if text is None:
                 raise BadInputError(f"--data {path}:{number} has no string '{text_field}' field.", hint=hint)
             texts.append(text)
+        if not any(t.strip() for t in texts):
+            raise BadInputError(f"--data {path} holds no text (no non-empty '{text_field}' records).", hint=hint)
         return texts
     if path.suffix in (".txt", ".md", ".text", ""):
-        return [read_text_file(path, "--data", hint)]
+        text = read_text_file(path, "--data", hint)
+        if not text.strip():
+            raise BadInputError(f"--data {path} is empty.", hint=hint)
+        return [text]
     raise BadInputError(f"Data file {path} is neither .txt nor .jsonl.",
                         hint="Convert it to .txt or .jsonl (text field).")
 

@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from clusteropt_cli.core.train.checkpoint import (
+    DEFAULT_KEEP,
     commit_checkpoint,
-    latest_checkpoint,
     load_torch_file,
     rng_state,
     save_torch_file,
+    select_checkpoint,
     set_rng_state,
     staging_dir,
 )
@@ -207,11 +208,14 @@ def run_training(
                             "(distillation) cannot run pipelined.", hint="use --zero or --gpus (data parallel)")
 
     if ctx.is_main:
+        from clusteropt_cli.core.io import write_output_marker
+
+        fresh = not output_dir.exists() or not any(output_dir.iterdir())
         output_dir.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            write_output_marker(output_dir, "train")
     barrier(ctx)
-    resume_dir = latest_checkpoint(output_dir) if options.resume else None
-    if options.resume and resume_dir is None:
-        log(f"--resume: no checkpoint under {output_dir}/checkpoints, starting from step 0")
+    resume_dir, resume_meta = _resume_point(options, output_dir, log) if options.resume else (None, None)
 
     torch.manual_seed(int(options.seed) + ctx.rank)
     model = prepare_model(options, model, ctx.device_type, for_deepspeed=(kind == "deepspeed"), log=log)
@@ -244,7 +248,7 @@ def run_training(
     cursor = DataCursor(len(dataset), seed=int(options.seed))
     start_step = 0
     if resume_dir is not None:
-        meta = json.loads((resume_dir / "meta.json").read_text())
+        meta = resume_meta
         if meta.get("world_size") != ctx.world_size or meta.get("engine_kind") != kind:
             raise BadInputError(
                 f"Checkpoint {resume_dir} was written by a {meta.get('engine_kind')} run on "
@@ -351,7 +355,7 @@ def run_training(
             else:
                 finish(step, values, info, t0)
             if saving:
-                _save_checkpoint(engine, output_dir, step, cursor, ctx, kind)
+                _save_checkpoint(engine, output_dir, step, cursor, ctx, kind, options)
                 log(f"checkpoint step-{step} saved")
         if pending is not None:
             finish(*pending)
@@ -389,6 +393,29 @@ def run_training(
     return result
 
 
+def _resume_point(options: Any, output_dir: Path, log: Callable[[str], None]) -> tuple[Path | None, Any]:
+    """The newest checkpoint that verifies (saying which newer ones were skipped and why), or (None, None) for a
+    fresh start when the output holds neither checkpoints nor metrics. Refuses (exit 2) rather than restart from
+    step 0 over an existing history."""
+    import sys
+
+    chosen = select_checkpoint(output_dir)  # raises when checkpoints exist and none verifies
+    if chosen is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            for problem in chosen.skipped:
+                print(f"warning: --resume: skipping a damaged checkpoint: {problem}; falling back to "
+                      f"{chosen.path.name}", file=sys.stderr)
+        return chosen.path, chosen.meta
+    metrics = output_dir / METRICS_FILE
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        raise BadInputError(f"--resume: {output_dir} has a training history ({metrics}) but no checkpoint under "
+                            f"{output_dir / 'checkpoints'}; starting from step 0 would rewrite it.",
+                            hint="Restore the checkpoints, or start over without --resume (with --overwrite, or a "
+                                 "new --output).")
+    log(f"--resume: no checkpoint under {output_dir}/checkpoints, starting from step 0")
+    return None, None
+
+
 def _jsonable(result: TrainResult) -> dict[str, Any]:
     import dataclasses
 
@@ -396,7 +423,7 @@ def _jsonable(result: TrainResult) -> dict[str, Any]:
 
 
 def _save_checkpoint(engine: Any, output_dir: Path, step: int, cursor: DataCursor, ctx: DistContext,
-                     kind: str) -> None:
+                     kind: str, options: Any = None) -> None:
     """Every rank writes into the staging directory; after a barrier rank 0 commits it atomically."""
     staging = staging_dir(output_dir, step)
     if ctx.is_main:
@@ -404,12 +431,16 @@ def _save_checkpoint(engine: Any, output_dir: Path, step: int, cursor: DataCurso
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
     barrier(ctx)
-    engine.save(staging)
-    save_torch_file(rng_state(), staging / f"rng_rank{ctx.rank}.pt")
+    from clusteropt_cli.core.io import disk_full_as_error
+
+    with disk_full_as_error(staging, cleanup=staging):  # a full disk: no partial checkpoint is left behind
+        engine.save(staging)
+        save_torch_file(rng_state(), staging / f"rng_rank{ctx.rank}.pt")
     barrier(ctx)
     if ctx.is_main:
         commit_checkpoint(output_dir, step, {"step": step, "data": cursor.state_dict(), "world_size": ctx.world_size,
-                                             "engine_kind": kind, "engine": engine.name, "time": time.time()})
+                                             "engine_kind": kind, "engine": engine.name, "time": time.time()},
+                          keep=int(getattr(options, "keep_checkpoints", DEFAULT_KEEP) or DEFAULT_KEEP))
     barrier(ctx)
 
 
@@ -418,26 +449,29 @@ def _save_final_model(model: Any, tokenizer: Any, output_dir: Path, state_dict: 
     """save_pretrained (safetensors) + tokenizer into a staging directory, then move the files into output_dir."""
     import tempfile
 
+    from clusteropt_cli.core.io import disk_full_as_error
+
     staging = Path(tempfile.mkdtemp(prefix=".final-", dir=output_dir))
     try:
-        if options.activation_checkpointing and hasattr(model, "gradient_checkpointing_disable"):
-            model.gradient_checkpointing_disable()
-        model.config.use_cache = True
-        if state_dict is None:
-            state_dict = {k: v for k, v in model.state_dict().items()}
-        state_dict = {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}
-        if options.precision == "fp8":  # torchao Float8Linear keeps plain weights: save them as a normal model
-            state_dict = {k: (v.to_original_precision() if hasattr(v, "to_original_precision") else v)
-                          for k, v in state_dict.items()}
-        weight_dtypes = {str(v.dtype).removeprefix("torch.") for v in state_dict.values()
-                         if hasattr(v, "is_floating_point") and v.is_floating_point()}
-        model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)  # (empties state_dict)
-        if len(weight_dtypes) == 1:
-            _set_config_dtype(staging / "config.json", weight_dtypes.pop())
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        for item in staging.iterdir():
-            os.replace(item, output_dir / item.name)
+        with disk_full_as_error(output_dir, cleanup=staging):  # no partial model on a full disk
+            if options.activation_checkpointing and hasattr(model, "gradient_checkpointing_disable"):
+                model.gradient_checkpointing_disable()
+            model.config.use_cache = True
+            if state_dict is None:
+                state_dict = {k: v for k, v in model.state_dict().items()}
+            state_dict = {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}
+            if options.precision == "fp8":  # torchao Float8Linear keeps plain weights: save them as a normal model
+                state_dict = {k: (v.to_original_precision() if hasattr(v, "to_original_precision") else v)
+                              for k, v in state_dict.items()}
+            weight_dtypes = {str(v.dtype).removeprefix("torch.") for v in state_dict.values()
+                             if hasattr(v, "is_floating_point") and v.is_floating_point()}
+            model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)  # (empties state_dict)
+            if len(weight_dtypes) == 1:
+                _set_config_dtype(staging / "config.json", weight_dtypes.pop())
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            for item in staging.iterdir():
+                os.replace(item, output_dir / item.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -142,23 +142,30 @@ class SavedTensorMeter:
 
 
 class MetricsWriter:
-    """Appends one JSON row per step to metrics.jsonl (flushed each row); on resume, rows after the
-    checkpoint's step are dropped so the file holds one consistent curve."""
+    """Appends one JSON row per step to metrics.jsonl (flushed each row). On resume the history up to the
+    checkpoint's step is kept and the rows after it (steps the resumed run computes again) are dropped, through an
+    atomic rewrite, so the file holds one consistent curve. A fresh run never truncates an existing history: it
+    refuses (the run's output must be new, or replaced with --overwrite)."""
 
     def __init__(self, path: Path, resume_step: int | None = None):
         self.path = Path(path)
         if resume_step is not None and self.path.exists():
             kept = []
-            for line in self.path.read_text().splitlines():
+            for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a row cut by a crash
-                if int(row.get("step", 0)) <= resume_step:
+                if isinstance(row, dict) and int(row.get("step", 0)) <= resume_step:
                     kept.append(line)
-            self.path.write_text("".join(f"{line}\n" for line in kept))
-        elif resume_step is None and self.path.exists():
-            self.path.unlink()
+            from clusteropt_cli.core.io import atomic_write_text
+
+            atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
+        elif resume_step is None and self.path.exists() and self.path.stat().st_size > 0:
+            from clusteropt_cli.errors import BadInputError
+
+            raise BadInputError(f"{self.path} already holds a training history; a new run would overwrite it.",
+                                hint="Continue it with --resume, or start over with --overwrite (or a new --output).")
         self._handle = self.path.open("a")
 
     def write(self, row: dict[str, Any]) -> None:

@@ -18,10 +18,11 @@ class ModelSource:
     tokenizer_path: Path | None
 
 
-def resolve_model_source(model: str, tokenizer: str | None = None) -> ModelSource:
+def resolve_model_source(model: str, tokenizer: str | None = None, flag: str = "--model") -> ModelSource:
     """Classify --model without loading weights: a model dir, a config.json (or a dir with only a config) or a
-    preset name known to clusteropt_cli.modelspec."""
-    import json
+    preset name known to clusteropt_cli.modelspec. Configs that are not JSON objects, architectures transformers
+    does not implement (custom code) and pickle-only weights are refused (exit 2)."""
+    from clusteropt_cli.modelspec import PICKLE_WEIGHTS, check_loadable_model, read_config_json
 
     path = Path(model)
     if path.is_dir():
@@ -29,15 +30,14 @@ def resolve_model_source(model: str, tokenizer: str | None = None) -> ModelSourc
         if not config_file.is_file():
             raise BadInputError(f"--model {model} is a directory without config.json.",
                                 hint="pass a Hugging Face model directory, a config.json or a preset name")
-        has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
-        config = json.loads(config_file.read_text())
+        has_weights = any(path.glob("*.safetensors")) or any(p for g in PICKLE_WEIGHTS for p in path.glob(g))
+        config = read_config_json(config_file, flag)
+        check_loadable_model(path, config, flag, need_weights=has_weights)
         tok = Path(tokenizer) if tokenizer else (path if (path / "tokenizer_config.json").exists() else None)
         return ModelSource("pretrained" if has_weights else "config", path, config, tok)
     if path.is_file():
-        try:
-            config = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            raise BadInputError(f"--model {model} is not a JSON config.", hint="pass a config.json") from None
+        config = read_config_json(path, flag)
+        check_loadable_model(None, config, f"{flag} {model}")
         near = path.parent if (path.parent / "tokenizer_config.json").exists() else None
         return ModelSource("config", path, config, Path(tokenizer) if tokenizer else near)
     try:

@@ -9,8 +9,15 @@ from clusteropt_cli.core.train.model import ModelSource, resolve_model_source
 from clusteropt_cli.errors import BadInputError, UnsupportedHardwareError
 
 
+def train_inputs(settings: Any, recipe: str | None = None) -> dict[str, Any]:
+    """Every input path of a training run (what its --output must stay clear of)."""
+    return {"--model": settings.model, "--tokenizer": getattr(settings, "tokenizer", None),
+            "--data": getattr(settings, "data", None), "--hostfile": getattr(settings, "hostfile", None),
+            "--recipe": recipe}
+
+
 def validate_train(settings: Any, *, overwrite: bool = False, check_output: bool = True,
-                   device_type: str | None = None) -> ModelSource:
+                   device_type: str | None = None, recipe: str | None = None) -> ModelSource:
     """Validate a TrainRecipe against the files and the hardware; returns the resolved model source."""
     from clusteropt_cli.deps import version_of
 
@@ -19,6 +26,9 @@ def validate_train(settings: Any, *, overwrite: bool = False, check_output: bool
     config = source.config
     if not settings.data:
         problems.append("--data: give a .txt or .jsonl file to train on")
+    elif Path(settings.data).is_dir():
+        problems.append(f"--data: {settings.data} is a directory; pass one .txt or .jsonl file (concatenate the "
+                        "directory's files into one)")
     elif not Path(settings.data).is_file():
         problems.append(f"--data: {settings.data} does not exist")
     elif Path(settings.data).suffix not in (".txt", ".jsonl", ".md", ".text", ""):
@@ -57,11 +67,13 @@ def validate_train(settings: Any, *, overwrite: bool = False, check_output: bool
     if not settings.output:
         problems.append("--output: give the directory for the trained model and metrics")
     elif check_output:
-        out = Path(settings.output)
-        if out.exists() and not out.is_dir():
-            problems.append(f"--output: {out} exists and is not a directory")
-        elif out.exists() and any(out.iterdir()) and not (settings.resume or overwrite):
-            problems.append(f"--output: {out} already exists (pass --overwrite to replace it or --resume to continue)")
+        from clusteropt_cli.core.io import check_output as check_output_path
+
+        try:
+            check_output_path(settings.output, train_inputs(settings, recipe), overwrite=overwrite,
+                              resume=bool(settings.resume))
+        except BadInputError as exc:
+            problems.append(f"{exc.message} ({exc.hint})" if exc.hint else exc.message)
     if problems:
         raise BadInputError("copt train cannot start:\n" + "\n".join(f"  - {p}" for p in problems),
                             hint="fix the flags named above")

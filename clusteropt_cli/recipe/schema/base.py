@@ -65,6 +65,8 @@ class TrainingOptions(Strict):
     master_addr: str | None = None
     master_port: int | None = Field(None, ge=1, le=65535)
     save_every: PositiveInt | None = None
+    keep_checkpoints: PositiveInt = Field(2, description="Checkpoints kept under OUTPUT/checkpoints (the newest N); "
+                                          "--resume falls back to the newest one that verifies.")
     resume: bool = False
     seed: int = 0
     log_every: PositiveInt = 1

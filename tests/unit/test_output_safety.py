@@ -1,0 +1,154 @@
+"""The output rule every writing command follows (core/io.py): never over an input, --overwrite replaces only what
+copt wrote, replacements are atomic, stale temporary directories of dead runs are cleaned, full disks are named."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusteropt_cli.core import io
+from clusteropt_cli.errors import BadInputError, DiskFullError, map_exception
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """model/ with weights, data.jsonl beside it, and a sentinel file of the user's."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "data.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "keep.txt").write_text("the user's")
+    return tmp_path
+
+
+@pytest.mark.parametrize("output, relation", [
+    ("model", "is the input"),  # equals
+    (".", "contains the input"),  # contains
+    ("model/sub", "lies inside the input"),  # inside
+    ("data.jsonl", "is the input"),
+])
+def test_an_output_never_touches_an_input(tree, output, relation):
+    with pytest.raises(BadInputError, match=relation) as info:
+        io.check_output(tree / output, {"MODEL": tree / "model", "--data": tree / "data.jsonl"}, overwrite=True)
+    assert info.value.exit_code == 2
+
+
+def test_symlinks_are_resolved(tree):
+    (tree / "alias").symlink_to(tree / "model")
+    with pytest.raises(BadInputError, match="is the input MODEL"):
+        io.check_output(tree / "alias", {"MODEL": tree / "model"}, overwrite=True)
+    (tree / "link-to-data").symlink_to(tree / "data.jsonl")
+    with pytest.raises(BadInputError, match="contains the input --data"):
+        io.check_output(tree, {"--data": tree / "link-to-data"}, overwrite=True)
+
+
+def test_overwrite_replaces_only_what_copt_wrote_or_an_empty_dir(tree):
+    out = tree / "out"
+    io.check_output(out, {}, overwrite=False)  # new: fine
+    out.mkdir()
+    io.check_output(out, {}, overwrite=False)  # empty: fine
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(BadInputError, match="already exists"):
+        io.check_output(out, {}, overwrite=False)
+    with pytest.raises(BadInputError, match=r"not written by copt.*would delete: notes.txt"):
+        io.check_output(out, {}, overwrite=True)
+    io.write_output_marker(out, "test")
+    io.check_output(out, {}, overwrite=True)  # copt's own output: replaceable
+    io.check_output(out, {}, overwrite=False, resume=True)  # resuming continues it
+
+
+def test_atomic_output_dir_keeps_the_old_output_on_failure_and_marks_the_new_one(tree):
+    out = tree / "out"
+    with io.atomic_output_dir(out, command="test") as tmp:
+        (tmp / "a").write_text("first")
+    assert (out / io.OUTPUT_MARKER).is_file() and not (out / io.TMP_OWNER).exists()
+    with pytest.raises(RuntimeError), io.atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "a").write_text("second")
+        raise RuntimeError("the run failed")
+    assert (out / "a").read_text() == "first"
+    assert [p.name for p in tree.iterdir() if p.name.startswith(".out")] == []  # no temporary left
+    with io.atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "a").write_text("second")
+    assert (out / "a").read_text() == "second"
+    (out / io.OUTPUT_MARKER).unlink()
+    with pytest.raises(BadInputError, match="not written by copt"), io.atomic_output_dir(out, overwrite=True):
+        pass
+    assert (out / "a").read_text() == "second"
+
+
+def test_replacing_output_dir_restores_the_old_output_when_the_run_fails(tree):
+    out = tree / "out"
+    with io.replacing_output_dir(out, overwrite=False, command="test"):
+        (out / "metrics.jsonl").write_text("old\n")
+    with pytest.raises(KeyboardInterrupt), io.replacing_output_dir(out, overwrite=True, command="test"):
+        assert not (out / "metrics.jsonl").exists()  # the old output is aside, not deleted
+        (out / "metrics.jsonl").write_text("new, partial\n")
+        raise KeyboardInterrupt
+    assert (out / "metrics.jsonl").read_text() == "old\n"
+    with io.replacing_output_dir(out, overwrite=True, command="test"):
+        (out / "metrics.jsonl").write_text("new\n")
+    assert (out / "metrics.jsonl").read_text() == "new\n"
+    assert sorted(p.name for p in tree.iterdir()) == ["data.jsonl", "keep.txt", "model", "out"]
+
+
+def test_stale_temp_dirs_of_dead_runs_are_cleaned_live_and_foreign_ones_kept(tree):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    stale = tree / ".out.tmp-dead"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    (stale / io.TMP_OWNER).write_text(json.dumps({"pid": dead_pid, "host": os.uname().nodename}))
+    live = tree / ".out.tmp-live"
+    live.mkdir()
+    (live / io.TMP_OWNER).write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename,
+                                                 "start": io._start_time(os.getpid())}))
+    foreign = tree / ".out.tmp-foreign"  # no owner file: not provably copt's, left alone
+    foreign.mkdir()
+    with io.atomic_output_dir(tree / "out") as tmp:
+        (tmp / "x").write_text("x")
+    assert not stale.exists() and live.is_dir() and foreign.is_dir()
+
+
+def _enospc(*_a, **_k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_full_disk_is_a_named_error_with_its_exit_code_and_no_partial_output(tree, monkeypatch):
+    out = tree / "out"
+    with pytest.raises(DiskFullError, match=r"No space left on device at .*needs ~") as info:
+        with io.atomic_output_dir(out) as tmp:
+            (tmp / "part").write_bytes(b"x" * 1000)
+            _enospc()
+    assert info.value.exit_code == 7 and not out.exists()
+    assert [p for p in tree.iterdir() if p.name.startswith(".out")] == []
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing "
+                               "file data/3: file write failed")
+    assert isinstance(map_exception(torch_error), DiskFullError)
+    assert isinstance(map_exception(OSError(errno.ENOSPC, "No space left on device", "/x/y")), DiskFullError)
+    assert map_exception(RuntimeError("something else")) is None
+    monkeypatch.setattr(os, "fdopen", lambda *a, **k: _enospc())
+    with pytest.raises(DiskFullError):
+        io.atomic_write_text(tree / "report.json", "{}")
+    assert not list(tree.glob(".report.json*"))
+
+
+def test_train_checkpoint_save_on_a_full_disk_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    import torch
+
+    from clusteropt_cli.core.train import checkpoint
+
+    def failing_save(obj, path, *a, **k):
+        Path(path).write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    target = tmp_path / "state.pt"
+    with pytest.raises(DiskFullError, match="state.pt"):
+        checkpoint.save_torch_file({"x": torch.zeros(2)}, target)
+    assert not target.exists()
