@@ -43,11 +43,13 @@ def _listing(path: Path) -> str:
 
 
 def check_output(output: str | Path, inputs: Mapping[str, str | Path | None] | None = None, *,
-                 overwrite: bool = False, kind: str = "dir", resume: bool = False, flag: str = "--output") -> None:
+                 overwrite: bool = False, kind: str = "dir", resume: bool = False, flag: str = "--output",
+                 can_resume: bool = False) -> None:
     """Refuse, before any work, an output that would destroy something the user did not ask to replace.
 
     `inputs`: flag → path of every input of the command (None and non-paths such as preset names are skipped).
-    `kind`: "dir" (an output directory) or "file". `resume`: the run continues an existing output directory.
+    `kind`: "dir" (an output directory) or "file". `resume`: the run continues an existing output directory;
+    `can_resume`: the command has --resume (the hint names it).
     """
     out_given = Path(output).expanduser()
     out = out_given.resolve()
@@ -83,8 +85,9 @@ def check_output(output: str | Path, inputs: Mapping[str, str | Path | None] | N
         return
     if not overwrite:
         raise BadInputError(f"{flag} {output} already exists.",
-                            hint="Pass --overwrite to replace it (only a directory copt wrote), or choose another "
-                                 f"{flag}.")
+                            hint="Pass --overwrite to replace it (only a directory copt wrote), "
+                                 + ("--resume to continue its checkpoints, " if can_resume else "")
+                                 + f"or choose another {flag}.")
     if not (out / OUTPUT_MARKER).is_file():
         raise BadInputError(f"{flag} {output} was not written by copt (it has no {OUTPUT_MARKER}); --overwrite "
                             f"would delete: {_listing(out)}.",

@@ -93,7 +93,7 @@ def prepare_output_dir(output_dir: Path, *, overwrite: bool, resume: bool, input
     with --overwrite when copt wrote it. Deletes nothing (the replacement happens in `replacing_output_dir`)."""
     from clusteropt_cli.core.io import check_output
 
-    check_output(output_dir, inputs, overwrite=overwrite, resume=resume)
+    check_output(output_dir, inputs, overwrite=overwrite, resume=resume, can_resume=True)
 
 
 def logits_inputs(settings: Any, recipe: str | None = None) -> dict[str, Any]:

@@ -71,7 +71,7 @@ def validate_train(settings: Any, *, overwrite: bool = False, check_output: bool
 
         try:
             check_output_path(settings.output, train_inputs(settings, recipe), overwrite=overwrite,
-                              resume=bool(settings.resume))
+                              resume=bool(settings.resume), can_resume=True)
         except BadInputError as exc:
             problems.append(f"{exc.message} ({exc.hint})" if exc.hint else exc.message)
     if problems:
