@@ -85,12 +85,16 @@ def _fallback_configs(vocab: int, bos: int, eos: int, pad: int) -> dict:
 @pytest.fixture(scope="module")
 def family_dirs(fixtures, tmp_path_factory):
     """name → directory of a saved tiny random model of that family (with the fixture tokenizer)."""
+    return build_family_dirs(fixtures.tokenizer, tmp_path_factory.mktemp("architectures"))
+
+
+def build_family_dirs(tokenizer_dir, root) -> dict:
+    """Save a tiny random fp32 model of every family (native and fallback) under root; name → directory."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(fixtures.tokenizer)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     ids = (len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-    root = tmp_path_factory.mktemp("architectures")
     dirs = {}
     for name, config in {**_configs(*ids), **_fallback_configs(*ids)}.items():
         torch.manual_seed(SEEDS.get(name, 0))
