@@ -7,7 +7,7 @@ grouped by category, per decode step, against the wall time per token.
 
 Model: the Llama-3.2-1B shape in bf16 with random weights (bench/gpu_serve.py's model dir). The matrix-vector
 products alone took 0.833 ms as a CUDA graph (bench/gpu_decode_b1.py, cuBLAS, merged); the engine's token took
-1.40 ms (bench/gpu_serve.py run 9): this says where the rest goes.
+1.40 ms through bench/gpu_serve.py: this says where the rest goes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 STEPS_TOKENS = 256
 
@@ -40,8 +39,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from gpu_serve import make_model_dir
-    from gpu_train import summarize_kernels
+    from common import make_model_dir, summarize_kernels
     from torch.profiler import ProfilerActivity, profile
 
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest

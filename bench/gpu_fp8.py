@@ -25,7 +25,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
 
 def log(msg: str) -> None:
@@ -136,7 +135,7 @@ def linears(bf16_dir: Path, fp8_dir: Path, token_counts=(1, 16, 256, 4096)) -> d
 
 
 def engine_case(path: Path) -> dict:
-    from gpu_serve import OUT_TOKENS, workload
+    from common import OUT_TOKENS, workload
 
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
 
@@ -188,7 +187,7 @@ def main() -> None:
 
     try:
         if not (bf16_dir / "config.json").exists():
-            from gpu_serve import make_model_dir
+            from common import make_model_dir
 
             made = make_model_dir(bf16_dir)
             del made

@@ -23,7 +23,6 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
 
@@ -56,7 +55,7 @@ def main() -> None:
     gpu = "cpu" if args.small else "h200"
 
     if not (args.model_dir / "config.json").exists():
-        from gpu_serve import make_model_dir
+        from common import make_model_dir
 
         make_model_dir(args.model_dir, small=args.small)
     recipe = args.out / "loop_serve_recipe.yaml"
@@ -67,7 +66,7 @@ def main() -> None:
         sys.exit(f"advise failed: {proc.stderr[-2000:]}")
     print(proc.stdout[-1500:])
 
-    from gpu_serve import wait_healthy
+    from common import wait_healthy
 
     url = f"http://127.0.0.1:{args.port}"
     serve_log = (args.out / "serve.log").open("w")

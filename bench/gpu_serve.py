@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,69 +36,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-             intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
-             max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001, pad_token_id=128004)
-COPY_BW = 4.26e12  # measured device copy bandwidth on the H200 (shared/gpu/README.md)
-NUM_REQUESTS, OUT_TOKENS, PROMPT_MIN, PROMPT_MAX = 256, 128, 32, 256
+from common import (  # noqa: E402
+    COPY_BW,
+    NUM_REQUESTS,
+    OUT_TOKENS,
+    PROMPT_MAX,
+    PROMPT_MIN,
+    free_gpu,
+    free_port,
+    http_load,
+    log,
+    make_model_dir,
+    percentiles,
+    wait_healthy,
+    workload,
+)
+
 MAX_MODEL_LEN = 512
 KV_GIB = 16.0
 COMPILE_MODE = "default"  # copt serve --compile-mode (--compile-mode flag of this script)
 DECODE_ATTENTION = "auto"  # copt serve --decode-attention (engine and server cases)
 ASYNC_SCHEDULING = True  # copt serve's async scheduling (on by default; --no-async-scheduling of this script)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_gpu() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float | None]:
-    if not values:
-        return {f"p{p}": None for p in ps}
-    s = sorted(values)
-    return {f"p{p}": s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] for p in ps}
-
-
-def make_model_dir(path: Path, small: bool = False) -> dict:
-    """Random-weight bf16 Llama (1B shape) + a word-level tokenizer covering its vocabulary."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    shape = dict(SHAPE)
-    if small:  # --smoke on a CPU: same code path, tiny sizes
-        shape.update(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                     intermediate_size=256, vocab_size=1024, bos_token_id=1000, eos_token_id=1001, pad_token_id=1004)
-    config = LlamaConfig(**shape)
-    torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.eval()
-    model.save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=f"t{shape['bos_token_id']}",
-                                   eos_token=f"t{shape['eos_token_id']}", pad_token=f"t{shape['pad_token_id']}")
-    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    fast.save_pretrained(path)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"model": model, "weight_bytes": weight_bytes, "vocab": config.vocab_size}
-
-
-def workload(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, min(vocab, 128000)) for _ in range(rng.randint(PROMPT_MIN, PROMPT_MAX))]
-            for _ in range(n)]
 
 
 # ---- baseline ------------------------------------------------------------------------------------------
@@ -259,31 +214,6 @@ def bench_engine(model_dir: Path, prompts: list[list[int]], reference: list[list
 
 
 # ---- through HTTP --------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
-    """Poll GET /health until 200; seconds it took. Raises when the server exits or the timeout passes."""
-    import httpx
-
-    t0 = time.perf_counter()
-    while True:
-        if proc.poll() is not None:
-            err = proc.stderr.read()[-4000:] if proc.stderr else ""
-            raise RuntimeError(f"copt serve exited {proc.returncode} before it was healthy: {err}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        if time.perf_counter() - t0 > timeout:
-            raise RuntimeError(f"copt serve did not come up within {timeout:.0f} s")
-        time.sleep(0.3)
-
-
 def start_server(model_dir: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
     cmd = [sys.executable, "-m", "clusteropt_cli", "serve", str(model_dir), "--port", str(port),
@@ -296,50 +226,6 @@ def start_server(model_dir: Path, port: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-async def _request(client, url: str, prompt: list[int], max_tokens: int, stream: bool) -> dict:
-    body = {"model": "llama-1b-shape", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream}
-    t0 = time.perf_counter()
-    if not stream:
-        r = await client.post(url + "/v1/completions", json=body)
-        r.raise_for_status()
-        data = r.json()
-        return {"tokens": data["usage"]["completion_tokens"], "latency": time.perf_counter() - t0, "times": []}
-    body["stream_options"] = {"include_usage": True}
-    times, tokens = [], 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if obj.get("usage"):
-                tokens = obj["usage"]["completion_tokens"]
-            if obj["choices"] and obj["choices"][0]["text"]:
-                times.append(time.perf_counter())
-    return {"tokens": tokens, "latency": time.perf_counter() - t0, "times": [t - t0 for t in times]}
-
-
-async def _load(url: str, prompts: list[list[int]], max_tokens: int, stream: bool) -> dict:
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        t0 = time.perf_counter()
-        out = await asyncio.gather(*[_request(client, url, p, max_tokens, stream) for p in prompts])
-        wall = time.perf_counter() - t0
-    tokens = sum(o["tokens"] for o in out)
-    res = {"requests": len(out), "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
-    if stream:
-        ttft = [o["times"][0] for o in out if o["times"]]
-        itl = [b - a for o in out for a, b in zip(o["times"], o["times"][1:], strict=False)]
-        res["ttft_s"] = percentiles(ttft)
-        res["itl_s"] = percentiles(itl)
-        res["tpot_s"] = percentiles([(o["times"][-1] - o["times"][0]) / (len(o["times"]) - 1) for o in out
-                                     if len(o["times"]) > 1])
-    return res
-
-
 def bench_http(model_dir: Path, prompts: list[list[int]]) -> dict:
     import httpx
 
@@ -348,11 +234,11 @@ def bench_http(model_dir: Path, prompts: list[list[int]]) -> dict:
     proc = start_server(model_dir, port)
     try:
         out: dict = {"startup_s": wait_healthy(url, proc, timeout=240)}
-        asyncio.run(_load(url, prompts[:16], 16, True))  # warm-up
+        asyncio.run(http_load(url, prompts[:16], 16, True))  # warm-up
         for name, stream in (("http_stream", True), ("http_plain", False)):
             try:
                 mark = server_phases(url)
-                out[name] = asyncio.run(_load(url, prompts, OUT_TOKENS, stream))
+                out[name] = asyncio.run(http_load(url, prompts, OUT_TOKENS, stream))
                 out[name]["phases"] = server_phase_delta(url, mark)
                 out[name]["phases"]["wall_s_client"] = round(out[name]["wall_s"], 3)
                 log(f"{name}: {out[name]['output_tokens_per_s']:.0f} tok/s")
@@ -360,7 +246,7 @@ def bench_http(model_dir: Path, prompts: list[list[int]]) -> dict:
                 out[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         try:
             mark = server_phases(url)
-            runs = [asyncio.run(_load(url, [prompts[1][:32]], 256, True)) for _ in range(3)]
+            runs = [asyncio.run(http_load(url, [prompts[1][:32]], 256, True)) for _ in range(3)]
             ms = sorted(1000 * r["tpot_s"]["p50"] for r in runs)
             out["http_batch1"] = {"ms_per_token": ms[1], "runs_ms": ms, "ttft_s": runs[1]["ttft_s"]["p50"],
                                   "phases": server_phase_delta(url, mark)}

@@ -24,6 +24,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from common import summarize_kernels  # noqa: E402
+
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
 
 MICRO_BATCH, SEQ_LEN = 8, 2048
@@ -204,16 +207,6 @@ def apply_bench_settings(bench: dict) -> None:
         setattr(inductor_config, key, value)
 
 
-KERNEL_CATEGORIES = [  # first match wins; matched against the lower-cased kernel name
-    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul", "triton_tem")),
-    ("optimizer", ("multi_tensor", "adam", "foreach")),
-    ("triton fused (compiled elementwise/norms/loss)", ("triton_",)),
-    ("copy/cast", ("copy", "memcpy", "memset", "cast", "fill")),
-    ("reduction/elementwise (eager)", ("reduce", "elementwise", "vectorized", "unrolled", "kernel")),
-]
-
-
 class StepProfiler:
     """A run_training callback: torch.profiler over steps first..last, GPU kernel time by category."""
 
@@ -239,30 +232,6 @@ class StepProfiler:
             wall = time.perf_counter() - self.t0
             self.prof.__exit__(None, None, None)
             self.summary = summarize_kernels(self.prof, wall, self.last - self.first + 1)
-
-
-def summarize_kernels(prof, wall_s: float, steps: int) -> dict:  # noqa: ANN001
-    """Per step: wall ms, GPU kernel ms by category, the 25 costliest kernels."""
-    kernels: dict[str, list[float]] = {}
-    for event in prof.events():
-        # kernels only: user annotations (e.g. "Optimizer.step#AdamW.step") span kernels already counted
-        if getattr(event, "device_type", None) is not None and str(event.device_type).endswith("CUDA") \
-                and event.device_time_total and not getattr(event, "is_user_annotation", False):
-            entry = kernels.setdefault(event.name, [0.0, 0])
-            entry[0] += event.device_time_total / 1e3
-            entry[1] += 1
-    by_cat: dict[str, float] = {}
-    for name, (ms, _n) in kernels.items():
-        lower = name.lower()
-        cat = next((c for c, keys in KERNEL_CATEGORIES if any(k in lower for k in keys)), "other")
-        by_cat[cat] = by_cat.get(cat, 0.0) + ms / steps
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
-    return {"steps": steps, "wall_ms_per_step": 1e3 * wall_s / steps,
-            "gpu_kernel_ms_per_step": sum(by_cat.values()),
-            "kernels_per_step": sum(count for _ms, count in kernels.values()) / steps,
-            "by_category_ms_per_step": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
-            "top_kernels": [{"name": n[:140], "ms_per_step": ms / steps, "calls_per_step": c / steps}
-                            for n, (ms, c) in top]}
 
 
 def advise_prediction(name: str) -> dict | None:

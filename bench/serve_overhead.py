@@ -64,9 +64,7 @@ def bench_http(model: str, prompts: list[list[int]], out_tokens: int, max_len: i
     import subprocess
 
     import httpx
-
-    sys.path.insert(0, str(REPO / "bench"))
-    from gpu_serve import _load, free_port, wait_healthy
+    from common import free_port, http_load, wait_healthy
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -78,8 +76,8 @@ def bench_http(model: str, prompts: list[list[int]], out_tokens: int, max_len: i
     proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(url, proc, timeout=120)
-        asyncio.run(_load(url, prompts[:8], 8, True))  # warm-up
-        res = asyncio.run(_load(url, prompts, out_tokens, True))
+        asyncio.run(http_load(url, prompts[:8], 8, True))  # warm-up
+        res = asyncio.run(http_load(url, prompts, out_tokens, True))
         metrics = httpx.get(url + "/metrics", timeout=10).text
         res["engine_phase_s"] = {line.split('"')[1]: float(line.split()[-1]) for line in metrics.splitlines()
                                  if line.startswith("copt_engine_phase_seconds_total{")}

@@ -1,0 +1,182 @@
+"""Helpers shared by the benchmark scripts (import as `from common import ...`: a script's own folder is on
+sys.path when it runs as `python3 bench/<script>.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+COPY_BW = 4.26e12  # measured device-to-device copy bandwidth of the H200 (docs/benchmarks.md#h200-baselines)
+# serving workload of the serve benchmarks: prompts of PROMPT_MIN..PROMPT_MAX random tokens
+PROMPT_MIN, PROMPT_MAX = 32, 256
+NUM_REQUESTS, OUT_TOKENS = 256, 128  # requests and output tokens per request
+
+# the Llama-3.2-1B architecture (random weights in the benchmarks)
+LLAMA_1B_SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                      rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
+                      pad_token_id=128004)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_gpu() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float | None]:
+    if not values:
+        return {f"p{p}": None for p in ps}
+    s = sorted(values)
+    return {f"p{p}": s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] for p in ps}
+
+
+def make_model_dir(path: Path, small: bool = False) -> dict:
+    """Random-weight bf16 Llama (1B shape) + a word-level tokenizer covering its vocabulary."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    shape = dict(LLAMA_1B_SHAPE)
+    if small:  # --smoke on a CPU: same code path, tiny sizes
+        shape.update(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     intermediate_size=256, vocab_size=1024, bos_token_id=1000, eos_token_id=1001, pad_token_id=1004)
+    config = LlamaConfig(**shape)
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.eval()
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=f"t{shape['bos_token_id']}",
+                                   eos_token=f"t{shape['eos_token_id']}", pad_token=f"t{shape['pad_token_id']}")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(path)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"model": model, "weight_bytes": weight_bytes, "vocab": config.vocab_size}
+
+
+def workload(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, min(vocab, 128000)) for _ in range(rng.randint(PROMPT_MIN, PROMPT_MAX))]
+            for _ in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
+    """Poll GET /health until 200; seconds it took. Raises when the server exits or the timeout passes."""
+    import httpx
+
+    t0 = time.perf_counter()
+    while True:
+        if proc.poll() is not None:
+            err = proc.stderr.read()[-4000:] if proc.stderr else ""
+            raise RuntimeError(f"copt serve exited {proc.returncode} before it was healthy: {err}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        if time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"copt serve did not come up within {timeout:.0f} s")
+        time.sleep(0.3)
+
+
+async def http_request(client, url: str, prompt: list[int], max_tokens: int, stream: bool) -> dict:
+    body = {"model": "llama-1b-shape", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    t0 = time.perf_counter()
+    if not stream:
+        r = await client.post(url + "/v1/completions", json=body)
+        r.raise_for_status()
+        data = r.json()
+        return {"tokens": data["usage"]["completion_tokens"], "latency": time.perf_counter() - t0, "times": []}
+    body["stream_options"] = {"include_usage": True}
+    times, tokens = [], 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("usage"):
+                tokens = obj["usage"]["completion_tokens"]
+            if obj["choices"] and obj["choices"][0]["text"]:
+                times.append(time.perf_counter())
+    return {"tokens": tokens, "latency": time.perf_counter() - t0, "times": [t - t0 for t in times]}
+
+
+async def http_load(url: str, prompts: list[list[int]], max_tokens: int, stream: bool) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*[http_request(client, url, p, max_tokens, stream) for p in prompts])
+        wall = time.perf_counter() - t0
+    tokens = sum(o["tokens"] for o in out)
+    res = {"requests": len(out), "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
+    if stream:
+        ttft = [o["times"][0] for o in out if o["times"]]
+        itl = [b - a for o in out for a, b in zip(o["times"], o["times"][1:], strict=False)]
+        res["ttft_s"] = percentiles(ttft)
+        res["itl_s"] = percentiles(itl)
+        res["tpot_s"] = percentiles([(o["times"][-1] - o["times"][0]) / (len(o["times"]) - 1) for o in out
+                                     if len(o["times"]) > 1])
+    return res
+
+
+KERNEL_CATEGORIES = [  # first match wins; matched against the lower-cased kernel name
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul", "triton_tem")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("triton fused (compiled elementwise/norms/loss)", ("triton_",)),
+    ("copy/cast", ("copy", "memcpy", "memset", "cast", "fill")),
+    ("reduction/elementwise (eager)", ("reduce", "elementwise", "vectorized", "unrolled", "kernel")),
+]
+
+
+def summarize_kernels(prof, wall_s: float, steps: int) -> dict:  # noqa: ANN001
+    """Per step: wall ms, GPU kernel ms by category, the 25 costliest kernels."""
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        # kernels only: user annotations (e.g. "Optimizer.step#AdamW.step") span kernels already counted
+        if getattr(event, "device_type", None) is not None and str(event.device_type).endswith("CUDA") \
+                and event.device_time_total and not getattr(event, "is_user_annotation", False):
+            entry = kernels.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time_total / 1e3
+            entry[1] += 1
+    by_cat: dict[str, float] = {}
+    for name, (ms, _n) in kernels.items():
+        lower = name.lower()
+        cat = next((c for c, keys in KERNEL_CATEGORIES if any(k in lower for k in keys)), "other")
+        by_cat[cat] = by_cat.get(cat, 0.0) + ms / steps
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+    return {"steps": steps, "wall_ms_per_step": 1e3 * wall_s / steps,
+            "gpu_kernel_ms_per_step": sum(by_cat.values()),
+            "kernels_per_step": sum(count for _ms, count in kernels.values()) / steps,
+            "by_category_ms_per_step": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"name": n[:140], "ms_per_step": ms / steps, "calls_per_step": c / steps}
+                            for n, (ms, c) in top]}
