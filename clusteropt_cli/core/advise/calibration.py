@@ -15,10 +15,10 @@ GiB = 1024**3
 # measured 73.8 GiB / 42.5 GiB (checkpointing); this model gives 75.4 / 44.0 held, 71.4 / 40.1 not held.
 LOGITS_HELD_IN_BACKWARD = True
 # Saved activations of a torch.compile'd decoder layer (memory.compiled_layer_bytes_per_token) relative to the
-# minimal set the partitioner must keep. H200 anchor, bench/results/train-h200-2026-11-30/explore3 (copt train
-# defaults: compiled decoder, fused chunked loss, mask-free causal SDPA, fused AdamW), Llama-3.2-1B shape, 8 × 2048:
-# peak 43,496,511,488 bytes (40.5 GiB); FP8 (torchao Float8Linear + the same defaults), final/: 35,110,114,816
-# bytes (32.7 GiB). Fitted so that both anchors are met with the model's other terms.
+# minimal set the partitioner must keep. H200 anchor, docs/benchmarks.md#train (copt train defaults: compiled
+# decoder, fused chunked loss, mask-free causal SDPA, fused AdamW), Llama-3.2-1B shape, 8 × 2048: peak
+# 43,496,511,488 bytes (40.5 GiB); FP8 (torchao Float8Linear + the same defaults): 35,110,114,816 bytes (32.7 GiB).
+# Fitted so that both anchors are met with the model's other terms.
 COMPILED_ACTIVATION_FACTOR = {"default": 1.16, "fp8": 0.874}
 # Fraction the caching allocator reserves above the allocated peak (fragmentation, block rounding).
 # Seen on the H200: reserved/allocated 1.03–1.08 for steady training loops; 1.06 assumed.
