@@ -105,3 +105,16 @@ def test_example_parses(source: str, line: str):
     for override in ctx.params.get("overrides") or []:
         assert schema is not None, f"{source}: {line}: overrides on a command without a recipe schema"
         _check_override(schema, override)
+
+
+LAB_NOTES = re.compile(r"\bsessions?\b|\bruns? \d+|\.\./shared|shared_api|bench/results|explore\d|nvidia-h200", re.I)
+
+
+def test_no_lab_notes_in_the_product():
+    """What users read (package, docs, README, recipes) names no development runs or sessions, no paths outside the
+    repository and no raw results folders: measured figures are cited as docs/benchmarks.md#anchors."""
+    roots = [REPO / "clusteropt_cli", REPO / "docs", REPO / "recipes"]
+    files = [REPO / "README.md", *(p for root in roots for p in root.rglob("*") if p.suffix in (".py", ".md", ".yaml"))]
+    hits = [f"{p.relative_to(REPO)}:{n}: {line.strip()[:100]}" for p in files
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if LAB_NOTES.search(line)]
+    assert not hits, "\n".join(hits)
