@@ -248,10 +248,13 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l kv-cache-memory
 complete -c copt -n "__fish_seen_subcommand_from serve" -l kv-cache-memory-bytes
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-batch-size
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-batch-tokens
+complete -c copt -n "__fish_seen_subcommand_from serve" -l max-connections
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-model-len
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-num-batched-tokens
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-num-seqs
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-queue
+complete -c copt -n "__fish_seen_subcommand_from serve" -l max-request-bytes
+complete -c copt -n "__fish_seen_subcommand_from serve" -l metrics-public
 complete -c copt -n "__fish_seen_subcommand_from serve" -l no-async-scheduling
 complete -c copt -n "__fish_seen_subcommand_from serve" -l no-compile
 complete -c copt -n "__fish_seen_subcommand_from serve" -l no-cuda-graphs
@@ -261,6 +264,7 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l pipeline-parallel-siz
 complete -c copt -n "__fish_seen_subcommand_from serve" -l port
 complete -c copt -n "__fish_seen_subcommand_from serve" -l prompt-lookup
 complete -c copt -n "__fish_seen_subcommand_from serve" -l quantization
+complete -c copt -n "__fish_seen_subcommand_from serve" -l read-timeout
 complete -c copt -n "__fish_seen_subcommand_from serve" -l recipe
 complete -c copt -n "__fish_seen_subcommand_from serve" -l served-model-name
 complete -c copt -n "__fish_seen_subcommand_from serve" -l speculative-max-batch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -28,7 +29,8 @@ def serve(
                                                           "the installed one; for --dry-run without vLLM).")] = None,
     host: Annotated[str | None, typer.Option("--host", help="Address to bind (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port (default 8000).")] = None,
-    api_key: Annotated[str | None, typer.Option("--api-key", help="Require 'Authorization: Bearer KEY'.")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' (default: "
+                                                                 "$COPT_API_KEY, else $VLLM_API_KEY).")] = None,
     served_model_name: Annotated[str | None, typer.Option("--served-model-name",
                                                           help="Model id clients send (default: MODEL).")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="auto | bf16 | fp16 | fp32.")] = None,
@@ -81,6 +83,23 @@ def serve(
     grace_period: Annotated[float | None, typer.Option("--grace-period",
                                                        help="Seconds to finish in-flight requests on SIGTERM.")]
     = None,
+    max_request_bytes: Annotated[int | None, typer.Option("--max-request-bytes",
+                                                          help="Largest request body (413 beyond; default 16 MiB).")]
+    = None,
+    max_prompt_chars: Annotated[int | None, typer.Option("--max-prompt-chars",
+                                                         help="Most prompt characters tokenized (413 beyond; "
+                                                              "default 64 per token of context).")] = None,
+    trust_request_chat_template: Annotated[bool | None, typer.Option(
+        "--trust-request-chat-template", help="Render chat templates sent by clients (default: refused, 400).")]
+    = None,
+    metrics_public: Annotated[bool | None, typer.Option("--metrics-public",
+                                                        help="Serve /metrics without the API key.")] = None,
+    read_timeout: Annotated[float | None, typer.Option("--read-timeout",
+                                                       help="Seconds a connection may take to send a request "
+                                                            "(head, or between body pieces); default 30.")] = None,
+    max_connections: Annotated[int | None, typer.Option("--max-connections",
+                                                        help="Open connections at most (default: the open-file "
+                                                             "limit less 64).")] = None,
     dry_run: DryRunOpt = False,
     json_out: JsonOpt = False,
     recipe: RecipeOpt = None,
@@ -108,7 +127,19 @@ def serve(
         compile_mode=compile_mode, async_scheduling=async_scheduling, decode_attention=decode_attention,
         tensor_parallel=tensor_parallel,
         pipeline_parallel=pipeline_parallel, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-        grace_period=grace_period))
+        grace_period=grace_period, max_request_bytes=max_request_bytes, max_prompt_chars=max_prompt_chars,
+        trust_request_chat_template=trust_request_chat_template, metrics_public=metrics_public,
+        read_timeout=read_timeout, max_connections=max_connections))
+
+    from clusteropt_cli.core.serve.launch import is_loopback, resolve_api_key
+
+    key, key_source = resolve_api_key(settings)  # before anything loads: an empty or non-ASCII key is refused
+    if key_source in ("COPT_API_KEY", "VLLM_API_KEY"):
+        settings = settings.model_copy(update={"api_key": key})
+        os.environ.setdefault("VLLM_API_KEY", key)  # --engine vllm reads it there (not in its argv)
+    if key is None and not is_loopback(settings.host):
+        console.warn(f"binding {settings.host} without an API key: anyone who can reach this address can use the "
+                     "server. Pass --api-key (or set COPT_API_KEY).")
 
     from clusteropt_cli.core.serve.vllm import (
         choose_engine,

@@ -59,7 +59,9 @@ def metric(url: str, name: str, labels: str = "") -> float:
     import httpx
 
     key = f"{name}{{{labels}}}" if labels else name
-    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+    response = httpx.get(url + "/metrics", timeout=5)
+    response.raise_for_status()  # (behind the API key unless the server runs with --metrics-public)
+    for line in response.text.splitlines():
         if line.startswith(key + " "):
             return float(line.split()[-1])
     return 0.0

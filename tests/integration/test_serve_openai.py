@@ -18,7 +18,7 @@ KEY = "sk-test-copt"
 @pytest.fixture(scope="module")
 def server(fixtures):
     # small step budget so that long prompts go through several prefill chunks
-    with running_server(fixtures.teacher, "--api-key", KEY, "--max-batch-tokens", "48",
+    with running_server(fixtures.teacher, "--api-key", KEY, "--metrics-public", "--max-batch-tokens", "48",
                         "--served-model-name", "teacher", "--max-model-len", "512") as (url, proc):
         yield url
 
@@ -132,9 +132,9 @@ def test_bad_requests_get_their_status_and_server_stays_up(server, client):
         (b'{"prompt": "x", "max_tokens": ', 400),  # malformed JSON
         (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404),
         (json.dumps({"prompt": list(range(2, 600)), "max_tokens": 4}).encode(), 400),  # longer than the context
-        (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 422),
-        (json.dumps({"prompt": "x", "max_tokens": "many"}).encode(), 422),
-        (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), 422),
+        (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 400),
+        (json.dumps({"prompt": "x", "max_tokens": "many"}).encode(), 400),
+        (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), 400),
     ]
     for body, status in cases:
         r = httpx.post(url, content=body, headers=headers, timeout=30)

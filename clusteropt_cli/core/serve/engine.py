@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import sys
 import threading
 import time
 from collections import deque
@@ -46,6 +47,32 @@ class EngineStoppedError(CoptError):
     """The engine is not running (stopped, draining or crashed)."""
 
     exit_code = 1
+
+
+class EngineDeadError(EngineStoppedError):
+    """The engine hit an unrecoverable (device) error: every request fails and the server exits non-zero."""
+
+
+class InvalidRequestError(BadInputError):
+    """A request the engine cannot serve; `param` names the request field (the server answers 400)."""
+
+    def __init__(self, message: str, param: str, hint: str | None = None):
+        super().__init__(message, hint)
+        self.param = param
+
+
+# device errors after which the CUDA context cannot be trusted (vLLM: the engine is dead, the process exits)
+_FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS", "cuDNN error",
+                  "CUDA driver", "unspecified launch failure", "NCCL error")
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """Whether `exc` leaves the device unusable (a failed request cannot be told apart from the others)."""
+    accelerator_error = getattr(sys.modules.get("torch"), "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    text = f"{type(exc).__name__}: {exc}"
+    return any(marker in text for marker in _FATAL_MARKERS)
 
 
 @dataclass
@@ -314,7 +341,7 @@ class _Seq:
 
     __slots__ = ("req", "handle", "rid", "prompt", "out", "num_computed", "slot", "draft_computed", "settings",
                  "temperature", "top_p", "stop_ids", "max_new", "t_arrival", "t_first", "t_last", "drafted",
-                 "accepted", "finish_reason", "stop_reason", "text", "prompt_lp")
+                 "accepted", "finish_reason", "stop_reason", "text", "prompt_lp", "fault")
 
     def __init__(self, req: GenerationRequest, handle: RequestHandle, stop_ids: set[int], max_new: int,
                  settings: Any):
@@ -335,6 +362,7 @@ class _Seq:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.text: str | None = None
+        self.fault: str | None = None  # why this request failed alone (finish_reason "error")
 
     @property
     def length(self) -> int:
@@ -589,7 +617,8 @@ class Engine:
                                 hint="Pass max_tokens >= 1.")
         vocab = self.runner.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in request.prompt_ids):
-            raise BadInputError(f"Prompt token ids must be integers in [0, {vocab}).", hint="Check the prompt ids.")
+            raise InvalidRequestError(f"Prompt token ids must be integers in [0, {vocab}).", "prompt",
+                                      hint="Check the prompt ids.")
         if request.temperature < 0 or not 0 < request.top_p <= 1:
             raise BadInputError("temperature must be >= 0 and top_p in (0, 1].", hint="Fix the sampling options.")
         from clusteropt_cli.core.serve.device_sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS
@@ -599,15 +628,39 @@ class Engine:
                                 hint="Fix the sampling options.")
         bias = request.logit_bias or {}
         if len(bias) > MAX_LOGIT_BIAS or any(not 0 <= int(t) < vocab for t in bias):
-            raise BadInputError(f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids in [0, {vocab}).",
-                                hint="Check the logit_bias keys.")
+            raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids in [0, {vocab}).",
+                                      "logit_bias", hint="Check the logit_bias keys.")
         if request.min_tokens and len(set(request.stop_token_ids) | self.eos_ids) > MAX_STOP_IDS:
-            raise BadInputError(f"min_tokens suppresses at most {MAX_STOP_IDS} stop token ids.",
-                                hint="Send fewer stop_token_ids.")
+            raise InvalidRequestError(f"min_tokens suppresses at most {MAX_STOP_IDS} stop token ids.",
+                                      "stop_token_ids", hint="Send fewer stop_token_ids.")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(request, name)
             if k is not None and not 0 <= k <= 20:
-                raise BadInputError(f"{name} must be between 0 and 20.", hint=f"Pass {name} <= 20.", )
+                raise InvalidRequestError(f"{name} must be between 0 and 20.", name, hint=f"Pass {name} <= 20.")
+        self._validate_request_tensors(request, vocab)
+
+    def _validate_request_tensors(self, request: GenerationRequest, vocab: int) -> None:
+        """Everything else a request carries that reaches a tensor: ids index the logits and the sampler's rows,
+        floats become logits (a NaN or infinite one would poison the row: never admitted)."""
+        import math
+
+        bad = [t for t in request.stop_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids must be token ids in [0, {vocab}); got {bad[0]}.",
+                                      "stop_token_ids", hint="Send ids of the model's vocabulary.")
+        if request.min_tokens < 0 or request.min_tokens > request.max_new_tokens:
+            raise InvalidRequestError(f"min_tokens ({request.min_tokens}) must be between 0 and max_tokens "
+                                      f"({request.max_new_tokens}).", "min_tokens")
+        if request.min_tokens and len(set(request.stop_token_ids) | self.eos_ids) >= vocab:
+            raise InvalidRequestError("min_tokens with these stop_token_ids forbids every token of the vocabulary.",
+                                      "stop_token_ids", hint="Leave at least one token that does not stop.")
+        if request.seed is not None and not -(2**63) <= request.seed < 2**64:
+            raise InvalidRequestError("seed must be in [-2^63, 2^64).", "seed")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(float(getattr(request, name))):
+                raise InvalidRequestError(f"{name} must be a finite number.", name)
+        if any(not math.isfinite(float(v)) or abs(float(v)) > 100 for v in (request.logit_bias or {}).values()):
+            raise InvalidRequestError("logit_bias values must be numbers in [-100, 100].", "logit_bias")
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; returns at once with a handle (raises QueueFullError / BadInputError)."""
@@ -615,7 +668,7 @@ class Engine:
             raise EngineStoppedError("The engine is not accepting requests (stopped or draining).",
                                      hint="Start the engine (engine.start()) or wait for the restart.")
         if self.error is not None:
-            raise EngineStoppedError(f"The engine failed: {self.error}", hint="Restart the server.")
+            raise EngineDeadError(f"The engine failed: {self.error}", hint="Restart the server.")
         self.validate(request)
         with self._cond:
             # requests that will not find a free slot at the next step
@@ -674,17 +727,53 @@ class Engine:
             try:
                 with torch.inference_mode():
                     self._step()
-            except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
-                import traceback
-
-                traceback.print_exc()
-                for seq in list(self._running):
-                    self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-                self._running.clear()
+                    self._finish_faulted()
+            except Exception as exc:  # noqa: BLE001 - fail the batch (or the engine), never hang the clients
+                self._step_failed(exc)
+                if self.error is not None:
+                    return
             finally:
                 wakes, self._wakes = self._wakes, None
                 if wakes:
                     _wake_all(wakes)
+
+    # ---- faults --------------------------------------------------------------------------------------------
+    # A request whose own processing raises (its logits transform, its sampling row, its stop checks) fails alone:
+    # `_fault` marks it and the step goes on for the others. An exception no request can be blamed for fails the
+    # sequences of that step; a device error (the CUDA context is gone) kills the engine: every request fails,
+    # submit() raises EngineDeadError, and the server answers 503 on /health and exits non-zero.
+    def _fault(self, seq: _Seq, exc: BaseException) -> None:
+        if is_fatal_device_error(exc):
+            raise exc
+        import traceback
+
+        traceback.print_exc()
+        if seq.fault is None:
+            seq.finish_reason, seq.fault = "error", f"{type(exc).__name__}: {exc}"
+
+    def _finish_faulted(self) -> None:
+        for seq in [s for s in self._running if s.fault is not None]:
+            self._finish(seq, "error", error=seq.fault)
+
+    def _step_failed(self, exc: BaseException) -> None:
+        import traceback
+
+        traceback.print_exc()
+        message = f"{type(exc).__name__}: {exc}"
+        if is_fatal_device_error(exc):
+            self.error = exc
+            self._accepting = False
+            with self._cond:
+                doomed = list(self._running) + list(self._waiting) + list(self._incoming)
+                self._incoming.clear()
+            self._waiting.clear()
+            for seq in doomed:
+                self._finish(seq, "error", error=f"the engine failed: {message}")
+            self._running.clear()
+            return
+        for seq in list(self._running):
+            self._finish(seq, "error", error=message)
+        self._running.clear()
 
     def _step(self) -> None:
         stats = self.stats
@@ -702,8 +791,11 @@ class Engine:
         while self._waiting and self._free_slots:
             seq = self._waiting.popleft()
             seq.slot = heapq.heappop(self._free_slots)
-            self.runner.sampler.assign(seq.slot, seq.settings, seq.prompt)
             self._running.append(seq)
+            try:
+                self.runner.sampler.assign(seq.slot, seq.settings, seq.prompt)
+            except Exception as exc:  # noqa: BLE001 - this request's fault alone (finished after the step)
+                self._fault(seq, exc)
         # 3. decode (or speculate) for generating sequences
         decoding = [s for s in self._running if s.out and s.finish_reason is None]
         t1 = clock()
@@ -877,7 +969,23 @@ class Engine:
             self._wakes = {}
 
     def _choose(self, logits, seqs: list[_Seq]) -> list[int]:
-        """The next token of each sequence from its logits row (on the device), plus logprobs where asked."""
+        """The next token of each sequence from its logits row (on the device), plus logprobs where asked. When
+        the batched choice raises, rows are chosen one by one so that only the request that fails is failed."""
+        try:
+            return self._choose_rows(logits, seqs)
+        except Exception as exc:  # noqa: BLE001 - find the request that failed: choose row by row
+            if is_fatal_device_error(exc):
+                raise
+        tokens = []
+        for i, seq in enumerate(seqs):
+            try:
+                tokens.extend(self._choose_rows(logits[i : i + 1], [seq]))
+            except Exception as exc:  # noqa: BLE001 - this request's fault alone
+                self._fault(seq, exc)
+                tokens.append(0)
+        return tokens
+
+    def _choose_rows(self, logits, seqs: list[_Seq]) -> list[int]:
         from clusteropt_cli.core.serve.sampling import to_host
 
         sampler = self.runner.sampler
@@ -950,8 +1058,12 @@ class Engine:
         for seq in seqs:
             k = len(drafts[seq.rid])
             window = slice(row, row + k + 1)
-            tokens = speculative_accept(scaled[window], {n: v[window] for n, v in args.items()}, pos[window],
-                                        drafts[seq.rid], draft_probs.get(seq.rid), seq.settings)
+            try:
+                tokens = speculative_accept(scaled[window], {n: v[window] for n, v in args.items()}, pos[window],
+                                            drafts[seq.rid], draft_probs.get(seq.rid), seq.settings)
+            except Exception as exc:  # noqa: BLE001 - this request's fault alone
+                self._fault(seq, exc)
+                tokens = []
             row += k + 1
             accepted = len(tokens) - 1
             old_len = seq.length
@@ -1032,7 +1144,7 @@ class Engine:
         plain = 0
         for seq, tok in zip(seqs, tokens, strict=True):
             if (seq.t_first is None or seq.req.stop or tok in seq.stop_ids
-                    or len(seq.out) + 1 >= seq.max_new):
+                    or len(seq.out) + 1 >= seq.max_new or seq.finish_reason is not None):
                 self._emit(seq, [tok], now)
                 continue
             seq.out.append(tok)
@@ -1043,6 +1155,16 @@ class Engine:
         self.stats.generated_tokens += plain
 
     def _emit(self, seq: _Seq, tokens: list[int], now: float | None = None) -> None:
+        if seq.fault is not None:  # failed earlier in this step: its tokens are not its own
+            self._finish(seq, "error", error=seq.fault)
+            return
+        try:
+            self._emit_tokens(seq, tokens, now)
+        except Exception as exc:  # noqa: BLE001 - this request's fault alone
+            self._fault(seq, exc)
+            self._finish(seq, "error", error=seq.fault)
+
+    def _emit_tokens(self, seq: _Seq, tokens: list[int], now: float | None = None) -> None:
         now = time.perf_counter() if now is None else now
         new: list[int] = []
         for tok in tokens:

@@ -17,6 +17,48 @@ def _check_model_dir(path: str, flag: str) -> None:
                             hint="Pass a Hugging Face model directory; copt never downloads weights.")
 
 
+API_KEY_ENV = ("COPT_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key / api_key is not given
+
+
+def resolve_api_key(settings: Any, environ: dict[str, str] | None = None) -> tuple[str | None, str | None]:
+    """(key, where it came from): --api-key / the recipe's api_key, else the first of API_KEY_ENV that is set (so
+    the key need not appear in `ps`). An empty or non-ASCII key is refused before anything loads."""
+    import os
+
+    from clusteropt_cli.recipe.schema.serve import api_key_problems
+
+    if settings.api_key is not None:
+        return settings.api_key, "--api-key"
+    env = os.environ if environ is None else environ
+    for name in API_KEY_ENV:
+        if name in env:
+            problems = api_key_problems(env[name], name)
+            if problems:
+                raise BadInputError(problems[0] + ".", hint=f"Set {name} to the key, or unset it.")
+            return env[name], name
+    return None, None
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def server_limits(settings: Any) -> Any:
+    from clusteropt_cli.core.serve.server import ServerLimits
+
+    return ServerLimits(max_request_bytes=settings.max_request_bytes, max_prompt_chars=settings.max_prompt_chars,
+                        trust_request_chat_template=settings.trust_request_chat_template,
+                        metrics_public=settings.metrics_public, read_timeout=settings.read_timeout,
+                        max_connections=settings.max_connections)
+
+
 def check_settings(settings: Any) -> None:
     """Validate what can be checked before loading anything (paths, port, option combinations)."""
     from clusteropt_cli.deps import require
@@ -68,4 +110,5 @@ def serve_transformers(settings: Any, on_ready: Callable[[str, dict], None] | No
             "attention": engine.runner.attention_path}
     return run_server(engine, host=settings.host, port=settings.port, served_model_name=name,
                       api_key=settings.api_key, grace_period=settings.grace_period,
-                      on_ready=(lambda url: on_ready(url, info)) if on_ready else None)
+                      on_ready=(lambda url: on_ready(url, info)) if on_ready else None,
+                      limits=server_limits(settings))

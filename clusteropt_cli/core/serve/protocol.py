@@ -1,10 +1,18 @@
-"""OpenAI-compatible request bodies. Unknown fields (vLLM/benchmark extras) are tolerated, typed fields are checked."""
+"""OpenAI-compatible request bodies. Unknown fields (vLLM/benchmark extras) are tolerated, typed fields are checked,
+and a field the server cannot honour is refused by name (`UNSUPPORTED_FIELDS`), never silently ignored."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM clients sometimes send more
+MAX_STOP_CHARS = 256  # characters per stop string
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
 
 
 class _Body(BaseModel):
@@ -18,12 +26,22 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
     # vLLM extras that benchmark clients send
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_caps(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
+        return value
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -51,7 +69,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.get("text", "") for part in self.content if part.get("type", "text") == "text")
+        return "".join(str(part.get("text", "")) for part in self.content if part.get("type", "text") == "text")
 
 
 class ChatBody(_Body):
@@ -62,10 +80,77 @@ class ChatBody(_Body):
     logprobs: bool | None = None
 
 
+def _unset(*defaults: Any) -> Callable[[Any, Any], bool]:
+    """Honourable when the field is absent or has one of `defaults` (the value that changes nothing)."""
+    return lambda value, body: value is None or any(
+        value == d and isinstance(value, bool) == isinstance(d, bool) for d in defaults)
+
+
+# Request fields the server cannot honour yet: field -> whether the value sent can be served as is. A request with
+# any other value gets 400 naming the field (never silently ignored). Remove a row when the feature lands.
+UNSUPPORTED_FIELDS: dict[str, Callable[[Any, Any], bool]] = {
+    "n": _unset(1),
+    "best_of": _unset(1),
+    "logprobs": lambda v, b: v is None or v is False,  # completions: an int (0 asks for the chosen token's)
+    "top_logprobs": _unset(0),
+    "prompt_logprobs": _unset(),
+    "echo": lambda v, b: not v or not b.stream,  # echo works without streaming
+    "logit_bias": lambda v, b: not v,
+    "suffix": lambda v, b: not v,
+    "tools": lambda v, b: not v,
+    "tool_choice": _unset("none", "auto"),  # without tools, "auto" and "none" mean plain text
+    "functions": lambda v, b: not v,
+    "function_call": _unset("none", "auto"),
+    "response_format": lambda v, b: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "presence_penalty": _unset(0, 0.0),
+    "frequency_penalty": _unset(0, 0.0),
+    "repetition_penalty": _unset(1, 1.0),
+    "top_k": _unset(0, -1),
+    "min_p": _unset(0, 0.0),
+    "use_beam_search": lambda v, b: not v,
+    "length_penalty": _unset(1, 1.0),
+    "include_stop_str_in_output": lambda v, b: not v,
+    "skip_special_tokens": _unset(True),
+    "allowed_token_ids": _unset(),
+    "bad_words": lambda v, b: not v,
+    "truncate_prompt_tokens": _unset(),
+    "guided_json": _unset(),
+    "guided_regex": _unset(),
+    "guided_choice": _unset(),
+    "guided_grammar": _unset(),
+    "structured_outputs": _unset(),
+    "prompt_embeds": _unset(),
+    "audio": _unset(),
+    "modalities": lambda v, b: v is None or v == ["text"],
+    "prediction": _unset(),
+}
+
+
+def unsupported_field(body: BaseModel) -> str | None:
+    """The first field of `body` the server cannot honour, or None."""
+    extra = body.model_extra or {}
+    for name, honourable in UNSUPPORTED_FIELDS.items():
+        if name in extra:
+            value = extra[name]
+        elif name in type(body).model_fields:
+            value = getattr(body, name)
+        else:
+            continue
+        if not honourable(value, body):
+            return name
+    if isinstance(body, ChatBody):
+        for i, message in enumerate(body.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                if part.get("type", "text") != "text":
+                    return f"messages[{i}].content[{j}].type"
+    return None
+
+
 def openai_error(message: str, status: int, err_type: str | None = None, param: str | None = None,
                  code: str | int | None = None) -> dict[str, Any]:
     """An error body in OpenAI's shape."""
     default_type = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+                    413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+                    503: "service_unavailable"}
     return {"error": {"message": message, "type": err_type or default_type.get(status, "server_error"),
                       "param": param, "code": code if code is not None else status}}

@@ -3,28 +3,81 @@
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE streaming with `data: [DONE]`),
 GET /health, GET /metrics (Prometheus). Errors use OpenAI's JSON shape. SIGTERM stops accepting new work,
 lets in-flight requests finish within the grace period, then the process exits 0.
+
+One client cannot hurt the others: bodies are capped (413) and read with a timeout, JSON parsing, chat templates
+and tokenization run on worker threads (the event loop only moves bytes), every request field that reaches a
+tensor is validated before admission (400 naming the field), a request that fails inside an engine step fails alone
+(500), and an unrecoverable device error marks the engine dead (/health 503, every request 500) and the process
+exits with status 1 so a supervisor restarts it. Connections that send no complete request within the read timeout
+are closed, and connections beyond --max-connections are closed at once.
 """
 
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from clusteropt_cli.core.serve.engine import (
     Engine,
+    EngineDeadError,
     EngineObserver,
     EngineStoppedError,
     GenerationRequest,
     GenerationResult,
+    InvalidRequestError,
     QueueFullError,
     RequestHandle,
     TextStream,
 )
 from clusteropt_cli.errors import BadInputError
+
+ENGINE_DEAD_EXIT = 1  # the engine died of a device error: non-zero so that a supervisor restarts the server
+
+
+@dataclass
+class ServerLimits:
+    """What one request or connection may cost the server (defaults: ServeRecipe)."""
+
+    max_request_bytes: int = 16 * 2**20
+    max_prompt_chars: int | None = None  # None: 64 characters per token of --max-model-len
+    trust_request_chat_template: bool = False
+    metrics_public: bool = False
+    read_timeout: float = 30.0  # seconds to send a request's headers, and between two pieces of its body
+    max_connections: int | None = None  # None: from the open-file limit
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        return self.max_prompt_chars or max(65_536, 64 * max_model_len)
+
+
+# names apply_chat_template gives meaning to itself: never taken from a request's chat_template_kwargs
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "tokenize", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "add_generation_prompt", "continue_final_message"})
+
+
+def template_variables(tokenizer: Any) -> frozenset[str]:
+    """The variables the model's own chat template reads: the only chat_template_kwargs passed on."""
+    template = getattr(tokenizer, "chat_template", None)
+    sources = list(template.values()) if isinstance(template, dict) else [template] if template else []
+    names: set[str] = set()
+    try:
+        import jinja2
+        from jinja2 import meta
+
+        env = jinja2.Environment()
+        for source in sources:
+            names |= meta.find_undeclared_variables(env.parse(source))
+    except Exception:  # noqa: BLE001 - an unparsable template: pass no kwargs at all
+        return frozenset()
+    return frozenset(names - _RESERVED_TEMPLATE_KWARGS)
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -146,30 +199,44 @@ def _sse(payload: dict[str, Any] | str) -> str:
 
 
 def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = None,
-              metrics: ServerMetrics | None = None):
+              metrics: ServerMetrics | None = None, limits: ServerLimits | None = None):
     """The FastAPI app (the engine must be started)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from pydantic import ValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from clusteropt_cli.core.serve.protocol import ChatBody, CompletionBody, openai_error
+    from clusteropt_cli.core.serve.protocol import ChatBody, CompletionBody, openai_error, unsupported_field
 
     app = FastAPI(title="copt serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
     metrics = metrics or ServerMetrics(engine)
+    limits = limits or ServerLimits()
+    max_prompt_chars = limits.prompt_chars(engine.max_model_len)
     tokenizer = engine.tokenizer
+    template_kwargs = template_variables(tokenizer)
     created = int(time.time())
+    # CPU work of the front end (JSON parsing, chat templates, tokenization) runs here, never on the event loop
+    workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="copt-frontend")
+    app.state.workers = workers
+
+    async def off_loop(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(workers, lambda: fn(*args, **kwargs))
 
     def error(status: int, message: str, **kw: Any) -> JSONResponse:
         return JSONResponse(openai_error(message, status, **kw), status_code=status)
 
     endpoints = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-    expected_auth = f"Bearer {api_key}".encode("latin-1") if api_key else None
+    expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
-    class AuthAndCount:
-        """API-key check and request counting as a plain ASGI middleware (Starlette's BaseHTTPMiddleware would
-        relay every streamed chunk through an extra memory stream and task)."""
+    def protected(path: str) -> bool:
+        return path.startswith("/v1") or (path == "/metrics" and not limits.metrics_public)
+
+    class AuthLimitsAndCount:
+        """API-key check (constant time), the request-body cap and read timeout, and request counting, as a plain
+        ASGI middleware (Starlette's BaseHTTPMiddleware would relay every streamed chunk through an extra memory
+        stream and task)."""
 
         def __init__(self, app: Any):
             self.app = app
@@ -179,15 +246,24 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
                 await self.app(scope, receive, send)
                 return
             path = scope.get("path", "")
-            if expected_auth is not None and path.startswith("/v1"):
-                header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-                if header != expected_auth:
-                    metrics.requests.labels(path, "401").inc()
-                    response = error(401, "Missing or wrong API key (send 'Authorization: Bearer KEY').",
-                                     code="invalid_api_key")
-                    await response(scope, receive, send)
-                    return
             endpoint = path if path in endpoints else "other"
+
+            async def reply(response: JSONResponse) -> None:
+                metrics.requests.labels(endpoint, str(response.status_code)).inc()
+                await response(scope, receive, send)
+
+            if expected_auth is not None and protected(path):
+                header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+                if not hmac.compare_digest(header, expected_auth):
+                    await reply(error(401, "Missing or wrong API key (send 'Authorization: Bearer KEY').",
+                                      code="invalid_api_key"))
+                    return
+            if scope.get("method") == "POST":
+                body = await read_body(scope, receive)
+                if isinstance(body, JSONResponse):
+                    await reply(body)
+                    return
+                receive = replay(body, receive)
 
             async def counting_send(message: dict) -> None:
                 if message["type"] == "http.response.start":
@@ -196,22 +272,91 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
 
             await self.app(scope, receive, counting_send)
 
-    app.add_middleware(AuthAndCount)
+    def too_large(size: int | None = None) -> JSONResponse:
+        got = f" ({size} bytes)" if size is not None else ""
+        response = error(413, f"The request body is larger than this server accepts{got}: at most "
+                              f"{limits.max_request_bytes} bytes (--max-request-bytes).", param=None,
+                         code="request_too_large")
+        response.headers["Connection"] = "close"
+        return response
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        malformed = ("json_invalid", "model_attributes_type", "dict_type")
-        if any(e.get("type") in malformed and tuple(e.get("loc", ()))[:1] == ("body",) and len(e.get("loc", ())) <= 2
-               for e in errors):
-            return error(400, "The request body is not valid JSON.")
+    async def read_body(scope: dict, receive: Callable) -> bytes | JSONResponse:
+        """The whole body, refused (413) past the cap before it is read, closed (408) when it stalls."""
+        length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                return error(400, "Invalid Content-Length header.")
+            if declared > limits.max_request_bytes:
+                return too_large(declared)
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), timeout=limits.read_timeout)
+            except TimeoutError:
+                response = error(408, f"The request body did not arrive within {limits.read_timeout:g} s.")
+                response.headers["Connection"] = "close"
+                return response
+            if message["type"] == "http.disconnect":
+                return error(499, "Client disconnected.")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limits.max_request_bytes:
+                return too_large()
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def replay(body: bytes, receive: Callable) -> Callable:
+        sent = False
+
+        async def again() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return again
+
+    app.add_middleware(AuthLimitsAndCount)
+
+    def invalid(errors: list[dict[str, Any]], in_body: bool = True) -> JSONResponse:
+        malformed = ("json_invalid", "json_type", "model_attributes_type", "model_type", "dict_type")
+        for e in errors:
+            loc = tuple(p for p in e.get("loc", ()) if p != "body")
+            if e.get("type") in malformed and len(loc) == 0:
+                detail = str(e.get("msg", "")).removeprefix("Invalid JSON: ")
+                return error(400, f"The request body is not valid JSON (UTF-8 text without lone surrogates): "
+                                  f"{detail}.")
         parts = []
         for e in errors[:5]:
             loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
             parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
         first = errors[0].get("loc", ()) if errors else ()
         param = ".".join(str(p) for p in first if p != "body") or None
-        return error(422, "Invalid request: " + "; ".join(parts), param=param)
+        return error(400, "Invalid request: " + "; ".join(parts), param=param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return invalid(list(exc.errors()))
+
+    async def parse(request: Request, model: type) -> Any:
+        """The body as `model`, parsed on a worker thread; an error response when it is malformed."""
+        raw = await request.body()
+        try:
+            body = await off_loop(model.model_validate_json, raw)
+        except ValidationError as exc:
+            return invalid(list(exc.errors()))
+        bad = check_model(body.model)
+        if bad is not None:
+            return bad
+        field_ = unsupported_field(body)
+        if field_ is not None:
+            return error(400, f"'{field_}' is not supported by this server (copt serve); remove it from the "
+                              "request.", param=field_, code="unsupported_parameter")
+        return body
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -225,8 +370,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     async def health():
         if app.state.draining:
             return error(503, "The server is shutting down.")
-        if engine.error is not None:
-            return error(503, f"The engine failed: {engine.error}")
+        if engine_dead():
+            return error(503, f"The engine failed: {engine.error or 'its thread is gone'}")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -246,6 +391,10 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             return error(404, f"The model '{name}' does not exist; this server serves '{served_model_name}'.",
                          err_type="not_found_error", param="model", code="model_not_found")
         return None
+
+    def engine_dead() -> bool:
+        thread = engine._thread
+        return engine.error is not None or (thread is not None and not thread.is_alive())
 
     defaults = getattr(engine, "sampling_defaults", None) or {}  # generation_config.json, as vLLM applies it
 
@@ -267,9 +416,20 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         except (BadInputError, QueueFullError, EngineStoppedError) as exc:
             for h in handles:
                 h.cancel()
+            if isinstance(exc, EngineDeadError):
+                return error(500, exc.message, err_type="server_error", code="engine_dead")
             status = 400 if isinstance(exc, BadInputError) else 429 if isinstance(exc, QueueFullError) else 503
-            return error(status, exc.message, param="prompt" if status == 400 else None)
+            param = exc.param if isinstance(exc, InvalidRequestError) else "prompt" if status == 400 else None
+            return error(status, exc.message, param=param)
         return handles
+
+    def failed(results: list[GenerationResult]) -> JSONResponse | None:
+        """A 500 for a request the engine failed (its own fault in a step, or a dead engine)."""
+        for r in results:
+            if r.finish_reason == "error":
+                return error(500, f"The request failed in the engine: {r.error}", err_type="server_error",
+                             code="engine_dead" if engine.error is not None else "request_failed")
+        return None
 
     async def await_results(request: Request, handles: list[RequestHandle]) -> list[GenerationResult]:
         tasks = [asyncio.ensure_future(h.wait()) for h in handles]
@@ -300,6 +460,10 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
 
     def finish_reason(result: GenerationResult) -> str:
         return result.finish_reason if result.finish_reason in ("stop", "length") else "abort"
+
+    def too_long_prompt(chars: int, param: str) -> JSONResponse:
+        return error(413, f"The prompt has {chars} characters; this server accepts at most {max_prompt_chars} "
+                          "(--max-prompt-chars).", param=param, code="prompt_too_long")
 
     async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, list[int] | None]]:
         """Token chunks of several handles as (index, ids); (index, None) when one finishes."""
@@ -365,6 +529,10 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
                             yield token_event(index, delta)
                         continue
                     result = handles[index].result()
+                    if result.finish_reason == "error":  # the status line is sent: an error event, as vLLM does
+                        yield _sse(openai_error(f"The request failed in the engine: {result.error}", 500))
+                        yield _sse("[DONE]")
+                        return
                     tail = streams[index].finish(result.text)
                     yield _sse(chunk(index, tail, finish_reason(result)))
                 if body.include_usage():
@@ -380,20 +548,23 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def encode_all(texts: list[str]) -> list[list[int]]:
+        return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request):
-        bad = check_model(body.model)
-        if bad is not None:
-            return bad
-        if body.n != 1:
-            return error(400, "Only n=1 is supported.", param="n")
+    async def completions(request: Request):
+        body = await parse(request, CompletionBody)
+        if isinstance(body, JSONResponse):
+            return body
         prompt = body.prompt
-        if isinstance(prompt, str):
-            prompts = [tokenizer.encode(prompt, add_special_tokens=False)]
+        if isinstance(prompt, str) or (prompt and all(isinstance(p, str) for p in prompt)):
+            texts = [prompt] if isinstance(prompt, str) else list(prompt)
+            chars = sum(len(t) for t in texts)
+            if chars > max_prompt_chars:
+                return too_long_prompt(chars, "prompt")
+            prompts = await off_loop(encode_all, texts)
         elif prompt and all(isinstance(p, int) for p in prompt):
             prompts = [list(prompt)]
-        elif prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompt]
         elif prompt and all(isinstance(p, list) for p in prompt):
             prompts = [list(p) for p in prompt]
         else:
@@ -409,31 +580,53 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             results = await await_results(request, handles)
         except _ClientGone:
             return error(499, "Client disconnected.")
+        bad = failed(results)
+        if bad is not None:
+            return bad
+        echoed = (await off_loop(lambda: [tokenizer.decode(r.prompt_ids, skip_special_tokens=True)
+                                          for r in results])) if body.echo else None
         choices = []
         for i, r in enumerate(results):
             text = r.text or ""
-            if body.echo and isinstance(prompt, (str, list)):
-                text = tokenizer.decode(r.prompt_ids, skip_special_tokens=True) + text
+            if echoed is not None:
+                text = echoed[i] + text
             choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason(r),
                             "stop_reason": r.stop_reason, **token_ids(body, r)})
         return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
                 "model": served_model_name, "choices": choices, "usage": usage(results)}
 
+    def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool, kwargs: dict[str, Any]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
+        return tokenizer.encode(text, add_special_tokens=False)
+
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, request: Request):
-        bad = check_model(body.model)
-        if bad is not None:
-            return bad
-        if body.n != 1:
-            return error(400, "Only n=1 is supported.", param="n")
+    async def chat(request: Request):
+        body = await parse(request, ChatBody)
+        if isinstance(body, JSONResponse):
+            return body
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > max_prompt_chars:
+            return too_long_prompt(chars, "messages")
+        requested = dict(body.chat_template_kwargs or {})
+        request_template = requested.pop("chat_template", None)
+        where = "chat_template_kwargs.chat_template"
+        if request_template is None and (body.model_extra or {}).get("chat_template") is not None:
+            request_template, where = body.model_extra["chat_template"], "chat_template"  # vLLM's top-level field
+        if request_template is not None and not limits.trust_request_chat_template:
+            return error(400, "A chat template sent with the request is refused; the server uses the model's own "
+                              "(start it with --trust-request-chat-template to allow them).",
+                         param=where, code="unsupported_parameter")
+        kwargs = {k: v for k, v in requested.items() if k in template_kwargs}
+        if request_template is not None:
+            if not isinstance(request_template, str) or len(request_template) > max_prompt_chars:
+                return error(400, "chat_template must be a string of a reasonable size.", param=where)
+            kwargs["chat_template"] = request_template
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=body.add_generation_prompt,
-                                                 **(body.chat_template_kwargs or {}))
+            prompt_ids = await off_loop(render_chat, messages, body.add_generation_prompt, kwargs)
         except Exception as exc:  # noqa: BLE001 - template errors are the client's
             return error(400, f"Cannot apply the chat template: {exc}", param="messages")
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, engine.max_model_len - len(prompt_ids))
@@ -446,6 +639,9 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             results = await await_results(request, handles)
         except _ClientGone:
             return error(499, "Client disconnected.")
+        bad = failed(results)
+        if bad is not None:
+            return bad
         r = results[0]
         return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
                 "model": served_model_name,
@@ -457,23 +653,102 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     return app
 
 
+def raise_open_file_limit() -> int:
+    """Raise the soft open-file limit to the hard one (as vLLM does); returns the soft limit now in force."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65_536)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        return int(soft) if soft != resource.RLIM_INFINITY else 65_536
+    except (ImportError, ValueError, OSError):
+        return 1024
+
+
+def guarded_protocol(read_timeout: float, max_connections: int) -> type:
+    """uvicorn's HTTP protocol (httptools or h11, as uvicorn picks) that closes a connection which has not sent a
+    complete request head within `read_timeout` seconds of connecting or of its previous response (half-open and
+    slowloris connections), and closes connections beyond `max_connections` as soon as they are accepted."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                transport.close()
+                return
+            self._arm_head_timer()
+
+        def _arm_head_timer(self) -> None:
+            self._cancel_head_timer()
+            self._head_timer = self.loop.call_later(read_timeout, self._head_timed_out)
+
+        def _cancel_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_head_timer()
+            super().connection_lost(exc)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_head_timer()
+
+        # httptools: the parser calls this when the request head is complete
+        def on_headers_complete(self) -> None:
+            self._cancel_head_timer()
+            super().on_headers_complete()
+
+        # h11: the head is complete once the client's state left IDLE
+        def handle_events(self) -> None:
+            super().handle_events()
+            conn = getattr(self, "conn", None)
+            if conn is not None and self._head_timer is not None:
+                import h11
+
+                if conn.their_state is not h11.IDLE:
+                    self._cancel_head_timer()
+
+    return GuardedHTTPProtocol
+
+
 def run_server(engine: Engine, *, host: str, port: int, served_model_name: str, api_key: str | None = None,
                grace_period: float = 30.0, on_ready: Callable[[str], None] | None = None,
-               log_level: str = "warning") -> int:
-    """Serve until SIGTERM/SIGINT; then drain (no new requests, in-flight ones finish) and return 0."""
+               log_level: str = "warning", limits: ServerLimits | None = None, dead_linger_s: float = 1.0) -> int:
+    """Serve until SIGTERM/SIGINT; then drain (no new requests, in-flight ones finish) and return 0. When the
+    engine dies (an unrecoverable device error) the server answers 503/500 for `dead_linger_s` seconds, stops and
+    returns ENGINE_DEAD_EXIT."""
     import contextlib
     import signal
     import sys
 
     import uvicorn
 
+    limits = limits or ServerLimits()
     # the engine thread and the event loop share the GIL: switch often so HTTP I/O is not starved by the scheduler
     sys.setswitchinterval(0.0005)
+    open_files = raise_open_file_limit()
+    max_connections = limits.max_connections or max(32, open_files - 64)
     metrics = ServerMetrics(engine)
     engine.observer = metrics
-    app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics=metrics)
+    app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics=metrics, limits=limits)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=grace_period, lifespan="off", timeout_keep_alive=30)
+                            timeout_graceful_shutdown=grace_period, lifespan="off", timeout_keep_alive=5,
+                            http=guarded_protocol(limits.read_timeout, max_connections))
+    dead = False
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -494,17 +769,37 @@ def run_server(engine: Engine, *, host: str, port: int, served_model_name: str, 
 
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
+            if self.started:
+                self._watchdog = asyncio.ensure_future(self._watch_engine())
             if on_ready is not None and self.started:
                 bound = [s.getsockname() for srv in self.servers for s in srv.sockets]
                 actual = bound[0][1] if bound else port
                 on_ready(f"http://{host}:{actual}")
+
+        async def _watch_engine(self) -> None:
+            """A dead engine cannot recover: let the in-flight requests get their 500, then stop (non-zero)."""
+            nonlocal dead
+            while not self.should_exit:
+                thread = engine._thread
+                if engine.error is not None or (thread is not None and not thread.is_alive()):
+                    dead = True
+                    sys.stderr.write(f"copt serve: the engine failed ({engine.error}); exiting so that a "
+                                     "supervisor can restart the server\n")
+                    await asyncio.sleep(dead_linger_s)  # the failed requests' 500s and error events go out
+                    app.state.draining = True
+                    self.should_exit = True
+                    return
+                await asyncio.sleep(0.2)
 
     server = _Server(config)
     try:
         server.run()
     finally:
         deadline = time.time() + grace_period
-        while not engine.idle and time.time() < deadline:
+        while not dead and not engine.idle and time.time() < deadline:
             time.sleep(0.05)
         engine.stop()
+        app.state.workers.shutdown(wait=False, cancel_futures=True)
+    if dead:
+        return ENGINE_DEAD_EXIT
     return 0 if server.started else 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -140,8 +141,10 @@ def plan_vllm_command(settings: Any, version: str | None = None) -> VllmPlan:
     cmd += ["--host", settings.host, "--port", str(settings.port), "--dtype", DTYPES[settings.dtype]]
     if settings.served_model_name:
         cmd += ["--served-model-name", settings.served_model_name]
-    if settings.api_key:
+    if settings.api_key and os.environ.get("VLLM_API_KEY") != settings.api_key:  # from the environment: not in argv
         cmd += ["--api-key", settings.api_key]
+    if settings.trust_request_chat_template:
+        cmd += ["--trust-request-chat-template"]
     # only what the user set: vLLM picks --max-num-seqs (1024 on large GPUs) and the block size per backend
     if _user_set(settings, "max_batch_size"):
         cmd += ["--max-num-seqs", str(settings.max_batch_size)]

@@ -9,6 +9,18 @@ from pydantic import Field, PositiveInt, field_validator, model_validator
 from clusteropt_cli.recipe.schema.base import Prediction, Strict
 
 
+def api_key_problems(key: str, source: str) -> list[str]:
+    """Why `key` cannot be the server's API key: empty (an unset shell variable) or not printable ASCII (an HTTP
+    header carries it)."""
+    if key == "":
+        return [f"{source}: the API key is empty (an unset shell variable?); give a key, or leave it out to serve "
+                "without one"]
+    if not key.isascii() or not key.isprintable() or key != key.strip():
+        return [f"{source}: the API key must be printable ASCII without surrounding spaces (clients send it in an "
+                "HTTP header)"]
+    return []
+
+
 class ServeRecipe(Strict):
     """copt serve."""
 
@@ -63,6 +75,18 @@ class ServeRecipe(Strict):
     pipeline_parallel: PositiveInt = 1
     quantization: str | None = Field(None, description="vLLM --quantization (awq, gptq, fp8, compressed-tensors).")
     grace_period: float = Field(30.0, ge=0, description="Seconds to finish in-flight requests on SIGTERM.")
+    max_request_bytes: PositiveInt = Field(16 * 2**20, description="Largest request body accepted (413 beyond).")
+    max_prompt_chars: PositiveInt | None = Field(
+        None, description="Most characters of a prompt (or of a chat's messages) tokenized; 413 beyond. None = 64 "
+        "per token of max_model_len (at least 65,536).")
+    trust_request_chat_template: bool = Field(
+        False, description="Render chat templates that requests send (chat_template / chat_template_kwargs); off: "
+        "400, only the model's own template is used.")
+    metrics_public: bool = Field(False, description="Serve /metrics without the API key.")
+    read_timeout: float = Field(30.0, gt=0, description="Seconds a connection may take to send a request head, "
+                                                       "and between two pieces of a body; then it is closed.")
+    max_connections: PositiveInt | None = Field(
+        None, description="Open connections at most; more are closed at once. None = the open-file limit less 64.")
     prediction: Prediction | None = None
 
     @field_validator("engine", mode="before")
@@ -80,6 +104,8 @@ class ServeRecipe(Strict):
     @model_validator(mode="after")
     def _check_serve(self) -> ServeRecipe:
         problems = []
+        if self.api_key is not None:
+            problems.extend(api_key_problems(self.api_key, "api_key"))
         if self.kv_cache_blocks is not None and self.kv_cache_memory is not None:
             problems.append("kv_cache_blocks: give kv_cache_blocks or kv_cache_memory, not both")
         if self.draft_model and self.prompt_lookup:

@@ -1,0 +1,412 @@
+"""`copt serve` against hostile clients: one request can fail only itself, never freeze or poison the server.
+
+Poison payloads and malformed fields get a 4xx naming the field while other requests keep streaming; injected
+faults in an engine step fail only the request they belong to; a device error kills the engine (/health 503,
+every request 500, run_server returns non-zero); big bodies, prompts and template bombs never stall /health;
+half-open connections are closed; the API key holds (empty keys refused, /metrics behind it)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from tests.integration.test_serve_helpers import free_port, running_server
+
+pytestmark = pytest.mark.slow
+KEY = "sk-hostile"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+POISON = {"prompt": "x", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [999999]}
+
+
+@pytest.fixture(scope="module")
+def server(fixtures):
+    with running_server(fixtures.teacher, "--api-key", KEY, "--max-model-len", "512", "--read-timeout", "2",
+                        "--max-connections", "40") as (url, proc):
+        yield url
+
+
+def stream(url: str, body: dict, headers: dict | None = None) -> dict:
+    """One streamed completion: its text, last finish_reason and any error event."""
+    out = {"text": "", "finish_reason": None, "error": None, "status": None}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=headers or AUTH,
+                      timeout=120) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out["error"] = event["error"]
+                continue
+            for choice in event["choices"]:
+                out["text"] += choice["text"]
+                out["finish_reason"] = choice["finish_reason"] or out["finish_reason"]
+    return out
+
+
+@contextmanager
+def health_watch(url: str):
+    """Polls /health while the block runs; yields the list of (status, seconds) samples."""
+    samples: list[tuple[int, float]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(timeout=10) as client:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    status = client.get(url + "/health").status_code
+                except httpx.HTTPError:
+                    status = -1
+                samples.append((status, time.perf_counter() - t0))
+                time.sleep(0.05)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
+
+
+def six_streams(url: str, tokens: int = 40) -> list:
+    pool = ThreadPoolExecutor(6)
+    return [pool.submit(stream, url, {"prompt": f"def f{i}(x):", "max_tokens": tokens, "temperature": 0,
+                                      "ignore_eos": True}) for i in range(6)]
+
+
+def test_poison_request_is_refused_while_six_others_stream(server):
+    futures = six_streams(server)
+    time.sleep(0.3)
+    r = httpx.post(server + "/v1/completions", json=POISON, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+    # suppressing every token of the vocabulary (min_tokens with all ids as stop ids, sampling) is refused too
+    r = httpx.post(server + "/v1/completions", headers=AUTH, timeout=30, json={
+        "prompt": "x", "max_tokens": 4, "min_tokens": 2, "temperature": 1.0, "stop_token_ids": list(range(1024))})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+    results = [f.result(timeout=120) for f in futures]
+    assert [r["finish_reason"] for r in results] == ["length"] * 6
+    assert all(r["error"] is None and r["text"] for r in results)
+    assert httpx.get(server + "/health").status_code == 200
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": [5, 999999], "max_tokens": 4}, "prompt"),
+    ({"prompt": [[5, 6], [7, -1]], "max_tokens": 4}, "prompt"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids.0"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 9}, "min_tokens"),
+    ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "seed": -(2**63) - 1}, "seed"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
+    ({"prompt": "x", "stop": "s" * 300}, "stop"),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "echo": True, "stream": True}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "top_k": 5}, "top_k"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_fields_get_400_naming_the_field(server, body, param):
+    r = httpx.post(server + "/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and set(error) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),
+])
+def test_chat_fields_the_server_cannot_honour_get_400(server, extra, param):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    r = httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_lone_surrogate_and_defaults_that_change_nothing(server):
+    headers = {**AUTH, "Content-Type": "application/json"}
+    r = httpx.post(server + "/v1/completions", content=b'{"prompt": "a\\ud800b", "max_tokens": 2}', headers=headers)
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+    # what OpenAI clients send by default is not refused
+    ok = httpx.post(server + "/v1/completions", headers=AUTH, timeout=60, json={
+        "prompt": "x", "max_tokens": 2, "n": 1, "best_of": 1, "logprobs": None, "presence_penalty": 0,
+        "frequency_penalty": 0.0, "logit_bias": {}, "echo": False, "seed": 2**64 - 1, "temperature": 0.5})
+    assert ok.status_code == 200, ok.text
+    chat = httpx.post(server + "/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 2,
+        "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False})
+    assert chat.status_code == 200, chat.text
+
+
+def test_huge_body_and_huge_prompt_never_stall_health(server):
+    with health_watch(server) as samples:
+        body = b'{"prompt": "' + b"a" * (20 * 2**20) + b'", "max_tokens": 2}'
+        r = httpx.post(server + "/v1/completions", content=body, timeout=60,
+                       headers={**AUTH, "Content-Type": "application/json"})
+        assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+        # under the body cap, over the prompt's character cap (64 per token of the 512-token context)
+        r = httpx.post(server + "/v1/completions", json={"prompt": "ab " * 200_000, "max_tokens": 2}, headers=AUTH,
+                       timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["param"] == "prompt"
+        assert "--max-prompt-chars" in r.json()["error"]["message"]
+        r = httpx.post(server + "/v1/chat/completions", headers=AUTH, timeout=60,
+                       json={"messages": [{"role": "user", "content": "ab " * 200_000}], "max_tokens": 2})
+        assert r.status_code == 413 and r.json()["error"]["param"] == "messages"
+        # under both caps: tokenized on a worker thread, refused by the engine as longer than the context
+        r = httpx.post(server + "/v1/completions", json={"prompt": "def f(x): " * 6000, "max_tokens": 2},
+                       headers=AUTH, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        time.sleep(0.3)
+    assert len(samples) >= 5 and all(status == 200 for status, _ in samples)
+    assert max(seconds for _, seconds in samples) < 1.0
+
+
+def test_template_bomb_is_refused_and_health_stays_fast(server):
+    bomb = "{{ 'ab' * 15000000 }}"
+    with health_watch(server) as samples:
+        for body in ({"chat_template_kwargs": {"chat_template": bomb}}, {"chat_template": bomb}):
+            r = httpx.post(server + "/v1/chat/completions", headers=AUTH, timeout=30,
+                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body})
+            assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
+        # keys the model's template does not read are dropped (a template variable is never overridden blindly)
+        r = httpx.post(server + "/v1/chat/completions", headers=AUTH, timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template_kwargs": {"tokenize": True, "messages": [], "made_up": 1}})
+        assert r.status_code == 200, r.text
+        time.sleep(0.3)
+    assert all(status == 200 for status, _ in samples) and max(s for _, s in samples) < 1.0
+
+
+def test_half_open_and_excess_connections_are_closed(server):
+    port = int(server.rsplit(":", 1)[1])
+
+    def closed_by_server(sock: socket.socket, wait: float) -> bool:
+        sock.settimeout(wait)
+        try:
+            return sock.recv(1024) == b"" or True  # EOF, or a response the server sent before closing
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            return True
+
+    idle = socket.create_connection(("127.0.0.1", port))
+    slow = socket.create_connection(("127.0.0.1", port))
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # never finishes its head
+    stalled = socket.create_connection(("127.0.0.1", port))
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                    + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro")  # body stalls
+    t0 = time.time()
+    assert closed_by_server(idle, 10) and closed_by_server(slow, 10) and closed_by_server(stalled, 10)
+    assert time.time() - t0 < 8  # --read-timeout 2
+    for sock in (idle, slow, stalled):
+        sock.close()
+    # beyond --max-connections 40, new connections are closed at once; the server serves again afterwards
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(45)]
+    try:
+        assert sum(closed_by_server(s, 0.5) for s in socks[-5:]) == 5
+    finally:
+        for sock in socks:
+            sock.close()
+    time.sleep(0.3)
+    assert httpx.get(server + "/health", timeout=5).status_code == 200
+
+
+def test_metrics_behind_the_key(server):
+    assert httpx.get(server + "/metrics").status_code == 401
+    assert httpx.get(server + "/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(server + "/metrics", headers=AUTH).status_code == 200
+    assert httpx.get(server + "/health").status_code == 200  # liveness stays open, as in vLLM
+
+
+def test_key_from_the_environment_and_public_metrics(fixtures, monkeypatch):
+    monkeypatch.setenv("COPT_API_KEY", "sk-env")
+    with running_server(fixtures.teacher, "--max-model-len", "128", "--metrics-public") as (url, proc):
+        body = {"prompt": "x", "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
+        ok = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-env"}, timeout=30)
+        assert ok.status_code == 200
+        assert httpx.get(url + "/metrics").status_code == 200
+
+
+def test_bad_keys_are_refused_before_loading(fixtures, copt):
+    for args, env, text in (
+        (["--api-key", ""], {}, "empty"),
+        (["--api-key", "clé"], {}, "ASCII"),
+        ([], {"COPT_API_KEY": ""}, "COPT_API_KEY"),
+    ):
+        result = copt("serve", str(fixtures.teacher), "--port", str(free_port()), *args, env=env, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert text in result.stderr and "loading" not in result.stderr
+
+
+def test_open_bind_without_key_warns(fixtures, copt):
+    result = copt("serve", str(fixtures.teacher), "--host", "0.0.0.0", "--port", str(free_port()), "--dry-run",
+                  timeout=60)
+    assert result.returncode == 0 and "without an API key" in result.stderr
+
+
+# ---- injected faults, in-process ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(fixtures):
+    import torch
+
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig
+
+    torch.set_num_threads(1)
+    eng = Engine(EngineConfig(model=str(fixtures.teacher), max_batch_size=8, max_model_len=256))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+@contextmanager
+def in_process(engine):
+    import uvicorn
+
+    from clusteropt_cli.core.serve.server import build_app
+
+    port = free_port()
+    app = build_app(engine, served_model_name="m")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_a_fault_in_one_requests_sampling_fails_it_alone(engine, monkeypatch):
+    sampler = engine.runner.sampler
+    real = sampler.sample
+
+    def sample(logits, slots, positions, **kw):
+        poisoned = {s.slot for s in engine._running if s.req.seed == 666}
+        if poisoned & set(slots):
+            raise RuntimeError("injected fault")
+        return real(logits, slots, positions, **kw)
+
+    monkeypatch.setattr(sampler, "sample", sample)
+    with in_process(engine) as url:
+        futures = six_streams(url, tokens=30)
+        # sampled rows of the others share the batched call with the faulty one: they are sampled one by one
+        sampled = ThreadPoolExecutor(1).submit(stream, url, {"prompt": "import os", "max_tokens": 30,
+                                                             "temperature": 0.8, "seed": 7, "ignore_eos": True})
+        time.sleep(0.2)
+        bad = stream(url, {"prompt": "x", "max_tokens": 20, "temperature": 1.0, "seed": 666})
+        assert bad["error"] is not None and bad["error"]["code"] == 500 and "injected" in bad["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 5, "temperature": 1.0,
+                                                      "seed": 666}, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        results = [f.result(timeout=120) for f in futures] + [sampled.result(timeout=120)]
+        assert [r["finish_reason"] for r in results] == ["length"] * 7
+        assert httpx.get(url + "/health").status_code == 200
+
+
+def test_a_fault_in_emitting_one_request_fails_it_alone(engine, monkeypatch):
+    real = engine._emit_tokens
+
+    def emit(seq, tokens, now=None):
+        if seq.req.max_new_tokens == 13:
+            raise ValueError("injected emit fault")
+        return real(seq, tokens, now)
+
+    monkeypatch.setattr(engine, "_emit_tokens", emit)
+    with in_process(engine) as url:
+        futures = six_streams(url, tokens=30)
+        time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 13}, timeout=60)
+        assert r.status_code == 500 and "injected emit fault" in r.json()["error"]["message"]
+        assert [f.result(timeout=120)["finish_reason"] for f in futures] == ["length"] * 6
+
+
+def test_a_step_fault_no_request_owns_fails_that_step_and_the_engine_goes_on(engine, monkeypatch):
+    real = engine._step
+    armed = threading.Event()
+
+    def step():
+        if armed.is_set() and engine._running:
+            armed.clear()
+            raise ValueError("injected step fault")
+        return real()
+
+    monkeypatch.setattr(engine, "_step", step)
+    with in_process(engine) as url:
+        armed.set()
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 5}, timeout=60)
+        assert r.status_code == 500 and "injected step fault" in r.json()["error"]["message"]
+        assert httpx.get(url + "/health").status_code == 200
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 5, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_device_error_kills_the_engine_and_the_server_exits_nonzero(fixtures):
+    import torch
+
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig
+    from clusteropt_cli.core.serve.server import ENGINE_DEAD_EXIT, run_server
+
+    torch.set_num_threads(1)
+    engine = Engine(EngineConfig(model=str(fixtures.teacher), max_batch_size=4, max_model_len=128)).start()
+    real = engine._step
+    armed = threading.Event()
+
+    def step():
+        if armed.is_set() and engine._running and any(s.out for s in engine._running):
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        return real()
+
+    engine._step = step
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    seen: dict = {}
+
+    def client() -> None:
+        for _ in range(200):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        pool = ThreadPoolExecutor(2)
+        streamed = pool.submit(stream, url, {"prompt": "x", "max_tokens": 100, "ignore_eos": True})
+        plain = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "y", "max_tokens": 100,
+                                                                       "ignore_eos": True}, timeout=60)
+        time.sleep(0.3)
+        armed.set()
+        seen["stream"] = streamed.result(60)
+        seen["plain"] = plain.result(60).status_code
+        seen["health"] = httpx.get(url + "/health", timeout=5).status_code
+        seen["new"] = httpx.post(url + "/v1/completions", json={"prompt": "z", "max_tokens": 2}, timeout=5)
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    code = run_server(engine, host="127.0.0.1", port=port, served_model_name="m", grace_period=5, dead_linger_s=5)
+    thread.join(30)
+    assert code == ENGINE_DEAD_EXIT != 0
+    assert seen["stream"]["error"] is not None and "device-side assert" in seen["stream"]["error"]["message"]
+    assert seen["plain"] == 500 and seen["health"] == 503
+    assert seen["new"].status_code == 500 and seen["new"].json()["error"]["code"] == "engine_dead"
