@@ -210,6 +210,7 @@ complete -c copt -n "__fish_seen_subcommand_from quantize" -l num-samples
 complete -c copt -n "__fish_seen_subcommand_from quantize" -l output
 complete -c copt -n "__fish_seen_subcommand_from quantize" -l overwrite
 complete -c copt -n "__fish_seen_subcommand_from quantize" -l recipe
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l scheme
 complete -c copt -n "__fish_seen_subcommand_from quantize" -l seq-len
 complete -c copt -n "__fish_seen_subcommand_from quantize" -l symmetric
 complete -c copt -n "__fish_seen_subcommand_from quantize" -s o
@@ -252,6 +253,7 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l max-connections
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-model-len
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-num-batched-tokens
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-num-seqs
+complete -c copt -n "__fish_seen_subcommand_from serve" -l max-prompt-chars
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-queue
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-request-bytes
 complete -c copt -n "__fish_seen_subcommand_from serve" -l metrics-public
@@ -270,6 +272,7 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l served-model-name
 complete -c copt -n "__fish_seen_subcommand_from serve" -l speculative-max-batch
 complete -c copt -n "__fish_seen_subcommand_from serve" -l tensor-parallel
 complete -c copt -n "__fish_seen_subcommand_from serve" -l tensor-parallel-size
+complete -c copt -n "__fish_seen_subcommand_from serve" -l trust-request-chat-template
 complete -c copt -n "__fish_seen_subcommand_from serve" -l vllm-version
 complete -c copt -n "__fish_seen_subcommand_from serve" -s r
 complete -c copt -n "__fish_seen_subcommand_from train" -l activation-checkpointing
