@@ -370,7 +370,7 @@ def test_a_device_error_kills_the_engine_and_the_server_exits_nonzero(fixtures):
     from clusteropt_cli.core.serve.server import ENGINE_DEAD_EXIT, run_server
 
     torch.set_num_threads(1)
-    engine = Engine(EngineConfig(model=str(fixtures.teacher), max_batch_size=4, max_model_len=128)).start()
+    engine = Engine(EngineConfig(model=str(fixtures.teacher), max_batch_size=4, max_model_len=512)).start()
     real = engine._step
     armed = threading.Event()
 
@@ -392,10 +392,12 @@ def test_a_device_error_kills_the_engine_and_the_server_exits_nonzero(fixtures):
             except httpx.HTTPError:
                 time.sleep(0.05)
         pool = ThreadPoolExecutor(2)
-        streamed = pool.submit(stream, url, {"prompt": "x", "max_tokens": 100, "ignore_eos": True})
-        plain = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "y", "max_tokens": 100,
+        streamed = pool.submit(stream, url, {"prompt": "x", "max_tokens": 500, "ignore_eos": True})
+        plain = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "y", "max_tokens": 500,
                                                                        "ignore_eos": True}, timeout=60)
-        time.sleep(0.3)
+        deadline = time.time() + 30
+        while len(engine._running) < 2 and time.time() < deadline:  # both admitted: the fault hits them in flight
+            time.sleep(0.005)
         armed.set()
         seen["stream"] = streamed.result(60)
         seen["plain"] = plain.result(60).status_code

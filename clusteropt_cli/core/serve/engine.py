@@ -664,11 +664,11 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; returns at once with a handle (raises QueueFullError / BadInputError)."""
+        if self.error is not None:
+            raise EngineDeadError(f"The engine failed: {self.error}", hint="Restart the server.")
         if not self._accepting or self._thread is None:
             raise EngineStoppedError("The engine is not accepting requests (stopped or draining).",
                                      hint="Start the engine (engine.start()) or wait for the restart.")
-        if self.error is not None:
-            raise EngineDeadError(f"The engine failed: {self.error}", hint="Restart the server.")
         self.validate(request)
         with self._cond:
             # requests that will not find a free slot at the next step
