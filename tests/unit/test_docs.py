@@ -3,6 +3,7 @@ docs/ and --help texts parses against the real CLI (flags, types, choices, recip
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -118,3 +119,26 @@ def test_no_lab_notes_in_the_product():
     hits = [f"{p.relative_to(REPO)}:{n}: {line.strip()[:100]}" for p in files
             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if LAB_NOTES.search(line)]
     assert not hits, "\n".join(hits)
+
+
+def test_readme_examples_that_need_no_model_run(tmp_path):
+    """The README's examples that need no model files or GPU (env, advise on presets, the recipes workflow) run as
+    written, in order, in an empty directory, and exit 0."""
+    import subprocess
+    import sys
+
+    from clusteropt_cli.modelspec import list_presets
+
+    presets = set(list_presets())
+    runnable = []
+    for line in _examples((REPO / "README.md").read_text()):
+        args = shlex.split(line)[1:]
+        model = args[args.index("--model") + 1] if "--model" in args else None
+        if args[0] in ("env", "recipes") or (args[0] == "advise" and model in presets):
+            runnable.append(args)
+    assert len(runnable) >= 7 and ["recipes", "validate", "my-train.yaml"] in runnable
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for args in runnable:
+        done = subprocess.run([sys.executable, "-m", "clusteropt_cli", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (args, done.stderr[-2000:])
