@@ -1,0 +1,48 @@
+"""advise's per-rank ZeRO model states against what DeepSpeed 0.19.8 holds on each of two CPU processes (gloo),
+running copt train's engine with the config copt train writes (zero_states_worker.py): 16-bit weights (full at
+ZeRO-1/2, a half at ZeRO-3), fp32 master partition + Adam moments (a half). Gradients are not compared here (they
+live only inside a step). DeepSpeed's CPU communication op compiles on first use: marked jit like the other
+multi-process ZeRO tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+WORKER = Path(__file__).with_name("zero_states_worker.py")
+
+
+@pytest.mark.jit
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_model_states_per_rank_match_advise(stage: int, tmp_path: Path) -> None:
+    from clusteropt_cli.core.advise import api
+    from clusteropt_cli.core.advise.memory import ds_settings
+    from clusteropt_cli.core.advise.plan import TrainPlan
+    from clusteropt_cli.modelspec import load_model_spec
+    from tests.integration.zero_states_worker import CONFIG
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(WORKER), str(stage), str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+    spec = load_model_spec(dict(CONFIG))
+    assert spec.num_params == ranks[0]["num_params"]
+    target = api.resolve_target("h200", gpus=2)[0]
+    plan = TrainPlan(micro_batch=2, seq_len=32, zero=stage)
+    result = api.advise(spec, target, plan, model_arg="llama")
+    predicted = result["memory"]["breakdown"]
+    for rank in ranks:
+        assert rank["weights"] == pytest.approx(predicted["weights"], rel=0.01), rank
+        assert rank["optimizer"] == pytest.approx(predicted["optimizer"], rel=0.01), rank
+    # the buffers advise sizes come from the config DeepSpeed ran with
+    assert ranks[0]["engine_reduce_bucket_size"] == ds_settings(plan, 2)["reduce_bucket_size"] == 5e7
