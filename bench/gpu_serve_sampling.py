@@ -16,6 +16,7 @@ Cases, each per sampling setting:
   http_b1       `copt serve`, one streaming request of 256 tokens at a time: ms/token at the client (median of 3)
   http_c64      64 concurrent streaming requests (prompts 32–256 tokens, 128 output tokens, ignore_eos): tok/s
   http_c256     the same with 256 clients
+kernels: the sampling graph alone (µs per step by batch and variant) against the greedy argmax.
 Also checked on the device: a seeded request gives the same tokens when repeated and alone vs. inside a batch of 64
 others (with the greedy request as the control: batched GEMMs may round differently from batch 1), and whether the
 sampling graphs were captured (`sampler_graph_error`, `sampler_compile_error`).
@@ -44,6 +45,54 @@ SAMPLING = {
     "t1.0p95": {"temperature": 1.0, "top_p": 0.95},
     "pen": {"temperature": 0.7, "top_k": 50, "presence_penalty": 0.5},
 }
+
+
+def bench_kernels(vocab: int, batches: list[int]) -> dict:
+    """The sampling graph alone (SlotSampler, compiled pointwise noise, CUDA graph replay) per batch and variant,
+    and the greedy argmax for comparison: µs per step on random logits."""
+    import torch
+
+    from clusteropt_cli.core.serve.device_sampling import RowSettings, SlotSampler
+    from clusteropt_cli.core.serve.runner import greedy_tokens
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = max(batches)
+    sampler = SlotSampler(rows, vocab, dev, compiled=dev.type == "cuda")
+    for slot in range(rows):
+        sampler.assign(slot, RowSettings(temperature=1.0, top_p=0.95, seed=slot, presence_penalty=0.5,
+                                         min_tokens=2, stop_ids=(1, 2)), [3, 4, 5])
+    logits = torch.randn(rows, vocab, device=dev)
+    sampler.active.fill_(True)
+    out: dict = {}
+
+    def timed(fn, iters: int = 50) -> float:
+        for _ in range(3):
+            fn()
+        if dev.type != "cuda":
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            return 1e6 * (time.perf_counter() - t0) / iters
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return 1000 * start.elapsed_time(end) / iters
+
+    with torch.inference_mode():
+        for b in batches:
+            out[f"b{b}_greedy_argmax_us"] = timed(lambda b=b: greedy_tokens(logits[:b]))
+            for sort in (False, True):
+                for pen in (False, True):
+                    key = f"b{b}_{'sort' if sort else 'plain'}{'_pen' if pen else ''}_us"
+                    out[key] = timed(lambda b=b, sort=sort, pen=pen: sampler.graph_sample(logits[:b], b, sort, pen))
+            row = {k: v for k, v in out.items() if k.startswith(f"b{b}_")}
+            log(f"sampling kernels b{b}: " + ", ".join(f"{k}={v:.1f}" for k, v in row.items()))
+    out["graph_error"], out["compile_error"] = sampler.graph_error, sampler.compile_error
+    return out
 
 
 def log(msg: str) -> None:
@@ -180,7 +229,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sampling", default=",".join(SAMPLING), help=f"comma-separated of {', '.join(SAMPLING)}")
     parser.add_argument("--clients", default="64,256", help="concurrent HTTP clients per throughput case")
-    parser.add_argument("--skip", default="", help="comma-separated: engine, http")
+    parser.add_argument("--skip", default="", help="comma-separated: kernels, engine, http")
     parser.add_argument("--smoke", action="store_true", help="tiny model, few requests (checks the script on CPU)")
     args = parser.parse_args()
     names = [n for n in args.sampling.split(",") if n]
@@ -206,6 +255,12 @@ def main() -> None:
     del made
     gpu_serve.free_gpu()
     prompts = gpu_serve.workload(vocab, max([*clients, 66]))
+    if "kernels" not in skip:
+        try:
+            results["kernels"] = bench_kernels(vocab, [1, 64, 256] if not args.smoke else [1, 8])
+        except Exception as exc:  # noqa: BLE001
+            results["kernels"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        gpu_serve.free_gpu()
     if "engine" not in skip:
         try:
             results["engine"] = bench_engine(model_dir, prompts, names, b1_tokens)

@@ -39,7 +39,7 @@ def _check(logits_row, n: int, expected, **settings):
     from clusteropt_cli.core.serve.device_sampling import choose_tokens
 
     args = _rows(n, logits_row.shape[0], **settings)
-    sort = settings.get("top_p", 1.0) < 1 or settings.get("top_k", 0) > 0
+    sort = settings.get("top_p", 1.0) < 1 or settings.get("top_k", 0) > 0 or settings.get("min_p", 0) > 0
     scaled = logits_row[None, :].expand(n, -1) / args["temperature"][:, None]
     tokens = choose_tokens(scaled, args["temperature"], args["top_p"], args["top_k"], args["min_p"],
                            args["seed_lo"], args["seed_hi"], args["position"], sort)

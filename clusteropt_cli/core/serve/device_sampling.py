@@ -82,48 +82,63 @@ def process_logits(logits, temperature, position, prompt_len, min_tokens, stop_i
     return x / t[:, None]
 
 
-def perturbed_scores(scores, keep, seed_lo, seed_hi, position, token_ids):
-    """Gumbel-perturbed log-scores: scores - log E(seed, position, token), -inf where not `keep`. argmax of this
-    row is a sample from softmax(scores) restricted to `keep` (log p - log E: the Gumbel-max trick). Pointwise
-    only: torch.compile fuses it into one kernel."""
+def perturbed_scores(scores, noisy, seed_lo, seed_hi, position, token_ids):
+    """Gumbel-perturbed log-scores: scores - log E(seed, position, token) on `noisy` rows, the scores unchanged on
+    the others (greedy rows). The argmax of a noisy row is a sample from softmax(scores) (log p - log E: the
+    Gumbel-max trick); of a greedy row, its argmax. Pointwise only: torch.compile fuses it into one kernel."""
     import torch
 
     e = exponential_noise(seed_lo, seed_hi, position, token_ids)
-    return torch.where(keep, scores - torch.log(e), torch.full_like(scores, float("-inf")))
+    return torch.where(noisy[:, None], scores - torch.log(e), scores)
+
+
+def perturbed_sorted(values, w, cum, top_p, top_k, min_p, noisy, seed_lo, seed_hi, position, order):
+    """perturbed_scores over rows sorted largest first (values, their unnormalized probabilities w and the
+    running sums cum), with the tokens outside top-k, the top-p nucleus and the min-p floor set to -inf on noisy
+    rows. Pointwise only (one fused kernel compiled)."""
+    import torch
+
+    ranks = torch.arange(values.shape[-1], device=values.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, values.shape[-1]))
+    keep = (((cum - w) <= top_p[:, None] * cum[:, -1:]) & (ranks < k[:, None])
+            & (w >= min_p[:, None] * w[:, :1]))  # the smallest prefix whose mass reaches top_p, top k, min-p
+    e = exponential_noise(seed_lo, seed_hi, position, order)
+    noisy_rows = noisy[:, None]
+    return torch.where(noisy_rows & keep, values - torch.log(e),
+                       torch.where(noisy_rows, torch.full_like(values, float("-inf")), values))
+
+
+def row_argmax(scores):
+    """argmax per row, first maximum (runner.greedy_tokens: two stages, so a single row uses every SM)."""
+    from clusteropt_cli.core.serve.runner import greedy_tokens
+
+    return greedy_tokens(scores)
 
 
 def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort: bool,
-                  perturb=perturbed_scores):
+                  perturb=None):
     """One token per row from processed logits: greedy rows (temperature 0) take the argmax, the others sample
-    (Gumbel-max over the exponential noise of (seed, position)) from the distribution restricted by min-p and,
-    with `sort`, by top-k and top-p. A row whose every logit is -inf gives a token, never NaN."""
+    (Gumbel-max over the exponential noise of (seed, position)); with `sort`, from the distribution restricted by
+    top-k, top-p and min-p. A row whose every logit is -inf gives a token, never NaN. `perturb`: the pair of
+    pointwise functions (perturbed_scores, perturbed_sorted), compiled or not."""
     import torch
 
-    vocab = scaled.shape[-1]
-    best = scaled.argmax(-1)
+    plain, nucleus = perturb or (perturbed_scores, perturbed_sorted)
+    noisy = temperature > 0
     if sort:
-        values, order = scaled.sort(-1, descending=True)
+        values, order = scaled.sort(dim=-1, descending=True, stable=True)  # ties keep index order (first max)
         top = values[:, :1]
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        w = torch.exp(values - top)  # unnormalized probabilities, largest first
+        w = torch.exp(values - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
         cum = w.cumsum(-1)
-        keep = (cum - w) <= top_p[:, None] * cum[:, -1:]  # the smallest prefix whose mass reaches top_p
-        ranks = torch.arange(vocab, device=scaled.device)
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
-        keep = keep & (ranks[None, :] < k[:, None]) & (w >= min_p[:, None] * w[:, :1])
-        pick = perturb(values, keep, seed_lo, seed_hi, position, order).argmax(-1, keepdim=True)
-        sampled = order.gather(-1, pick).squeeze(-1)
-    else:
-        # min-p: p >= min_p * p_max  ⇔  scaled >= max + log(min_p)
-        floor = scaled.amax(-1, keepdim=True) + torch.log(min_p)[:, None]
-        ids = torch.arange(vocab, device=scaled.device)[None, :]
-        sampled = perturb(scaled, scaled >= floor, seed_lo, seed_hi, position, ids).argmax(-1)
-    return torch.where(temperature > 0, sampled, best)
+        pick = row_argmax(nucleus(values, w, cum, top_p, top_k, min_p, noisy, seed_lo, seed_hi, position, order))
+        return order.gather(-1, pick[:, None]).squeeze(-1)
+    ids = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    return row_argmax(plain(scaled, noisy, seed_lo, seed_hi, position, ids))
 
 
 def sample_kernel(logits, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, prompt_len, min_tokens,
                   stop_ids, bias_ids, bias_vals, presence, frequency, repetition, counts, prompt_mask,
-                  sort: bool, penalize: bool, perturb=perturbed_scores):
+                  sort: bool, penalize: bool, perturb=None):
     """process_logits + choose_tokens."""
     scaled = process_logits(logits, temperature, position, prompt_len, min_tokens, stop_ids, bias_ids, bias_vals,
                             presence, frequency, repetition, counts, prompt_mask, penalize)
@@ -148,7 +163,7 @@ class RowSettings:
 
     @property
     def needs_sort(self) -> bool:
-        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0)
+        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0)
 
     @property
     def has_penalties(self) -> bool:
@@ -196,7 +211,8 @@ class SlotSampler:
         self.out = torch.zeros(num_rows, **i)
         self.settings: list[RowSettings | None] = [None] * num_rows
         # the noise and the masking as one fused pointwise kernel (the reductions and the sort stay eager ops)
-        self.perturb = torch.compile(perturbed_scores, dynamic=True) if compiled else perturbed_scores
+        self.perturb = ((torch.compile(perturbed_scores, dynamic=True), torch.compile(perturbed_sorted, dynamic=True))
+                        if compiled else None)
         self._graphs: dict[tuple[int, bool, bool], Any] = {}
         self.graph_error: str | None = None
         self.compile_error: str | None = None
@@ -310,9 +326,9 @@ class SlotSampler:
                 graph = self._capture(logits_rows, batch, sort, penalize)
             except Exception as exc:  # noqa: BLE001 - sampling still works: uncompiled, then eagerly
                 torch.cuda.synchronize()
-                if self.perturb is not perturbed_scores:
+                if self.perturb is not None:
                     self.compile_error = f"{type(exc).__name__}: {exc}"
-                    self.perturb = perturbed_scores
+                    self.perturb = None
                     self._graphs.clear()
                     return self.graph_sample(logits_rows, batch, sort, penalize)
                 self.graph_error = f"{type(exc).__name__}: {exc}"
