@@ -7,11 +7,11 @@ Runs the same core function as `copt profile model` (clusteropt_cli.core.profile
 writes each ProfileReport next to --out (profile_<case>.json, schema copt.profile/1), one Chrome trace of a small
 inference case, and a summary JSON with ratios measured in the same run:
   * train: the fused chunked loss (copt train's default) against the model's own HF loss (baseline), and activation
-    checkpointing against none; compared with what ../shared/gpu/README.md measured on this GPU by hand
+    checkpointing against none; compared with the plain-PyTorch baselines of docs/benchmarks.md#h200-baselines
     (46.6k tok/s / 73.8 GiB without, 38.2k / 42.5 GiB with checkpointing, HF loss, micro-batch 8 × 2048);
   * infer: batch 1 (decode against the bandwidth floor: weights bytes / 4.26 TB/s measured copy bandwidth) and
     batch 32 (output tokens/s ratio against batch 1).
-Needs pydantic on PYTHONPATH (any of the wheel sets of ../shared/gpu/make-wheels.sh brings it).
+Needs copt's dependencies (pydantic) installed.
 Endpoint mode against copt serve is run separately (copt serve + copt profile endpoint).
 """
 
@@ -32,7 +32,7 @@ GiB = 1024**3
 TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 512,
         "tie_word_embeddings": True}
-# measured by hand on this GPU (../shared/gpu/README.md, 2026-11-30): the references the ratios are read against
+# plain-PyTorch baselines on the H200 (docs/benchmarks.md#h200-baselines): the references the ratios are read against
 README_TRAIN = {"no_ckpt": {"tokens_per_s": 46600, "peak_gib": 73.8}, "ckpt": {"tokens_per_s": 38200, "peak_gib": 42.5}}
 COPY_BANDWIDTH = 4.26e12
 
