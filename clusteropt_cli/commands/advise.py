@@ -156,7 +156,7 @@ def advise(
         given = {"model": model, "micro_batch": micro_batch, "seq_len": seq_len, "precision": precision,
                  "grad_accum": grad_accum, "activation_checkpointing": activation_checkpointing, "batch": batch,
                  "prompt_len": prompt_len, "gen_len": gen_len, "gpu": gpu, "gpus": gpus,
-                 "memory_budget": memory_budget, "compile": compile_, "loss_impl": None}
+                 "memory_budget": memory_budget, "compile": compile_, "loss_impl": None, "temperature": temperature}
         task, filled, profile_symptoms, measured = api.defaults_from_profile(report, task, given)
         symptoms = list(dict.fromkeys(symptoms + profile_symptoms))
         model, micro_batch, seq_len, precision = filled["model"], filled["micro_batch"], filled["seq_len"], \
@@ -164,7 +164,7 @@ def advise(
         grad_accum, activation_checkpointing = filled["grad_accum"], filled["activation_checkpointing"]
         batch, prompt_len, gen_len = filled["batch"], filled["prompt_len"], filled["gen_len"]
         gpu, gpus, memory_budget = filled["gpu"], filled["gpus"], filled["memory_budget"]
-        compile_ = filled["compile"]
+        compile_, temperature = filled["compile"], filled.get("temperature")
         if filled["loss_impl"] and not any(o.startswith("loss_impl=") for o in overrides or []):
             overrides = [*(overrides or []), f"loss_impl={filled['loss_impl']}"]
 
@@ -380,6 +380,10 @@ def _render(r: dict[str, Any]) -> None:
         out.print(f"[bold]Top plan:[/bold] {' + '.join(top['applies'])} → "
                   f"{console.human_bytes(top['memory']['per_gpu_bytes'])} peak"
                   + ("" if fits is None else (" (fits)" if fits else " (still does not fit)")))
+    if top.get("command"):
+        from rich.markup import escape
+
+        out.print(f"[bold]Run it:[/bold] {escape(top['command'])}", highlight=False)
     if r.get("measured"):
         out.print(console.grid("Profile vs prediction", ["metric", "measured", "predicted", "error"],
                                [[row["metric"], f"{row['measured']:.4g}", f"{row['predicted']:.4g}",

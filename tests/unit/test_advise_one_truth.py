@@ -163,7 +163,7 @@ def test_train_recommendations_stay_runnable() -> None:
 DATA = Path(__file__).resolve().parents[1] / "data"
 GIVEN = {"model": None, "micro_batch": None, "seq_len": None, "precision": None, "grad_accum": None,
          "activation_checkpointing": None, "batch": None, "prompt_len": None, "gen_len": None, "gpu": None,
-         "gpus": None, "memory_budget": None, "compile": None, "loss_impl": None}
+         "gpus": None, "memory_budget": None, "compile": None, "loss_impl": None, "temperature": None}
 
 
 def _endpoint_profile(tmp_path: Path) -> Path:
@@ -172,7 +172,8 @@ def _endpoint_profile(tmp_path: Path) -> Path:
     report = {"schema_version": "copt.profile/1", "kind": "endpoint", "mode": "endpoint",
               "created_at": "2026-12-01T00:00:00Z", "copt_version": "0", "hardware": {"device": "remote"},
               "model": {"name": "llama-1b"},
-              "workload": {"url": "http://127.0.0.1:8000", "concurrency": [1, 8], "prompt_len": 128, "gen_len": 64},
+              "workload": {"url": "http://127.0.0.1:8000", "concurrency": [1, 8], "prompt_len": 128, "gen_len": 64,
+                           "temperature": 1.0},
               "metrics": {"ttft_s": 0.02, "tpot_s": 0.002, "output_tokens_per_s": 900.0},
               "levels": [{**level, "concurrency": 1, "output_tokens_per_s": 400.0},
                          {**level, "concurrency": 8, "output_tokens_per_s": 900.0}],
@@ -198,6 +199,8 @@ def test_from_profile_reads_endpoint_guidellm_and_vllm_reports(tmp_path, name, b
         assert measured[key] == pytest.approx(value)
     if name != "endpoint":  # the workload the tool sent
         assert (values["prompt_len"], values["gen_len"]) == (512, 128)
+    else:  # sampled requests are priced as sampled
+        assert values["temperature"] == 1.0
 
 
 def test_profile_endpoint_expect_takes_the_recipes_server_and_workload(tmp_path) -> None:

@@ -292,6 +292,8 @@ def defaults_from_profile(report: Any, task: str, given: dict[str, Any]
         values["batch"] = values["batch"] or wl.get("batch") or _measured_concurrency(report)
         values["prompt_len"] = values["prompt_len"] or wl.get("prompt_len")
         values["gen_len"] = values["gen_len"] or wl.get("gen_len") or wl.get("max_tokens")
+        if values.get("temperature") is None and wl.get("temperature") is not None:
+            values["temperature"] = float(wl["temperature"])  # greedy or sampled: what the load tester sent
     if values["gpu"] is None:
         values["gpu"] = "cpu" if report.hardware.device == "cpu" else report.hardware.catalog
     values["gpus"] = values["gpus"] or report.hardware.count
