@@ -142,3 +142,26 @@ def test_readme_examples_that_need_no_model_run(tmp_path):
         done = subprocess.run([sys.executable, "-m", "clusteropt_cli", *args], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, (args, done.stderr[-2000:])
+
+
+def _anchors(path: Path) -> set[str]:
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), flags=re.M)}
+
+
+def test_relative_links_resolve():
+    """Every relative link of the README and docs/ points at a file that exists, and at a heading that exists."""
+    pages = [REPO / "README.md", REPO / "CHANGELOG.md", REPO / "bench" / "README.md",
+             *sorted((REPO / "docs").rglob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
+            if not path.exists():
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
