@@ -179,6 +179,22 @@ def test_a_planted_pickle_never_runs_on_resume(fixtures, data32, trained, tmp_pa
     assert not side_effect.exists()
 
 
+def test_a_planted_pickle_in_a_deepspeed_checkpoint_is_refused_before_deepspeed_loads_it(tmp_path):
+    """DeepSpeed loads its files with weights_only=False: copt scans their pickled globals first (running none)."""
+    import torch
+
+    from clusteropt_cli.core.train.checkpoint import check_pickled_globals
+
+    side_effect = tmp_path / "pwned"
+    (tmp_path / "deepspeed").mkdir()
+    torch.save({"module": {"w": torch.zeros(2)}}, tmp_path / "deepspeed" / "mp_rank_00_model_states.pt")
+    check_pickled_globals(tmp_path)  # tensors and containers only: fine
+    torch.save({"optimizer": _Planted(str(side_effect))}, tmp_path / "deepspeed" / "zero_pp_rank_0_optim_states.pt")
+    with pytest.raises(BadInputError, match=r"zero_pp_rank_0_optim_states.pt references Python objects.*open"):
+        check_pickled_globals(tmp_path)
+    assert not side_effect.exists()
+
+
 def test_a_truncated_checkpoint_falls_back_to_the_newest_valid_one(fixtures, data32, trained, tmp_path, capsys):
     out = _copy(trained, tmp_path)
     state = out / "checkpoints" / "step-6" / "training_state.pt"

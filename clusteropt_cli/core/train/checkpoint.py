@@ -224,6 +224,35 @@ def save_torch_file(obj: Any, path: Path) -> None:
         torch.save(obj, path)
 
 
+# The Python classes DeepSpeed pickles into its checkpoints (torch.serialization.get_unsafe_globals_in_checkpoint on
+# ZeRO-1/2/3 checkpoints, fp32/bf16/fp16). DeepSpeed loads its files with weights_only=False, so copt scans them
+# first (the scan reads the pickle's opcodes, it runs nothing) and refuses any other global.
+DEEPSPEED_GLOBALS = frozenset({
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+})
+
+
+def check_pickled_globals(directory: Path, allowed: frozenset[str] = DEEPSPEED_GLOBALS) -> None:
+    """Refuse (exit 2) a checkpoint whose .pt files reference Python objects outside `allowed`, without loading
+    them: what protects a library's own torch.load(weights_only=False) from a planted pickle."""
+    import torch
+
+    for file in sorted(Path(directory).rglob("*.pt")):
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(str(file))
+        except Exception as exc:  # noqa: BLE001 - an unreadable file is a bad checkpoint
+            raise BadInputError(f"Checkpoint file {file} is not a readable torch file: {exc}",
+                                hint="Restore the file copt wrote, or start over in a new --output.") from None
+        unexpected = sorted(set(names) - allowed)
+        if unexpected:
+            raise BadInputError(f"Checkpoint file {file} references Python objects copt does not load "
+                                f"({', '.join(unexpected[:5])}); unpickling them could run code.",
+                                hint="Restore the file copt wrote, or start over in a new --output.")
+
+
 def load_torch_file(path: Path) -> Any:
     """torch.load with weights_only=True: tensors and plain containers only, never arbitrary pickled objects."""
     import pickle

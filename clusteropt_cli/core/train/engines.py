@@ -285,6 +285,9 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(str(directory), tag="deepspeed", save_latest=False)
 
     def load(self, directory: Path) -> None:
+        from clusteropt_cli.core.train.checkpoint import check_pickled_globals
+
+        check_pickled_globals(directory)  # DeepSpeed unpickles with weights_only=False: scan first
         path, _ = self.engine.load_checkpoint(str(directory), tag="deepspeed", load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
         if path is None:
