@@ -92,7 +92,9 @@ def predict_train(shape: dict, micro_batch: int, seq_len: int, ckpt: bool, attn:
     from clusteropt_cli.modelspec import load_model_spec
 
     spec = load_model_spec({"model_type": "llama", **shape})
-    plan = TrainPlan(micro_batch=micro_batch, seq_len=seq_len, activation_checkpointing=ckpt, attn=attn, zero=zero)
+    # the loop measured here: eager HF forward with the model's own loss (not copt train's compiled defaults)
+    plan = TrainPlan(micro_batch=micro_batch, seq_len=seq_len, activation_checkpointing=ckpt, attn=attn, zero=zero,
+                     compile=False, loss_impl="hf")
     target = Target(get_gpu("h200"), gpus_per_node=world)
     saved = cal.LOGITS_HELD_IN_BACKWARD
     cal.LOGITS_HELD_IN_BACKWARD = logits_held
@@ -300,7 +302,7 @@ def zero_mode(args: argparse.Namespace) -> dict:
         # process per stage: --stages N)
         case["allocated_before_bytes"] = torch.cuda.memory_allocated() if device == "cuda" else 0
         try:
-            plan = TrainPlan(micro_batch=mb, seq_len=seq, activation_checkpointing=ckpt, zero=stage)
+            plan = TrainPlan(micro_batch=mb, seq_len=seq, activation_checkpointing=ckpt, zero=stage, loss_impl="hf")
             target = Target(get_gpu("h200"), gpus_per_node=world)
             advice = advise(spec, target, plan, [], model_arg="llama-1b-shape")
             config = deepspeed_config(advice)

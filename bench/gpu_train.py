@@ -247,7 +247,9 @@ def advise_prediction(name: str) -> dict | None:
                          zero=settings.get("zero", 0), offload=settings.get("offload", "none"),
                          activation_checkpointing=bool(settings.get("activation_checkpointing",
                                                                     settings.get("checkpointing", False))),
-                         compile=bool(settings.get("compile", kind != "copt-dist" and not settings.get("zero"))))
+                         compile=bool(settings.get("compile", kind != "copt-dist" and not settings.get("zero"))),
+                         loss_impl=settings.get("loss_impl", "auto"),
+                         loss_chunk_tokens=settings.get("loss_chunk_tokens"))
         target, _ = resolve_target("h200", gpus=gpus)
         result = evaluate_train(load_model_spec("llama-3.2-1b"), plan, target)
         return {"peak_mem_bytes": result["memory"].get("per_gpu_bytes"),

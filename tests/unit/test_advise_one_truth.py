@@ -48,6 +48,14 @@ def test_copt_train_defaults_anchor_1b() -> None:
     assert mem["peak"] / GiB < 45
 
 
+@pytest.mark.parametrize("chunk", [4096, 8192])
+def test_fused_loss_chunk_anchor_1b(chunk: int) -> None:
+    """explore3 copt_chunk4k / copt_chunk8k: the loss's chunk size is priced (46.07 and 51.33 GB)."""
+    measured = _case("explore3", f"copt_chunk{chunk // 1024}k")
+    mem, _ = _predict("llama-3.2-1b", micro_batch=8, loss_chunk_tokens=chunk)
+    assert mem["peak"] == pytest.approx(measured["peak_mem_bytes"], rel=0.10)
+
+
 def test_copt_train_checkpointing_and_fp8_anchors_1b() -> None:
     ckpt = _case("explore2", "copt_checkpointing")  # 22,265,182,208 bytes, 52,183 tok/s (per-step readout)
     mem, tm = _predict("llama-3.2-1b", micro_batch=8, activation_checkpointing=True)
@@ -91,7 +99,7 @@ def test_fused_loss_prices_no_fp32_logits() -> None:
     hf = train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048, loss_impl="hf"), target)
     full_fp32_logits = 8 * 2048 * spec.vocab_size * 4
     assert hf.per_gpu_bytes - fused.per_gpu_bytes > full_fp32_logits
-    assert fused.breakdown["logits"] < 0.5 * full_fp32_logits
+    assert fused.breakdown["logits"] < 0.6 * full_fp32_logits  # head gradient + one chunk, not the logits
 
 
 def test_emitted_train_plan_is_a_copt_train_recipe(tmp_path) -> None:

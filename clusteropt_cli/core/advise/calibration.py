@@ -19,7 +19,12 @@ LOGITS_HELD_IN_BACKWARD = True
 # decoder, fused chunked loss, mask-free causal SDPA, fused AdamW), Llama-3.2-1B shape, 8 × 2048: peak
 # 43,496,511,488 bytes (40.5 GiB); FP8 (torchao Float8Linear + the same defaults): 35,110,114,816 bytes (32.7 GiB).
 # Fitted so that both anchors are met with the model's other terms.
-COMPILED_ACTIVATION_FACTOR = {"default": 1.16, "fp8": 0.874}
+COMPILED_ACTIVATION_FACTOR = {"default": 1.09, "fp8": 0.79}
+# Bytes per logit of one chunk of copt train's fused loss (logits, their gradient and the cross-entropy kernel's
+# temporaries). H200, 1B shape, 8 × 2048 (bench/results/train-h200-2026-11-30/explore3): peak 43.50 / 46.07 / 51.33
+# GB with loss_chunk_tokens 2,093 (default) / 4,096 / 8,192 → +2.58 GB per 2,003 × 128,256 logits and +7.84 GB per
+# 6,099 × 128,256: 10.0 bytes per logit both ways.
+FUSED_LOSS_BYTES_PER_CHUNK_LOGIT = 10.0
 # Fraction the caching allocator reserves above the allocated peak (fragmentation, block rounding).
 # Seen on the H200: reserved/allocated 1.03–1.08 for steady training loops; 1.06 assumed.
 ALLOCATOR_FRAGMENTATION = 0.06

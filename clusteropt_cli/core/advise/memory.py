@@ -202,17 +202,16 @@ def fused_loss_bytes(spec: ModelSpec, mode: str, tokens: float, tp: int, chunk_t
     """Buffers of copt train's fused chunked loss (core/train/losses.py) beyond the per-token `final` term.
 
     forward: the fp32 gradient of the head weight (V × h, accumulated chunk by chunk), the head weight cast to the
-    compute dtype (under autocast; DeepSpeed's bf16 weight needs none) and one chunk's logits and their gradient in
-    the compute dtype (the cross-entropy kernel is compiled on CUDA, so its fp32 temporaries are fused away).
+    compute dtype (under autocast; DeepSpeed's bf16 weight needs none) and one chunk's logits, their gradient and
+    the kernel's temporaries (FUSED_LOSS_BYTES_PER_CHUNK_LOGIT, measured).
     backward: the saved fp32 head gradient and its scaled copy (cast to the weight's dtype).
     """
     vocab = spec.vocab_size / tp
     head = vocab * spec.hidden_size
     chunk = chunk_tokens or max(256, 2**30 // (4 * spec.vocab_size))
     chunk = min(chunk, tokens)
-    c = 4 if mode == "fp32" else 2
     weight_cast = 2 * head if mode == "amp" else 0.0
-    fwd = 4 * head + weight_cast + 2 * c * chunk * vocab
+    fwd = 4 * head + weight_cast + cal.FUSED_LOSS_BYTES_PER_CHUNK_LOGIT * chunk * vocab
     scaled = 4 * head + (2 * head if mode == "half" else 0.0)
     bwd = 4 * head + scaled
     return {"forward": fwd, "backward": bwd, "saved": 4 * head, "logits": 0.0}
