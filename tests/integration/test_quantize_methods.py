@@ -155,3 +155,36 @@ def test_clipping_search_lowers_awq_error(quantized):
     clipped, plain = quantized["awq"][0].ppl_increase, quantized["awq-noclip"][0].ppl_increase
     print(f"AWQ W3 g64 ppl increase: with clipping search {clipped:+.3f}, without {plain:+.3f}")
     assert 0 < clipped < plain
+
+
+@pytest.mark.parametrize("method", list(CASES))
+def test_copt_serve_engine_gives_hf_greedy_tokens(method, quantized, original):
+    """Every checkpoint copt quantize writes runs in copt serve's engine (packed int3 weights dequantized, FP8 on
+    Fp8Linear, INT8 with its per-token activation quantization) and decodes HF's greedy tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
+    from tests.integration.test_serve_helpers import assert_greedy_parity
+
+    _, out = quantized[method]
+    _, _, blocks = original
+    prompts = [blocks[i, : 12 + 9 * i].tolist() for i in range(4)]
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.inference_mode():  # HF stops at EOS; the engine runs on (ignore_eos) and is cut to HF's length
+        expected = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+                    for p in prompts]
+    engine = Engine(EngineConfig(model=str(out), max_batch_size=4, max_model_len=256, device="cpu"))
+    with engine:
+        runner = engine.runner
+        results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=16, ignore_eos=True)
+                                   for p in prompts])
+    assert all(r.finish_reason == "length" for r in results)
+    if method == "fp8":
+        assert runner.fp8_linears == 28 and runner.quantized.dequantized == 0
+    else:  # every linear but lm_head held packed/int8 weights: dequantized, and said so
+        assert runner.quantized.dequantized == 28 and runner.fp8_linears == 0
+    # weight-only formats merge q/k/v and gate/up once dequantized; activation-quantized layers keep their forward
+    assert runner.fused_projections == (0 if method in ("fp8", "int8") else 8)
+    for p, r, e in zip(prompts, results, expected, strict=True):
+        assert_greedy_parity(model, p, r.output_ids[: len(e)], e, exact=method not in ("fp8", "int8"))

@@ -101,3 +101,35 @@ def eval_prompts(fixtures, count: int, min_len: int = 8, max_len: int = 60, seed
         start = rng.randrange(0, len(ids) - n)
         prompts.append(ids[start : start + n])
     return prompts
+
+
+def assert_greedy_parity(model, prompt: list[int], served: list[int], expected: list[int], *,
+                         exact: bool = True, max_gap: float = 0.5) -> int:
+    """Served greedy tokens against transformers' greedy tokens for the same checkpoint; returns how many agree.
+
+    exact: the sequences are equal. Otherwise (checkpoints that quantize activations per token at run time, INT8
+    and FP8 W8A8: one rounding flip of an int8 activation moves HF's own logits by up to ~2 between a full forward
+    and a prefix forward of the same tokens) they agree up to a first divergence where both tokens are HF's top two
+    at that position, within `max_gap` nats of each other (vLLM's check_logprobs_close idea); after it, nothing is
+    compared."""
+    import torch
+
+    if exact or served == expected:
+        assert served == expected
+        return len(served)
+    i = next((k for k, (a, b) in enumerate(zip(served, expected, strict=False)) if a != b), None)
+    if i is None:  # one is a prefix of the other: an EOS on one side at a near tie
+        i = min(len(served), len(expected))
+        if i == len(expected) and i == len(served):
+            return i
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + expected[:i]])).logits[0, -1].float()
+    logprobs = torch.log_softmax(logits, -1)
+    top2 = logprobs.topk(2).indices.tolist()
+    eos = model.generation_config.eos_token_id
+    eos = eos if isinstance(eos, int) else eos[0]
+    a = served[i] if i < len(served) else eos
+    b = expected[i] if i < len(expected) else eos
+    assert {a, b} <= set(top2), f"diverged at token {i}: served {a}, HF {b}, HF's top two {top2}"
+    assert abs(logprobs[a] - logprobs[b]) < max_gap, f"diverged at token {i} by {abs(logprobs[a] - logprobs[b]):.3f}"
+    return i

@@ -74,10 +74,28 @@ def _group_class():
     return ProjectionGroup, ProjectionSlice
 
 
-def fuse_projections(model: Any) -> int:
-    """Merge q/k/v and gate/up of every decoder layer where they are plain nn.Linear layers with one input size,
-    dtype and device (FP8/quantized layers stay as they are). Returns the number of groups merged."""
+def mergeable(module: Any) -> bool:
+    """A plain nn.Linear whose forward is F.linear on a dense floating-point weight: not an FP8 layer, not a
+    compressed-tensors layer that still holds packed/int weights, quantizes its weight in the forward (fake-quant
+    checkpoints) or quantizes its input activations (INT8 W8A8): merging those would skip that work."""
     import torch
+
+    if type(module) is not torch.nn.Linear:
+        return False
+    weight = getattr(module, "weight", None)  # packed compressed-tensors layers have none
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.element_size() < 2:
+        return False
+    scheme = getattr(module, "quantization_scheme", None)
+    if scheme is None:
+        return True
+    status = getattr(module, "quantization_status", None)
+    return (str(getattr(status, "value", status)) == "decompressed" and scheme.input_activations is None
+            and scheme.output_activations is None)
+
+
+def fuse_projections(model: Any) -> int:
+    """Merge q/k/v and gate/up of every decoder layer where all of them are `mergeable` with one input size,
+    dtype and device (FP8 and activation-quantized layers stay as they are). Returns the number of groups merged."""
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(config, "model_type", None) not in MODEL_TYPES:
@@ -90,7 +108,7 @@ def fuse_projections(model: Any) -> int:
         for parent_name, names in GROUPS:
             parent = getattr(layer, parent_name, None)
             linears = [getattr(parent, name, None) for name in names] if parent is not None else []
-            if not linears or not all(type(m) is torch.nn.Linear for m in linears):
+            if not linears or not all(mergeable(m) for m in linears):
                 continue
             if len({(m.in_features, m.weight.dtype, m.weight.device) for m in linears}) != 1:
                 continue

@@ -203,12 +203,18 @@ class ModelRunner:
                                                      trust_remote_code=trust_remote_code)
         model.to(self.device).eval()
         model.requires_grad_(False)
-        # FP8 (W8A8) checkpoints: real FP8 GEMMs instead of compressed-tensors' dequantize-then-bf16 forward (which
-        # also decompresses the weights in place on its first call); before any forward runs
-        from clusteropt_cli.core.quantize.fp8_runtime import swap_fp8_linears
+        # quantized checkpoints (compressed-tensors): FP8 layers on FP8 GEMMs, packed/int8 weights dequantized
+        # (visibly) — transformers would do that in a hook on the top-level forward, which the engine never calls
+        from clusteropt_cli.core.serve.quantized import prepare_quantized_model
 
-        self.fp8_linears = swap_fp8_linears(model)
-        self.fp8_kernels = any(getattr(m, "use_scaled_mm", False) for m in model.modules())
+        self.quantized = prepare_quantized_model(model, self.dtype)
+        self.fp8_linears = self.quantized.fp8_linears
+        self.fp8_kernels = self.quantized.fp8_kernels
+        notice = self.quantized.notice(model_path, str(self.dtype).removeprefix("torch."))
+        if notice:
+            import sys
+
+            print(notice, file=sys.stderr, flush=True)
         from clusteropt_cli.core.serve.fusion import fuse_projections
 
         self.fused_projections = fuse_projections(model)  # q/k/v and gate/up as one GEMM each
