@@ -112,18 +112,20 @@ class ModelSpec:
     def num_sliding_layers(self) -> int:
         return sum(w is not None for w in self.layer_windows)
 
-    def layer_contexts(self, context_len: float, windowed: bool = True) -> float:
+    def layer_contexts(self, context_len: float, windowed: bool = True, window_slack: int = 0) -> float:
         """Sum over layers of the keys one layer holds/attends for a sequence of `context_len` tokens: a
-        sliding-window layer keeps min(window, context), a full layer the whole context."""
+        sliding-window layer keeps min(window + window_slack, context), a full layer the whole context."""
         if not windowed or not self.layer_windows:
             return self.num_layers * context_len
-        return sum(context_len if w is None else min(w, context_len) for w in self.layer_windows)
+        return sum(context_len if w is None else min(w + window_slack, context_len) for w in self.layer_windows)
 
-    def kv_cache_bytes_per_seq(self, context_len: float, dtype_bytes: float, windowed: bool = True) -> float:
+    def kv_cache_bytes_per_seq(self, context_len: float, dtype_bytes: float, windowed: bool = True,
+                               window_slack: int = 0) -> float:
         """KV cache bytes of one sequence of `context_len` tokens over all layers; with `windowed`, a
-        sliding-window layer holds only its window (vLLM's hybrid allocator, transformers' sliding caches)."""
+        sliding-window layer holds only its window (+ `window_slack` tokens: copt's rings hold a prefill chunk
+        next to the window)."""
         per_layer_token = self.kv_cache_bytes_per_token(dtype_bytes) / self.num_layers
-        return per_layer_token * self.layer_contexts(context_len, windowed)
+        return per_layer_token * self.layer_contexts(context_len, windowed, window_slack)
 
     def kv_cache_bytes_per_token(self, dtype_bytes: float, mla_compressed: bool = True) -> float:
         """KV cache bytes per token over all layers: 2·layers·kv_heads·head_dim·bytes.

@@ -47,3 +47,27 @@ def test_native_families_through_graphs_match_hf_greedy_on_gpu(family_dirs, name
                                                    ignore_eos=True)])
     assert [r.output_ids for r in results] == expected
     assert alone[0].output_ids == expected[0]  # the batch-1 graph too
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding", "gemma2-hybrid", "gemma3-hybrid", "qwen2moe-sliding"])
+def test_windowed_rings_through_graphs_match_hf_greedy_on_gpu(family_dirs, name, monkeypatch):
+    """Windowed layers in rings of window + 7 columns (prompts wrap around them), decoded through the graphs."""
+    import torch
+    from transformers import AutoConfig
+
+    from clusteropt_cli.core.serve import attention
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
+
+    assert torch.cuda.is_available()
+    monkeypatch.setattr(attention, "RING_SLACK", 8)
+    prompts = _prompts(int(AutoConfig.from_pretrained(family_dirs[name]).vocab_size))
+    expected, _ = _hf_greedy(family_dirs[name], prompts)
+    engine = Engine(EngineConfig(model=str(family_dirs[name]), device="cuda", dtype="fp32", max_batch_size=4,
+                                 max_model_len=128, max_batch_tokens=MAX_BATCH_TOKENS, cuda_graphs=True,
+                                 compile=True, async_scheduling=True))
+    with engine:
+        assert engine.stats.graphs_captured > 0 and engine.runner.compile_error is None
+        assert any(engine.runner.rings)
+        results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+                                   for p in prompts])
+    assert [r.output_ids for r in results] == expected

@@ -170,17 +170,75 @@ def test_native_engine_matches_hf_greedy_beyond_the_window(family_dirs, name, ca
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gemma2-hybrid", "mistral-sliding"])
-def test_compiled_decode_layers_keep_the_windows(family_dirs, name):
-    """Decode steps through torch.compile'd layers (the GPU default) attend through the same windows and
+@pytest.mark.parametrize(("name", "ring_slack"), [("gemma2-hybrid", None), ("mistral-sliding", None),
+                                                  ("gemma3-hybrid", 8)])
+def test_compiled_decode_layers_keep_the_windows(family_dirs, name, ring_slack, monkeypatch):
+    """Decode steps through torch.compile'd layers (the GPU default) attend through the same windows, rings and
     soft-caps: windowed and full layers share the compiled layer forward."""
     from transformers import AutoConfig
 
+    from clusteropt_cli.core.serve import attention
+
+    if ring_slack:
+        monkeypatch.setattr(attention, "RING_SLACK", ring_slack)
     prompts = _prompts(int(AutoConfig.from_pretrained(family_dirs[name]).vocab_size))
     expected, _ = _hf_greedy(family_dirs[name], prompts)
     got, engine = _engine_greedy(family_dirs[name], prompts, compile=True, decode_attention="math")
     assert engine.runner.compiled_layers == 4 and engine.runner.decode_attention == "math"
     assert got == expected
+
+
+WINDOWED = ["mistral-sliding", "gemma2-hybrid", "gemma3-hybrid", "qwen2-bias-sliding", "phi3-sliding",
+            "qwen2moe-sliding"]
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_windowed_layers_in_rings_match_hf_greedy(family_dirs, name, monkeypatch):
+    """With a ring of window + 7 columns per windowed layer (RING_SLACK 8 instead of 2048): prompts wrap around it
+    several times, 24-token prefill chunks are split into pieces of 8, decode reads the ring through its mask."""
+    from transformers import AutoConfig
+
+    from clusteropt_cli.core.serve import attention
+
+    monkeypatch.setattr(attention, "RING_SLACK", 8)
+    prompts = _prompts(int(AutoConfig.from_pretrained(family_dirs[name]).vocab_size))
+    expected, _ = _hf_greedy(family_dirs[name], prompts)
+    got, engine = _engine_greedy(family_dirs[name], prompts)
+    runner = engine.runner
+    columns = [k.shape[2] for k, _ in runner.caches]
+    windowed = [w is not None for w in runner.architecture.windows]
+    assert any(windowed)
+    assert columns == [WINDOW + 8 if w else 128 + 1 for w in windowed]  # ring + scratch; max_len + scratch
+    assert engine.kv_cache_bytes == 2 * (engine.num_slots + 1) * 2 * 16 * 4 * sum(columns)  # K+V, 2 heads of 16, fp32
+    assert got == expected
+
+
+def test_rings_with_speculative_rejections(family_dirs, monkeypatch):
+    """A draft model's rejected tokens are rewritten in the ring at the same columns: still HF's tokens."""
+    from clusteropt_cli.core.serve import attention
+
+    monkeypatch.setattr(attention, "RING_SLACK", 8)
+    prompts = _prompts(1024)[:2]
+    expected, _ = _hf_greedy(family_dirs["gemma2-hybrid"], prompts)
+    got, engine = _engine_greedy(family_dirs["gemma2-hybrid"], prompts,
+                                 draft_model=str(family_dirs["mistral-sliding"]), num_speculative_tokens=3)
+    assert engine.stats.spec_drafted > engine.stats.spec_accepted
+    assert got == expected
+
+
+def test_ring_sizing_counts_only_the_ring(family_dirs, monkeypatch):
+    """The engine sizes its slots from the bytes a slot really takes (rings on windowed layers)."""
+    from transformers import AutoConfig
+
+    from clusteropt_cli.core.serve import attention
+    from clusteropt_cli.core.serve.runner import ModelRunner
+
+    config = AutoConfig.from_pretrained(family_dirs["gemma2-hybrid"])  # layers: window 16, full, window 16, full
+    per_layer = 2 * 2 * 16 * 4
+    assert ModelRunner.kv_bytes_per_token_of(config, 4) == 4 * per_layer
+    assert ModelRunner.kv_bytes_per_token_of(config, 4, 128) == 4 * per_layer  # 16 + 2047 columns: no ring
+    monkeypatch.setattr(attention, "RING_SLACK", 8)
+    assert ModelRunner.kv_bytes_per_token_of(config, 4, 128) == -(-per_layer * (2 * 128 + 2 * 23) // 128)
 
 
 def test_windowed_layers_really_are_windowed(family_dirs):

@@ -523,18 +523,23 @@ def weight_bytes(spec: ModelSpec, weights: str) -> float:
     return (spec.num_params - kept) * per + kept * 2
 
 
-def windowed_kv_cache(plan: InferPlan) -> bool:
-    """Whether the serving stack keeps only the window of a sliding-window layer: vLLM (hybrid KV cache manager)
-    and transformers' generate (sliding cache layers) do; copt's own engine keeps whole slots for every layer."""
-    return not (plan.continuous_batching and plan.engine == "copt")
+def window_slack(plan: InferPlan) -> int:
+    """Tokens a sliding-window layer holds beyond its window: none under vLLM (hybrid KV cache manager) and
+    transformers' generate (sliding cache layers); copt's own engine keeps a ring of the window plus one prefill
+    chunk (core/serve/attention.py: RING_SLACK - 1)."""
+    if plan.continuous_batching and plan.engine == "copt":
+        from clusteropt_cli.core.serve.attention import RING_SLACK
+
+        return RING_SLACK - 1
+    return 0
 
 
 def kv_cache_bytes(spec: ModelSpec, plan: InferPlan, tokens_per_seq: float | None = None) -> float:
-    """KV cache of the plan's batch (per GPU): per layer min(window, context) tokens on sliding-window layers
-    where the stack keeps only the window (windowed_kv_cache), the whole context otherwise."""
+    """KV cache of the plan's batch (per GPU): per layer min(window (+ the engine's slack), context) tokens on
+    sliding-window layers, the whole context on full-attention layers."""
     shard = min(plan.tp, spec.num_kv_heads) if not spec.is_mla else 1
     ctx = plan.prompt_len + plan.gen_len if tokens_per_seq is None else tokens_per_seq
-    per_seq = spec.kv_cache_bytes_per_seq(ctx, cal.KV_BYTES[plan.kv_cache], windowed=windowed_kv_cache(plan))
+    per_seq = spec.kv_cache_bytes_per_seq(ctx, cal.KV_BYTES[plan.kv_cache], window_slack=window_slack(plan))
     return plan.batch * per_seq / shard
 
 

@@ -489,7 +489,8 @@ class Engine:
         spec_extra = cfg.num_speculative_tokens + 1 if (cfg.draft_model or cfg.prompt_lookup) else 0
         cache_len = max_len + spec_extra
         dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
-        per_token = ModelRunner.kv_bytes_per_token_of(text_config, torch.empty((), dtype=dtype).element_size())
+        per_token = ModelRunner.kv_bytes_per_token_of(text_config, torch.empty((), dtype=dtype).element_size(),
+                                                      cache_len)
         use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.startswith("cuda")
 
         use_compile = cfg.compile if cfg.compile is not None else use_graphs
@@ -506,7 +507,7 @@ class Engine:
                     f"--draft-model vocabulary ({self.draft_runner.vocab_size}) differs from the model's "
                     f"({self.runner.vocab_size}).", hint="Use a draft model trained with the same tokenizer.")
             per_token += ModelRunner.kv_bytes_per_token_of(self.draft_runner.config,
-                                                           torch.empty((), dtype=dtype).element_size())
+                                                           torch.empty((), dtype=dtype).element_size(), cache_len)
         capacity = cfg.kv_cache_tokens
         if capacity is None and cfg.kv_cache_memory_gib is not None:
             capacity = int(cfg.kv_cache_memory_gib * 2**30 // per_token)

@@ -45,6 +45,7 @@ class StepContext:
     # matmuls around a masked softmax that inductor fuses)
     attention: str = "sdpa"
     window_masks: dict[int, Any] = field(default_factory=dict)  # decode: sliding window → [B, 1, 1, L] bool
+    scratch_pos: int = 0  # decode: the position rows of slots that are not decoding carry
 
 
 def _slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, copt_step=None,
@@ -226,8 +227,17 @@ class ModelRunner:
         if not self.architecture.native:
             raise RuntimeError(f"copt's slot attention cannot serve this model: {self.architecture.reason}")
         apply_to_model(model, self.architecture, self.max_len)
-        self.windows = sorted({m.copt_window for m in self._attention_modules_of(model)
-                               if m.copt_window is not None})
+        from clusteropt_cli.core.serve.attention import RING_SLACK, ring_length
+
+        modules = self._attention_modules_of(model)
+        self.rings = [ring_length(getattr(m, "copt_window", None), self.max_len) for m in modules]
+        self.rings += [None] * (int(text_config.num_hidden_layers) - len(self.rings))
+        for module, ring in zip(modules, self.rings, strict=False):
+            module.copt_ring = ring
+        # with rings, one forward writes at most RING_SLACK tokens of a sequence (longer chunks are split)
+        self.max_segment = RING_SLACK if any(self.rings) else None
+        self.windows = sorted({(m.copt_window, m.copt_ring) for m in modules if m.copt_window is not None},
+                              key=lambda wr: (wr[0], wr[1] or 0))
         self.final_softcap = self.architecture.final_softcap
         try:
             model.set_attn_implementation(ATTN_NAME)
@@ -269,9 +279,12 @@ class ModelRunner:
 
         self.num_slots = int(num_slots)
         self.scratch_pos = self.max_len  # decode rows of slots that are not decoding write this column
-        shape = (self.num_slots + 1, self.kv_heads, self.max_len + 1, self.head_dim)
-        self.caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                        torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
+        # a full layer keeps max_len positions per slot, a short sliding window a ring (attention.ring_length)
+        self.caches = []
+        for ring in self.rings:
+            shape = (self.num_slots + 1, self.kv_heads, (ring or self.max_len) + 1, self.head_dim)
+            self.caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
+                                torch.zeros(shape, dtype=self.dtype, device=self.device)))
         # each attention module holds its own layer's cache as a buffer: the layers then differ only in their
         # tensors, so one compiled decode graph serves all of them (no specialization on layer_idx)
         for module in self._attention_modules():
@@ -330,11 +343,23 @@ class ModelRunner:
 
     # ---- sizes -------------------------------------------------------------------------------------------
     @staticmethod
-    def kv_bytes_per_token_of(config: Any, dtype_bytes: int) -> int:
+    def kv_bytes_per_token_of(config: Any, dtype_bytes: int, max_len: int | None = None) -> int:
+        """KV bytes per token of a slot; with `max_len`, averaged over a slot of that many tokens whose short
+        sliding-window layers keep only their ring (rounded up)."""
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * dtype_bytes
+        per_layer = 2 * kv_heads * head_dim * dtype_bytes
+        layers = int(config.num_hidden_layers)
+        if max_len:
+            from clusteropt_cli.core.serve.architectures import inspect_architecture
+            from clusteropt_cli.core.serve.attention import ring_length
+
+            arch = inspect_architecture(config, max_len)
+            if arch.native and arch.sliding_layers:
+                columns = sum(ring_length(w, max_len) or max_len for w in arch.windows)
+                return -(-per_layer * columns // max_len)
+        return per_layer * layers
 
     # ---- forwards ----------------------------------------------------------------------------------------
     def _hidden(self, input_ids, position_ids, step: StepContext):
@@ -350,6 +375,8 @@ class ModelRunner:
         """
         import torch
 
+        if self.max_segment and any(len(tokens) > self.max_segment for _, _, tokens in chunks):
+            return self._forward_split(chunks, logits_for)
         segments, masks, ids, pos, rows = [], [], [], [], []
         offset = 0
         for (slot, start, tokens), wanted in zip(chunks, logits_for, strict=True):
@@ -376,6 +403,28 @@ class ModelRunner:
             picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
             return self._logits(picked)
 
+    def _forward_split(self, chunks: list[tuple[int, int, list[int]]], logits_for: list[list[int]]):
+        """forward_packed in rounds of at most max_segment tokens per sequence (a windowed layer's ring holds
+        the window and one such piece); the logits come back in the order asked."""
+        import torch
+
+        m = self.max_segment
+        found: list[dict[int, Any]] = [{} for _ in chunks]
+        rounds = max(-(-len(tokens) // m) for _, _, tokens in chunks)
+        for j in range(rounds):
+            lo, hi = j * m, (j + 1) * m
+            members = [i for i, (_, _, tokens) in enumerate(chunks) if len(tokens) > lo]
+            sub = [(chunks[i][0], chunks[i][1] + lo, chunks[i][2][lo:hi]) for i in members]
+            wanted = [sorted(w - lo for w in logits_for[i] if lo <= w < hi) for i in members]
+            logits = self.forward_packed(sub, wanted)
+            row = 0
+            for i, rows in zip(members, wanted, strict=True):
+                for w in rows:
+                    found[i][w + lo] = logits[row]
+                    row += 1
+        picked = [found[i][w] for i, wanted in enumerate(logits_for) for w in wanted]
+        return torch.stack(picked) if picked else torch.empty(0, self.vocab_size, device=self.device)
+
     def _kv_bucket(self, max_position: int) -> int:
         for size in self.kv_lengths:
             if max_position < size:
@@ -392,11 +441,12 @@ class ModelRunner:
         if self.decode_attention != "flex":
             mask = (torch.arange(kv_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
         step = StepContext(caches=self.caches, mode="decode", slot_ids=rows, positions=positions, mask=mask,
-                           kv_len=kv_len, attention=self.decode_attention)
+                           kv_len=kv_len, attention=self.decode_attention, scratch_pos=self.scratch_pos)
         if self.windows:
             from clusteropt_cli.core.serve.attention import decode_window_mask
 
-            step.window_masks = {w: decode_window_mask(positions, kv_len, w, self.scratch_pos) for w in self.windows}
+            step.window_masks = {w: decode_window_mask(positions, kv_len, w, self.scratch_pos, ring)
+                                 for w, ring in self.windows}
         hidden = self._hidden(input_ids[:, None], positions[:, None], step)
         return self._logits(hidden[:, -1], out)
 
