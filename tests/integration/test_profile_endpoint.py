@@ -294,3 +294,25 @@ def test_endpoint_against_transformers_serve(fixtures):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def test_endpoint_expect_takes_the_serve_recipes_server_and_workload(fake_server, copt, tmp_path):
+    """`profile endpoint --expect serve.yaml` alone measures the recipe's server at the predicted workload
+    (concurrency, prompt/gen lengths, temperature) and compares the figures an endpoint measures."""
+    port = int(fake_server.rsplit(":", 1)[1])
+    recipe = tmp_path / "serve.yaml"
+    recipe.write_text(
+        f"task: serve\nmodel: /models/x\nserved_model_name: fake\nport: {port}\nprediction:\n  figures:\n"
+        "    ttft_s: 0.01\n    tpot_s: 0.01\n    output_tokens_per_s: 100.0\n    peak_mem_bytes: 1.0e9\n"
+        "  assumptions:\n    concurrency: 2\n    prompt_len: 8\n    gen_len: 6\n    temperature: 0.7\n")
+    proc = copt("profile", "endpoint", "--expect", str(recipe), "--num-requests", "4", "--tolerance", "100",
+                "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    profile, check = doc["profile"], doc["check"]
+    assert [lv["concurrency"] for lv in profile["levels"]] == [2] and check["level"] == "concurrency 2"
+    assert profile["workload"]["gen_len"] == 6 and profile["workload"]["temperature"] == 0.7
+    assert profile["workload"]["url"] == f"http://127.0.0.1:{port}"
+    status = {f["name"]: f["status"] for f in check["figures"]}
+    assert status["peak_mem_bytes"] == "not-measured"
+    assert {status[k] for k in ("ttft_s", "tpot_s", "output_tokens_per_s")} <= {"pass", "miss"}
