@@ -211,3 +211,44 @@ def test_bias_penalties_and_min_tokens_in_the_engine(engine, fixtures):
     expected = hf_greedy(fixtures.teacher, prompts, 12)
     results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=12) for p in prompts])
     assert [r.output_ids for r in results] == expected
+
+
+def _hf_logprobs(model_dir, ids: list[int], temperature: float = 1.0):
+    """log_softmax(logits / T) of the HF model at every position of `ids` ([len(ids), V])."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits / temperature, -1)
+
+
+def test_logprobs_equal_hf_for_greedy_sampled_and_prompt_positions(engine, fixtures):
+    import torch
+
+    prompt = list(range(40, 60))
+    for temperature in (0.0, 0.7):
+        r = engine.generate([GenerationRequest(prompt_ids=prompt, max_new_tokens=6, temperature=temperature,
+                                               seed=11, logprobs=3, prompt_logprobs=2, ignore_eos=True)])[0]
+        ref = _hf_logprobs(fixtures.teacher, prompt + r.output_ids, temperature or 1.0)
+        assert len(r.logprobs) == len(r.output_ids) == 6
+        for i, (tok, lp, top) in enumerate(r.logprobs):
+            row = ref[len(prompt) - 1 + i]
+            assert tok == r.output_ids[i] and lp == pytest.approx(float(row[tok]), abs=1e-4)
+            values, ids = row.topk(3)
+            assert [t for t, _ in top] == ids.tolist()
+            assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
+            if temperature == 0:
+                assert tok == top[0][0]  # greedy: the chosen token is the most likely
+        # prompt logprobs: raw model distribution, None for the first token
+        assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(prompt)
+        raw = _hf_logprobs(fixtures.teacher, prompt)
+        for j in range(1, len(prompt)):
+            tok, lp, top = r.prompt_logprobs[j]
+            assert tok == prompt[j] and lp == pytest.approx(float(raw[j - 1, tok]), abs=1e-4)
+            assert [t for t, _ in top] == raw[j - 1].topk(2).indices.tolist()
+    # prompt logprobs alone (echo with max_tokens 0): nothing generated
+    only = engine.generate([GenerationRequest(prompt_ids=prompt, max_new_tokens=0, prompt_logprobs=0)])[0]
+    assert only.output_ids == [] and only.finish_reason == "length" and len(only.prompt_logprobs) == len(prompt)
+    assert torch.isfinite(torch.tensor([e[1] for e in only.prompt_logprobs[1:]])).all()

@@ -1219,7 +1219,10 @@ class Engine:
         result = GenerationResult(
             request_id=seq.rid, prompt_ids=seq.prompt, output_ids=list(seq.out), finish_reason=reason, text=text,
             stop_reason=seq.stop_reason, ttft_s=(seq.t_first - seq.t_arrival) if seq.t_first else None,
-            latency_s=now - seq.t_arrival, spec_drafted=seq.drafted, spec_accepted=seq.accepted, error=error)
+            latency_s=now - seq.t_arrival, spec_drafted=seq.drafted, spec_accepted=seq.accepted, error=error,
+            logprobs=([seq.handle.logprobs.get(i) for i in range(len(seq.out))]
+                      if seq.req.logprobs is not None else None),
+            prompt_logprobs=seq.prompt_lp)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         seq.handle._push(pushed or [], result, wakes=self._wakes)
         try:

@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM clients sometimes send more
 MAX_STOP_CHARS = 256  # characters per stop string
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
+MAX_N = 64  # choices per prompt
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -32,6 +34,37 @@ class _Body(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[NonNegativeInt] | None = None
+    # sampling options (vLLM's SamplingParams; chosen on the device per request)
+    top_k: int | None = Field(None, ge=-1)  # -1 / 0: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=100)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's shape) → bias in [-100, 100]
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM extra
+
+    @field_validator("n")
+    @classmethod
+    def _n_cap(cls, value: int) -> int:
+        if value > MAX_N:
+            raise ValueError(f"at most {MAX_N} choices")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys are token ids, not {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError("biases are in [-100, 100]")
+        return value
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
+
+    def continuous_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("continuous_usage_stats"))
 
     @field_validator("stop")
     @classmethod
@@ -54,8 +87,9 @@ class _Body(BaseModel):
 
 class CompletionBody(_Body):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: prompt logprobs alone (lm-eval's loglikelihood)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class ChatMessage(BaseModel):
@@ -78,6 +112,7 @@ class ChatBody(_Body):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 def _unset(*defaults: Any) -> Callable[[Any, Any], bool]:
@@ -89,24 +124,14 @@ def _unset(*defaults: Any) -> Callable[[Any, Any], bool]:
 # Request fields the server cannot honour yet: field -> whether the value sent can be served as is. A request with
 # any other value gets 400 naming the field (never silently ignored). Remove a row when the feature lands.
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any, Any], bool]] = {
-    "n": _unset(1),
-    "best_of": _unset(1),
-    "logprobs": lambda v, b: v is None or v is False,  # completions: an int (0 asks for the chosen token's)
-    "top_logprobs": _unset(0),
-    "prompt_logprobs": _unset(),
+    "best_of": lambda v, b: v is None or v == b.n,  # best_of > n would rank choices: not implemented
     "echo": lambda v, b: not v or not b.stream,  # echo works without streaming
-    "logit_bias": lambda v, b: not v,
     "suffix": lambda v, b: not v,
     "tools": lambda v, b: not v,
     "tool_choice": _unset("none", "auto"),  # without tools, "auto" and "none" mean plain text
     "functions": lambda v, b: not v,
     "function_call": _unset("none", "auto"),
     "response_format": lambda v, b: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "presence_penalty": _unset(0, 0.0),
-    "frequency_penalty": _unset(0, 0.0),
-    "repetition_penalty": _unset(1, 1.0),
-    "top_k": _unset(0, -1),
-    "min_p": _unset(0, 0.0),
     "use_beam_search": lambda v, b: not v,
     "length_penalty": _unset(1, 1.0),
     "include_stop_str_in_output": lambda v, b: not v,

@@ -84,9 +84,10 @@ ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.07
 
 
 class ServerMetrics(EngineObserver):
-    """Prometheus metrics: HTTP requests, TTFT / ITL histograms, and the engine's gauges and counters."""
+    """Prometheus metrics: HTTP requests, TTFT / ITL histograms, and the engine's gauges and counters — under copt's
+    names and, for dashboards and gateways built for vLLM, under vLLM's (`vllm:...`, labelled model_name)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, model_name: str | None = None):
         self.engine = engine
         self._itl_pending: deque[tuple[float, int]] = deque()
         try:
@@ -104,11 +105,22 @@ class ServerMetrics(EngineObserver):
                              registry=self.registry)
         self.e2e = Histogram("copt_e2e_request_latency_seconds", "Request latency in the engine",
                              buckets=TTFT_BUCKETS, registry=self.registry)
-        self.registry.register(_EngineCollector(engine))
+        name = model_name or getattr(engine, "model_name", None) or engine.config.model
+
+        def vllm_histogram(metric: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(metric, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(name)
+
+        self.vllm_ttft = vllm_histogram("vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
+        self.vllm_itl = [vllm_histogram("vllm:time_per_output_token_seconds", "Time per output token", ITL_BUCKETS),
+                         vllm_histogram("vllm:inter_token_latency_seconds", "Inter-token latency", ITL_BUCKETS)]
+        self.vllm_e2e = vllm_histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
+                                       TTFT_BUCKETS)
+        self.registry.register(_EngineCollector(engine, name))
 
     def on_first_token(self, ttft_s: float) -> None:
         if self.registry is not None:
             self.ttft.observe(ttft_s)
+            self.vllm_ttft.observe(ttft_s)
 
     def on_tokens(self, itl_s: float, count: int) -> None:
         # called per token on the engine thread: only queue the sample; the histogram takes it at scrape time
@@ -126,10 +138,13 @@ class ServerMetrics(EngineObserver):
                 break
             for _ in range(count):
                 self.itl.observe(itl_s)
+                for histogram in self.vllm_itl:
+                    histogram.observe(itl_s)
 
     def on_finish(self, result: GenerationResult) -> None:
         if self.registry is not None:
             self.e2e.observe(result.latency_s)
+            self.vllm_e2e.observe(result.latency_s)
 
     def render(self) -> bytes | None:
         if self.registry is None:
@@ -151,13 +166,29 @@ class _NoMetric:
 class _EngineCollector:
     """Reads the engine's stats at scrape time."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, model_name: str = ""):
         self.engine = engine
+        self.model_name = model_name
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         s = self.engine.stats
+        for name, doc, value, family in (
+            ("vllm:num_requests_running", "Requests in the running batch", s.running, GaugeMetricFamily),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled", s.waiting, GaugeMetricFamily),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full)", s.kv_cache_usage, GaugeMetricFamily),
+            ("vllm:prompt_tokens", "Prefilled prompt tokens", s.prompt_tokens, CounterMetricFamily),
+            ("vllm:generation_tokens", "Generated tokens", s.generated_tokens, CounterMetricFamily),
+        ):
+            metric = family(name, doc, labels=["model_name"])
+            metric.add_metric([self.model_name], value)
+            yield metric
+        success = CounterMetricFamily("vllm:request_success", "Finished requests by finish reason",
+                                      labels=["model_name", "finished_reason"])
+        for reason, count in sorted(s.finished.items()):
+            success.add_metric([self.model_name, reason], count)
+        yield success
         yield GaugeMetricFamily("copt_num_requests_running", "Requests holding a KV-cache slot", value=s.running)
         yield GaugeMetricFamily("copt_num_requests_waiting", "Requests queued for a slot", value=s.waiting)
         yield GaugeMetricFamily("copt_kv_cache_usage_ratio", "Fraction of KV-cache tokens in use",
@@ -207,11 +238,23 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     from pydantic import ValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from clusteropt_cli.core.serve.protocol import ChatBody, CompletionBody, openai_error, unsupported_field
+    from clusteropt_cli.core.serve.openai_extras import (
+        TokenText,
+        chat_logprobs,
+        completion_logprobs,
+        echo_entries,
+    )
+    from clusteropt_cli.core.serve.protocol import (
+        ChatBody,
+        ChatMessage,
+        CompletionBody,
+        openai_error,
+        unsupported_field,
+    )
 
     app = FastAPI(title="copt serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
-    metrics = metrics or ServerMetrics(engine)
+    metrics = metrics or ServerMetrics(engine, served_model_name)
     limits = limits or ServerLimits()
     max_prompt_chars = limits.prompt_chars(engine.max_model_len)
     tokenizer = engine.tokenizer
@@ -227,11 +270,13 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     def error(status: int, message: str, **kw: Any) -> JSONResponse:
         return JSONResponse(openai_error(message, status, **kw), status_code=status)
 
-    endpoints = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+    endpoints = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+                 "/detokenize")
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     def protected(path: str) -> bool:
-        return path.startswith("/v1") or (path == "/metrics" and not limits.metrics_public)
+        return (path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+                or (path == "/metrics" and not limits.metrics_public))
 
     class AuthLimitsAndCount:
         """API-key check (constant time), the request-body cap and read timeout, and request counting, as a plain
@@ -398,13 +443,24 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
 
     defaults = getattr(engine, "sampling_defaults", None) or {}  # generation_config.json, as vLLM applies it
 
-    def to_request(body: Any, prompt_ids: list[int], max_tokens: int | None) -> GenerationRequest:
+    def to_request(body: Any, prompt_ids: list[int], max_tokens: int | None, *, choice: int = 0,
+                   logprobs: int | None = None, prompt_logprobs: int | None = None) -> GenerationRequest:
+        top_k = defaults.get("top_k", 0) if body.top_k is None else body.top_k
+        seed = body.seed
+        if seed is not None and choice:  # n > 1: each choice its own stream of the request's seed
+            seed = (seed + choice) % 2**64
         return GenerationRequest(
             prompt_ids=prompt_ids, max_new_tokens=max_tokens if max_tokens is not None else 16,
             temperature=defaults.get("temperature", 1.0) if body.temperature is None else body.temperature,
-            top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p, seed=body.seed,
+            top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p, seed=seed,
+            top_k=max(0, int(top_k)), min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+            logit_bias=body.logit_bias_ids(), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else body.prompt_logprobs,
             stop=body.stop_list(),
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
+
+    text_of = TokenText(tokenizer)
 
     def submit_all(requests: list[GenerationRequest]) -> list[RequestHandle] | JSONResponse:
         if app.state.draining:
@@ -491,7 +547,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             for t in tasks:
                 t.cancel()
 
-    def stream_response(handles: list[RequestHandle], body: Any, kind: str) -> StreamingResponse:
+    def stream_response(handles: list[RequestHandle], body: Any, kind: str,
+                        logprobs: bool = False) -> StreamingResponse:
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         now = int(time.time())
@@ -517,6 +574,25 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         def token_event(index: int, text: str) -> str:
             return f"data: {head}{index}{field_}{json.dumps(text)}{tail}"
 
+        continuous = body.continuous_usage()
+        sent = [0] * len(handles)  # tokens streamed per choice (the logprob entries' keys)
+
+        def rich_event(index: int, ids: list[int], delta: str) -> str:
+            """A token event with logprobs and/or running usage (the slower, dict-built path)."""
+            payload = chunk(index, delta, None)
+            if logprobs:
+                handle = handles[index]
+                entries = [handle.logprobs.get(sent[index] + i) for i in range(len(ids))]
+                entries = [e for e in entries if e is not None]
+                payload["choices"][0]["logprobs"] = (chat_logprobs(text_of, entries) if kind == "chat"
+                                                     else completion_logprobs(text_of, entries))
+            if continuous:
+                prompt = sum(len(h.request.prompt_ids) for h in handles)
+                done = sum(sent) + len(ids)
+                payload["usage"] = {"prompt_tokens": prompt, "completion_tokens": done,
+                                    "total_tokens": prompt + done}
+            return _sse(payload)
+
         async def events() -> AsyncIterator[str]:
             try:
                 if kind == "chat":
@@ -525,7 +601,11 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
                 async for index, ids in merged(handles):
                     if ids is not None:
                         delta = streams[index].push(ids)
-                        if delta:
+                        if logprobs or continuous:
+                            event = rich_event(index, ids, delta)
+                            sent[index] += len(ids)
+                            yield event
+                        elif delta:
                             yield token_event(index, delta)
                         continue
                     result = handles[index].result()
@@ -571,11 +651,18 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             return error(400, "The prompt is empty.", param="prompt")
         if any(not p for p in prompts):
             return error(400, "The prompt is empty.", param="prompt")
-        handles = submit_all([to_request(body, p, body.max_tokens) for p in prompts])
+        if body.max_tokens == 0 and not body.echo:
+            return error(400, "max_tokens 0 is only for echo (prompt logprobs); ask for at least 1 token.",
+                         param="max_tokens")
+        # echo + logprobs: the prompt's logprobs too (lm-evaluation-harness' loglikelihood requests)
+        prompt_lp = body.logprobs if (body.echo and body.logprobs is not None) else None
+        handles = submit_all([to_request(body, p, body.max_tokens, choice=j, logprobs=body.logprobs,
+                                         prompt_logprobs=prompt_lp)
+                              for p in prompts for j in range(body.n)])
         if not isinstance(handles, list):
             return handles
         if body.stream:
-            return stream_response(handles, body, "completion")
+            return stream_response(handles, body, "completion", logprobs=body.logprobs is not None)
         try:
             results = await await_results(request, handles)
         except _ClientGone:
@@ -590,7 +677,13 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             text = r.text or ""
             if echoed is not None:
                 text = echoed[i] + text
-            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason(r),
+            lp = None
+            if body.logprobs is not None:
+                entries = [e for e in (r.logprobs or []) if e is not None]
+                if body.echo:
+                    entries = echo_entries(r.prompt_ids, r.prompt_logprobs) + entries
+                lp = completion_logprobs(text_of, entries)
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason(r),
                             "stop_reason": r.stop_reason, **token_ids(body, r)})
         return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
                 "model": served_model_name, "choices": choices, "usage": usage(results)}
@@ -630,11 +723,13 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, engine.max_model_len - len(prompt_ids))
-        handles = submit_all([to_request(body, prompt_ids, max_tokens)])
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        handles = submit_all([to_request(body, prompt_ids, max_tokens, choice=j, logprobs=top)
+                              for j in range(body.n)])
         if not isinstance(handles, list):
             return handles
         if body.stream:
-            return stream_response(handles, body, "chat")
+            return stream_response(handles, body, "chat", logprobs=top is not None)
         try:
             results = await await_results(request, handles)
         except _ClientGone:
@@ -642,13 +737,60 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         bad = failed(results)
         if bad is not None:
             return bad
-        r = results[0]
+        choices = [{"index": i, "message": {"role": "assistant", "content": r.text or ""},
+                    "logprobs": (chat_logprobs(text_of, [e for e in (r.logprobs or []) if e is not None])
+                                 if top is not None else None),
+                    "finish_reason": finish_reason(r), "stop_reason": r.stop_reason, **token_ids(body, r)}
+                   for i, r in enumerate(results)]
         return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
-                "model": served_model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text or ""},
-                             "logprobs": None, "finish_reason": finish_reason(r), "stop_reason": r.stop_reason,
-                             **token_ids(body, r)}],
-                "usage": usage(results)}
+                "model": served_model_name, "choices": choices, "usage": usage(results)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} → {"count", "max_model_len", "tokens"}."""
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            return error(400, "The request body is not valid JSON.")
+        if not isinstance(body, dict):
+            return error(400, "The request body must be a JSON object.")
+        bad = check_model(body.get("model"))
+        if bad is not None:
+            return bad
+        special = body.get("add_special_tokens", True)
+        if "messages" in body:
+            try:
+                messages = [ChatMessage.model_validate(m) for m in body["messages"]]
+                ids = await off_loop(render_chat, [{"role": m.role, "content": m.text()} for m in messages],
+                                     bool(body.get("add_generation_prompt", True)), {})
+            except Exception as exc:  # noqa: BLE001 - the client's messages or template
+                return error(400, f"Cannot apply the chat template: {exc}", param="messages")
+        elif isinstance(body.get("prompt"), str):
+            if len(body["prompt"]) > max_prompt_chars:
+                return too_long_prompt(len(body["prompt"]), "prompt")
+            ids = await off_loop(tokenizer.encode, body["prompt"], add_special_tokens=bool(special))
+        else:
+            return error(400, "Send 'prompt' (a string) or 'messages'.", param="prompt")
+        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
+        if body.get("return_token_strs"):
+            out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's /detokenize: {"tokens": [ids]} → {"prompt": text}."""
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            return error(400, "The request body is not valid JSON.")
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        vocab = engine.runner.vocab_size
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+            return error(400, f"'tokens' must be a list of token ids in [0, {vocab}).", param="tokens")
+        bad = check_model(body.get("model"))
+        if bad is not None:
+            return bad
+        return {"prompt": await off_loop(tokenizer.decode, tokens)}
 
     return app
 
@@ -742,7 +884,7 @@ def run_server(engine: Engine, *, host: str, port: int, served_model_name: str, 
     sys.setswitchinterval(0.0005)
     open_files = raise_open_file_limit()
     max_connections = limits.max_connections or max(32, open_files - 64)
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(engine, served_model_name)
     engine.observer = metrics
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics=metrics, limits=limits)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
