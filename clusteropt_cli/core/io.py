@@ -69,7 +69,8 @@ def check_output(output: str | Path, inputs: Mapping[str, str | Path | None] | N
         else:
             continue
         raise BadInputError(f"{flag} {output} {relation} the input {in_flag} {given}; copt never writes over its "
-                            "inputs.", hint=f"Choose a {flag} outside every input (e.g. a new sibling directory).")
+                            "inputs.", hint=f"Choose a {flag} outside every input"
+                            + (" (e.g. a new sibling directory)." if kind == "dir" else "."))
     if not os.path.lexists(out_given):
         return
     if kind == "file":

@@ -363,3 +363,30 @@ def test_bad_input_files_are_exit_2_naming_the_file_and_the_fix(capsys, fixtures
     assert code == 2, err
     assert message in err and fix in err
     assert not out.exists()  # nothing written
+
+
+# ---- rule 4: a killed quantize's temporary output is cleaned by the next run ---------------------------------
+@pytest.mark.slow
+def test_the_temporary_output_of_a_killed_quantize_is_removed_by_the_next_run(fixtures, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    args = [sys.executable, "-m", "clusteropt_cli", "quantize", str(fixtures.teacher), "--method", "rtn", "--bits",
+            "8", "--output", str(tmp_path / "q")]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not list(tmp_path.glob(".q.tmp-*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stale = list(tmp_path.glob(".q.tmp-*"))
+    assert len(stale) == 1 and not (tmp_path / "q").exists()  # kill -9: no output, one temporary left
+    done = subprocess.run(args + ["--json"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # the dead run's temporary is gone
