@@ -412,3 +412,29 @@ def test_a_device_error_kills_the_engine_and_the_server_exits_nonzero(fixtures):
     assert seen["stream"]["error"] is not None and "device-side assert" in seen["stream"]["error"]["message"]
     assert seen["plain"] == 500 and seen["health"] == 503
     assert seen["new"].status_code == 500 and seen["new"].json()["error"]["code"] == "engine_dead"
+
+
+def test_stop_strings_cost_the_engine_linear_time(engine, monkeypatch):
+    """A long output with stop strings is detokenized incrementally on the engine thread (the old check decoded the
+    whole output at every token: quadratic, and every other request waited for it)."""
+    from clusteropt_cli.core.serve.engine import GenerationRequest
+
+    prompt = engine.tokenizer.encode("def parse(line):\n", add_special_tokens=False)
+    free = engine.generate([GenerationRequest(prompt_ids=prompt, max_new_tokens=200, ignore_eos=True)])[0]
+    text = free.text
+    stop = next(text[i : i + 4] for i in range(len(text) * 3 // 4, len(text) - 4)
+                if text[i : i + 4].strip() and text.index(text[i : i + 4]) == i)
+    decoded = []
+    real = engine.tokenizer.decode
+
+    def decode(ids, *args, **kwargs):
+        decoded.append(len(ids))
+        return real(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "decode", decode)
+    cut = engine.generate([GenerationRequest(prompt_ids=prompt, max_new_tokens=200, ignore_eos=True,
+                                             stop=[stop, "never-in-the-text-" * 10])])[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[: text.index(stop)]
+    n = len(cut.output_ids)
+    assert n > 100 and sum(decoded) < 10 * n  # the whole-output decode per token: n²/2 token decodes

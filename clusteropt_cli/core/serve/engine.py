@@ -274,8 +274,8 @@ class TextStream:
     def push(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
         text = self._text()
-        for s in self.stop:
-            cut = text.find(s)
+        for s in self.stop:  # text already sent holds no stop string: search only where a new one can start
+            cut = text.find(s, max(0, self.sent - len(s) + 1))
             if cut >= 0:
                 text = text[:cut]
         safe = len(text)
@@ -341,7 +341,7 @@ class _Seq:
 
     __slots__ = ("req", "handle", "rid", "prompt", "out", "num_computed", "slot", "draft_computed", "settings",
                  "temperature", "top_p", "stop_ids", "max_new", "t_arrival", "t_first", "t_last", "drafted",
-                 "accepted", "finish_reason", "stop_reason", "text", "prompt_lp", "fault")
+                 "accepted", "finish_reason", "stop_reason", "text", "prompt_lp", "fault", "detok")
 
     def __init__(self, req: GenerationRequest, handle: RequestHandle, stop_ids: set[int], max_new: int,
                  settings: Any):
@@ -363,6 +363,7 @@ class _Seq:
         self.stop_reason: str | int | None = None
         self.text: str | None = None
         self.fault: str | None = None  # why this request failed alone (finish_reason "error")
+        self.detok: TextStream | None = None  # incremental text of the output, for stop strings
 
     @property
     def length(self) -> int:
@@ -1195,8 +1196,18 @@ class Engine:
             seq.handle._push(new, wakes=self._wakes)
 
     def _hit_stop_string(self, seq: _Seq) -> bool:
-        text = self.tokenizer.decode(seq.out, skip_special_tokens=True)
-        hits = [(text.find(s), s) for s in seq.req.stop if s and s in text]
+        """Whether the output now contains a stop string. The text is detokenized incrementally and only its new
+        end is searched (a stop string found earlier would have ended the request), so a long output with stop
+        strings costs the engine thread the same per token as a short one."""
+        stream = seq.detok
+        if stream is None:
+            stream = seq.detok = TextStream(self.tokenizer)
+        before = len(stream.text)
+        stream.ids.extend(seq.out[len(stream.ids) :])
+        text = stream._text()
+        longest = max((len(s) for s in seq.req.stop), default=0)
+        start = max(0, before - longest + 1)
+        hits = [(i, s) for s in seq.req.stop if s and (i := text.find(s, start)) >= 0]
         if not hits:
             return False
         cut, stop = min(hits)
