@@ -235,3 +235,28 @@ def test_profile_endpoint_expect_takes_the_recipes_server_and_workload(tmp_path)
                       "prompt_len": 256, "gen_len": 64, "temperature": 0.7}
     typed = endpoint_values_from_recipe(exp, {**given, "concurrency": [4], "url": "http://h:1"})
     assert typed["concurrency"] == [4] and typed["url"] == "http://h:1"
+
+
+@pytest.mark.parametrize(("precision", "ckpt"), [("fp32", False), ("bf16", False), ("bf16", True)])
+def test_cpu_prediction_prices_the_fused_loss_copt_runs(fixtures, precision: str, ckpt: bool) -> None:
+    """On the CPU copt train (and profile model) use the fused loss too: advise's CPU quantity follows it
+    (measured by copt profile model's counters on the fixture teacher)."""
+    import torch
+
+    from clusteropt_cli.core.advise.memory import cpu_training_bytes
+    from clusteropt_cli.core.profile.model import profile_model
+    from clusteropt_cli.core.profile.settings import ModelProfileSettings
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report = profile_model(ModelProfileSettings(model=str(fixtures.teacher), mode="train", device="cpu",
+                                                    micro_batch=4, seq_len=128, precision=precision,
+                                                    activation_checkpointing=ckpt, warmup=0, repeats=1))
+    finally:
+        torch.set_num_threads(threads)
+    plan = TrainPlan(micro_batch=4, seq_len=128, precision=precision, activation_checkpointing=ckpt)
+    spec = load_model_spec(str(fixtures.teacher))
+    assert plan.loss(spec) == "fused"
+    predicted = cpu_training_bytes(spec, plan)["peak_mem_bytes"]
+    assert predicted == pytest.approx(report.metrics["peak_mem_bytes"], rel=0.12)

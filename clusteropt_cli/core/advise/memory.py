@@ -495,17 +495,36 @@ def cpu_training_bytes(spec: ModelSpec, plan: TrainPlan) -> dict[str, float]:
     mode = training_mode(plan)
     states = model_states(spec.num_params, plan.precision, plan.optimizer, 0, 1, deepspeed=False)
     states["gradients"] = 4.0 * spec.num_params  # counted in full on CPU
-    per_token = activation_bytes_per_token(spec, plan)
     tokens = plan.micro_batch * plan.seq_len
     moe_frac = spec.num_moe_layers / spec.num_layers
+    head = spec.vocab_size * spec.hidden_size
+    if plan.loss(spec) == "fused":  # copt train's default loss: no logits tensor, no head linear
+        per_token = activation_bytes_per_token(spec, plan, loss="hf")  # the layers are the same
+        layer = (1 - moe_frac) * per_token["dense_layer"] + moe_frac * per_token["moe_layer"]
+        if plan.activation_checkpointing:
+            layer = per_token["layer_input"]
+        # the final norm's saved tensors, then what the fused loss saves: the gradient for the (shifted) hidden
+        # states in their dtype and the fp32 gradient of the head weight
+        hidden = 4.0 if mode != "half" else 2.0
+        final = per_token["final"] - (4 * spec.hidden_size if mode == "fp32" else 2 * spec.hidden_size) - 8
+        shifted = plan.micro_batch * (plan.seq_len - 1)
+        saved = spec.num_layers * layer * tokens + final * tokens + hidden * spec.hidden_size * shifted + 4 * head
+        if mode == "amp":  # autocast weight copies saved by the decoder's linears (none under checkpointing)
+            saved += 0.0 if plan.activation_checkpointing else 2 * (spec.matmul_params_active
+                                                                    - (head if spec.tie_word_embeddings else 0))
+        chunk = min(plan.loss_chunk_tokens or max(256, 2**30 // (4 * spec.vocab_size)), shifted)
+        buffers = chunk * spec.vocab_size * (4.0 if mode == "fp32" else 2.0 + 4.0)  # one chunk + its fp32 copy
+        total = sum(states.values()) + saved + buffers
+        return {"model_states": sum(states.values()), "saved_tensors": saved, "logits_buffers": buffers,
+                "peak_mem_bytes": total}
+    per_token = activation_bytes_per_token(spec, plan)
     layer = (1 - moe_frac) * per_token["dense_layer"] + moe_frac * per_token["moe_layer"]
     if plan.activation_checkpointing:
         layer = per_token["layer_input"]
     logits = _logits_bytes(spec, mode, tokens, 1)
     saved = spec.num_layers * layer * tokens + per_token["final"] * tokens + logits["saved"]
     if mode == "amp":  # autocast weight copies saved by the linears (only the head's under checkpointing)
-        saved += 2 * (spec.vocab_size * spec.hidden_size if plan.activation_checkpointing
-                      else spec.matmul_params_active)
+        saved += 2 * (head if plan.activation_checkpointing else spec.matmul_params_active)
     buffers = logits["logits"] + (4 * spec.vocab_size * tokens if mode != "fp32" else 0.0)
     total = sum(states.values()) + saved + buffers
     return {"model_states": sum(states.values()), "saved_tensors": saved, "logits_buffers": buffers,
