@@ -61,7 +61,7 @@ def _configs(vocab: int, bos: int, eos: int, pad: int) -> dict:
 SEEDS = {"qwen2-bias-sliding": 2, "cohere2-hybrid": 2}
 
 # families outside the verified set: served through transformers' own attention and cache, with a notice
-FALLBACK = ("cohere2-hybrid", "llama-dynamic-rope")
+FALLBACK = ("cohere2-hybrid", "llama-dynamic-rope", "mamba-recurrent")
 
 
 def _fallback_configs(vocab: int, bos: int, eos: int, pad: int) -> dict:
@@ -79,6 +79,10 @@ def _fallback_configs(vocab: int, bos: int, eos: int, pad: int) -> dict:
                                             max_position_embeddings=MAX_LEN["llama-dynamic-rope"],
                                             rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                              "rope_theta": 10000.0}),
+        # no attention at all: a recurrent state the model keeps in `cache_params` (every step recomputed)
+        "mamba-recurrent": T.MambaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, state_size=8,
+                                         bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+                                         initializer_range=0.1, tie_word_embeddings=False),
     }
 
 

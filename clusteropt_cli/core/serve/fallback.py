@@ -5,7 +5,9 @@ engine's scheduler, streaming, stops, sampling and API stay the same, but each s
 transformers' model creates for itself (full, sliding-window, hybrid or recurrent layers alike) and every forward
 is the model's own `forward(past_key_values=...)`, as in `generate`. Correct, not fast: no batching across
 sequences, no CUDA graphs, no compiled layers. A sequence whose cache must step back (rejected speculative tokens)
-is recomputed from its token history, since not every cache layer can be cropped.
+is recomputed from its token history, since not every cache layer can be cropped; so is every step of a model
+whose forward hands back no `past_key_values` (recurrent models that keep `cache_params`, say): slower still,
+never wrong.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class TransformersRunner:
         model.to(self.device).eval()
         model.requires_grad_(False)
         self.model = model
+        import inspect
+
+        accepted = set(inspect.signature(model.forward).parameters)
+        self._takes_cache = "past_key_values" in accepted
+        self._takes_keep = "logits_to_keep" in accepted
         self.config = text_config
         self.vocab_size = int(text_config.vocab_size)
         self.max_len = int(max_len or min(int(getattr(text_config, "max_position_embeddings", 2048)), 4096))
@@ -74,21 +81,28 @@ class TransformersRunner:
             raise ValueError(f"sequence of {start + len(tokens)} tokens exceeds the cache length {self.max_len}")
         history = self._tokens[slot]
         cache = self._cache[slot]
+        if start > len(history):
+            raise ValueError(f"slot {slot} holds {len(history)} tokens; cannot continue at position {start}")
         if start == 0:
             history, cache = [], None
-        elif start != len(history):
-            if start > len(history):
-                raise ValueError(f"slot {slot} holds {len(history)} tokens; cannot continue at position {start}")
-            # step back (rejected speculative tokens): recompute the kept prefix with a fresh cache
+        elif start != len(history) or cache is None:
+            # step back (rejected speculative tokens) or no reusable cache: recompute the prefix from scratch
             kept = history[:start]
             wanted = [len(kept) + i for i in wanted]
             tokens = kept + tokens
             history, cache = [], None
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         keep = len(tokens) - min(wanted) if wanted else 1
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
-        self._cache[slot] = out.past_key_values
+        kwargs: dict[str, Any] = {"logits_to_keep": keep} if self._takes_keep else {}
+        if self._takes_cache:
+            kwargs.update(past_key_values=cache, use_cache=True)
+        else:
+            kwargs["use_cache"] = False
+        out = self.model(input_ids=ids, **kwargs)
+        self._cache[slot] = getattr(out, "past_key_values", None) if self._takes_cache else None
         self._tokens[slot] = history + list(tokens)
+        if not self._takes_keep:
+            keep = len(tokens)
         if not wanted:
             return out.logits.new_empty(0, self.vocab_size).float()
         rows = torch.tensor([i - (len(tokens) - keep) for i in wanted], dtype=torch.long, device=self.device)

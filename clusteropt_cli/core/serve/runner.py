@@ -346,7 +346,11 @@ class ModelRunner:
     def kv_bytes_per_token_of(config: Any, dtype_bytes: int, max_len: int | None = None) -> int:
         """KV bytes per token of a slot; with `max_len`, averaged over a slot of that many tokens whose short
         sliding-window layers keep only their ring (rounded up)."""
-        heads = int(config.num_attention_heads)
+        heads = getattr(config, "num_attention_heads", None)
+        if not heads:  # no attention heads (recurrent models): size like one hidden-width K and V per layer
+            per_layer = 2 * int(config.hidden_size) * dtype_bytes
+            return per_layer * int(config.num_hidden_layers)
+        heads = int(heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         per_layer = 2 * kv_heads * head_dim * dtype_bytes
