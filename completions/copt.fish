@@ -57,6 +57,7 @@ complete -c copt -n "__fish_seen_subcommand_from advise" -s m
 complete -c copt -n "__fish_seen_subcommand_from advise" -s r
 complete -c copt -n "__fish_seen_subcommand_from advise" -s s
 complete -c copt -n "__fish_seen_subcommand_from distill" -a logits
+complete -c copt -n "__fish_seen_subcommand_from distill" -a onpolicy
 complete -c copt -n "__fish_seen_subcommand_from distill" -a sft
 complete -c copt -n "__fish_seen_subcommand_from distill" -a traces
 complete -c copt -n "__fish_seen_subcommand_from distill" -l help
@@ -92,6 +93,31 @@ complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subco
 complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -l zero
 complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -s o
 complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from logits" -s r
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l activation-checkpointing
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l beta
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l eval-data
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l eval-prompts
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l grad-accum
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l help
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l json
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l lr
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l max-new-tokens
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l max-steps
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l micro-batch
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l no-activation-checkpointing
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l output
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l overwrite
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l precision
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l prompts
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l recipe
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l seed
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l seq-len
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l steps
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l student
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l teacher
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -l temperature
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -s o
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from onpolicy" -s r
 complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l activation-checkpointing
 complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l epochs
 complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from sft" -l eval-traces

@@ -28,7 +28,7 @@ from clusteropt_cli.options import (
     ZeroOpt,
 )
 
-app = typer.Typer(help="Distill a teacher into a student: logits, traces, sft.", no_args_is_help=True)
+app = typer.Typer(help="Distill a teacher into a student: logits, traces, sft, onpolicy.", no_args_is_help=True)
 
 TeacherOpt = Annotated[str | None, typer.Option("--teacher", help="Teacher model directory (HF format).")]
 StudentOpt = Annotated[str | None, typer.Option(
@@ -357,3 +357,71 @@ def sft(
     if result.eval_loss_before is not None:
         rows.append(("held-out completion loss", f"{_fmt(result.eval_loss_before)} → {_fmt(result.eval_loss_after)}"))
     console.out.print(console.kv_table("copt distill sft", rows))
+
+
+@app.command("onpolicy")
+def onpolicy(
+    teacher: TeacherOpt = None,
+    student: Annotated[str | None, typer.Option("--student", help="Student model directory (HF format).")] = None,
+    prompts: Annotated[str | None, typer.Option(
+        "--prompts", help='Prompts the student continues: .jsonl ({"prompt": ...}) or .txt (one a line).')] = None,
+    output: OutputDirOpt = None,
+    beta: Annotated[float | None, typer.Option(
+        "--beta", help="0 forward KL(teacher‖student), 1 reverse KL (default), 0.5 JSD.")] = None,
+    temperature: Annotated[float | None, typer.Option(
+        "--temperature", help="Sampling and loss temperature (default 1).")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(
+        "--max-new-tokens", help="Tokens the student samples per prompt and step (default 128).")] = None,
+    eval_data: Annotated[str | None, typer.Option(
+        "--eval-data", help="Held-out text: KL(teacher‖student) before and after.")] = None,
+    eval_prompts: Annotated[str | None, typer.Option(
+        "--eval-prompts", help="Held-out prompts: KL(teacher‖student) on the student's own samples, before/after.")]
+    = None,
+    precision: PrecisionOpt = None,
+    activation_checkpointing: CheckpointingOpt = None,
+    micro_batch: MicroBatchOpt = None,
+    grad_accum: GradAccumOpt = None,
+    seq_len: SeqLenOpt = None,
+    steps: MaxStepsOpt = None,
+    lr: LrOpt = None,
+    seed: SeedOpt = None,
+    recipe: RecipeOpt = None,
+    overwrite: OverwriteOpt = False,
+    json_out: JsonOpt = False,
+    overrides: OverridesArg = None,
+) -> None:
+    """On-policy distillation (GKD) with TRL's DistillationTrainer: the student samples, the teacher scores."""
+    from clusteropt_cli import console
+    from clusteropt_cli.core.distill.onpolicy import check_onpolicy_inputs, distill_onpolicy, read_prompt_texts
+    from clusteropt_cli.errors import BadInputError
+    from clusteropt_cli.recipe.load import load_settings
+
+    values = {"mode": "onpolicy", "teacher": teacher, "student": student, "prompts": prompts,
+              "output": str(output) if output else None, "beta": beta, "temperature": temperature,
+              "max_new_tokens": max_new_tokens, "eval_data": eval_data, "precision": precision,
+              "activation_checkpointing": activation_checkpointing, "micro_batch": micro_batch,
+              "grad_accum": grad_accum, "seq_len": seq_len, "max_steps": steps, "lr": lr, "seed": seed}
+    settings = load_settings("distill", recipe, overrides, values)
+    out_dir = _require_output(settings)
+    check_onpolicy_inputs(settings)  # every input problem before any model is loaded
+    if settings.eval_data and not Path(settings.eval_data).is_file():
+        raise BadInputError(f"--eval-data {settings.eval_data} does not exist.", hint="Pass a held-out text file.")
+    held_out = read_prompt_texts(eval_prompts, "--eval-prompts") if eval_prompts else None
+    with _library_output_to_stderr():
+        result = distill_onpolicy(settings, output_dir=out_dir, overwrite=overwrite, eval_text=settings.eval_data,
+                                  eval_prompts=held_out, log=console.log)
+    if json_out:
+        console.print_json(result)
+        return
+    rows = [("output", result.output), ("teacher", result.teacher), ("student", result.student),
+            ("trainer", f"TRL {result.trl_version} DistillationTrainer (beta {result.beta:g}, "
+                        f"T={result.temperature:g})"),
+            ("steps", f"{result.steps} × {result.batch} prompts, ≤ {result.max_new_tokens} sampled tokens each"),
+            ("loss first → final", f"{_fmt(result.first_loss)} → {_fmt(result.final_loss)}"),
+            ("time", f"{result.elapsed_s:.1f} s")]
+    if result.eval_kl_before is not None:
+        rows.append(("held-out KL(teacher‖student)", f"{_fmt(result.eval_kl_before)} → {_fmt(result.eval_kl_after)}"))
+    if result.on_policy_kl_before is not None:
+        rows.append(("KL on the student's samples", f"{_fmt(result.on_policy_kl_before)} → "
+                                                    f"{_fmt(result.on_policy_kl_after)}"))
+    console.out.print(console.kv_table("copt distill onpolicy", rows))

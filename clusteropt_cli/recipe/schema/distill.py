@@ -1,4 +1,4 @@
-"""Recipe for copt distill (logits, traces, sft: the subcommand sets `mode`)."""
+"""Recipe for copt distill (logits, traces, sft, onpolicy: the subcommand sets `mode`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ class DistillRecipe(TrainingOptions):
     """copt distill logits / traces / sft. Training options apply to logits and sft."""
 
     task: Literal["distill"] = "distill"
-    mode: Literal["logits", "traces", "sft"] = "logits"
+    mode: Literal["logits", "traces", "sft", "onpolicy"] = "logits"
     teacher: str | None = Field(None, description="Teacher model directory (logits, traces).")
     student: str | None = Field(None, description="Student model directory, config.json or preset (logits, sft).")
     data: str | None = Field(None, description="logits: training text (.txt, or .jsonl with a text field).")
@@ -25,6 +25,9 @@ class DistillRecipe(TrainingOptions):
     alpha: float = Field(0.5, ge=0, le=1, description="Weight of the distillation loss; 1-alpha goes to CE.")
     top_k: PositiveInt | None = Field(None, description="Distill against the teacher's top-k tokens + a tail bucket.")
     teacher_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    # onpolicy
+    beta: float | None = Field(None, ge=0, le=1, description="onpolicy: generalized JSD of TRL's DistillationTrainer: "
+                               "0 forward KL(teacher‖student), 1 reverse KL, 0.5 JSD (default 1.0, TRL's).")
     # traces
     prompts: str | None = Field(None, description="traces: prompts .jsonl (prompt, optional id/answer/match).")
     samples: PositiveInt = Field(4, description="traces: samples per prompt.")
@@ -46,7 +49,8 @@ class DistillRecipe(TrainingOptions):
     def _check_distill(self) -> DistillRecipe:
         problems = []
         # inputs that are files (data, prompts, traces) are checked by the command, naming its flag
-        needs = {"logits": ("teacher", "student"), "traces": ("teacher",), "sft": ("student",)}
+        needs = {"logits": ("teacher", "student"), "traces": ("teacher",), "sft": ("student",),
+                 "onpolicy": ("teacher", "student")}
         for key in needs[self.mode]:
             if not getattr(self, key):
                 problems.append(f"{key}: distill {self.mode} needs {key}")
