@@ -17,6 +17,7 @@ complete -c copt -n "__fish_seen_subcommand_from advise" -l activation-checkpoin
 complete -c copt -n "__fish_seen_subcommand_from advise" -l attn
 complete -c copt -n "__fish_seen_subcommand_from advise" -l batch
 complete -c copt -n "__fish_seen_subcommand_from advise" -l compile
+complete -c copt -n "__fish_seen_subcommand_from advise" -l data
 complete -c copt -n "__fish_seen_subcommand_from advise" -l emit-ds-config
 complete -c copt -n "__fish_seen_subcommand_from advise" -l emit-recipe
 complete -c copt -n "__fish_seen_subcommand_from advise" -l engine
@@ -29,7 +30,7 @@ complete -c copt -n "__fish_seen_subcommand_from advise" -l gpus
 complete -c copt -n "__fish_seen_subcommand_from advise" -l grad-accum
 complete -c copt -n "__fish_seen_subcommand_from advise" -l help
 complete -c copt -n "__fish_seen_subcommand_from advise" -l json
-complete -c copt -n "__fish_seen_subcommand_from advise" -l kv-cache
+complete -c copt -n "__fish_seen_subcommand_from advise" -l kv-cache-dtype
 complete -c copt -n "__fish_seen_subcommand_from advise" -l list-gpus
 complete -c copt -n "__fish_seen_subcommand_from advise" -l list-presets
 complete -c copt -n "__fish_seen_subcommand_from advise" -l memory-budget
@@ -41,16 +42,17 @@ complete -c copt -n "__fish_seen_subcommand_from advise" -l nodes
 complete -c copt -n "__fish_seen_subcommand_from advise" -l offload
 complete -c copt -n "__fish_seen_subcommand_from advise" -l optimizer
 complete -c copt -n "__fish_seen_subcommand_from advise" -l overwrite
-complete -c copt -n "__fish_seen_subcommand_from advise" -l pp
-complete -c copt -n "__fish_seen_subcommand_from advise" -l pp-micro-batches
-complete -c copt -n "__fish_seen_subcommand_from advise" -l pp-virtual-stages
+complete -c copt -n "__fish_seen_subcommand_from advise" -l pipeline-micro-batches
+complete -c copt -n "__fish_seen_subcommand_from advise" -l pipeline-stages
 complete -c copt -n "__fish_seen_subcommand_from advise" -l precision
 complete -c copt -n "__fish_seen_subcommand_from advise" -l prompt-len
 complete -c copt -n "__fish_seen_subcommand_from advise" -l recipe
 complete -c copt -n "__fish_seen_subcommand_from advise" -l seq-len
 complete -c copt -n "__fish_seen_subcommand_from advise" -l symptom
 complete -c copt -n "__fish_seen_subcommand_from advise" -l task
-complete -c copt -n "__fish_seen_subcommand_from advise" -l tp
+complete -c copt -n "__fish_seen_subcommand_from advise" -l temperature
+complete -c copt -n "__fish_seen_subcommand_from advise" -l tensor-parallel
+complete -c copt -n "__fish_seen_subcommand_from advise" -l virtual-stages
 complete -c copt -n "__fish_seen_subcommand_from advise" -l weights
 complete -c copt -n "__fish_seen_subcommand_from advise" -l zero
 complete -c copt -n "__fish_seen_subcommand_from advise" -s m
@@ -190,6 +192,7 @@ complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subco
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l seed
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l slo-tpot-ms
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l slo-ttft-ms
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l temperature
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l tokenizer
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l tolerance
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l url
@@ -226,6 +229,7 @@ complete -c copt -n "__fish_seen_subcommand_from quantize" -l backend
 complete -c copt -n "__fish_seen_subcommand_from quantize" -l bits
 complete -c copt -n "__fish_seen_subcommand_from quantize" -l calib
 complete -c copt -n "__fish_seen_subcommand_from quantize" -l compare-rtn
+complete -c copt -n "__fish_seen_subcommand_from quantize" -l dry-run
 complete -c copt -n "__fish_seen_subcommand_from quantize" -l eval
 complete -c copt -n "__fish_seen_subcommand_from quantize" -l group-size
 complete -c copt -n "__fish_seen_subcommand_from quantize" -l help
@@ -313,6 +317,7 @@ complete -c copt -n "__fish_seen_subcommand_from train" -l gradient-compression
 complete -c copt -n "__fish_seen_subcommand_from train" -l help
 complete -c copt -n "__fish_seen_subcommand_from train" -l hostfile
 complete -c copt -n "__fish_seen_subcommand_from train" -l json
+complete -c copt -n "__fish_seen_subcommand_from train" -l keep-checkpoints
 complete -c copt -n "__fish_seen_subcommand_from train" -l launcher
 complete -c copt -n "__fish_seen_subcommand_from train" -l lr
 complete -c copt -n "__fish_seen_subcommand_from train" -l master-addr
