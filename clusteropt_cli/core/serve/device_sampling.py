@@ -45,8 +45,8 @@ def exponential_noise(seed_lo, seed_hi, position, token_ids):
     import torch
 
     k1 = _hash32(seed_lo ^ _hash32(position & M32))
-    k2 = _hash32(seed_hi ^ _hash32(k1 + 1))
-    h = _hash32(_hash32(((token_ids * _GOLD) & M32) ^ k1[:, None]) ^ k2[:, None])
+    key = _hash32(seed_hi ^ _hash32(k1 + 1)) ^ k1  # per row
+    h = _hash32(((token_ids * _GOLD) & M32) ^ key[:, None])  # one mixing round per element
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)  # (0, 1), 24 bits
     return -torch.log(u)
 
@@ -60,9 +60,10 @@ def uniform_draw(seed_lo, seed_hi, position):
 
 
 def process_logits(logits, temperature, position, prompt_len, min_tokens, stop_ids, bias_ids, bias_vals, presence,
-                   frequency, repetition, counts, prompt_mask, penalize: bool):
-    """Logits [B, V] → the processed logits the row samples from, already divided by the temperature (1 for
-    greedy rows). `penalize` adds logit_bias, min_tokens suppression and (with counts) the penalties."""
+                   frequency, repetition, counts, prompt_mask, penalize: bool, divide: bool = True):
+    """Logits [B, V] → the processed logits the row samples from, divided by the temperature (1 for greedy rows;
+    not divided with divide=False: choose_tokens then scales them inside its fused kernel). `penalize` adds
+    logit_bias, min_tokens suppression and (with counts) the penalties."""
     import torch
 
     x = logits.float()
@@ -78,16 +79,24 @@ def process_logits(logits, temperature, position, prompt_len, min_tokens, stop_i
         early = (position - prompt_len) < min_tokens  # tokens generated before this one < min_tokens
         block = torch.where(early[:, None] & (stop_ids >= 0), float("-inf"), 0.0)
         x = x.scatter_add(1, stop_ids.clamp_min(0), block)
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    return x / t[:, None]
+    if not divide:
+        return x
+    return x * (1.0 / temperature_or_one(temperature))[:, None]  # the same product the fused kernel forms
 
 
-def perturbed_scores(scores, noisy, seed_lo, seed_hi, position, token_ids):
+def temperature_or_one(temperature):
+    import torch
+
+    return torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+
+
+def perturbed_scores(scores, scale, noisy, seed_lo, seed_hi, position, token_ids):
     """Gumbel-perturbed log-scores: scores - log E(seed, position, token) on `noisy` rows, the scores unchanged on
     the others (greedy rows). The argmax of a noisy row is a sample from softmax(scores) (log p - log E: the
     Gumbel-max trick); of a greedy row, its argmax. Pointwise only: torch.compile fuses it into one kernel."""
     import torch
 
+    scores = scores * scale[:, None]  # 1 / temperature (the division fused here)
     e = exponential_noise(seed_lo, seed_hi, position, token_ids)
     return torch.where(noisy[:, None], scores - torch.log(e), scores)
 
@@ -116,11 +125,12 @@ def row_argmax(scores):
 
 
 def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort: bool,
-                  perturb=None):
+                  perturb=None, scale=None):
     """One token per row from processed logits: greedy rows (temperature 0) take the argmax, the others sample
     (Gumbel-max over the exponential noise of (seed, position)); with `sort`, from the distribution restricted by
     top-k, top-p and min-p. A row whose every logit is -inf gives a token, never NaN. `perturb`: the pair of
-    pointwise functions (perturbed_scores, perturbed_sorted), compiled or not."""
+    pointwise functions (perturbed_scores, perturbed_sorted), compiled or not. `scale`: per-row factors still to
+    apply to `scaled` (1 / temperature, when process_logits did not divide; sort=False only)."""
     import torch
 
     plain, nucleus = perturb or (perturbed_scores, perturbed_sorted)
@@ -133,16 +143,19 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
         pick = row_argmax(nucleus(values, w, cum, top_p, top_k, min_p, noisy, seed_lo, seed_hi, position, order))
         return order.gather(-1, pick[:, None]).squeeze(-1)
     ids = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
-    return row_argmax(plain(scaled, noisy, seed_lo, seed_hi, position, ids))
+    if scale is None:
+        scale = torch.ones_like(temperature)
+    return row_argmax(plain(scaled, scale, noisy, seed_lo, seed_hi, position, ids))
 
 
 def sample_kernel(logits, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, prompt_len, min_tokens,
                   stop_ids, bias_ids, bias_vals, presence, frequency, repetition, counts, prompt_mask,
                   sort: bool, penalize: bool, perturb=None):
-    """process_logits + choose_tokens."""
+    """process_logits + choose_tokens (without sort, the temperature is applied inside the fused noise kernel)."""
     scaled = process_logits(logits, temperature, position, prompt_len, min_tokens, stop_ids, bias_ids, bias_vals,
-                            presence, frequency, repetition, counts, prompt_mask, penalize)
-    return choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort, perturb)
+                            presence, frequency, repetition, counts, prompt_mask, penalize, divide=sort)
+    scale = None if sort else 1.0 / temperature_or_one(temperature)
+    return choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort, perturb, scale)
 
 
 @dataclass
