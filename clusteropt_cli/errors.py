@@ -127,6 +127,12 @@ def _from_os_error(exc: OSError) -> CoptError | None:
     mapped = _disk_full(exc)
     if mapped is not None:
         return mapped
+    if isinstance(exc, PermissionError) and exc.filename:
+        return BadInputError(f"Permission denied: {exc.filename}.",
+                             hint="Choose a path you can read (inputs) or write (--output and the other outputs).")
+    if isinstance(exc, (IsADirectoryError, NotADirectoryError)) and exc.filename:
+        kind = "a directory" if isinstance(exc, IsADirectoryError) else "not a directory"
+        return BadInputError(f"{exc.filename} is {kind}.", hint="Check the paths given to copt.")
     text = str(exc)
     if "is not a local folder" in text or "does not appear to have a file named" in text or (
         "Can't load" in text and "config" in text

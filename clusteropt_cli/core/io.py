@@ -21,7 +21,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -174,14 +174,15 @@ def check_output_dir(path: Path, overwrite: bool) -> None:
 
 
 @contextmanager
-def atomic_output_dir(path: Path, overwrite: bool = False, command: str = "copt") -> Iterator[Path]:
+def atomic_output_dir(path: Path, overwrite: bool = False, command: str = "copt",
+                      needed_bytes: int | None = None) -> Iterator[Path]:
     """Yield a temporary directory next to `path`; on success it replaces `path` (swap), on failure it is removed
     and the old `path` stays as it was. The new directory carries the copt output marker."""
     path = Path(path)
     check_output(path, None, overwrite=overwrite)
     tmp = make_temp_dir(path.parent, f".{path.name}.tmp-")
     try:
-        with disk_full_as_error(tmp):
+        with disk_full_as_error(path, cleanup=tmp, needed_bytes=needed_bytes):
             yield tmp
             write_output_marker(tmp, command)
             (tmp / TMP_OWNER).unlink(missing_ok=True)
@@ -301,20 +302,27 @@ def disk_full_error(path: Path, needed_bytes: int | None = None) -> DiskFullErro
 
 
 @contextmanager
-def disk_full_as_error(path: Path, cleanup: Path | None = None, needed_bytes: int | None = None) -> Iterator[None]:
+def disk_full_as_error(path: Path, cleanup: Path | None = None,
+                       needed_bytes: int | Callable[[], int | None] | None = None) -> Iterator[None]:
     """Turn a full-disk failure inside the block into a DiskFullError naming `path`; `cleanup` (a file or directory
-    of partial output) is removed first. The size needed is `needed_bytes`, or what had been written."""
+    of partial output) is removed first. The size named is `needed_bytes` (an estimate of the whole output, or a
+    function computing it) when larger than what had been written."""
     try:
         yield
     except (OSError, RuntimeError, DiskFullError) as exc:
         if not isinstance(exc, DiskFullError) and not is_disk_full(exc):
             raise
-        written = needed_bytes or _tree_bytes(cleanup or path)
+        written = _tree_bytes(cleanup or path)
+        try:
+            estimate = needed_bytes() if callable(needed_bytes) else needed_bytes
+        except Exception:  # noqa: BLE001 - the estimate is best effort
+            estimate = None
+        written = max(written, int(estimate or 0))
         if cleanup is not None:
             if cleanup.is_dir() and not cleanup.is_symlink():
                 shutil.rmtree(cleanup, ignore_errors=True)
             else:
                 cleanup.unlink(missing_ok=True)
-        if isinstance(exc, DiskFullError):
+        if isinstance(exc, DiskFullError) and not estimate:
             raise
         raise disk_full_error(path, written) from exc

@@ -152,3 +152,10 @@ def test_train_checkpoint_save_on_a_full_disk_leaves_no_partial_checkpoint(tmp_p
     with pytest.raises(DiskFullError, match="state.pt"):
         checkpoint.save_torch_file({"x": torch.zeros(2)}, target)
     assert not target.exists()
+
+
+def test_unwritable_or_misnamed_paths_are_bad_input_not_bugs():
+    mapped = map_exception(PermissionError(errno.EACCES, "Permission denied", "/ro/out"))
+    assert isinstance(mapped, BadInputError) and mapped.exit_code == 2 and "/ro/out" in mapped.message
+    mapped = map_exception(IsADirectoryError(errno.EISDIR, "Is a directory", "/data"))
+    assert isinstance(mapped, BadInputError) and "/data is a directory" in mapped.message

@@ -236,7 +236,10 @@ def run(plan_: Plan, progress=None, verbose: bool = False) -> QuantizeReport:
         blocks = eval_blocks(tokenizer, plan_.eval_text, min(s.seq_len, _max_positions(model)), s.eval_tokens)
         ppl_before = _score(model, blocks, device)
 
-    with atomic_output_dir(plan_.output, overwrite=True, command="quantize") as tmp:
+    # the output's size, for a full disk's message: the weights at the new width (fp32/16-bit sources alike)
+    source_bits = 32 if "float32" in str(getattr(model, "dtype", "")) else 16
+    estimate = weights_bytes(plan_.model_dir) * s.weight_bits // source_bits
+    with atomic_output_dir(plan_.output, overwrite=True, command="quantize", needed_bytes=estimate) as tmp:
         t0 = time.perf_counter()
         facts = backends.quantize(model, tokenizer, s, plan_.calib_texts, tmp, progress=progress, verbose=verbose)
         quantize_time = time.perf_counter() - t0

@@ -433,7 +433,12 @@ def _save_checkpoint(engine: Any, output_dir: Path, step: int, cursor: DataCurso
     barrier(ctx)
     from clusteropt_cli.core.io import disk_full_as_error
 
-    with disk_full_as_error(staging, cleanup=staging):  # a full disk: no partial checkpoint is left behind
+    def checkpoint_bytes() -> int:  # parameters + optimizer states, about what a checkpoint holds
+        return model_state_bytes(engine.model, engine.optimizer) - sum(
+            p.numel() * p.element_size() for p in engine.model.parameters() if p.grad is not None)
+
+    # a full disk: no partial checkpoint is left behind
+    with disk_full_as_error(staging, cleanup=staging, needed_bytes=checkpoint_bytes):
         engine.save(staging)
         save_torch_file(rng_state(), staging / f"rng_rank{ctx.rank}.pt")
     barrier(ctx)
