@@ -251,3 +251,21 @@ def test_greedy_tokens_equal_argmax_with_ties(vocab):
     logits[2] = 0.0  # all equal
     assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
     assert greedy_tokens(logits)[0] == 3 and greedy_tokens(logits)[2] == 0
+
+
+def test_cpu_kv_cache_is_sized_from_the_model_and_the_machine():
+    from clusteropt_cli.core.serve.engine import cpu_kv_capacity
+
+    per_token = 46_080  # SmolLM2-135M in fp32: 30 layers × 2 × 3 KV heads × 64 × 4 bytes
+    gib = 2**30
+    # 64 × 4096 tokens would be 11.25 GiB: 10 % of 16 GiB available instead
+    tokens, why = cpu_kv_capacity(per_token, 4096, 64, available=16 * gib)
+    assert tokens == int(1.6 * gib) // per_token and "10% of 16.0 GiB" in why
+    # a large machine: 4 GiB at most
+    tokens, why = cpu_kv_capacity(per_token, 4096, 64, available=512 * gib)
+    assert tokens == 4 * gib // per_token and "4 GiB" in why
+    # what the batch needs when that is less
+    assert cpu_kv_capacity(per_token, 512, 2, available=16 * gib) == (1024, "--max-batch-size 2 full sequences")
+    # always one full sequence while it fits in half of what is available
+    tokens, why = cpu_kv_capacity(per_token, 4096, 64, available=1 * gib)
+    assert tokens == 4096 and why.startswith("one sequence")

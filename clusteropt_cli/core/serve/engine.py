@@ -425,6 +425,33 @@ def _ngram_draft(tokens: list[int], n_max: int, k: int) -> list[int]:
     return []
 
 
+CPU_KV_FRACTION = 0.1  # of the memory available after loading the model
+CPU_KV_MAX_BYTES = 4 * 2**30  # vLLM's CPU backend reserved 4 GiB by default (VLLM_CPU_KVCACHE_SPACE)
+
+
+def cpu_kv_capacity(per_token: int, cache_len: int, max_batch_size: int,
+                    available: int | None = None) -> tuple[int, str]:
+    """KV-cache capacity (tokens) on a device without a memory query of its own (the CPU), and why.
+
+    What `max_batch_size` full-length sequences need, at most 10% of the memory available now (the model is
+    loaded) and 4 GiB — never the ~11 GiB that 64 sequences × 4096 tokens of a 30-layer fp32 model would pin —
+    but always one full sequence while it fits in half the available memory."""
+    if available is None:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    wanted = max_batch_size * cache_len
+    budget = min(int(available * CPU_KV_FRACTION), CPU_KV_MAX_BYTES)
+    capacity = min(wanted, budget // per_token)
+    if capacity >= wanted:
+        return wanted, f"--max-batch-size {max_batch_size} full sequences"
+    why = (f"{CPU_KV_FRACTION:.0%} of {available / 2**30:.1f} GiB available" if budget < CPU_KV_MAX_BYTES
+           else f"at most {CPU_KV_MAX_BYTES / 2**30:.0f} GiB")
+    if capacity < cache_len and cache_len * per_token <= available // 2:
+        return cache_len, f"one sequence: {why} holds less"
+    return capacity, why
+
+
 class Engine:
     """Continuous-batching generation over a slot KV cache (see the module docstring for the API)."""
 
@@ -525,8 +552,9 @@ class Engine:
                 capacity = int(budget // per_token)
             else:
                 capacity = int(free * cfg.gpu_memory_fraction // per_token)
-        if capacity is None:
-            capacity = cfg.max_batch_size * cache_len
+        self.kv_cache_choice = None
+        if capacity is None:  # CPU: from the model's bytes per token and the machine's available memory
+            capacity, self.kv_cache_choice = cpu_kv_capacity(per_token, cache_len, cfg.max_batch_size)
         slots = min(cfg.max_batch_size, capacity // cache_len)
         if slots < 1:
             raise BadInputError(
@@ -540,6 +568,13 @@ class Engine:
         self.stats.num_slots = slots
         self.stats.kv_cache_tokens = slots * cache_len
         self.kv_cache_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.runner.caches)
+        if self.kv_cache_choice is not None:
+            import sys
+
+            print(f"copt serve: KV cache on {device}: {slots} sequences × {cache_len} tokens = "
+                  f"{self.kv_cache_bytes / 2**30:.2f} GiB ({per_token / 1024:.0f} KiB per token; "
+                  f"{self.kv_cache_choice}); --kv-cache-memory or --kv-cache-blocks set it.", file=sys.stderr,
+                  flush=True)
         self.max_batch_tokens = int(cfg.max_batch_tokens or (2048 if device.startswith("cuda") else 512))
         self.stats.graphs_captured = self.runner.capture_graphs(slots)
         self.eos_ids = self._eos_ids()

@@ -90,6 +90,9 @@ class CompletionBody(_Body):
     max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: prompt logprobs alone (lm-eval's loglikelihood)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # text prompts are encoded with the tokenizer's special tokens (its BOS where the tokenizer adds one), as HF's
+    # tokenizer(...) and vLLM's completions endpoint do; token-id prompts are taken as sent
+    add_special_tokens: bool = True
 
 
 class ChatMessage(BaseModel):
@@ -113,6 +116,8 @@ class ChatBody(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # the chat template writes its own BOS: special tokens on top of it only when asked (vLLM's default too)
+    add_special_tokens: bool = False
 
 
 def _unset(*defaults: Any) -> Callable[[Any, Any], bool]:

@@ -628,8 +628,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def encode_all(texts: list[str]) -> list[list[int]]:
-        return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    def encode_all(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -642,7 +642,7 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             chars = sum(len(t) for t in texts)
             if chars > max_prompt_chars:
                 return too_long_prompt(chars, "prompt")
-            prompts = await off_loop(encode_all, texts)
+            prompts = await off_loop(encode_all, texts, body.add_special_tokens)
         elif prompt and all(isinstance(p, int) for p in prompt):
             prompts = [list(prompt)]
         elif prompt and all(isinstance(p, list) for p in prompt):
@@ -688,10 +688,11 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
                 "model": served_model_name, "choices": choices, "usage": usage(results)}
 
-    def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool, kwargs: dict[str, Any]) -> list[int]:
+    def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool, kwargs: dict[str, Any],
+                    add_special_tokens: bool = False) -> list[int]:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              **kwargs)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -717,7 +718,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
                 return error(400, "chat_template must be a string of a reasonable size.", param=where)
             kwargs["chat_template"] = request_template
         try:
-            prompt_ids = await off_loop(render_chat, messages, body.add_generation_prompt, kwargs)
+            prompt_ids = await off_loop(render_chat, messages, body.add_generation_prompt, kwargs,
+                                        body.add_special_tokens)
         except Exception as exc:  # noqa: BLE001 - template errors are the client's
             return error(400, f"Cannot apply the chat template: {exc}", param="messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
