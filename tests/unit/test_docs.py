@@ -165,3 +165,14 @@ def test_relative_links_resolve():
             elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
                 broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_readme_exit_codes_match_the_error_classes():
+    """The README's exit-code table lists exactly the codes the CoptError family (and Ctrl-C) exits with."""
+    import clusteropt_cli.errors as errors
+
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.CoptError)]
+    codes = {0, 130} | {c.exit_code for c in classes}
+    readme = (REPO / "README.md").read_text()
+    table = {int(code) for code in re.findall(r"^\| (\d+) \|", readme, flags=re.M)}
+    assert table == codes
