@@ -26,8 +26,9 @@ def _with_generation_config(src, dst, **values):
 def test_generation_defaults_read_like_vllm(fixtures, tmp_path):
     assert generation_defaults(str(fixtures.teacher)) == {}  # only eos/bos there
     model = _with_generation_config(fixtures.teacher, tmp_path / "m", do_sample=False, temperature=0.6, top_p=0.9,
-                                    top_k=20)
-    assert generation_defaults(str(model)) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}  # do_sample ignored
+                                    top_k=20, repetition_penalty=1.1, min_p=0.05)
+    assert generation_defaults(str(model)) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                                               "repetition_penalty": 1.1}  # do_sample ignored
 
 
 def test_request_without_sampling_options_uses_the_models_defaults(fixtures, tmp_path):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k")
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                         "frequency_penalty")  # vLLM's ModelConfig.get_diff_sampling_param
 
 
 def generation_defaults(model_dir: str) -> dict[str, Any]:

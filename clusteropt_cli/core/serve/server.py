@@ -446,6 +446,10 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     def to_request(body: Any, prompt_ids: list[int], max_tokens: int | None, *, choice: int = 0,
                    logprobs: int | None = None, prompt_logprobs: int | None = None) -> GenerationRequest:
         top_k = defaults.get("top_k", 0) if body.top_k is None else body.top_k
+
+        def given(key: str) -> float:  # the request's value, else the model's default, else the protocol's
+            return getattr(body, key) if key in body.model_fields_set else defaults.get(key, getattr(body, key))
+
         seed = body.seed
         if seed is not None and choice:  # n > 1: each choice its own stream of the request's seed
             seed = (seed + choice) % 2**64
@@ -453,8 +457,9 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             prompt_ids=prompt_ids, max_new_tokens=max_tokens if max_tokens is not None else 16,
             temperature=defaults.get("temperature", 1.0) if body.temperature is None else body.temperature,
             top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p, seed=seed,
-            top_k=max(0, int(top_k)), min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+            top_k=max(0, int(top_k)), min_p=defaults.get("min_p", 0.0) if body.min_p is None else body.min_p,
+            presence_penalty=given("presence_penalty"), frequency_penalty=given("frequency_penalty"),
+            repetition_penalty=given("repetition_penalty"),
             logit_bias=body.logit_bias_ids(), logprobs=logprobs,
             prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else body.prompt_logprobs,
             stop=body.stop_list(),
