@@ -142,8 +142,11 @@ def test_chat_fields_the_server_cannot_honour_get_400(server, extra, param):
 
 def test_lone_surrogate_and_defaults_that_change_nothing(server):
     headers = {**AUTH, "Content-Type": "application/json"}
-    r = httpx.post(server + "/v1/completions", content=b'{"prompt": "a\\ud800b", "max_tokens": 2}', headers=headers)
-    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+    for path, body in (("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}'),
+                       ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}'),
+                       ("/tokenize", b'{"prompt": "a\\ud800b"}')):
+        r = httpx.post(server + path, content=body, headers=headers)
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], (path, r.text)
     # what OpenAI clients send by default is not refused
     ok = httpx.post(server + "/v1/completions", headers=AUTH, timeout=60, json={
         "prompt": "x", "max_tokens": 2, "n": 1, "best_of": 1, "logprobs": None, "presence_penalty": 0,
@@ -169,6 +172,12 @@ def test_huge_body_and_huge_prompt_never_stall_health(server):
         r = httpx.post(server + "/v1/chat/completions", headers=AUTH, timeout=60,
                        json={"messages": [{"role": "user", "content": "ab " * 200_000}], "max_tokens": 2})
         assert r.status_code == 413 and r.json()["error"]["param"] == "messages"
+        # vLLM's /tokenize and /detokenize: the same caps, parsed and decoded on worker threads
+        r = httpx.post(server + "/tokenize", headers=AUTH, timeout=60,
+                       json={"messages": [{"role": "user", "content": "ab " * 200_000}]})
+        assert r.status_code == 413 and r.json()["error"]["param"] == "messages"
+        r = httpx.post(server + "/detokenize", headers=AUTH, timeout=60, json={"tokens": [5, 300, 700] * 1_000_000})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
         # under both caps: tokenized on a worker thread, refused by the engine as longer than the context
         r = httpx.post(server + "/v1/completions", json={"prompt": "def f(x): " * 6000, "max_tokens": 2},
                        headers=AUTH, timeout=60)

@@ -387,6 +387,15 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     async def _invalid(request: Request, exc: RequestValidationError):
         return invalid(list(exc.errors()))
 
+    async def json_body(request: Request) -> Any:
+        """The body as plain JSON, parsed on a worker thread (lone surrogates are invalid JSON here: 400)."""
+        import pydantic_core
+
+        try:
+            return await off_loop(pydantic_core.from_json, await request.body())
+        except ValueError as exc:
+            return error(400, f"The request body is not valid JSON (UTF-8 text without lone surrogates): {exc}.")
+
     async def parse(request: Request, model: type) -> Any:
         """The body as `model`, parsed on a worker thread; an error response when it is malformed."""
         raw = await request.body()
@@ -755,10 +764,9 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} → {"count", "max_model_len", "tokens"}."""
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError):
-            return error(400, "The request body is not valid JSON.")
+        body = await json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
         if not isinstance(body, dict):
             return error(400, "The request body must be a JSON object.")
         bad = check_model(body.get("model"))
@@ -768,6 +776,9 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         if "messages" in body:
             try:
                 messages = [ChatMessage.model_validate(m) for m in body["messages"]]
+                chars = sum(len(m.text()) for m in messages)
+                if chars > max_prompt_chars:
+                    return too_long_prompt(chars, "messages")
                 ids = await off_loop(render_chat, [{"role": m.role, "content": m.text()} for m in messages],
                                      bool(body.get("add_generation_prompt", True)), {})
             except Exception as exc:  # noqa: BLE001 - the client's messages or template
@@ -780,24 +791,34 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             return error(400, "Send 'prompt' (a string) or 'messages'.", param="prompt")
         out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
         if body.get("return_token_strs"):
-            out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+            out["token_strs"] = await off_loop(tokenizer.convert_ids_to_tokens, ids)
         return out
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         """vLLM's /detokenize: {"tokens": [ids]} → {"prompt": text}."""
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError):
-            return error(400, "The request body is not valid JSON.")
+        body = await json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
         tokens = body.get("tokens") if isinstance(body, dict) else None
         vocab = engine.runner.vocab_size
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
-            return error(400, f"'tokens' must be a list of token ids in [0, {vocab}).", param="tokens")
-        bad = check_model(body.get("model"))
+
+        most = 4 * engine.max_model_len  # decoding holds the GIL: a bounded list keeps the event loop responsive
+
+        def checked_decode() -> str | None:  # on a worker thread: the ids may be many
+            if not isinstance(tokens, list) or len(tokens) > most or not all(
+                    type(t) is int and 0 <= t < vocab for t in tokens):
+                return None
+            return tokenizer.decode(tokens)
+
+        bad = check_model(body.get("model")) if isinstance(body, dict) else None
         if bad is not None:
             return bad
-        return {"prompt": await off_loop(tokenizer.decode, tokens)}
+        text = await off_loop(checked_decode)
+        if text is None:
+            return error(400, f"'tokens' must be a list of at most {most} token ids in [0, {vocab}).",
+                         param="tokens")
+        return {"prompt": text}
 
     return app
 
