@@ -54,6 +54,25 @@ def _write_report(report: Any, path: Path | None) -> None:
     console.log(f"profile written to {path}")
 
 
+def _vllm_bench_paths(path: Path, concurrency: list[int], rate: list[float]) -> list[Path]:
+    """One file per level: PATH itself for a single level, else PATH-c8.json / PATH-r2.0.json."""
+    tags = [f"c{c}" for c in concurrency] + [f"r{r}" for r in rate]
+    if len(tags) <= 1:
+        return [path]
+    return [path.with_name(f"{path.stem}-{tag}{path.suffix or '.json'}") for tag in tags]
+
+
+def _write_vllm_bench(report: Any, paths: list[Path]) -> None:
+    import json
+
+    from clusteropt_cli.core.io import atomic_write_text
+    from clusteropt_cli.core.profile.external import vllm_bench_results
+
+    for target, doc in zip(paths, vllm_bench_results(report), strict=True):
+        atomic_write_text(target, json.dumps(doc, indent=2) + "\n")
+        console.log(f"vllm bench serve result written to {target}")
+
+
 # ---- formatting --------------------------------------------------------------------------------------------
 def fmt(name: str, value: Any) -> str:
     """A figure for people: bytes, seconds, fractions, FLOP/s and rates in their natural units."""
@@ -325,6 +344,9 @@ def endpoint(
         "sent, and dropped if the server rejects it; --ignore-eos insists, --no-ignore-eos never sends it).",
         show_default=False)] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="PNG: throughput against TTFT/TPOT per level.")] = None,
+    save_vllm_bench: Annotated[Path | None, typer.Option(
+        "--save-vllm-bench", help="Also write the result in `vllm bench serve --save-result`'s JSON (one file per "
+                                  "level: NAME-c8.json, NAME-r2.0.json when there are several).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed for prompts and arrivals.")] = 0,
     expect: ExpectOpt = None,
     tolerance: ToleranceOpt = 0.10,
@@ -335,7 +357,7 @@ def endpoint(
     """Load-test an OpenAI-compatible server (streaming /v1/completions): TTFT, ITL, TPOT, E2E per level."""
     from clusteropt_cli.core.profile.settings import EndpointSettings
 
-    _check_outputs({"--report": report_path, "--plot": plot}, overwrite,
+    _check_outputs({"--report": report_path, "--plot": plot, "--save-vllm-bench": save_vllm_bench}, overwrite,
                    inputs={"--dataset": dataset, "--tokenizer": tokenizer, "--expect": expect})
     if plot is not None and plot.suffix.lower() != ".png":
         raise BadInputError(f"--plot {plot}: the plot is a PNG; name the file *.png.")
@@ -358,6 +380,9 @@ def endpoint(
         slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, request_timeout_s=request_timeout, warmup=warmup,
         api_key=api_key, ignore_eos=ignore_eos, seed=seed, temperature=given["temperature"] or 0.0)
     settings.validate()
+    bench_paths = (_vllm_bench_paths(save_vllm_bench, settings.concurrency, settings.rate)
+                   if save_vllm_bench is not None else [])
+    _check_outputs({f"--save-vllm-bench ({p.name})": p for p in bench_paths}, overwrite)
     if plot is not None:
         from clusteropt_cli.deps import require
 
@@ -369,6 +394,8 @@ def endpoint(
 
     report = profile_endpoint(settings, log=console.log)
     _write_report(report, report_path)
+    if bench_paths:
+        _write_vllm_bench(report, bench_paths)
     if plot is not None:
         from clusteropt_cli.core.profile.plot import plot_endpoint
 

@@ -316,3 +316,28 @@ def test_endpoint_expect_takes_the_serve_recipes_server_and_workload(fake_server
     status = {f["name"]: f["status"] for f in check["figures"]}
     assert status["peak_mem_bytes"] == "not-measured"
     assert {status[k] for k in ("ttft_s", "tpot_s", "output_tokens_per_s")} <= {"pass", "miss"}
+
+
+def test_endpoint_writes_vllm_bench_serve_json_that_reads_back(fake_server, copt, tmp_path):
+    """--save-vllm-bench: one `vllm bench serve --save-result` document per level, which copt's reader of that
+    format turns back into the same figures."""
+    from clusteropt_cli.core.profile.external import detect_tool, external_report
+
+    report = tmp_path / "copt.json"
+    proc = copt("profile", "endpoint", "--url", fake_server, "--model", "fake", "--concurrency", "1,2",
+                "--num-requests", "4", "--gen-len", "6", "--prompt-len", "8", "--report", str(report),
+                "--save-vllm-bench", str(tmp_path / "bench.json"), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ours = json.loads(report.read_text())
+    for level, name in zip(ours["levels"], ("bench-c1.json", "bench-c2.json"), strict=True):
+        doc = json.loads((tmp_path / name).read_text())
+        assert detect_tool(doc) == "vllm-bench" and doc["max_concurrency"] == level["concurrency"]
+        assert doc["completed"] == 4 and doc["total_output_tokens"] == 24
+        assert doc["median_ttft_ms"] == pytest.approx(level["ttft_s"]["p50"] * 1e3)
+        (back,) = external_report(doc, "vllm-bench").levels
+        for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+            assert back.model_dump()[key] == pytest.approx(level[key]), key
+        assert back.output_tokens_per_s == pytest.approx(level["output_tokens_per_s"])
+    again = copt("profile", "endpoint", "--url", fake_server, "--model", "fake", "--concurrency", "1,2",
+                 "--save-vllm-bench", str(tmp_path / "bench.json"), timeout=60)
+    assert again.returncode == 2 and "bench-c1.json" in again.stderr  # refused before any request

@@ -169,3 +169,26 @@ def external_report(data: dict[str, Any], tool: str) -> ProfileReport:
                          copt_version=__version__, hardware=HardwareInfo(device="remote"),
                          model={"name": model} if model else {}, workload=workload, metrics=metrics, levels=levels,
                          verdict=endpoint_verdict(levels, slo_ttft_s=None, slo_tpot_s=None))
+
+
+def vllm_bench_results(report: ProfileReport) -> list[dict[str, Any]]:
+    """Each level of a copt endpoint report in `vllm bench serve --save-result`'s flat schema (one document per
+    level, as vLLM writes one per run); latencies in milliseconds, vLLM's names (median/p90/p99/mean_*_ms)."""
+    docs = []
+    for lv in report.levels:
+        failed = lv.requests - lv.completed
+        doc: dict[str, Any] = {
+            "date": report.created_at, "backend": "openai", "model_id": report.model.get("name"),
+            "tokenizer_id": None, "num_prompts": lv.requests,
+            "request_rate": "inf" if lv.rate is None else lv.rate, "max_concurrency": lv.concurrency,
+            "duration": lv.duration_s, "completed": lv.completed, "failed": failed,
+            "total_output_tokens": round(lv.output_tokens_per_s * lv.duration_s),
+            "request_throughput": lv.request_throughput, "request_goodput": lv.goodput,
+            "output_throughput": lv.output_tokens_per_s, "source": f"copt profile endpoint {report.copt_version}",
+        }
+        for metric, summary in (("ttft", lv.ttft_s), ("tpot", lv.tpot_s), ("itl", lv.itl_s), ("e2el", lv.e2e_s)):
+            for ours, theirs in (("mean", "mean"), ("p50", "median"), ("p90", "p90"), ("p99", "p99")):
+                if ours in summary:
+                    doc[f"{theirs}_{metric}_ms"] = summary[ours] * 1e3
+        docs.append(doc)
+    return docs
