@@ -148,6 +148,11 @@ def _engine_greedy(model_dir, prompts, **config):
     return [r.output_ids for r in results], engine
 
 
+# merged projection groups per family: 4 layers × (q/k/v + gate/up); MoE layers only q/k/v
+MERGED = {name: 8 for name in ("llama-untied", "llama-tied", "mistral-sliding", "gemma", "gemma2-hybrid",
+                               "gemma3-hybrid", "qwen2-bias-sliding", "qwen3-qknorm", "qwen3-qknorm-sliding")}
+MERGED.update({"phi3-sliding": 0, "mixtral-sliding": 4, "qwen2moe-sliding": 4, "qwen3moe-sliding": 4})
+
 FAMILIES = ["llama-untied", "llama-tied", "mistral-sliding", "gemma", "gemma2-hybrid", "gemma3-hybrid",
             "qwen2-bias-sliding", "qwen3-qknorm", "qwen3-qknorm-sliding", "phi3-sliding", "mixtral-sliding",
             "qwen2moe-sliding", "qwen3moe-sliding"]
@@ -168,6 +173,8 @@ def test_native_engine_matches_hf_greedy_beyond_the_window(family_dirs, name, ca
     assert max(len(set(out)) for out in expected) > 2, "degenerate reference output"
     got, engine = _engine_greedy(family_dirs[name], prompts)
     assert isinstance(engine.runner, ModelRunner)  # served natively, by copt's slot attention
+    # q/k/v merged in every layer (phi-3's are merged in the checkpoint), gate/up in the dense MLPs
+    assert engine.runner.fused_projections == MERGED[name]
     assert engine.runner.attention_path.startswith("copt slot attention")
     assert "transformers' own attention" not in capfd.readouterr().err
     assert got == expected

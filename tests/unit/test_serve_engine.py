@@ -186,7 +186,7 @@ def test_projections_of_unlisted_architectures_and_fp8_layers_stay_separate():
 
     from clusteropt_cli.core.serve.fusion import fuse_projections
 
-    assert fuse_projections(_tiny_causal_lm("gemma")) == 0  # not on the allowlist of same-input call patterns
+    assert fuse_projections(_tiny_causal_lm("olmo2")) == 0  # not on the allowlist of same-input call patterns
     model = _tiny_causal_lm()
     attn = model.model.layers[0].self_attn
     attn.k_proj = torch.nn.Linear(64, attn.k_proj.out_features, bias=True)  # bias on k only: not mergeable

@@ -20,7 +20,9 @@ from typing import Any
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 # architectures whose every layer calls each group's projections once per forward on one input (a layer that
 # skipped one, e.g. KV-sharing layers, would leave a stale output behind)
-MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# (MoE layers have no gate_proj/up_proj of their own: only their attention merges; Phi-3 ships merged projections)
+MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral",
+                         "qwen2_moe", "qwen3_moe"})
 
 
 def _group_class():
