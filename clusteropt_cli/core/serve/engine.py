@@ -693,6 +693,9 @@ class Engine:
                                       "stop_token_ids", hint="Leave at least one token that does not stop.")
         if request.seed is not None and not -(2**63) <= request.seed < 2**64:
             raise InvalidRequestError("seed must be in [-2^63, 2^64).", "seed")
+        for name in ("top_k", "min_tokens"):  # stored in the sampler's int64 rows
+            if abs(int(getattr(request, name))) >= 2**31:
+                raise InvalidRequestError(f"{name} must be below 2^31.", name)
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not math.isfinite(float(getattr(request, name))):
                 raise InvalidRequestError(f"{name} must be a finite number.", name)
