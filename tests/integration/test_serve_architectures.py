@@ -324,6 +324,7 @@ def test_inspect_refuses_what_slot_attention_cannot_do():
     dynamic = T.LlamaConfig(num_hidden_layers=2, max_position_embeddings=2048,
                             rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     assert not inspect_architecture(dynamic, max_len=4096).native
+    assert "--max-model-len of at most 2047" in inspect_architecture(dynamic, max_len=4096).reason
     assert inspect_architecture(dynamic, max_len=1024).native  # the scaling never engages within the cache
     assert inspect_architecture(T.Gemma2Config(num_hidden_layers=2)).attn_softcap == 50.0
     multimodal = T.Gemma3Config(text_config={"num_hidden_layers": 2})

@@ -126,6 +126,9 @@ def inspect_architecture(config: Any, max_len: int | None = None) -> Architectur
         if max_len is None or original is None or max_len + 1 > int(original):
             arch.reason = (f"rotary scaling {', '.join(dynamic)} changes its frequencies with the sequence length "
                            f"(beyond {original} positions)")
+            if original:
+                arch.reason += (f"; a --max-model-len of at most {int(original) - 1} (less any speculative tokens) "
+                                "is served by copt's attention")
             return arch
     arch.attn_softcap = getattr(config, "attn_logit_softcapping", None) or None
     arch.final_softcap = getattr(config, "final_logit_softcapping", None) or None
