@@ -147,11 +147,13 @@ def distill_onpolicy(settings: DistillRecipe, *, output_dir: Path, overwrite: bo
                      log: Any = None) -> OnPolicyResult:
     """Train the student on its own samples towards the teacher (TRL DistillationTrainer); save it (HF format,
     atomically) in output_dir with metrics.jsonl and distill_result.json."""
-    from clusteropt_cli.core.io import atomic_output_dir, check_output_dir
+    from clusteropt_cli.core.io import atomic_output_dir, check_output
     from clusteropt_cli.deps import require
 
     prompts = check_onpolicy_inputs(settings)
-    check_output_dir(output_dir, overwrite)
+    check_output(output_dir, {"--teacher": settings.teacher, "--student": settings.student,
+                              "--prompts": settings.prompts, "--eval-data": eval_text or settings.eval_data},
+                 overwrite=overwrite)
     require("trl", "distill")
     require("datasets", "distill")
     import torch
@@ -186,7 +188,7 @@ def distill_onpolicy(settings: DistillRecipe, *, output_dir: Path, overwrite: bo
         result.on_policy_kl_before = on_policy_kl(student, teacher, tokenizer, eval_prompts, max_new_tokens=max_new,
                                                   seed=settings.seed)
     started = time.perf_counter()
-    with atomic_output_dir(output_dir, overwrite=overwrite) as tmp:
+    with atomic_output_dir(output_dir, overwrite=overwrite, command="distill onpolicy") as tmp:
         config = trl.DistillationConfig(
             output_dir=str(tmp / "trl"), max_steps=settings.max_steps or 100,
             per_device_train_batch_size=settings.micro_batch, gradient_accumulation_steps=settings.grad_accum,
