@@ -3,6 +3,7 @@
 prediction (`--expect`), with the throughput/latency plot.
 
     python3 bench/gpu_loop_serve.py --out $OUT/loop_serve
+    python3 bench/gpu_loop_serve.py --out $OUT/loop_serve_sampled --temperature 1.0   # sampled requests
 
 Model: the Llama-3.2-1B shape with random bf16 weights and a word-level tokenizer (bench/gpu_serve.py's
 make_model_dir), so prompts are exactly --prompt-len tokens. Every step is the real CLI in a subprocess; its output
@@ -47,6 +48,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64,256")
     parser.add_argument("--tolerance", type=float, default=0.25)
     parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of the requests, predicted by advise and sent by profile endpoint "
+                             "(0 = greedy; 0.7-1.0 = what clients send by default)")
     parser.add_argument("--small", action="store_true", help="tiny model on CPU: checks the script only")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -61,7 +65,8 @@ def main() -> None:
     recipe = args.out / "loop_serve_recipe.yaml"
     proc = copt(["advise", "--model", str(args.model_dir), "--gpu", gpu, "--task", "infer", "--symptom",
                  "low-throughput", "--batch", "1", "--prompt-len", str(args.prompt_len), "--gen-len",
-                 str(args.gen_len), "--emit-recipe", str(recipe), "--overwrite"], log)
+                 str(args.gen_len), "--temperature", str(args.temperature), "--emit-recipe", str(recipe),
+                 "--overwrite"], log)
     if proc.returncode != 0:
         sys.exit(f"advise failed: {proc.stderr[-2000:]}")
     print(proc.stdout[-1500:])
@@ -79,7 +84,8 @@ def main() -> None:
             name = json.load(resp)["data"][0]["id"]
         endpoint = args.out / "endpoint.json"
         proc = copt(["profile", "endpoint", "--url", url, "--model", name, "--concurrency", args.concurrency,
-                     "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--tokenizer",
+                     "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
+                     "--temperature", str(args.temperature), "--tokenizer",
                      str(args.model_dir), "--plot", str(args.out / "endpoint.png"), "--report", str(endpoint),
                      "--expect", str(recipe), "--tolerance", str(args.tolerance), "--overwrite", "--json"], log)
         (args.out / "expect.json").write_text(proc.stdout or "{}")

@@ -102,8 +102,15 @@ def _render_verdict(report: Any, report_path: Path | None = None) -> None:
     for line in v.evidence:
         console.out.print(f"  - {line}", highlight=False)
     if v.symptoms:
-        console.out.print(f"next: copt advise --from-profile {report_path or 'PROFILE.json'}  (or: copt advise "
-                          f"{' '.join('--symptom ' + s for s in v.symptoms)})", highlight=False)
+        extra = ""
+        if report.kind == "endpoint":  # a served name and a remote GPU: name the model's config and the GPU
+            from pathlib import Path as _Path
+
+            name = str(report.model.get("name") or "")
+            extra = f" --model {name if name and _Path(name).exists() else 'MODEL_DIR'}"
+            extra += f" --gpu {report.hardware.catalog or 'GPU'}"
+        console.out.print(f"next: copt advise --from-profile {report_path or 'PROFILE.json'}{extra}  (or: copt "
+                          f"advise {' '.join('--symptom ' + s for s in v.symptoms)})", highlight=False)
 
 
 def _render_model(report: Any, report_path: Path | None = None) -> None:

@@ -260,3 +260,19 @@ def test_cpu_prediction_prices_the_fused_loss_copt_runs(fixtures, precision: str
     assert plan.loss(spec) == "fused"
     predicted = cpu_training_bytes(spec, plan)["peak_mem_bytes"]
     assert predicted == pytest.approx(report.metrics["peak_mem_bytes"], rel=0.12)
+
+
+def test_endpoint_expect_names_why_nothing_compares(tmp_path) -> None:
+    """A serve recipe emitted for --gpu cpu predicts no latency: the error says so instead of repeating the
+    pairing hint."""
+    from clusteropt_cli.core.profile.expect import compare_to_prediction, load_expectation
+    from clusteropt_cli.core.profile_report import load_profile
+    from clusteropt_cli.errors import BadInputError
+
+    spec, target = load_model_spec("llama-3.2-1b"), api.resolve_target("cpu", memory_budget_gib=64)[0]
+    result = api.advise(spec, target, InferPlan(batch=4, continuous_batching=True), model_arg="llama-3.2-1b")
+    exp = load_expectation(str(api.emit_recipe(result, "llama-3.2-1b", tmp_path / "serve.yaml")))
+    report = load_profile(str(_endpoint_profile(tmp_path)))
+    with pytest.raises(BadInputError, match="no speed model for a CPU target") as info:
+        compare_to_prediction(report, exp, 0.1)
+    assert "--gpu NAME" in info.value.hint

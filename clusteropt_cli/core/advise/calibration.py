@@ -21,8 +21,8 @@ LOGITS_HELD_IN_BACKWARD = True
 # Fitted so that both anchors are met with the model's other terms.
 COMPILED_ACTIVATION_FACTOR = {"default": 1.09, "fp8": 0.79}
 # Bytes per logit of one chunk of copt train's fused loss (logits, their gradient and the cross-entropy kernel's
-# temporaries). H200, 1B shape, 8 × 2048 (docs/benchmarks.md#train): peak 43.50 / 46.07 / 51.33
-# GB with loss_chunk_tokens 2,093 (default) / 4,096 / 8,192 → +2.58 GB per 2,003 × 128,256 logits and +7.84 GB per
+# temporaries). H200, 1B shape, 8 × 2048 (docs/benchmarks.md#train): peak 43.50 / 46.07 / 51.33 GB with
+# loss_chunk_tokens 2,093 (default) / 4,096 / 8,192 → +2.58 GB per 2,003 × 128,256 logits and +7.84 GB per
 # 6,099 × 128,256: 10.0 bytes per logit both ways.
 FUSED_LOSS_BYTES_PER_CHUNK_LOGIT = 10.0
 # Fraction the caching allocator reserves above the allocated peak (fragmentation, block rounding).

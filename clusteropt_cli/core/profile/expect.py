@@ -180,8 +180,18 @@ def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: fl
         checks.append(FigureCheck(name, float(predicted), float(value), err,
                                   "pass" if abs(err) <= tolerance else "miss"))
     if not any(c.status != "not-measured" for c in checks):
+        offered = sorted(k for k, v in measured.items() if v is not None)
+        if report.kind == "endpoint" and exp.task == "serve":
+            # the pairing is right: the prediction lacks the figures an endpoint measures
+            why = (" (advise has no speed model for a CPU target: the recipe was emitted with --gpu cpu)"
+                   if exp.gpu == "cpu" else "")
+            raise BadInputError(
+                f"--expect {exp.path}: the recipe predicts {', '.join(exp.figures)}, none of which an endpoint "
+                f"measures ({', '.join(offered)}){why}.",
+                hint="Emit the serve recipe for the GPU the server runs on: copt advise --task infer --gpu NAME ... "
+                     "--emit-recipe R.yaml")
         raise BadInputError(
             f"--expect {exp.path}: none of the predicted figures ({', '.join(exp.figures)}) is measured by this "
-            f"profile ({report.kind} {report.mode}).",
+            f"profile ({report.kind} {report.mode}: {', '.join(offered)}).",
             hint="Pair a train recipe with 'profile model --mode train', a serve recipe with 'profile endpoint'.")
     return Comparison(recipe=exp.path, tolerance=tolerance, checks=checks, level=level_name)
