@@ -389,7 +389,8 @@ def endpoint(
     settings.validate()
     bench_paths = (_vllm_bench_paths(save_vllm_bench, settings.concurrency, settings.rate)
                    if save_vllm_bench is not None else [])
-    _check_outputs({f"--save-vllm-bench ({p.name})": p for p in bench_paths}, overwrite)
+    _check_outputs({f"--save-vllm-bench ({p.name})": p for p in bench_paths}, overwrite,
+                   inputs={"--dataset": dataset, "--tokenizer": tokenizer, "--expect": expect})
     if plot is not None:
         from clusteropt_cli.deps import require
 
