@@ -452,11 +452,10 @@ def _save_checkpoint(engine: Any, output_dir: Path, step: int, cursor: DataCurso
 def _save_final_model(model: Any, tokenizer: Any, output_dir: Path, state_dict: dict[str, Any] | None,
                       options: Any) -> None:
     """save_pretrained (safetensors) + tokenizer into a staging directory, then move the files into output_dir."""
-    import tempfile
 
-    from clusteropt_cli.core.io import disk_full_as_error
+    from clusteropt_cli.core.io import TMP_OWNER, disk_full_as_error, make_temp_dir
 
-    staging = Path(tempfile.mkdtemp(prefix=".final-", dir=output_dir))
+    staging = make_temp_dir(output_dir, ".final-")  # (removes the staging directories of killed runs)
     try:
         with disk_full_as_error(output_dir, cleanup=staging):  # no partial model on a full disk
             if options.activation_checkpointing and hasattr(model, "gradient_checkpointing_disable"):
@@ -476,7 +475,8 @@ def _save_final_model(model: Any, tokenizer: Any, output_dir: Path, state_dict: 
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging)
             for item in staging.iterdir():
-                os.replace(item, output_dir / item.name)
+                if item.name != TMP_OWNER:
+                    os.replace(item, output_dir / item.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
