@@ -86,6 +86,7 @@ def test_train_overwrite_never_deletes_inputs_and_a_failed_replacement_keeps_the
     code, stdout, err = cli(capsys, *_train_args(project, out))
     assert code == 0, err
     assert (out / ".copt-output.json").is_file() and (out / "model.safetensors").is_file()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != ".copt-output.json"]
     first = _tree(out)
     code, _, err = cli(capsys, *_train_args(project, out))
     assert code == 2 and "already exists" in err  # never replaced without --overwrite
