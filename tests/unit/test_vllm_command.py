@@ -1,5 +1,5 @@
 """`copt serve --engine vllm`: the command is built for the vLLM version at hand and checked against the flags and
-speculative-config keys recorded from vLLM 0.11.0's and 0.33.0's sources (tests/data/vllm_args/)."""
+speculative-config keys recorded from vLLM 0.10.0's, 0.11.0's, 0.13.0's and 0.33.0's sources (tests/data/vllm_args/)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from clusteropt_cli.recipe.load import load_settings
 from clusteropt_cli.recipe.schema.serve import ServeRecipe
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "vllm_args"
-RECORDED = {v: json.loads((DATA / f"{v}.json").read_text()) for v in ("0.11.0", "0.33.0")}
+RECORDED = {v: json.loads((DATA / f"{v}.json").read_text()) for v in ("0.10.0", "0.11.0", "0.13.0", "0.33.0")}
 
 
 def _accepted(argv: list[str], version: str) -> None:
@@ -36,7 +36,8 @@ EVERYTHING = dict(model="/m", engine="vllm", port=9000, api_key="k", dtype="bf16
 
 @pytest.mark.parametrize("version", sorted(RECORDED))
 def test_every_flag_is_one_that_version_accepts(version):
-    _accepted(plan_vllm_command(ServeRecipe(**EVERYTHING), version).argv, version)
+    everything = {**EVERYTHING, "kv_cache_memory": None} if version == "0.10.0" else EVERYTHING  # 0.11 on
+    _accepted(plan_vllm_command(ServeRecipe(**everything), version).argv, version)
     ngram = plan_vllm_command(ServeRecipe(model="/m", prompt_lookup=3, speculative_max_batch=8), version)
     _accepted(ngram.argv, version)
     _accepted(plan_vllm_command(ServeRecipe(model="/m", async_scheduling=True), version).argv, version)
@@ -51,6 +52,7 @@ def test_the_recorded_sets_tell_the_versions_apart():
     assert "num_speculative_tokens_per_batch_size" in new["speculative_config_keys"]
     assert "num_speculative_tokens_per_batch_size" not in old["speculative_config_keys"]
     assert not VllmCaps((0, 11)).spec_batch_schedule and VllmCaps((0, 33)).spec_batch_schedule
+    assert "--kv-cache-memory-bytes" not in RECORDED["0.10.0"]["flags"] and "--kv-cache-memory-bytes" in old["flags"]
 
 
 def test_draft_model_per_version():
@@ -106,6 +108,8 @@ def test_versions():
     assert parse_version("0.14.0+cu129") == (0, 14) and parse_version("v0.33.0") == (0, 33)
     with pytest.raises(ValueError):
         parse_version("eleven")
+    with pytest.raises(BadInputError, match="arrives in 0.11"):
+        plan_vllm_command(ServeRecipe(model="/m", kv_cache_memory=8.0), "0.10.2")
     with pytest.raises(BadInputError, match="predates"):
         plan_vllm_command(ServeRecipe(model="/m"), "0.9.2")
     assert plan_vllm_command(ServeRecipe(model="/m"), "0.40").warnings

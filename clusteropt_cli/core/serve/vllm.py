@@ -1,13 +1,14 @@
 """`--engine vllm`: translate copt's serve settings into a `vllm serve` command line the installed vLLM accepts.
 
-What each vLLM release accepts was read from its sources (the flag sets of 0.11.0 and 0.33.0 are recorded under
-tests/data/vllm_args/, with the script that records them):
+What each vLLM release accepts was read from its sources (the flag sets of 0.10.0, 0.11.0, 0.13.0 and 0.33.0 are
+recorded under tests/data/vllm_args/, with the script that records them):
 
 - speculative config `"method": "draft_model"`: 0.10-0.14 refuse a draft model at start ("Draft model speculative
   decoding is not supported yet"); 0.16 and later accept it (0.15 ships no source release; copt lets vLLM decide).
 - `disable_by_batch_size` (copt's `--speculative-max-batch`): a field up to 0.16 but ignored by the V1 engine
   since 0.10, then removed; from 0.24 `num_speculative_tokens_per_batch_size` (a batch-size → k schedule) does the
   job, so copt maps the limit onto it there and drops it with a warning before.
+- `--kv-cache-memory-bytes` (copt's --kv-cache-memory): from 0.11.
 - `--async-scheduling` explicitly on: refused with n-gram (CPU) speculation in every release, with a draft model
   before 0.16, and with pipeline parallelism up to 0.14 and again from 0.31 (the V1 model runner).
 """
@@ -159,6 +160,9 @@ def plan_vllm_command(settings: Any, version: str | None = None) -> VllmPlan:
     if settings.kv_cache_blocks:
         cmd += ["--num-gpu-blocks-override", str(settings.kv_cache_blocks)]
     if settings.kv_cache_memory:
+        if caps.version < (0, 11):
+            raise BadInputError(f"vLLM {ver} has no --kv-cache-memory-bytes (it arrives in 0.11).",
+                                hint="Size the cache with --gpu-memory-utilization or --kv-cache-blocks instead.")
         cmd += ["--kv-cache-memory-bytes", str(int(settings.kv_cache_memory * 2**30))]
     kv_dtype = KV_DTYPES[settings.kv_cache_dtype]
     if kv_dtype is None:
