@@ -159,3 +159,32 @@ def test_unwritable_or_misnamed_paths_are_bad_input_not_bugs():
     assert isinstance(mapped, BadInputError) and mapped.exit_code == 2 and "/ro/out" in mapped.message
     mapped = map_exception(IsADirectoryError(errno.EISDIR, "Is a directory", "/data"))
     assert isinstance(mapped, BadInputError) and "/data is a directory" in mapped.message
+
+
+def _staged(output: Path, step: int) -> None:
+    from clusteropt_cli.core.train.checkpoint import staging_dir
+
+    staging = staging_dir(output, step)
+    (staging / "deepspeed").mkdir(parents=True)
+    (staging / "training_state.pt").write_bytes(b"state %d" % step)
+    (staging / "deepspeed" / "shard.pt").write_bytes(b"shard %d" % step)
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_commit_keeps_the_newest_n_checkpoints_and_verifies_them(tmp_path, keep):
+    from clusteropt_cli.core.train.checkpoint import commit_checkpoint, select_checkpoint, verify_checkpoint
+
+    for step in (2, 4, 6, 8):
+        _staged(tmp_path, step)
+        commit_checkpoint(tmp_path, step, {"step": step, "data": {}}, keep=keep)
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == [f"step-{s}" for s in (2, 4, 6, 8)[4 - keep:]]
+    meta, problem = verify_checkpoint(tmp_path / "checkpoints" / "step-8")
+    assert problem is None and set(meta["files"]) == {"training_state.pt", "deepspeed/shard.pt"}
+    (tmp_path / "checkpoints" / "step-8" / "deepspeed" / "shard.pt").write_bytes(b"shard 9")  # same size
+    chosen = select_checkpoint(tmp_path) if keep > 1 else None
+    if keep > 1:
+        assert chosen.path.name == "step-6" and "shard.pt does not match its sha256" in chosen.skipped[0]
+    else:
+        with pytest.raises(BadInputError, match="no checkpoint .* is valid"):
+            select_checkpoint(tmp_path)
