@@ -88,6 +88,7 @@ def test_every_printed_command_runs(cli, fixtures, substitutions, tmp_path, monk
     cases = [("train", ["--gpu", "h200", "--micro-batch", "4", "--seq-len", "128"]),
              ("train", ["--gpu", "h200", "--gpus", "8", "--micro-batch", "4", "--seq-len", "128",
                         "--memory-budget", "0.05"]),
+             ("train", ["--gpu", "cpu", "--memory-budget", "0.02", "--micro-batch", "4", "--seq-len", "128"]),
              ("infer", ["--gpu", "h200", "--batch", "4", "--prompt-len", "64", "--gen-len", "32"]),
              ("infer", ["--gpu", "h200", "--gpus", "2", "--batch", "64", "--prompt-len", "64", "--gen-len", "32"])]
     for task, args in cases:
