@@ -14,7 +14,8 @@ Sampling settings (`--sampling`, comma-separated; default all):
 Cases, each per sampling setting:
   engine_b1     in-process Engine, one request of 256 tokens at a time: decode ms/token (median of 3)
   http_b1       `copt serve`, one streaming request of 256 tokens at a time: ms/token at the client (median of 3)
-  http_c64      64 concurrent streaming requests (prompts 32–256 tokens, 128 output tokens, ignore_eos): tok/s
+  http_c64      64 concurrent streaming requests (prompts 32–256 tokens, 128 output tokens, ignore_eos): tok/s,
+                median of --repeats runs (3)
   http_c256     the same with 256 clients
 kernels: the sampling graph alone (µs per step by batch and variant) against the greedy argmax.
 Also checked on the device: a seeded request gives the same tokens when repeated and alone vs. inside a batch of 64
@@ -187,7 +188,7 @@ async def _load(url: str, prompts: list[list[int]], max_tokens: int, params: dic
 
 
 def bench_http(model_dir: Path, prompts: list[list[int]], names: list[str], b1_tokens: int,
-               clients: list[int]) -> dict:
+               clients: list[int], repeats: int = 3) -> dict:
     import gpu_serve
 
     port = gpu_serve.free_port()
@@ -204,9 +205,12 @@ def bench_http(model_dir: Path, prompts: list[list[int]], names: list[str], b1_t
                 runs = [asyncio.run(_load(url, [prompts[1][:32]], b1_tokens, {**params, "seed": i}))
                         for i in range(3)]
                 row["http_b1_ms_per_token"] = sorted(r["tpot_ms_p50"] for r in runs)[1]
-                for c in clients:
-                    res = asyncio.run(_load(url, prompts[:c], gpu_serve.OUT_TOKENS, params))
+                for c in clients:  # median of `repeats` runs (one run of a few seconds is noisy)
+                    runs = sorted((asyncio.run(_load(url, prompts[:c], gpu_serve.OUT_TOKENS, params))
+                                   for _ in range(repeats)), key=lambda r: r["output_tokens_per_s"])
+                    res = runs[len(runs) // 2]
                     row[f"http_c{c}_tok_s"] = res["output_tokens_per_s"]
+                    row[f"http_c{c}_tok_s_runs"] = [round(r["output_tokens_per_s"]) for r in runs]
                     row[f"http_c{c}_tpot_ms_p50"] = res["tpot_ms_p50"]
             except Exception as exc:  # noqa: BLE001 - recorded, the next setting runs
                 row["error"] = f"{type(exc).__name__}: {exc}"
@@ -229,6 +233,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sampling", default=",".join(SAMPLING), help=f"comma-separated of {', '.join(SAMPLING)}")
     parser.add_argument("--clients", default="64,256", help="concurrent HTTP clients per throughput case")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per HTTP throughput case (median reported)")
     parser.add_argument("--skip", default="", help="comma-separated: kernels, engine, http")
     parser.add_argument("--smoke", action="store_true", help="tiny model, few requests (checks the script on CPU)")
     args = parser.parse_args()
@@ -268,7 +273,7 @@ def main() -> None:
             results["engine"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     if "http" not in skip:
         try:
-            results["http"] = bench_http(model_dir, prompts, names, b1_tokens, clients)
+            results["http"] = bench_http(model_dir, prompts, names, b1_tokens, clients, args.repeats)
         except Exception as exc:  # noqa: BLE001
             results["http"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
