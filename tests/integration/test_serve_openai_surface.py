@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.test_serve_helpers import running_server
+from tests.integration.test_serve_helpers import metric, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +100,7 @@ def test_echo_prompt_logprobs_in_lm_eval_harness_shape(server, hf):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
-def test_chat_logprobs_and_n(client):
+def test_chat_logprobs_and_n(client, server):
     resp = client.chat.completions.create(model="teacher", messages=[{"role": "user", "content": "def add(a, b):"}],
                                           max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
     content = resp.choices[0].logprobs.content
@@ -115,6 +115,7 @@ def test_chat_logprobs_and_n(client):
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
     assert [c.text for c in many.choices] == [c.text for c in again.choices]
     assert len({c.text for c in many.choices}) > 1  # each choice its own sample
+    assert metric(server, "copt_prompt_tokens_shared_total") > 0  # the choices shared one prefill
 
 
 def test_seeded_sampling_is_reproducible_under_load(server):

@@ -252,3 +252,20 @@ def test_logprobs_equal_hf_for_greedy_sampled_and_prompt_positions(engine, fixtu
     only = engine.generate([GenerationRequest(prompt_ids=prompt, max_new_tokens=0, prompt_logprobs=0)])[0]
     assert only.output_ids == [] and only.finish_reason == "length" and len(only.prompt_logprobs) == len(prompt)
     assert torch.isfinite(torch.tensor([e[1] for e in only.prompt_logprobs[1:]])).all()
+
+
+def test_n_choices_share_the_prompt_prefill(engine, fixtures):
+    from tests.integration.test_serve_helpers import eval_prompts
+
+    prompt = eval_prompts(fixtures, 1, min_len=40, max_len=60, seed=9)[0]
+    solo = [engine.generate([GenerationRequest(prompt_ids=prompt, max_new_tokens=10, temperature=1.0, seed=s,
+                                               ignore_eos=True)])[0].output_ids for s in (1, 2, 3)]
+    before_shared, before_prompt = engine.stats.prompt_tokens_shared, engine.stats.prompt_tokens
+    leader = engine.submit(GenerationRequest(prompt_ids=prompt, max_new_tokens=10, temperature=1.0, seed=1,
+                                             ignore_eos=True))
+    others = [engine.submit(GenerationRequest(prompt_ids=prompt, max_new_tokens=10, temperature=1.0, seed=s,
+                                              ignore_eos=True), share_prompt_with=leader) for s in (2, 3)]
+    shared = [h.result(timeout=120).output_ids for h in [leader, *others]]
+    assert shared == solo  # copying the KV cache changes nothing in what is generated
+    assert engine.stats.prompt_tokens_shared - before_shared == 2 * (len(prompt) - 1)
+    assert engine.stats.prompt_tokens - before_prompt == len(prompt) + 2  # one prefill + the last token twice

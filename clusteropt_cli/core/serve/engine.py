@@ -308,6 +308,7 @@ class EngineStats:
     decode_steps: int = 0
     spec_steps: int = 0
     prefill_chunks: int = 0
+    prompt_tokens_shared: int = 0  # prompt tokens copied from another choice's KV cache (n > 1) instead of computed
     prompt_tokens: int = 0
     generated_tokens: int = 0
     spec_drafted: int = 0
@@ -341,7 +342,7 @@ class _Seq:
 
     __slots__ = ("req", "handle", "rid", "prompt", "out", "num_computed", "slot", "draft_computed", "settings",
                  "temperature", "top_p", "stop_ids", "max_new", "t_arrival", "t_first", "t_last", "drafted",
-                 "accepted", "finish_reason", "stop_reason", "text", "prompt_lp", "fault", "detok")
+                 "accepted", "finish_reason", "stop_reason", "text", "prompt_lp", "fault", "detok", "leader")
 
     def __init__(self, req: GenerationRequest, handle: RequestHandle, stop_ids: set[int], max_new: int,
                  settings: Any):
@@ -354,6 +355,7 @@ class _Seq:
         self.settings = settings  # device_sampling.RowSettings
         self.temperature, self.top_p = float(req.temperature), float(req.top_p)
         self.prompt_lp: list[Any] | None = [None] if req.prompt_logprobs is not None else None
+        self.leader: _Seq | None = None  # shares the prompt's KV cache of this sequence (n > 1)
         self.stop_ids, self.max_new = stop_ids, max_new
         self.t_arrival = time.perf_counter()
         self.t_first: float | None = None
@@ -702,8 +704,12 @@ class Engine:
         if any(not math.isfinite(float(v)) or abs(float(v)) > 100 for v in (request.logit_bias or {}).values()):
             raise InvalidRequestError("logit_bias values must be numbers in [-100, 100].", "logit_bias")
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Queue a request; returns at once with a handle (raises QueueFullError / BadInputError)."""
+    def submit(self, request: GenerationRequest, share_prompt_with: RequestHandle | None = None) -> RequestHandle:
+        """Queue a request; returns at once with a handle (raises QueueFullError / BadInputError).
+
+        share_prompt_with: an earlier handle with the same prompt (the other choices of an `n > 1` request): this
+        one waits for that request's prefill and copies its KV cache instead of computing the prompt again (all
+        but the last prompt token, whose logits it computes itself)."""
         if self.error is not None:
             raise EngineDeadError(f"The engine failed: {self.error}", hint="Restart the server.")
         if not self._accepting or self._thread is None:
@@ -721,6 +727,11 @@ class Engine:
             stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(self.eos_ids))
             room = self.max_model_len - len(request.prompt_ids)
             seq = _Seq(request, handle, stop_ids, min(request.max_new_tokens, room), self._row_settings(request))
+            handle._seq = seq
+            leader = getattr(share_prompt_with, "_seq", None)
+            if (leader is not None and leader.prompt == seq.prompt and request.prompt_logprobs is None
+                    and getattr(self.runner, "can_copy_prefix", False)):
+                seq.leader = leader
             self._incoming.append(seq)
             self._cond.notify_all()
         return handle
@@ -859,6 +870,8 @@ class Engine:
                 break
             if seq.out or seq.finish_reason is not None:
                 continue
+            if seq.leader is not None and not self._share_prompt(seq):
+                continue  # waits for the prefill of the request it shares its prompt with
             n = min(len(seq.prompt) - seq.num_computed, budget)
             chunks.append((seq, n))
             budget -= n
@@ -871,6 +884,22 @@ class Engine:
         used = sum(s.length for s in self._running)
         stats.kv_cache_usage = used / max(1, stats.kv_cache_tokens)
         stats.add_phase("bookkeeping", clock() - t2)
+
+    def _share_prompt(self, seq: _Seq) -> bool:
+        """For a sequence sharing its prompt with `seq.leader`: copy the leader's KV of all but the last prompt
+        token once the leader has computed them (True: go on prefilling, the last token only), or keep waiting
+        (False). A leader that is gone leaves the sequence to prefill on its own."""
+        leader, shared = seq.leader, len(seq.prompt) - 1
+        if seq.num_computed > 0 or shared <= 0 or leader.slot < 0 or leader.finish_reason is not None:
+            seq.leader = None
+            return True
+        if leader.num_computed < shared:
+            return False
+        self.runner.copy_prefix(leader.slot, seq.slot, shared)
+        seq.num_computed = shared
+        seq.leader = None
+        self.stats.prompt_tokens_shared += shared
+        return True
 
     def _prefill_step(self, chunks: list[tuple[_Seq, int]]) -> None:
         clock = time.perf_counter

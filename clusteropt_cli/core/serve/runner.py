@@ -509,6 +509,20 @@ class ModelRunner:
             logits = self.forward_decode(slots, positions, tokens)
             return sampler.sample(logits, slots, [p + 1 for p in positions])
 
+    @property
+    def can_copy_prefix(self) -> bool:
+        """Every layer keeps all positions (a sliding-window ring may have overwritten a shared prefix)."""
+        return not any(getattr(self, "rings", None) or [])
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` positions of slot src's KV cache to slot dst (a shared prompt)."""
+        import torch
+
+        with torch.inference_mode():
+            for k, v in self.caches:
+                k[dst, :, :length].copy_(k[src, :, :length])
+                v[dst, :, :length].copy_(v[src, :, :length])
+
     def start_chain(self, slots: list[int], positions: list[int], tokens: list[int]) -> DecodeChain:
         """Decode steps for these slots whose inputs stay on the device (see DecodeChain)."""
         return DecodeChain(self, slots, positions, tokens)

@@ -200,6 +200,8 @@ class _EngineCollector:
             ("copt_prompt_tokens", "Prompt tokens prefilled", s.prompt_tokens),
             ("copt_generation_tokens", "Tokens generated", s.generated_tokens),
             ("copt_prefill_chunks", "Prompt chunks run (chunked prefill)", s.prefill_chunks),
+            ("copt_prompt_tokens_shared", "Prompt tokens copied from another choice's KV cache (n > 1)",
+             s.prompt_tokens_shared),
             ("copt_engine_steps", "Scheduler iterations", s.steps),
             ("copt_engine_decode_steps", "Batched decode steps (async scheduling runs several per iteration)",
              s.decode_steps),
@@ -481,8 +483,11 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             return error(503, "The server is shutting down.")
         handles: list[RequestHandle] = []
         try:
+            first: dict[tuple[int, ...], RequestHandle] = {}  # n > 1: the choices share their prompt's prefill
             for req in requests:
-                handles.append(engine.submit(req))
+                key = tuple(req.prompt_ids)
+                handles.append(engine.submit(req, share_prompt_with=first.get(key)))
+                first.setdefault(key, handles[-1])
         except (BadInputError, QueueFullError, EngineStoppedError) as exc:
             for h in handles:
                 h.cancel()
