@@ -450,3 +450,35 @@ def test_stop_strings_cost_the_engine_linear_time(engine, monkeypatch):
     assert cut.text == text[: text.index(stop)]
     n = len(cut.output_ids)
     assert n > 100 and sum(decoded) < 10 * n  # the whole-output decode per token: n²/2 token decodes
+
+
+def test_fuzzed_fields_never_get_a_500(server):
+    """Random values of the wrong type, size or range in every field a client can send: each request gets a 2xx or
+    a 4xx (never a 500), and the server stays healthy."""
+    import random
+
+    rng = random.Random(16)
+    odd_values = [None, True, -1, 0, 1, 2**31, 2**63, 2**64, -(2**64), 1e308, -1e-308, float("nan"), float("inf"),
+                  "", "x", "\u0000", "é" * 3, "\U0001f600", [], [None], [1, "a"], [[]], [[2**64]], {}, {"a": 1},
+                  {"5": "x"}, {"-1": 1}, [-5], list(range(40))]
+    fields = ["prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "ignore_eos",
+              "min_tokens", "stop_token_ids", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "echo", "best_of", "stream_options",
+              "prompt_logprobs", "chat_template_kwargs", "messages", "add_generation_prompt", "user", "model",
+              "max_completion_tokens", "response_format", "tools", "suffix", "add_special_tokens"]
+    statuses = []
+    with httpx.Client(timeout=60, headers=AUTH) as client:
+        for i in range(150):
+            chat = i % 2 == 1
+            body = ({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "def f"})
+            body["max_tokens"] = 3
+            for name in rng.sample(fields, rng.randint(1, 4)):
+                body[name] = rng.choice(odd_values)
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            r = client.post(server + path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+            statuses.append(r.status_code)
+            assert r.status_code < 500, (body, r.text)
+            if r.status_code >= 400:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert 200 in statuses and 400 in statuses
+    assert httpx.get(server + "/health").status_code == 200
