@@ -155,6 +155,9 @@ def serve(
         plan = plan_vllm_command(settings)
         for warning in plan.warnings:
             console.warn(warning)
+        if dry_run and key_source == "COPT_API_KEY" and "--api-key" not in plan.argv:
+            console.warn("the API key comes from $COPT_API_KEY and is not in this command: export VLLM_API_KEY "
+                         "with it before running the command, or vLLM serves without a key.")
         if dry_run:
             if json_out:
                 console.print_json({"engine": "vllm", "vllm_version": plan.version,

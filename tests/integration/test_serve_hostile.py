@@ -482,3 +482,10 @@ def test_fuzzed_fields_never_get_a_500(server):
                 assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert 200 in statuses and 400 in statuses
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_env_key_stays_out_of_the_vllm_command(fixtures, copt):
+    result = copt("serve", str(fixtures.teacher), "--engine", "vllm", "--vllm-version", "0.11", "--dry-run",
+                  env={"COPT_API_KEY": "sk-secret"}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "sk-secret" not in result.stdout and "VLLM_API_KEY" in result.stderr
