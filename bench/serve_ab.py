@@ -2,11 +2,14 @@
 """Same-run A/B of `copt serve` between two git revisions: HTTP streaming throughput and batch-1 latency.
 
 Run from the repo root (on the GPU machine):
-    python3 bench/serve_ab.py --before 32b1321 --after HEAD --out $OUT/serve_ab.json     (≈ 10 minutes)
+    python3 bench/serve_ab.py --before 32b1321 --out $OUT/serve_ab.json                  (≈ 10 minutes)
+    python3 bench/serve_ab.py --before .ab-before --after . --out $OUT/serve_ab.json     (no git history there:
+        a checkout made beforehand, e.g. `mkdir .ab-before && git archive 32b1321 | tar -x -C .ab-before`)
     python3 bench/serve_ab.py --before 32b1321 --smoke --out /tmp/ab.json                (CPU: tiny model)
 
-Each revision is checked out into its own temporary git worktree (detached; the working tree is not touched) and
-served from there with the same model, flags and workload; the servers run one at a time, alternating
+--before / --after each name a git revision (checked out into its own temporary worktree, detached; the working
+tree is not touched) or a directory holding a checkout ("." = this working tree, the default for --after). Both
+are served with the same model, flags and workload; the servers run one at a time, alternating
 before/after for --rounds rounds, so both sides see the same machine state. Model: the Llama-3.2-1B shape in bf16
 with random weights (bench/common.py); workload: 256 streaming requests, prompts of 32–256 random tokens, 128
 output tokens each (ignore_eos, greedy) for throughput, and one streaming request of 256 tokens at a time (three
@@ -33,11 +36,19 @@ sys.path.insert(0, str(REPO / "bench"))
 from common import NUM_REQUESTS, OUT_TOKENS, free_port, http_load, log, make_model_dir, wait_healthy, workload  # noqa: E402
 
 
-def checkout(rev: str, where: Path) -> Path:
-    """A detached worktree of `rev` (removed at the end)."""
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(where), rev], check=True,
+def checkout(spec: str, where: Path) -> tuple[Path, str, bool]:
+    """(root, commit or path, made here): an existing checkout directory as is, else a detached worktree of the
+    git revision `spec` (removed at the end)."""
+    if Path(spec).is_dir():
+        root = Path(spec).resolve()
+        if not (root / "clusteropt_cli").is_dir():
+            raise SystemExit(f"{spec} holds no copt checkout (no clusteropt_cli/ in it)")
+        return root, str(root), False
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(where), spec], check=True,
                    capture_output=True, text=True)
-    return where
+    sha = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    return where, sha, True
 
 
 def serve_cmd(model_dir: Path, port: int, smoke: bool) -> list[str]:
@@ -77,8 +88,8 @@ def measure(root: Path, model_dir: Path, prompts: list[list[int]], out_tokens: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", required=True, help="git revision A (e.g. the commit before a change)")
-    parser.add_argument("--after", default="HEAD", help="git revision B (default HEAD)")
+    parser.add_argument("--before", required=True, help="A: a git revision or a checkout directory")
+    parser.add_argument("--after", default=".", help="B: a git revision or a checkout directory (default: .)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating before/after rounds (default 2)")
     parser.add_argument("--smoke", action="store_true", help="tiny model and workload (runs on a CPU)")
     parser.add_argument("--out", type=Path, required=True, help="JSON results path")
@@ -90,14 +101,14 @@ def main() -> None:
                      "runs": {"before": [], "after": []}}
     with tempfile.TemporaryDirectory(prefix="copt-serve-ab-") as tmp:
         tmp_path = Path(tmp)
-        roots = {}
+        roots, made = {}, []
         try:
-            for side, rev in (("before", args.before), ("after", args.after)):
-                roots[side] = checkout(rev, tmp_path / side)
-                sha = subprocess.run(["git", "-C", str(roots[side]), "rev-parse", "HEAD"], capture_output=True,
-                                     text=True, check=True).stdout.strip()
-                results[f"{side}_commit"] = sha
-                log(f"{side}: {rev} = {sha[:10]}")
+            for side, spec in (("before", args.before), ("after", args.after)):
+                roots[side], what, new = checkout(spec, tmp_path / side)
+                if new:
+                    made.append(roots[side])
+                results[f"{side}_commit"] = what
+                log(f"{side}: {spec} = {what}")
             model_dir = tmp_path / "model"
             info = make_model_dir(model_dir, small=args.smoke)
             del info["model"]
@@ -112,7 +123,7 @@ def main() -> None:
                     log(f"round {r} {side}: {res['output_tokens_per_s']:.0f} tok/s, batch-1 "
                         f"{res['batch1_ms_per_token']:.3f} ms/token ({time.perf_counter() - t0:.0f} s)")
         finally:
-            for root in roots.values():
+            for root in made:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(root)],
                                capture_output=True)
     keys = ("output_tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "batch1_ms_per_token", "batch1_ttft_ms")
