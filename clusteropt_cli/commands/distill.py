@@ -253,7 +253,9 @@ def traces(
         "--match", help="exact | numeric | regex | math (Math-Verify: LaTeX fractions, radicals, intervals, "
                   "percentages) for prompts without 'match' (default: numeric for numbers).")]
     = None,
-    no_think: Annotated[bool, typer.Option("--no-think", help="Do not start answers with '<think>\\n'.")] = False,
+    think: Annotated[bool | None, typer.Option(
+        "--think/--no-think", help="Reasoning first (default: the chat template's own switch, else '<think>\\n' "
+                                   "when the vocabulary has it, else nothing forced).")] = None,
     batch: Annotated[int | None, typer.Option("--batch", help="Prompts handed to the engine at once.")] = None,
     teacher_dtype: TeacherDtypeOpt = None,
     seed: SeedOpt = None,
@@ -269,7 +271,7 @@ def traces(
 
     values = {"mode": "traces", "teacher": teacher, "prompts": prompts, "output": str(output) if output else None,
               "samples": samples, "max_new_tokens": max_new_tokens, "sample_temperature": temperature,
-              "top_p": top_p, "verify": verify or None, "match": match, "think": False if no_think else None,
+              "top_p": top_p, "verify": verify or None, "match": match, "think": think,
               "gen_batch": batch, "teacher_dtype": teacher_dtype, "seed": seed}
     settings = load_settings("distill", recipe, overrides, values)
     out = _require_output(settings)
@@ -288,6 +290,7 @@ def traces(
         return
     rows = [("output", stats.output), ("prompts", f"{stats.prompts} ({stats.prompts_done_before} done before, "
                                                   f"{stats.prompts_generated} generated now)"),
+            ("thinking", stats.thinking),
             ("kept / total", f"{stats.samples_kept} / {stats.samples_total} ({stats.kept_fraction:.1%})"),
             ("verified correct", stats.verified_correct),
             ("mean length (tokens)", f"{stats.mean_tokens_kept:.1f} kept, {stats.mean_tokens_all:.1f} all"),

@@ -123,3 +123,99 @@ def test_serve_adds_the_tokenizers_bos_and_sizes_its_cpu_kv_cache(bos_model):
     line = next(x for x in stderr.splitlines() if "KV cache on cpu" in x)
     gib = float(line.split(" = ")[1].split(" GiB")[0])
     assert 0 < gib <= 4.0, line
+
+
+# copt quantize's formats on the real model (AWQ and GPTQ write the same packed format as RTN; on CPU they take
+# minutes here, so their serve parity runs on the fixture teacher: test_quantize_methods.py)
+QUANTIZE_TO_SERVE = {
+    "rtn-w4g64": ["--method", "rtn", "--bits", "4", "--group-size", "64"],
+    "rtn-w3g64": ["--method", "rtn", "--bits", "3", "--group-size", "64"],
+    "fp8": ["--method", "fp8"],
+    "int8": ["--method", "int8", "--num-samples", "4", "--seq-len", "64"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(QUANTIZE_TO_SERVE))
+def test_quantize_then_serve_gives_hf_greedy_tokens(case, real_model, tmp_path, copt):
+    """The whole loop on real weights: `copt quantize` → `copt serve` (starts, answers 200 with text) → the served
+    greedy tokens equal transformers' for the same checkpoint (completions and chat), prompts encoded as HF does."""
+    import httpx
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.integration.test_serve_helpers import assert_greedy_parity, running_server
+
+    out = tmp_path / case
+    done = copt("quantize", str(real_model.model), "-o", str(out), "--calib", str(real_model.calib_text), "--json",
+                *QUANTIZE_TO_SERVE[case], timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    texts = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number."]
+    question = [{"role": "user", "content": "What is the largest planet in the solar system?"}]
+    with running_server(out, "--max-model-len", "512", startup_timeout=240) as (url, proc):
+        served = [_complete(url, t, max_tokens=20) for t in texts]
+        chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "messages": question, "max_tokens": 20, "temperature": 0, "return_token_ids": True})
+        assert chat.status_code == 200, chat.text
+        served.append(chat.json()["choices"][0])
+    stderr = proc.stderr.read()
+    tok = AutoTokenizer.from_pretrained(out)
+    prompts = [tok(t)["input_ids"] for t in texts]
+    prompts.append(tok.apply_chat_template(question, add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"])
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    eos = model.generation_config.eos_token_id
+    for prompt, choice in zip(prompts, served, strict=True):
+        assert choice["prompt_token_ids"] == prompt and choice["token_ids"]
+        with torch.inference_mode():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
+        want = want[: want.index(eos)] if eos in want else want
+        assert_greedy_parity(model, prompt, choice["token_ids"], want, exact=case not in ("fp8", "int8"))
+    if case == "fp8":
+        assert "dequantized" not in stderr
+    else:  # packed and int8 weights run dequantized, and the server says so
+        assert "210 quantized linear layers" in stderr and "dequantized" in stderr
+
+
+def test_distill_traces_thinks_only_the_way_the_teacher_knows(real_model, fixtures, tmp_path):
+    """distill traces asks for reasoning through the chat template's own switch (enable_thinking) when it has one,
+    forces '<think>' only for a vocabulary that has the token, and forces nothing on SmolLM2-Instruct, which
+    knows neither."""
+    from transformers import AutoTokenizer
+
+    from clusteropt_cli.core.distill.generate import TeacherGenerator, thinking_mode
+
+    smol = AutoTokenizer.from_pretrained(real_model.model)
+    assert thinking_mode(smol, None).think_prefix == "" and thinking_mode(smol, None).template_kwargs == {}
+    assert thinking_mode(smol, True).think_prefix == "<think>\n"  # asked for explicitly
+    fixture = AutoTokenizer.from_pretrained(fixtures.teacher)  # has <think> tokens, no switch
+    assert thinking_mode(fixture, None).think_prefix == "<think>\n"
+    assert thinking_mode(fixture, False).think_prefix == ""
+    # a Qwen3-style template: its own switch, switched on; nothing forced after the generation prompt
+    smol.chat_template = smol.chat_template.replace(
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and "
+        "enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}")
+    assert "enable_thinking" in smol.chat_template
+    smol.save_pretrained(tmp_path / "switch")
+    generator = TeacherGenerator(tmp_path / "switch")
+    for think, on in ((None, True), (True, True), (False, False)):
+        mode = thinking_mode(generator.tokenizer, think)
+        assert mode.template_kwargs == {"enable_thinking": on} and mode.think_prefix == ""
+        generator.template_kwargs = mode.template_kwargs
+        assert generator.format_prompt("2+2?").endswith("assistant\n" if on else "<think>\n\n</think>\n\n")
+
+
+@pytest.mark.slow
+def test_distill_traces_on_the_instruct_model_forces_no_think(real_model, tmp_path, copt):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}? Answer with the number.",
+                                           "answer": str(a + b)}) + "\n" for a, b in ((2, 3), (10, 5), (7, 1))))
+    out = tmp_path / "traces.jsonl"
+    done = copt("distill", "traces", "--teacher", str(real_model.model), "--prompts", str(prompts), "-o", str(out),
+                "--samples", "1", "--max-new-tokens", "24", "--temperature", "0", "--json", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stats = json.loads(done.stdout)
+    assert stats["thinking"].startswith("no thinking format") and stats["samples_total"] == 3
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and not any(r["completion"].startswith("<think>") for r in rows)

@@ -4,6 +4,7 @@ on GPU). Every sample of every prompt is one GenerationRequest; the engine batch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,43 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
     return ids
 
 
+# chat-template variables that switch a model's reasoning on or off (Qwen3 and most reasoning templates:
+# enable_thinking; DeepSeek-V3.1: thinking)
+REASONING_SWITCHES = ("enable_thinking", "thinking")
+
+
+@dataclass
+class ThinkingMode:
+    """How `distill traces` asks the teacher to reason: the template's own switch, a forced '<think>' prefix, or
+    neither (a model that knows no thinking format: its answers are traces without reasoning)."""
+
+    template_kwargs: dict[str, bool]
+    think_prefix: str
+    reason: str
+
+
+def thinking_mode(tokenizer: Any, think: bool | None) -> ThinkingMode:
+    """think None (the default): the chat template's reasoning switch when it has one (switched on); else the
+    '<think>' prefix only when '<think>' is a token of the teacher's vocabulary; else nothing forced.
+    think True: the switch, or the prefix even for a vocabulary without it. think False: the switch off, no
+    prefix."""
+    from clusteropt_cli.core.distill.traces import THINK_OPEN
+    from clusteropt_cli.core.serve.server import template_variables
+
+    switch = next((v for v in REASONING_SWITCHES if v in template_variables(tokenizer)), None)
+    if switch is not None:
+        on = think is not False
+        return ThinkingMode({switch: on}, "", f"chat template's {switch}={on}")
+    if think is False:
+        return ThinkingMode({}, "", "--no-think")
+    known = THINK_OPEN in tokenizer.get_vocab()
+    if known or think:
+        return ThinkingMode({}, THINK_OPEN + "\n", "forced '<think>' prefix" + ("" if known else
+                            " (think: true; the vocabulary has no <think> token)"))
+    return ThinkingMode({}, "", "no thinking format: the chat template has no reasoning switch and the vocabulary "
+                                "no <think> token")
+
+
 class TeacherGenerator:
     """Loads the teacher into copt serve's engine once and generates traces for batches of formatted prompts."""
 
@@ -32,6 +70,7 @@ class TeacherGenerator:
         self.max_batch_size = max_batch_size
         self.engine: Any = None
         self._tokenizer: Any = None
+        self.template_kwargs: dict[str, Any] = {}  # e.g. {"enable_thinking": True} (thinking_mode)
 
     @property
     def tokenizer(self) -> Any:
@@ -46,7 +85,7 @@ class TeacherGenerator:
         tok = self.tokenizer
         if getattr(tok, "chat_template", None):
             return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True)
+                                           add_generation_prompt=True, **self.template_kwargs)
         return prompt + "\n"
 
     def _engine(self, max_len: int) -> Any:
@@ -114,8 +153,8 @@ def hash_ids(ids: list[int]) -> int:
 def distill_traces(settings: Any, *, output: Path, overwrite: bool = False, on_batch: Any = None,
                    generator: Any = None) -> Any:
     """`copt distill traces`: validate up front, then generate (resumable) and return TraceStats."""
-    from clusteropt_cli.core.distill.traces import THINK_OPEN, run_traces
     from clusteropt_cli.core.distill.traces import read_prompts as _read
+    from clusteropt_cli.core.distill.traces import run_traces
     from clusteropt_cli.errors import BadInputError
 
     if not settings.teacher or not Path(settings.teacher).is_dir():
@@ -133,11 +172,15 @@ def distill_traces(settings: Any, *, output: Path, overwrite: bool = False, on_b
                                 temperature=settings.sample_temperature, top_p=settings.top_p, seed=settings.seed)
     teacher = generator or TeacherGenerator(Path(settings.teacher), dtype=settings.teacher_dtype,
                                             max_batch_size=min(64, settings.gen_batch * settings.samples))
+    mode = thinking_mode(teacher.tokenizer, settings.think)
+    teacher.template_kwargs = dict(mode.template_kwargs)
     try:
-        return run_traces(prompts, output, teacher, teacher.format_prompt, teacher=str(settings.teacher),
-                          sampling=sampling, verify=settings.verify, default_match=settings.match,
-                          think_prefix=(THINK_OPEN + "\n") if settings.think else "",
-                          batch_prompts=settings.gen_batch, overwrite=overwrite, on_batch=on_batch)
+        stats = run_traces(prompts, output, teacher, teacher.format_prompt, teacher=str(settings.teacher),
+                           sampling=sampling, verify=settings.verify, default_match=settings.match,
+                           think_prefix=mode.think_prefix, template_kwargs=mode.template_kwargs,
+                           batch_prompts=settings.gen_batch, overwrite=overwrite, on_batch=on_batch)
+        stats.thinking = mode.reason
+        return stats
     finally:
         if generator is None:
             teacher.close()

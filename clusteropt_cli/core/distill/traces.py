@@ -316,6 +316,7 @@ class TraceStats:
     tokens_generated: int = 0
     generation_s: float = 0.0
     output_tokens_per_s: float = 0.0
+    thinking: str = ""  # how the teacher was asked to reason (generate.thinking_mode)
     per_prompt: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
 
 
@@ -323,10 +324,14 @@ def progress_path(output: Path) -> Path:
     return output.with_name(output.name + ".progress.jsonl")
 
 
-def _settings_key(teacher: str, sampling: SamplingSettings, verify: bool, think_prefix: str) -> dict[str, Any]:
-    return {"version": PROGRESS_VERSION, "teacher": teacher, "samples": sampling.samples,
-            "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
-            "top_k": sampling.top_k, "verify": verify, "think_prefix": think_prefix}
+def _settings_key(teacher: str, sampling: SamplingSettings, verify: bool, think_prefix: str,
+                  template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    key = {"version": PROGRESS_VERSION, "teacher": teacher, "samples": sampling.samples,
+           "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+           "top_k": sampling.top_k, "verify": verify, "think_prefix": think_prefix}
+    if template_kwargs:  # only when set: progress files written before the switch existed still resume
+        key["chat_template_kwargs"] = dict(template_kwargs)
+    return key
 
 
 def _load_progress(output: Path, key: dict[str, Any], overwrite: bool) -> dict[str, dict[str, int]]:
@@ -379,6 +384,7 @@ def run_traces(
     verify: bool = False,
     default_match: MatchMode | None = None,
     think_prefix: str = THINK_OPEN + "\n",
+    template_kwargs: dict[str, Any] | None = None,
     batch_prompts: int = 32,
     overwrite: bool = False,
     on_batch: Callable[[int, int], None] | None = None,
@@ -387,7 +393,8 @@ def run_traces(
 
     `generate(formatted_prompts, sampling)` returns, for each prompt, `sampling.samples` generations (the
     serve engine batches all of them through continuous batching). `format_prompt` renders the chat template
-    with the generation prompt; `think_prefix` is appended to it so the teacher starts inside its reasoning.
+    with the generation prompt (and `template_kwargs`, e.g. the template's enable_thinking switch, recorded in
+    the progress key); `think_prefix` is appended to it so the teacher starts inside its reasoning.
     With `verify`, only samples whose answer matches the prompt's `answer` are written (prompts without an
     answer keep nothing). `on_batch(done, total)` reports progress.
     """
@@ -395,7 +402,7 @@ def run_traces(
 
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    key = _settings_key(teacher, sampling, verify, think_prefix)
+    key = _settings_key(teacher, sampling, verify, think_prefix, template_kwargs)
     done = _load_progress(output, key, overwrite)
     progress = progress_path(output)
     if not progress.exists():

@@ -38,7 +38,10 @@ class DistillRecipe(TrainingOptions):
     match: Literal["exact", "numeric", "regex", "math"] | None = Field(
         None, description="traces: how answers are compared when a prompt has no `match` (default: numeric for "
                           "numbers, else exact; math: Math-Verify's symbolic comparison of LaTeX answers).")
-    think: bool = Field(True, description="traces: start each answer with '<think>\\n' (R1-style reasoning first).")
+    think: bool | None = Field(None, description=(
+        "traces: have the teacher reason first. Default: the chat template's own switch (enable_thinking) when it "
+        "has one, else a '<think>\\n' prefix when '<think>' is in the vocabulary, else nothing forced; true: the "
+        "switch or the prefix always; false: neither."))
     gen_batch: PositiveInt = Field(64, description="traces: prompts handed to the engine at once.")
     # sft
     traces: str | None = Field(None, description="sft: traces .jsonl written by copt distill traces.")
