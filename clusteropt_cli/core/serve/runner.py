@@ -13,6 +13,7 @@ and we (1) write key/value into a per-slot static cache and (2) attend over the 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,30 @@ def _flex_decode(query, keys, values, positions, scaling):
     out = flex_attention(query, keys, values, score_mod=keep_cached, enable_gqa=query.shape[1] != keys.shape[1],
                          scale=scaling)
     return out.transpose(1, 2)
+
+
+_OWN_CODES = itertools.count()
+
+
+def own_code(func: Any) -> Any:
+    """A copy of a Python function with a code object of its own.
+
+    Dynamo keeps its compiled entries, and counts them against `recompile_limit` (8), per code object. Compiling
+    transformers' `LlamaDecoderLayer.forward` itself would share one cache among every engine of the process (tests,
+    benchmarks, a server that reloads): each engine adds entries for its own model (parameter shapes, the fused
+    projections' classes, decode attention kind), and once eight exist dynamo silently runs the layer EAGERLY —
+    compiled_layers still says compiled, the flex decode path runs FlexAttention unfused (eager FlexAttention
+    then fails inside a CUDA graph capture), the others just lose their fusion. One copy per runner keeps each engine's
+    entries (a few: batch 1 and the dynamic batch per layer kind) to itself."""
+    import types
+
+    code = func.__code__
+    code = code.replace(co_name=f"{code.co_name}_copt{next(_OWN_CODES)}")
+    copy = types.FunctionType(code, func.__globals__, code.co_name, func.__defaults__, func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    copy.__qualname__ = getattr(func, "__qualname__", code.co_name)
+    copy.__dict__.update(getattr(func, "__dict__", {}))
+    return copy
 
 
 _SDPA_BACKENDS: list[Any] | None = None
@@ -313,14 +338,21 @@ class ModelRunner:
         layout changes every step). With the caches as module buffers the layers share one compiled graph
         (dynamic batch and context length; batch 1 compiles separately), so compiling costs about one layer's
         worth, not the model's. Returns the number of layers wrapped (0: not a decoder-layer model)."""
+        import types
+
         import torch
 
         layers = getattr(self.decoder, "layers", None)
         if not layers or not self._attention_modules():
             return 0
+        own = None  # this runner's private copy of the layer forward (see own_code), shared by its layers
         for layer in layers:
             eager = layer.forward
-            compiled = torch.compile(eager, dynamic=True,
+            func = getattr(eager, "__func__", None)
+            if own is None or func is not own[0]:
+                own = (func, own_code(func) if hasattr(func, "__code__") else None)
+            target = eager if own[1] is None else types.MethodType(own[1], layer)
+            compiled = torch.compile(target, dynamic=True,
                                      mode=None if self.compile_mode == "default" else self.compile_mode)
 
             def forward(*args, _eager=eager, _compiled=compiled, **kwargs):
