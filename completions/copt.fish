@@ -259,12 +259,8 @@ complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subco
 complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subcommand_from validate" -l help
 complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subcommand_from validate" -l json
 complete -c copt -n "__fish_seen_subcommand_from serve" -l api-key
-complete -c copt -n "__fish_seen_subcommand_from serve" -l async-scheduling
 complete -c copt -n "__fish_seen_subcommand_from serve" -l block-size
-complete -c copt -n "__fish_seen_subcommand_from serve" -l compile
 complete -c copt -n "__fish_seen_subcommand_from serve" -l compile-mode
-complete -c copt -n "__fish_seen_subcommand_from serve" -l cuda-graphs
-complete -c copt -n "__fish_seen_subcommand_from serve" -l decode-attention
 complete -c copt -n "__fish_seen_subcommand_from serve" -l draft-model
 complete -c copt -n "__fish_seen_subcommand_from serve" -l dry-run
 complete -c copt -n "__fish_seen_subcommand_from serve" -l dtype
@@ -288,9 +284,6 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l max-prompt-chars
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-queue
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-request-bytes
 complete -c copt -n "__fish_seen_subcommand_from serve" -l metrics-public
-complete -c copt -n "__fish_seen_subcommand_from serve" -l no-async-scheduling
-complete -c copt -n "__fish_seen_subcommand_from serve" -l no-compile
-complete -c copt -n "__fish_seen_subcommand_from serve" -l no-cuda-graphs
 complete -c copt -n "__fish_seen_subcommand_from serve" -l num-speculative-tokens
 complete -c copt -n "__fish_seen_subcommand_from serve" -l pipeline-parallel
 complete -c copt -n "__fish_seen_subcommand_from serve" -l pipeline-parallel-size

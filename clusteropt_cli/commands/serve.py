@@ -58,19 +58,19 @@ def serve(
     = None,
     speculative_max_batch: Annotated[int | None, typer.Option("--speculative-max-batch",
                                                               help="Speculate only while at most N run.")] = None,
-    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs",
+    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", hidden=True,
                                                      help="Decode steps as CUDA graphs (default: on GPU).")] = None,
-    compile_: Annotated[bool | None, typer.Option("--compile/--no-compile",
+    compile_: Annotated[bool | None, typer.Option("--compile/--no-compile", hidden=True,
                                                   help="torch.compile the decoder layers for decode steps "
                                                        "(default: on with CUDA graphs).")] = None,
     compile_mode: Annotated[str | None, typer.Option("--compile-mode",
                                                      help="default | max-autotune-no-cudagraphs (autotuned "
                                                           "Triton GEMV/GEMM templates; slower start).")] = None,
-    async_scheduling: Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling",
+    async_scheduling: Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling", hidden=True,
                                                           help="Launch the next greedy decode step before handling "
                                                                "the current one's tokens (default: on; vLLM: its "
                                                                "own default).")] = None,
-    decode_attention: Annotated[str | None, typer.Option("--decode-attention",
+    decode_attention: Annotated[str | None, typer.Option("--decode-attention", hidden=True,
                                                          help="auto | sdpa | flex | math: attention of the "
                                                               "compiled decode steps.")] = None,
     tensor_parallel: Annotated[int | None, typer.Option("--tensor-parallel", "--tensor-parallel-size",

@@ -140,6 +140,21 @@ def test_cli_dry_run_and_validation(copt, fixtures):
     assert r.returncode == 2 and "vLLM" in r.stderr
 
 
+def test_engine_tuning_switches_are_accepted_but_hidden(copt):
+    """--cuda-graphs, --compile, --async-scheduling and --decode-attention are experiment switches: off --help,
+    still parsed (and passed on); --compile-mode stays listed."""
+    r = copt("serve", "--help")
+    assert r.returncode == 0 and "--compile-mode" in r.stdout
+    for flag in ("--cuda-graphs", "--no-compile", "--async-scheduling", "--decode-attention"):
+        assert flag not in r.stdout
+    r = copt("serve", "/models/llama", "--engine", "vllm", "--dry-run", "--no-async-scheduling", "--no-cuda-graphs",
+             "--no-compile")
+    assert r.returncode == 0, r.stderr
+    assert "--no-async-scheduling" in r.stdout and "--enforce-eager" in r.stdout
+    r = copt("serve", "/models/llama", "--engine", "vllm", "--dry-run", "--decode-attention", "flex")
+    assert r.returncode == 2 and "decode_attention" in r.stderr
+
+
 def _tiny_causal_lm(model_type: str = "llama"):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
