@@ -59,8 +59,21 @@ def uniform_draw(seed_lo, seed_hi, position):
     return ((k >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
 
 
+def penalized_logits(x, counts, prompt_mask, presence, frequency, repetition):
+    """vLLM's penalties: repetition over prompt and generated tokens, frequency and presence over generated ones.
+    Pointwise only (one fused kernel compiled)."""
+    import torch
+
+    c = counts.float()
+    generated = c > 0
+    rep = repetition[:, None]
+    x = torch.where(generated | prompt_mask, torch.where(x > 0, x / rep, x * rep), x)
+    return x - frequency[:, None] * c - presence[:, None] * generated.float()
+
+
 def process_logits(logits, temperature, position, prompt_len, min_tokens, stop_ids, bias_ids, bias_vals, presence,
-                   frequency, repetition, counts, prompt_mask, penalize: bool, divide: bool = True):
+                   frequency, repetition, counts, prompt_mask, penalize: bool, divide: bool = True,
+                   penalties=penalized_logits):
     """Logits [B, V] → the processed logits the row samples from, divided by the temperature (1 for greedy rows;
     not divided with divide=False: choose_tokens then scales them inside its fused kernel). `penalize` adds
     logit_bias, min_tokens suppression and (with counts) the penalties."""
@@ -69,12 +82,7 @@ def process_logits(logits, temperature, position, prompt_len, min_tokens, stop_i
     x = logits.float()
     if penalize:
         if counts is not None:
-            c = counts.float()
-            generated = c > 0
-            seen = generated | prompt_mask
-            rep = repetition[:, None]
-            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-            x = x - frequency[:, None] * c - presence[:, None] * generated.float()
+            x = penalties(x, counts, prompt_mask, presence, frequency, repetition)
         x = x.scatter_add(1, bias_ids, bias_vals)
         early = (position - prompt_len) < min_tokens  # tokens generated before this one < min_tokens
         block = torch.where(early[:, None] & (stop_ids >= 0), float("-inf"), 0.0)
@@ -128,12 +136,12 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
                   perturb=None, scale=None):
     """One token per row from processed logits: greedy rows (temperature 0) take the argmax, the others sample
     (Gumbel-max over the exponential noise of (seed, position)); with `sort`, from the distribution restricted by
-    top-k, top-p and min-p. A row whose every logit is -inf gives a token, never NaN. `perturb`: the pair of
-    pointwise functions (perturbed_scores, perturbed_sorted), compiled or not. `scale`: per-row factors still to
-    apply to `scaled` (1 / temperature, when process_logits did not divide; sort=False only)."""
+    top-k, top-p and min-p. A row whose every logit is -inf gives a token, never NaN. `perturb`: the pointwise
+    functions (perturbed_scores, perturbed_sorted, penalized_logits), compiled or not. `scale`: per-row factors
+    still to apply to `scaled` (1 / temperature, when process_logits did not divide; sort=False only)."""
     import torch
 
-    plain, nucleus = perturb or (perturbed_scores, perturbed_sorted)
+    plain, nucleus = perturb[:2] if perturb else (perturbed_scores, perturbed_sorted)
     noisy = temperature > 0
     if sort:
         values, order = scaled.sort(dim=-1, descending=True, stable=True)  # ties keep index order (first max)
@@ -153,7 +161,8 @@ def sample_kernel(logits, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
                   sort: bool, penalize: bool, perturb=None):
     """process_logits + choose_tokens (without sort, the temperature is applied inside the fused noise kernel)."""
     scaled = process_logits(logits, temperature, position, prompt_len, min_tokens, stop_ids, bias_ids, bias_vals,
-                            presence, frequency, repetition, counts, prompt_mask, penalize, divide=sort)
+                            presence, frequency, repetition, counts, prompt_mask, penalize, divide=sort,
+                            penalties=perturb[2] if perturb else penalized_logits)
     scale = None if sort else 1.0 / temperature_or_one(temperature)
     return choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort, perturb, scale)
 
@@ -224,8 +233,8 @@ class SlotSampler:
         self.out = torch.zeros(num_rows, **i)
         self.settings: list[RowSettings | None] = [None] * num_rows
         # the noise and the masking as one fused pointwise kernel (the reductions and the sort stay eager ops)
-        self.perturb = ((torch.compile(perturbed_scores, dynamic=True), torch.compile(perturbed_sorted, dynamic=True))
-                        if compiled else None)
+        self.perturb = (tuple(torch.compile(fn, dynamic=True)
+                              for fn in (perturbed_scores, perturbed_sorted, penalized_logits)) if compiled else None)
         self._graphs: dict[tuple[int, bool, bool], Any] = {}
         self.graph_error: str | None = None
         self.compile_error: str | None = None
@@ -305,7 +314,8 @@ class SlotSampler:
         else:
             scaled = process_logits(logits, args["temperature"], pos, args["prompt_len"], args["min_tokens"],
                                     args["stop_ids"], args["bias_ids"], args["bias_vals"], args["presence"],
-                                    args["frequency"], args["repetition"], counts, prompt_mask, penalize)
+                                    args["frequency"], args["repetition"], counts, prompt_mask, penalize,
+                                    penalties=self.perturb[2] if self.perturb else penalized_logits)
             tokens = choose_tokens(scaled, args["temperature"], args["top_p"], args["top_k"], args["min_p"],
                                    args["seed_lo"], args["seed_hi"], pos, sort, self.perturb)
             lp = torch.log_softmax(scaled, -1).nan_to_num(nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
