@@ -122,6 +122,10 @@ def _run_maybe_launched(settings: Any, subcommand: str, overwrite: bool, run_her
     plan = plan_launch(settings, argv)
     if plan.launcher == "none":
         return run_here()
+    if settings.resume:  # a checkpoint that cannot resume: exit 2 before launching
+        from clusteropt_cli.core.train.loop import resume_point
+
+        resume_point(out, hashes=False)
     with replacing_output_dir(out, overwrite=overwrite, resume=bool(settings.resume), command=f"distill {subcommand}"):
         console.log(f"launching {plan.world_size} processes with {plan.launcher}: {plan.shell}")
         code = run_launch(plan)

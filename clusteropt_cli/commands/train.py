@@ -110,6 +110,10 @@ def train(
     from clusteropt_cli.core.io import replacing_output_dir
 
     out = Path(settings.output)
+    if settings.resume and plan.launcher != "none":  # a checkpoint that cannot resume: exit 2 before launching
+        from clusteropt_cli.core.train.loop import resume_point
+
+        resume_point(out, hashes=False)
     # with --overwrite the old output is moved aside (after validation), restored if this run fails
     with replacing_output_dir(out, overwrite=overwrite, resume=bool(settings.resume), command="train"):
         if plan.launcher == "none":

@@ -215,7 +215,7 @@ def run_training(
         if fresh:
             write_output_marker(output_dir, "train")
     barrier(ctx)
-    resume_dir, resume_meta = _resume_point(options, output_dir, log) if options.resume else (None, None)
+    resume_dir, resume_meta = _agreed_resume_point(options, output_dir, log, ctx) if options.resume else (None, None)
 
     torch.manual_seed(int(options.seed) + ctx.rank)
     model = prepare_model(options, model, ctx.device_type, for_deepspeed=(kind == "deepspeed"), log=log)
@@ -393,15 +393,39 @@ def run_training(
     return result
 
 
-def _resume_point(options: Any, output_dir: Path, log: Callable[[str], None]) -> tuple[Path | None, Any]:
+def _agreed_resume_point(options: Any, output_dir: Path, log: Callable[[str], None],
+                         ctx: DistContext) -> tuple[Path | None, Any]:
+    """Rank 0 verifies the checkpoints (reading them once, not once per rank) and tells every rank its choice, or
+    the error every rank then raises."""
+    if ctx.world_size == 1:
+        return resume_point(output_dir, log)
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    if ctx.is_main:
+        try:
+            path, meta = resume_point(output_dir, log)
+            box[0] = ("ok", str(path) if path is not None else None, meta)
+        except BadInputError as exc:
+            box[0] = ("error", exc.message, exc.hint)
+    dist.broadcast_object_list(box, src=0)
+    status, first, second = box[0]
+    if status == "error":
+        raise BadInputError(first, hint=second)
+    return (Path(first) if first is not None else None), second
+
+
+def resume_point(output_dir: Path, log: Callable[[str], None] = lambda _m: None, *,
+                 hashes: bool = True) -> tuple[Path | None, Any]:
     """The newest checkpoint that verifies (saying which newer ones were skipped and why), or (None, None) for a
     fresh start when the output holds neither checkpoints nor metrics. Refuses (exit 2) rather than restart from
-    step 0 over an existing history."""
+    step 0 over an existing history. `hashes=False`: sizes only (a launching parent's quick check)."""
     import sys
 
-    chosen = select_checkpoint(output_dir)  # raises when checkpoints exist and none verifies
+    output_dir = Path(output_dir)
+    chosen = select_checkpoint(output_dir, hashes)  # raises when checkpoints exist and none verifies
     if chosen is not None:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if int(os.environ.get("RANK", "0")) == 0 and hashes:
             for problem in chosen.skipped:
                 print(f"warning: --resume: skipping a damaged checkpoint: {problem}; falling back to "
                       f"{chosen.path.name}", file=sys.stderr)
