@@ -49,7 +49,9 @@ def serve(
     = None,
     block_size: Annotated[int | None, typer.Option("--block-size", help="Tokens per KV-cache block.")] = None,
     max_queue: Annotated[int | None, typer.Option("--max-queue", help="Waiting requests before 429.")] = None,
-    max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="Context length served.")] = None,
+    max_model_len: Annotated[int | None, typer.Option(
+        "--max-model-len", help="Context length served (copt engine default: the model's full context while "
+        "--max-batch-size sequences of it fit; said on stderr).")] = None,
     draft_model: Annotated[str | None, typer.Option("--draft-model", help="Draft model dir for speculation.")] = None,
     num_speculative_tokens: Annotated[int | None, typer.Option("--num-speculative-tokens",
                                                                help="Draft tokens per step.")] = None,

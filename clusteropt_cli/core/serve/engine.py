@@ -502,6 +502,12 @@ class Engine:
         from transformers.utils import logging as hf_logging
 
         from clusteropt_cli.core.serve.architectures import make_runner
+        from clusteropt_cli.core.serve.kv_budget import (
+            activation_reserve,
+            choose_max_model_len,
+            describe_choice,
+            utilization_budget,
+        )
         from clusteropt_cli.core.serve.runner import ModelRunner, resolve_dtype
 
         hf_logging.disable_progress_bar()
@@ -512,15 +518,49 @@ class Engine:
         hf_config = AutoConfig.from_pretrained(cfg.model)
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         ctx = int(getattr(text_config, "max_position_embeddings", 4096) or 4096)
-        max_len = int(cfg.max_model_len or min(ctx, 4096))
         if cfg.max_model_len and cfg.max_model_len > ctx:
             raise BadInputError(f"--max-model-len {cfg.max_model_len} exceeds the model's context of {ctx} tokens.",
                                 hint=f"Pass --max-model-len {ctx} or less.")
         spec_extra = cfg.num_speculative_tokens + 1 if (cfg.draft_model or cfg.prompt_lookup) else 0
-        cache_len = max_len + spec_extra
         dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
-        per_token = ModelRunner.kv_bytes_per_token_of(text_config, torch.empty((), dtype=dtype).element_size(),
-                                                      cache_len)
+        elt = torch.empty((), dtype=dtype).element_size()
+        draft_text = None
+        if cfg.draft_model:
+            draft_config = AutoConfig.from_pretrained(cfg.draft_model)
+            draft_text = draft_config.get_text_config() if hasattr(draft_config, "get_text_config") else draft_config
+
+        def bytes_per_token(length: int) -> int:  # of a slot `length` tokens long, draft model included
+            n = ModelRunner.kv_bytes_per_token_of(text_config, elt, length)
+            if draft_text is not None:
+                n += ModelRunner.kv_bytes_per_token_of(draft_text, elt, length)
+            return n
+
+        cuda = device.startswith("cuda")
+        self.max_batch_tokens = int(cfg.max_batch_tokens or (2048 if cuda else 512))
+        free_at_start = total = None
+        reserve = 0
+        if cuda:
+            torch.cuda.empty_cache()  # blocks cached by this process (an engine before this one) count as free
+            free_at_start, total = torch.cuda.mem_get_info(torch.device(device))
+            reserve = activation_reserve(text_config, self.max_batch_tokens, cfg.max_batch_size, elt)
+            sized_by_memory = cfg.kv_cache_tokens is None and cfg.kv_cache_memory_gib is None
+            if cfg.gpu_memory_utilization is not None and sized_by_memory:
+                try:  # as vLLM: the memory free at start-up must cover utilization × total
+                    utilization_budget(total, free_at_start, 0, cfg.gpu_memory_utilization, 0)
+                except ValueError as exc:
+                    raise BadInputError(f"{exc}.", hint="Lower --gpu-memory-utilization, or free the GPU "
+                                        "(other processes hold the rest).") from exc
+        self.length_choice = None
+        self.length_budget_why = ""
+        if cfg.max_model_len:
+            max_len = int(cfg.max_model_len)
+        else:  # the full context when the budget holds --max-batch-size sequences of it (kv_budget.py)
+            budget, per_token_of, self.length_budget_why = self._planned_kv_budget(
+                device, hf_config, elt, bytes_per_token, free_at_start, total, reserve)
+            self.length_choice = choose_max_model_len(ctx, per_token_of, budget, cfg.max_batch_size, spec_extra)
+            max_len = self.length_choice.max_model_len
+        cache_len = max_len + spec_extra
+        per_token = bytes_per_token(cache_len)
         use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.startswith("cuda")
 
         use_compile = cfg.compile if cfg.compile is not None else use_graphs
@@ -536,21 +576,21 @@ class Engine:
                 raise BadInputError(
                     f"--draft-model vocabulary ({self.draft_runner.vocab_size}) differs from the model's "
                     f"({self.runner.vocab_size}).", hint="Use a draft model trained with the same tokenizer.")
-            per_token += ModelRunner.kv_bytes_per_token_of(self.draft_runner.config,
-                                                           torch.empty((), dtype=dtype).element_size(), cache_len)
         capacity = cfg.kv_cache_tokens
         if capacity is None and cfg.kv_cache_memory_gib is not None:
             capacity = int(cfg.kv_cache_memory_gib * 2**30 // per_token)
         if capacity is None and device.startswith("cuda"):
             # weights are loaded: size the cache from free GPU memory (never from system RAM)
-            free, total = torch.cuda.mem_get_info()
-            if cfg.gpu_memory_utilization is not None:  # vLLM's budget: a fraction of the whole device
-                budget = total * cfg.gpu_memory_utilization - (total - free)
+            free, total = torch.cuda.mem_get_info(torch.device(device))
+            if cfg.gpu_memory_utilization is not None:  # vLLM's budget: the whole engine within util × total
+                engine_bytes = max(0, free_at_start - free)  # what loading took (weights, context, kernels)
+                budget = int(total * cfg.gpu_memory_utilization) - engine_bytes - reserve
                 if budget <= 0:
                     raise BadInputError(
-                        f"--gpu-memory-utilization {cfg.gpu_memory_utilization} leaves no room for a KV cache: "
-                        f"{(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB are in use after loading.",
-                        hint="Raise --gpu-memory-utilization.")
+                        f"--gpu-memory-utilization {cfg.gpu_memory_utilization} leaves no room for a KV cache: the "
+                        f"engine holds {engine_bytes / 2**30:.1f} GiB after loading and keeps "
+                        f"{reserve / 2**30:.1f} GiB for activations, of {cfg.gpu_memory_utilization} × "
+                        f"{total / 2**30:.1f} GiB.", hint="Raise --gpu-memory-utilization.")
                 capacity = int(budget // per_token)
             else:
                 capacity = int(free * cfg.gpu_memory_fraction // per_token)
@@ -577,7 +617,11 @@ class Engine:
                   f"{self.kv_cache_bytes / 2**30:.2f} GiB ({per_token / 1024:.0f} KiB per token; "
                   f"{self.kv_cache_choice}); --kv-cache-memory or --kv-cache-blocks set it.", file=sys.stderr,
                   flush=True)
-        self.max_batch_tokens = int(cfg.max_batch_tokens or (2048 if device.startswith("cuda") else 512))
+        if self.length_choice is not None:
+            import sys
+
+            print(describe_choice(self.length_choice, ctx, slots, self.kv_cache_bytes, self.length_budget_why),
+                  file=sys.stderr, flush=True)
         self.stats.graphs_captured = self.runner.capture_graphs(slots)
         self.eos_ids = self._eos_ids()
         from clusteropt_cli.core.serve.sampling import generation_defaults
@@ -589,6 +633,35 @@ class Engine:
 
         self._rng = random.Random(0)  # seeds of requests that send none
         self._loaded = True
+
+    def _planned_kv_budget(self, device: str, hf_config: Any, elt: int, bytes_per_token: Any,
+                           free_at_start: int | None, total: int | None, reserve: int) -> tuple[int, Any, str]:
+        """The KV budget the default max_model_len is chosen for, before the weights are loaded: (budget, bytes per
+        token (or 1 for a budget in tokens), why). Loading measures the real one; the slots follow it."""
+        from clusteropt_cli.core.serve.kv_budget import checkpoint_weight_bytes, utilization_budget
+
+        cfg = self.config
+        if cfg.kv_cache_tokens is not None:
+            return int(cfg.kv_cache_tokens), 1, f"--kv-cache-blocks: {cfg.kv_cache_tokens:,} tokens"
+        if cfg.kv_cache_memory_gib is not None:
+            gib = cfg.kv_cache_memory_gib
+            return int(gib * 2**30), bytes_per_token, f"--kv-cache-memory {gib:g} GiB"
+        if not device.startswith("cuda"):
+            import psutil
+
+            available = int(psutil.virtual_memory().available)
+            budget = min(int(available * CPU_KV_FRACTION), CPU_KV_MAX_BYTES)
+            return budget, bytes_per_token, (f"CPU: {budget / 2**30:.1f} GiB, {CPU_KV_FRACTION:.0%} of the memory "
+                                             f"available, at most {CPU_KV_MAX_BYTES / 2**30:.0f} GiB")
+        weights = checkpoint_weight_bytes(cfg.model, elt, hf_config)
+        if cfg.draft_model:
+            weights += checkpoint_weight_bytes(cfg.draft_model, elt)
+        if cfg.gpu_memory_utilization is not None:
+            budget = utilization_budget(total, free_at_start, weights, cfg.gpu_memory_utilization, reserve)
+            return budget, bytes_per_token, (f"--gpu-memory-utilization {cfg.gpu_memory_utilization:g} of "
+                                             f"{total / 2**30:.0f} GiB, less the weights and activations")
+        budget = int((free_at_start - weights) * cfg.gpu_memory_fraction)
+        return budget, bytes_per_token, (f"{cfg.gpu_memory_fraction:.0%} of the GPU memory free after the weights")
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
