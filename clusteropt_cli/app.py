@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> None:
         else:
             _render_error(mapped.message, mapped.hint)
             code = mapped.exit_code
+            if os.environ.get("COPT_RANK_ERROR_DIR"):  # a launched rank: the launching copt exits with this code
+                from clusteropt_cli.core.train.launch import record_rank_error
+
+                record_rank_error(code, mapped.message, mapped.hint)
     finally:  # --debug sets COPT_DEBUG for this run (and processes it launches), not for the caller
         if previous_debug is None:
             os.environ.pop("COPT_DEBUG", None)

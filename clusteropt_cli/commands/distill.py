@@ -110,8 +110,7 @@ def _run_maybe_launched(settings: Any, subcommand: str, overwrite: bool, run_her
     from clusteropt_cli import console
     from clusteropt_cli.core.distill.logits import RESULT_FILE
     from clusteropt_cli.core.io import replacing_output_dir
-    from clusteropt_cli.core.train.launch import is_launched_child, plan_launch, run_launch
-    from clusteropt_cli.errors import CoptError
+    from clusteropt_cli.core.train.launch import is_launched_child, plan_launch, run_launch_checked
 
     if is_launched_child():
         run_here()
@@ -128,10 +127,7 @@ def _run_maybe_launched(settings: Any, subcommand: str, overwrite: bool, run_her
         resume_point(out, hashes=False)
     with replacing_output_dir(out, overwrite=overwrite, resume=bool(settings.resume), command=f"distill {subcommand}"):
         console.log(f"launching {plan.world_size} processes with {plan.launcher}: {plan.shell}")
-        code = run_launch(plan)
-        if code != 0:
-            raise CoptError(f"The distillation processes exited with code {code} (their errors are printed above).",
-                            hint="fix the error above; with --save-every, rerun with --resume to continue")
+        run_launch_checked(plan, "distillation")  # a rank's copt error keeps its exit code
     return json.loads((out / RESULT_FILE).read_text())
 
 

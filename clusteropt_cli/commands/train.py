@@ -79,7 +79,7 @@ def train(
     recipe: RecipeOpt = None,
 ) -> None:
     """Train or fine-tune a causal LM on a text file; writes the model (HF format) and metrics.jsonl to --output."""
-    from clusteropt_cli.core.train.launch import is_launched_child, plan_launch, run_launch
+    from clusteropt_cli.core.train.launch import is_launched_child, plan_launch, run_launch_checked
     from clusteropt_cli.recipe.load import load_settings
 
     settings = load_settings("train", recipe, overrides, dict(
@@ -120,12 +120,7 @@ def train(
             _run_rank(settings, json_out)
             return
         console.log(f"launching {plan.world_size} processes with {plan.launcher}: {plan.shell}")
-        code = run_launch(plan)
-        if code != 0:
-            from clusteropt_cli.errors import CoptError
-
-            raise CoptError(f"The training processes exited with code {code} (their errors are printed above).",
-                            hint="fix the error above; with --save-every, rerun with --resume to continue")
+        run_launch_checked(plan, "training")  # a rank's copt error keeps its exit code
     result_file = out / "train_result.json"
     if result_file.exists():
         import json

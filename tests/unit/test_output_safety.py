@@ -188,3 +188,26 @@ def test_commit_keeps_the_newest_n_checkpoints_and_verifies_them(tmp_path, keep)
     else:
         with pytest.raises(BadInputError, match="no checkpoint .* is valid"):
             select_checkpoint(tmp_path)
+
+
+def test_a_launched_ranks_copt_error_keeps_its_exit_code_in_the_launching_copt(tmp_path):
+    """A rank that exits with a copt error (exit 2 bad checkpoint, 7 full disk) records it; the parent re-raises it
+    instead of a generic exit-1 'the processes failed'."""
+    import sys
+
+    from clusteropt_cli.core.train.launch import LaunchPlan, run_launch_checked
+    from clusteropt_cli.errors import CoptError
+
+    rank = ("import os, sys; os.environ.update(RANK='{r}', WORLD_SIZE='2'); "
+            "from clusteropt_cli.core.train.launch import record_rank_error; "
+            "record_rank_error({code}, 'rank {r}: no space left', 'free space'); sys.exit(1)")
+    script = tmp_path / "ranks.sh"
+    script.write_text("".join(f'{sys.executable} -c "{rank.format(r=r, code=7)}"\n' for r in (1, 0)) + "exit 1\n")
+    plan = LaunchPlan("torchrun", 2, 1, 2, ["bash", str(script)], env={"PYTHONPATH": str(Path.cwd())})
+    with pytest.raises(CoptError) as info:
+        run_launch_checked(plan, "training")
+    assert info.value.exit_code == 7 and info.value.message == "rank 0: no space left"
+    (tmp_path / "fail.sh").write_text("exit 3\n")
+    with pytest.raises(CoptError, match="training processes exited with code 3") as info:
+        run_launch_checked(LaunchPlan("torchrun", 2, 1, 2, ["bash", str(tmp_path / "fail.sh")]), "training")
+    assert info.value.exit_code == 1

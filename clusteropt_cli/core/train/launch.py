@@ -126,15 +126,58 @@ def plan_launch(options: Any, copt_args: list[str], python: str | None = None) -
                       hosts=hosts, master_addr=master_addr, master_port=port, env=env)
 
 
-def run_launch(plan: LaunchPlan) -> int:
+RANK_ERROR_DIR = "COPT_RANK_ERROR_DIR"  # where a launched rank records the copt error it exits with
+
+
+def run_launch(plan: LaunchPlan, env_extra: dict[str, str] | None = None) -> int:
     """Run the launcher in the foreground and return its exit code. All of its output goes to stderr: stdout is
     reserved for the result, which the parent reads from the run's train_result.json."""
     import subprocess
 
-    env = {**os.environ, **plan.env}
+    env = {**os.environ, **plan.env, **(env_extra or {})}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, plan.procs_per_node))))
     try:
         return subprocess.call(plan.command, env=env, stdout=sys.stderr.fileno())
     except FileNotFoundError:
         raise BadInputError(f"The launcher '{plan.command[0]}' is not on PATH.",
                             hint="pip install 'clusteropt-cli[train]' (deepspeed) or use --launcher torchrun") from None
+
+
+def run_launch_checked(plan: LaunchPlan, what: str) -> None:
+    """run_launch; when the processes fail, raise the copt error a rank exited with (its message, hint and exit
+    code: a bad input stays exit 2, a full disk exit 7), else a generic error naming the launcher's exit code."""
+    import json
+    import shutil
+    import tempfile
+
+    from clusteropt_cli.errors import CoptError
+
+    errors = tempfile.mkdtemp(prefix="copt-rank-errors-")
+    try:
+        code = run_launch(plan, {RANK_ERROR_DIR: errors})
+        if code == 0:
+            return
+        for file in sorted(Path(errors).glob("rank-*.json"), key=lambda f: int(f.stem.split("-")[1])):
+            try:
+                doc = json.loads(file.read_text())
+                raise CoptError(str(doc["message"]), doc.get("hint"), exit_code=int(doc["exit_code"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
+    raise CoptError(f"The {what} processes exited with code {code} (their errors are printed above).",
+                    hint="fix the error above; with --save-every, rerun with --resume to continue")
+
+
+def record_rank_error(exit_code: int, message: str, hint: str | None) -> None:
+    """(in a launched rank) Leave the error for the launching copt, which exits with the same code."""
+    import json
+
+    directory = os.environ.get(RANK_ERROR_DIR)
+    if not directory or "RANK" not in os.environ:
+        return
+    try:
+        (Path(directory) / f"rank-{int(os.environ['RANK'])}.json").write_text(
+            json.dumps({"exit_code": exit_code, "message": message, "hint": hint}))
+    except (OSError, ValueError):
+        pass
