@@ -100,6 +100,9 @@ def _table(report):
                  ("perplexity after", _fmt_ppl(report.ppl_after, report.ppl_before))]
         if report.ppl_rtn is not None:
             rows.append(("perplexity RTN", _fmt_ppl(report.ppl_rtn, report.ppl_before)))
+        if report.kl_divergence is not None:
+            rows.append(("KL to the original", f"{report.kl_divergence:.4f} nats/token, top-1 agreement "
+                                               f"{report.top1_agreement:.1%} ({report.kl_tokens} tokens)"))
         rows.append(("eval", f"{report.eval_tokens} tokens in blocks of {report.eval_block_len}"))
     rows.append(("sample", repr(report.sample_generation)))
     return console.kv_table("copt quantize", rows)

@@ -127,6 +127,9 @@ def test_report_records_the_run(method, quantized, fixtures):
     assert on_disk["calib_samples"] == expected
     assert on_disk["eval_tokens"] == EVAL_TOKENS - EVAL_TOKENS // SEQ_LEN
     assert on_disk["ppl_before"] == pytest.approx(report.ppl_before)
+    # closeness to the original on the same held-out blocks: KL and top-1 agreement beside perplexity
+    assert on_disk["kl_tokens"] == on_disk["eval_tokens"]
+    assert 0 < on_disk["kl_divergence"] < MAX_KL[method] and on_disk["top1_agreement"] > MIN_TOP1[method]
     # the fixture teacher's held-out loss is ≈4.1 nats (ppl ≈ 60); quantization only adds a little
     assert 40 < on_disk["ppl_before"] < 90
     if on_disk["bits"] == 3:  # 3-bit weights cost perplexity, but only a few per cent

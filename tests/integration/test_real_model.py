@@ -170,7 +170,10 @@ def test_quantize_then_serve_gives_hf_greedy_tokens(case, real_model, tmp_path, 
         with torch.inference_mode():
             want = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
         want = want[: want.index(eos)] if eos in want else want
-        assert_greedy_parity(model, prompt, choice["token_ids"], want, exact=case not in ("fp8", "int8"))
+        # INT8 quantizes each activation row to 127 levels at run time: on this model (outlier activations) HF's own
+        # logits for one position move by up to ~1.9 between a full forward and a prefix forward of the same tokens
+        assert_greedy_parity(model, prompt, choice["token_ids"], want, exact=case not in ("fp8", "int8"),
+                             max_gap=2.0 if case == "int8" else 0.5)
     if case == "fp8":
         assert "dequantized" not in stderr
     else:  # packed and int8 weights run dequantized, and the server says so

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -15,15 +15,23 @@ def weights_bytes(model_dir: str | Path) -> int:
                if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
 
 
+REFERENCE_BYTES = 2**30  # the original model's kept log-probabilities (fp32, host memory) for KL and top-1
+
+
 @dataclass
 class Perplexity:
-    """Perplexity over non-overlapping blocks of an evaluation text."""
+    """Perplexity over non-overlapping blocks of an evaluation text (and, against a reference, how close the next-token
+    distributions stay)."""
 
     ppl: float
     nll: float  # mean next-token negative log-likelihood (nats)
     tokens: int  # predicted tokens
     blocks: int
     block_len: int
+    kl: float | None = None  # mean KL(reference ‖ model), nats per token, over the reference's blocks
+    top1: float | None = None  # fraction of positions where the argmax equals the reference's
+    kl_tokens: int = 0  # positions KL and top-1 cover
+    logprobs: list | None = field(default=None, repr=False)  # kept per-block log-probs [T-1, V] (a reference)
 
 
 def special_prefix(tokenizer) -> list[int]:
@@ -55,13 +63,19 @@ def eval_blocks(tokenizer, text: str, block_len: int, max_tokens: int):
     return torch.tensor(rows, dtype=torch.long)
 
 
-def perplexity(model, blocks, batch_size: int = 8) -> Perplexity:
-    """exp(mean NLL) of next-token prediction over each block (blocked evaluation, no context across blocks)."""
+def perplexity(model, blocks, batch_size: int = 8, keep_bytes: int = 0, reference: list | None = None) -> Perplexity:
+    """exp(mean NLL) of next-token prediction over each block (blocked evaluation, no context across blocks).
+
+    keep_bytes: keep the log-probabilities of the first blocks that fit in that many bytes (fp32, CPU), as the
+    reference of a later call. reference: such a list from the original model: KL(reference ‖ model) and top-1
+    agreement over those blocks, in the same forward passes."""
     import torch
 
     device = next(model.parameters()).device
     model.eval()
     total, count = 0.0, 0
+    kept: list = []
+    kl_sum, agree, compared = 0.0, 0, 0
     with torch.no_grad():
         for i in range(0, len(blocks), batch_size):
             x = blocks[i : i + batch_size].to(device)
@@ -70,8 +84,25 @@ def perplexity(model, blocks, batch_size: int = 8) -> Perplexity:
                                                     reduction="sum")
             total += nll.item()
             count += x[:, 1:].numel()
+            if not keep_bytes and not reference:
+                continue
+            logprobs = torch.log_softmax(logits, dim=-1)
+            for row in range(x.shape[0]):
+                index = i + row
+                if keep_bytes and (len(kept) + 1) * logprobs[row].numel() * 4 <= keep_bytes:
+                    kept.append(logprobs[row].cpu())
+                if reference and index < len(reference):
+                    ref = reference[index].to(device)
+                    kl_sum += (ref.exp() * (ref - logprobs[row])).sum().item()
+                    agree += (ref.argmax(-1) == logprobs[row].argmax(-1)).sum().item()
+                    compared += ref.shape[0]
     mean = total / max(count, 1)
-    return Perplexity(ppl=math.exp(mean), nll=mean, tokens=count, blocks=len(blocks), block_len=blocks.shape[1])
+    result = Perplexity(ppl=math.exp(mean), nll=mean, tokens=count, blocks=len(blocks), block_len=blocks.shape[1])
+    if keep_bytes:
+        result.logprobs = kept
+    if compared:
+        result.kl, result.top1, result.kl_tokens = kl_sum / compared, agree / compared, compared
+    return result
 
 
 def generate_smoke(model, tokenizer, prompt: str = "def ", max_new_tokens: int = 8) -> str:

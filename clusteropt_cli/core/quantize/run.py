@@ -64,6 +64,11 @@ class QuantizeReport:
     ppl_rtn: float | None
     ppl_increase: float | None
     ppl_rtn_increase: float | None
+    # closeness to the original on the --eval text: mean KL(original ‖ quantized) in nats per token and the
+    # fraction of positions with the same argmax, over the first kl_tokens positions (≤ 1 GiB of log-probs)
+    kl_divergence: float | None
+    top1_agreement: float | None
+    kl_tokens: int | None
     sample_generation: str
     device: str
     warnings: list[str]
@@ -200,12 +205,13 @@ def _load(model_dir: Path, device: str = "cpu"):
     return model.to(device)
 
 
-def _score(model, blocks, device: str) -> float:
+def _score(model, blocks, device: str, keep_bytes: int = 0, reference: list | None = None):
+    """The model's Perplexity over the blocks (keeping a reference's log-probs, or compared with one)."""
     from clusteropt_cli.core.quantize.evaluate import perplexity
 
     model.to(device)
     try:
-        return perplexity(model, blocks).ppl
+        return perplexity(model, blocks, keep_bytes=keep_bytes, reference=reference)
     finally:
         model.to("cpu") if device != "cpu" else None
 
@@ -215,7 +221,7 @@ def run(plan_: Plan, progress=None, verbose: bool = False) -> QuantizeReport:
     from transformers import AutoTokenizer
 
     from clusteropt_cli.core.quantize import backends
-    from clusteropt_cli.core.quantize.evaluate import eval_blocks, generate_smoke, weights_bytes
+    from clusteropt_cli.core.quantize.evaluate import REFERENCE_BYTES, eval_blocks, generate_smoke, weights_bytes
     from clusteropt_cli.core.quantize.servable import vllm_servability
 
     s = plan_.settings
@@ -230,11 +236,14 @@ def run(plan_: Plan, progress=None, verbose: bool = False) -> QuantizeReport:
     tokenizer = AutoTokenizer.from_pretrained(plan_.model_dir)
     blocks = None
     ppl_before = ppl_after = ppl_rtn = None
+    original = after = None
     model = _load(plan_.model_dir)
     if plan_.eval_text is not None:
         step("scoring the original model")
         blocks = eval_blocks(tokenizer, plan_.eval_text, min(s.seq_len, _max_positions(model)), s.eval_tokens)
-        ppl_before = _score(model, blocks, device)
+        # the original's next-token distributions over the first blocks (≤ 1 GiB): KL and top-1 of the result
+        original = _score(model, blocks, device, keep_bytes=REFERENCE_BYTES)
+        ppl_before = original.ppl
 
     # the output's size, for a full disk's message: the weights at the new width (fp32/16-bit sources alike)
     source_bits = 32 if "float32" in str(getattr(model, "dtype", "")) else 16
@@ -250,7 +259,9 @@ def run(plan_: Plan, progress=None, verbose: bool = False) -> QuantizeReport:
         sample = generate_smoke(reloaded, tokenizer)
         if blocks is not None:
             step("scoring the quantized model")
-            ppl_after = _score(reloaded, blocks, device)
+            after = _score(reloaded, blocks, device, reference=original.logprobs)
+            ppl_after = after.ppl
+            original.logprobs = None
         del reloaded
         if s.compare_rtn and blocks is not None:
             ppl_rtn = _rtn_perplexity(plan_, tokenizer, blocks, device, ppl_after, progress, verbose, step)
@@ -268,6 +279,8 @@ def run(plan_: Plan, progress=None, verbose: bool = False) -> QuantizeReport:
             ppl_after=ppl_after, ppl_rtn=ppl_rtn,
             ppl_increase=None if ppl_after is None else ppl_after - ppl_before,
             ppl_rtn_increase=None if ppl_rtn is None else ppl_rtn - ppl_before,
+            kl_divergence=None if after is None else after.kl, top1_agreement=None if after is None else after.top1,
+            kl_tokens=None if after is None else after.kl_tokens,
             sample_generation=sample, device=device, warnings=list(plan_.warnings) + facts.get("warnings", []),
             observer=s.weight_observer,
             awq_duo_scaling=s.awq_duo_scaling if s.llmcompressor_awq else None,
@@ -288,7 +301,7 @@ def _rtn_perplexity(plan_: Plan, tokenizer, blocks, device, ppl_after, progress,
     step("scoring round-to-nearest at the same bits (--compare-rtn)")
     model = _load(plan_.model_dir)
     backends.quantize_rtn_in_memory(model, tokenizer, s, progress=progress, verbose=verbose)
-    return _score(model, blocks, device)
+    return _score(model, blocks, device).ppl
 
 
 def _max_positions(model) -> int:
