@@ -103,32 +103,19 @@ def _library_output_to_stderr():
 
 def _run_maybe_launched(settings: Any, subcommand: str, overwrite: bool, run_here: Any) -> Any:
     """Run in this process, or (--gpus/--nodes > 1) relaunch copt under copt train's launcher (torchrun or
-    deepspeed) with the same arguments; every rank runs `run_here`, the parent reads distill_result.json."""
-    import json
-    import sys
-
+    deepspeed) with the same arguments; every rank runs `run_here`, the parent reads distill_result.json.
+    None in a rank under a launcher (the parent renders)."""
     from clusteropt_cli import console
     from clusteropt_cli.core.distill.logits import RESULT_FILE
-    from clusteropt_cli.core.io import replacing_output_dir
-    from clusteropt_cli.core.train.launch import is_launched_child, plan_launch, run_launch_checked
+    from clusteropt_cli.core.train.launch import child_args, is_launched_child, plan_launch, run_or_launch
 
     if is_launched_child():
         run_here()
         return None
-    out = Path(settings.output)
-    argv = sys.argv[1:] if "distill" in sys.argv[1:] else ["distill", subcommand] + [
-        f"{k}={v}" for k, v in settings.model_dump(exclude_none=True, exclude={"task", "prediction", "mode"}).items()]
-    plan = plan_launch(settings, argv)
-    if plan.launcher == "none":
-        return run_here()
-    if settings.resume:  # a checkpoint that cannot resume: exit 2 before launching
-        from clusteropt_cli.core.train.loop import resume_point
-
-        resume_point(out, hashes=False)
-    with replacing_output_dir(out, overwrite=overwrite, resume=bool(settings.resume), command=f"distill {subcommand}"):
-        console.log(f"launching {plan.world_size} processes with {plan.launcher}: {plan.shell}")
-        run_launch_checked(plan, "distillation")  # a rank's copt error keeps its exit code
-    return json.loads((out / RESULT_FILE).read_text())
+    argv = child_args(settings, ["distill", subcommand], exclude={"task", "prediction", "mode"})
+    return run_or_launch(plan_launch(settings, argv), run_here, output=settings.output, overwrite=overwrite,
+                         resume=bool(settings.resume), command=f"distill {subcommand}", result_file=RESULT_FILE,
+                         what="distillation", log=console.log)
 
 
 def _is_rank() -> bool:

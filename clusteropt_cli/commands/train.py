@@ -79,7 +79,7 @@ def train(
     recipe: RecipeOpt = None,
 ) -> None:
     """Train or fine-tune a causal LM on a text file; writes the model (HF format) and metrics.jsonl to --output."""
-    from clusteropt_cli.core.train.launch import is_launched_child, plan_launch, run_launch_checked
+    from clusteropt_cli.core.train.launch import child_args, is_launched_child, plan_launch, run_or_launch
     from clusteropt_cli.recipe.load import load_settings
 
     settings = load_settings("train", recipe, overrides, dict(
@@ -91,59 +91,28 @@ def train(
         pipeline_micro_batches=pipeline_micro_batches, virtual_stages=virtual_stages, gpus=gpus, nodes=nodes,
         hostfile=hostfile, launcher=launcher, master_addr=master_addr, master_port=master_port,
         save_every=save_every, keep_checkpoints=keep_checkpoints, resume=resume, seed=seed))
-    child = is_launched_child()
-    if child:
-        _run_rank(settings, json_out)
+    if is_launched_child():  # one rank under a launcher: the parent validated and renders
+        _train_here(settings, overwrite)
         return
 
+    from clusteropt_cli.core.train.loop import RESULT_FILE
+    from clusteropt_cli.core.train.run import device_type
     from clusteropt_cli.core.train.validate import validate_train
 
     # the hardware check imports torch: a launching parent leaves it to the ranks, which check before any work
     launching = settings.gpus * settings.nodes > 1
-    validate_train(settings, overwrite=overwrite, device_type=None if dry_run or launching else _device_type(),
+    validate_train(settings, overwrite=overwrite, device_type=None if dry_run or launching else device_type(),
                    recipe=recipe)
-    child_args = sys.argv[1:] if _argv_is_ours() else _rebuild_argv(settings, json_out)
-    plan = plan_launch(settings, [a for a in child_args if a != "--dry-run"])
+    ranks_args = child_args(settings, ["train"], exclude={"task", "prediction"}, extra=["--json"] if json_out else [])
+    plan = plan_launch(settings, [a for a in ranks_args if a != "--dry-run"])
     if dry_run:
         _render_dry_run(settings, plan, json_out)
         return
-    from clusteropt_cli.core.io import replacing_output_dir
-
-    out = Path(settings.output)
-    if settings.resume and plan.launcher != "none":  # a checkpoint that cannot resume: exit 2 before launching
-        from clusteropt_cli.core.train.loop import resume_point
-
-        resume_point(out, hashes=False)
-    # with --overwrite the old output is moved aside (after validation), restored if this run fails
-    with replacing_output_dir(out, overwrite=overwrite, resume=bool(settings.resume), command="train"):
-        if plan.launcher == "none":
-            _run_rank(settings, json_out)
-            return
-        console.log(f"launching {plan.world_size} processes with {plan.launcher}: {plan.shell}")
-        run_launch_checked(plan, "training")  # a rank's copt error keeps its exit code
-    result_file = out / "train_result.json"
-    if result_file.exists():
-        import json
-
-        _render_result(json.loads(result_file.read_text()), json_out)
-
-
-def _device_type() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _argv_is_ours() -> bool:
-    """sys.argv holds this train invocation (python -m clusteropt_cli / the copt script), not a test runner's."""
-    return "train" in sys.argv[1:]
-
-
-def _rebuild_argv(settings: Any, json_out: bool) -> list[str]:
-    """The arguments for the child ranks when copt was called programmatically: every setting as an override."""
-    args = ["train"] + [f"{k}={v}" for k, v in settings.model_dump(exclude_none=True, exclude={"task", "prediction"})
-                        .items()]
-    return args + (["--json"] if json_out else [])
+    result = run_or_launch(plan, lambda: _train_here(settings, overwrite), output=settings.output,
+                           overwrite=overwrite, resume=bool(settings.resume), command="train",
+                           result_file=RESULT_FILE, what="training", log=console.log)
+    if result is not None:
+        _render_result(console.to_jsonable(result), json_out)
 
 
 class _ProgressCallback:
@@ -166,31 +135,16 @@ class _ProgressCallback:
         console.log(message)
 
 
-def _run_rank(settings: Any, json_out: bool) -> None:
-    """One process of the run (the only one, or one rank under a launcher): load, train, save."""
+def _train_here(settings: Any, overwrite: bool) -> Any:
+    """This process's part of the run, with a progress bar on rank 0 and library chatter off stdout."""
     import os
 
-    from clusteropt_cli.core.train import build_text_dataset, run_training
-    from clusteropt_cli.core.train.launch import is_launched_child
-    from clusteropt_cli.core.train.model import load_model, load_tokenizer
-    from clusteropt_cli.core.train.validate import check_hardware, validate_train
+    from clusteropt_cli.core.train.run import train_from_settings
 
-    launched = is_launched_child()  # under a launcher the parent renders the result
-    rank = int(os.environ.get("RANK", "0"))
-    source = validate_train(settings, check_output=False)
-    check_hardware(settings, _device_type())
     with contextlib.ExitStack() as stack:
         stack.enter_context(contextlib.redirect_stdout(sys.stderr))  # library chatter (DeepSpeed logs) off stdout
-        tokenizer = load_tokenizer(source)
-        dataset = build_text_dataset(settings.data, tokenizer, settings.seq_len, settings.text_field)
-        model = load_model(source, seed=settings.seed)
-        if rank == 0:
-            console.log(f"data: {len(dataset)} blocks of {settings.seq_len} tokens; model: "
-                        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters ({source.kind})")
-        callbacks = [_ProgressCallback(stack)] if rank == 0 else []
-        result = run_training(settings, model, dataset, settings.output, tokenizer=tokenizer, callbacks=callbacks)
-    if rank == 0 and not launched:
-        _render_result(console.to_jsonable(result), json_out)
+        callbacks = [_ProgressCallback(stack)] if int(os.environ.get("RANK", "0")) == 0 else []
+        return train_from_settings(settings, overwrite=overwrite, callbacks=callbacks, log=console.log)
 
 
 def _render_result(result: dict[str, Any], json_out: bool) -> None:

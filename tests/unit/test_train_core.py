@@ -388,3 +388,35 @@ def test_deferred_step_readout_writes_every_row_in_order_and_resumes(fixtures, t
     resumed = _train(_recipe(fixtures, tmp_path / "b", max_steps=7, save_every=3, resume=True), data64)
     assert resumed.start_step == 6 and resumed.losses == pytest.approx(at_once.losses[6:], abs=1e-5)
     assert [r["step"] for r in read_metrics(tmp_path / "b" / "out" / "metrics.jsonl")] == list(range(1, 8))
+
+
+def test_one_launcher_runs_here_or_launches_and_reads_rank_zeros_result(tmp_path, monkeypatch):
+    """copt train and copt distill share core/train/launch: the ranks' arguments, running in this process, or
+    launching and reading rank 0's result file back (a failed launch: CoptError, no output left behind)."""
+    import sys
+
+    from clusteropt_cli.core.train.launch import LaunchPlan, child_args, run_or_launch
+    from clusteropt_cli.errors import CoptError
+
+    recipe = TrainRecipe(model="m", data="d.txt", output=str(tmp_path / "out"), max_steps=3)
+    monkeypatch.setattr(sys, "argv", ["pytest", "-q"])  # called programmatically: every setting as an override
+    args = child_args(recipe, ["distill", "sft"], exclude={"task", "prediction"}, extra=["--json"])
+    assert args[:2] == ["distill", "sft"] and "max_steps=3" in args and "model=m" in args and args[-1] == "--json"
+    assert not any(a.startswith(("task=", "prediction=")) for a in args)
+    monkeypatch.setattr(sys, "argv", ["copt", "train", "--model", "m", "--gpus", "2"])
+    assert child_args(recipe, ["train"], extra=["--json"]) == ["train", "--model", "m", "--gpus", "2"]
+
+    common = dict(overwrite=False, resume=False, command="train", result_file="r.json", what="training")
+    here = LaunchPlan("none", 1, 1, 1, [])
+    assert run_or_launch(here, lambda: "ran here", output=tmp_path / "here", **common) == "ran here"
+    assert not (tmp_path / "here").exists()  # in one process run_here prepares the output itself
+
+    out = tmp_path / "out"
+    write = f"import json, pathlib; pathlib.Path({str(out / 'r.json')!r}).write_text(json.dumps({{'steps': 3}}))"
+    launched = LaunchPlan("torchrun", 2, 1, 2, [sys.executable, "-c", write])
+    assert run_or_launch(launched, lambda: pytest.fail("ran here"), output=out, **common) == {"steps": 3}
+
+    failing = LaunchPlan("torchrun", 2, 1, 2, [sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(CoptError, match="The training processes exited with code 3"):
+        run_or_launch(failing, lambda: None, output=tmp_path / "new", **common)
+    assert not (tmp_path / "new").exists()

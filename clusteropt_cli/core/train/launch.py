@@ -1,5 +1,7 @@
 """Multi-process and multi-node runs: copt re-launches itself under the real launcher (torchrun or the deepspeed
 launcher) with the same arguments; every rank then calls run_training. No process management of our own.
+`copt train` and `copt distill logits/sft` share this launcher: `child_args` (what the ranks run),
+`plan_launch` (the command) and `run_or_launch` (run here, or launch and read rank 0's result file back).
 
 - one node, N processes: `torchrun --standalone --nproc-per-node N -m clusteropt_cli train ARGS`
   (or `deepspeed --num_gpus N --no_local_rank --module clusteropt_cli train ARGS` with --launcher deepspeed;
@@ -12,9 +14,11 @@ launcher) with the same arguments; every rank then calls run_training. No proces
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shlex
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,7 +135,7 @@ RANK_ERROR_DIR = "COPT_RANK_ERROR_DIR"  # where a launched rank records the copt
 
 def run_launch(plan: LaunchPlan, env_extra: dict[str, str] | None = None) -> int:
     """Run the launcher in the foreground and return its exit code. All of its output goes to stderr: stdout is
-    reserved for the result, which the parent reads from the run's train_result.json."""
+    reserved for the result, which the parent reads from the run's result file (run_or_launch)."""
     import subprocess
 
     env = {**os.environ, **plan.env, **(env_extra or {})}
@@ -181,3 +185,37 @@ def record_rank_error(exit_code: int, message: str, hint: str | None) -> None:
             json.dumps({"exit_code": exit_code, "message": message, "hint": hint}))
     except (OSError, ValueError):
         pass
+
+
+def child_args(settings: Any, words: list[str], *, exclude: Iterable[str] = (), extra: Iterable[str] = ()) -> list[str]:
+    """The copt arguments every rank runs: this process's own (when sys.argv holds this invocation, e.g.
+    `copt train ...` or `python -m clusteropt_cli train ...`), or, when copt was called programmatically (a test
+    runner's argv), `words` (e.g. ["distill", "sft"]) with every setting as an override, then `extra`."""
+    if words[0] in sys.argv[1:]:
+        return sys.argv[1:]
+    overrides = settings.model_dump(exclude_none=True, exclude=set(exclude))
+    return [*words, *(f"{k}={v}" for k, v in overrides.items()), *extra]
+
+
+def run_or_launch(plan: LaunchPlan, run_here: Callable[[], Any], *, output: str | Path, overwrite: bool,
+                  resume: bool, command: str, result_file: str, what: str,
+                  log: Callable[[str], None] = lambda _message: None) -> Any:
+    """Run in this process (plan.launcher "none": returns run_here()'s value; run_here prepares the output), or
+    prepare the output directory (copt's output rule; --overwrite moves the old output aside, restored on failure),
+    start the plan's processes (every rank runs run_here) and return rank 0's result read back from
+    output/result_file (None when it wrote none). With resume, the checkpoints are checked (exit 2) before launching;
+    a failing launch raises the copt error a rank exited with, else a CoptError naming `what` processes."""
+    if plan.launcher == "none":
+        return run_here()
+    from clusteropt_cli.core.io import replacing_output_dir
+
+    out = Path(output)
+    if resume:  # a checkpoint that cannot resume: exit 2 before launching
+        from clusteropt_cli.core.train.loop import resume_point
+
+        resume_point(out, hashes=False)
+    with replacing_output_dir(out, overwrite=overwrite, resume=resume, command=command):
+        log(f"launching {plan.world_size} processes with {plan.launcher}: {plan.shell}")
+        run_launch_checked(plan, what)  # a rank's copt error keeps its exit code
+    path = out / result_file
+    return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,48 @@
+"""`copt train` as one importable call: validate, load the tokenizer, data and model, train, save.
+
+    from clusteropt_cli.core.train import train_from_settings
+    result = train_from_settings(settings, overwrite=False, callbacks=[my_progress], log=print)
+
+`settings` is a TrainRecipe. Under a launcher every rank calls it (the parent prepared the output directory);
+in one process it prepares the output itself (copt's output rule, --overwrite moves the old output aside).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def device_type() -> str:
+    """'cuda' when torch sees a GPU, else 'cpu'."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def train_from_settings(settings: Any, *, overwrite: bool = False, callbacks: Sequence[Any] = (),
+                        log: Callable[[str], None] | None = None) -> Any:
+    """One process of a training run (the only one, or one rank under a launcher): load, train, save. Returns
+    run_training's TrainResult (rank 0 also writes it to train_result.json in settings.output)."""
+    from clusteropt_cli.core.io import replacing_output_dir
+    from clusteropt_cli.core.train.data import build_text_dataset
+    from clusteropt_cli.core.train.launch import is_launched_child
+    from clusteropt_cli.core.train.loop import run_training
+    from clusteropt_cli.core.train.model import load_model, load_tokenizer
+    from clusteropt_cli.core.train.validate import check_hardware, validate_train
+
+    launched = is_launched_child()  # under a launcher the parent prepared the output
+    rank = int(os.environ.get("RANK", "0"))
+    with replacing_output_dir(Path(settings.output), overwrite=overwrite, resume=bool(settings.resume),
+                              command="train", enabled=not launched):
+        source = validate_train(settings, check_output=False)
+        check_hardware(settings, device_type())
+        tokenizer = load_tokenizer(source)
+        dataset = build_text_dataset(settings.data, tokenizer, settings.seq_len, settings.text_field)
+        model = load_model(source, seed=settings.seed)
+        if rank == 0 and log is not None:
+            log(f"data: {len(dataset)} blocks of {settings.seq_len} tokens; model: "
+                f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters ({source.kind})")
+        return run_training(settings, model, dataset, settings.output, tokenizer=tokenizer, callbacks=callbacks)
