@@ -77,13 +77,14 @@ SERVING_ENGINES = {
              "step_per_seq_s": 80e-6},
     "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }
-# What a sampled request (temperature > 0) adds per decode step of copt's engine over greedy decoding: sampling runs
-# outside the captured decode graph (softmax, top-p/top-k, multinomial on the host's schedule) and the async
-# greedy fast path does not apply. H200, Llama-3.2-1B shape, batch 1, measured by a third-party load tester
-# through copt serve: 1.22 ms/token greedy, 1.75-2.04 ms/token at temperature 0.7-1.0 (issue "copt advise
-# predicts what copt actually runs") → +0.53 to +0.82 ms; 0.65 ms taken. One constant: recalibrate it when
-# sampling gets faster on the device.
-SAMPLED_DECODE_STEP_S = 0.65e-3
+# What sampled requests (temperature > 0, no top-k/top-p truncation) add per decode step of copt's engine over
+# greedy decoding. Sampling runs on the device inside the captured step (Gumbel-max with counter-based noise, async
+# scheduling kept), so the cost is one [batch, vocabulary] pass more than the greedy argmax. H200, Llama-3.2-1B
+# shape, the same run (docs/benchmarks.md#serve): batch-1 1.216 ms/token greedy, 1.250 at temperature 0.7 and 1.0
+# → 34 µs per step; the sampling kernels alone grow by 0.85 µs per row more than the argmax's (28 → 271 µs from 1 to
+# 256 rows, argmax 72 → 98 µs). A top-k/top-p sort costs more (98 µs at 1 row, 3.4 ms at 256): not priced here.
+SAMPLED_DECODE_STEP_S = 34e-6
+SAMPLED_DECODE_PER_SEQ_S = 0.85e-6
 # What `copt serve --compile-mode max-autotune-no-cudagraphs` saves per decode step (inductor's autotuned Triton
 # GEMV/GEMM templates instead of cuBLAS in the compiled decode layers). H200, 1B shape, batch 1: 1.220 → 1.126
 # ms/token in-process on one host (decode profile), 1.22 → 1.11 through the server (docs/benchmarks.md#serve)

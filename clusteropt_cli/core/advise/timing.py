@@ -167,8 +167,8 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         if plan.decode_autotune and engine_name == "copt":
             tpot = max(tpot - cal.AUTOTUNED_DECODE_STEP_S, floor)
         if plan.temperature > 0 and engine_name == "copt":
-            # sampled requests leave the greedy fast path (argmax inside the captured graph, async scheduling)
-            tpot += cal.SAMPLED_DECODE_STEP_S
+            # sampled requests: one more [batch, vocabulary] pass on the device than the greedy argmax
+            tpot += cal.SAMPLED_DECODE_STEP_S + cal.SAMPLED_DECODE_PER_SEQ_S * plan.batch
     spec_speedup = 1.0
     if plan.speculative_tokens:
         a, k = plan.speculative_acceptance, plan.speculative_tokens
