@@ -161,6 +161,7 @@ complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subco
 complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l teacher
 complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l teacher-dtype
 complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l temperature
+complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l think
 complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l top-p
 complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -l verify
 complete -c copt -n "__fish_seen_subcommand_from distill ; and __fish_seen_subcommand_from traces" -s k
@@ -189,6 +190,7 @@ complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subco
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l rate
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l report
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l request-timeout
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l save-guidellm
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l save-vllm-bench
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l seed
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l slo-tpot-ms

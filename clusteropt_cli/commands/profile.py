@@ -73,6 +73,16 @@ def _write_vllm_bench(report: Any, paths: list[Path]) -> None:
         console.log(f"vllm bench serve result written to {target}")
 
 
+def _write_guidellm(report: Any, path: Path) -> None:
+    import json
+
+    from clusteropt_cli.core.io import atomic_write_text
+    from clusteropt_cli.core.profile.external import guidellm_report
+
+    atomic_write_text(path, json.dumps(guidellm_report(report), indent=2) + "\n")
+    console.log(f"guidellm benchmarks report written to {path}")
+
+
 # ---- formatting --------------------------------------------------------------------------------------------
 def fmt(name: str, value: Any) -> str:
     """A figure for people: bytes, seconds, fractions, FLOP/s and rates in their natural units."""
@@ -354,6 +364,9 @@ def endpoint(
     save_vllm_bench: Annotated[Path | None, typer.Option(
         "--save-vllm-bench", help="Also write the result in `vllm bench serve --save-result`'s JSON (one file per "
                                   "level: NAME-c8.json, NAME-r2.0.json when there are several).")] = None,
+    save_guidellm: Annotated[Path | None, typer.Option(
+        "--save-guidellm", help="Also write the result as a guidellm benchmarks report JSON (one benchmark per "
+                                "level, in one file).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed for prompts and arrivals.")] = 0,
     expect: ExpectOpt = None,
     tolerance: ToleranceOpt = 0.10,
@@ -364,7 +377,8 @@ def endpoint(
     """Load-test an OpenAI-compatible server (streaming /v1/completions): TTFT, ITL, TPOT, E2E per level."""
     from clusteropt_cli.core.profile.settings import EndpointSettings
 
-    _check_outputs({"--report": report_path, "--plot": plot, "--save-vllm-bench": save_vllm_bench}, overwrite,
+    _check_outputs({"--report": report_path, "--plot": plot, "--save-vllm-bench": save_vllm_bench,
+                    "--save-guidellm": save_guidellm}, overwrite,
                    inputs={"--dataset": dataset, "--tokenizer": tokenizer, "--expect": expect})
     if plot is not None and plot.suffix.lower() != ".png":
         raise BadInputError(f"--plot {plot}: the plot is a PNG; name the file *.png.")
@@ -404,6 +418,8 @@ def endpoint(
     _write_report(report, report_path)
     if bench_paths:
         _write_vllm_bench(report, bench_paths)
+    if save_guidellm is not None:
+        _write_guidellm(report, save_guidellm)
     if plot is not None:
         from clusteropt_cli.core.profile.plot import plot_endpoint
 

@@ -341,3 +341,50 @@ def test_endpoint_writes_vllm_bench_serve_json_that_reads_back(fake_server, copt
     again = copt("profile", "endpoint", "--url", fake_server, "--model", "fake", "--concurrency", "1,2",
                  "--save-vllm-bench", str(tmp_path / "bench.json"), timeout=60)
     assert again.returncode == 2 and "bench-c1.json" in again.stderr  # refused before any request
+
+
+def test_endpoint_writes_guidellm_report_that_reads_back(fake_server, copt, tmp_path):
+    """--save-guidellm: one guidellm benchmarks report, one generative_benchmark per level in guidellm's layout
+    (units: ms for TTFT/ITL, s for request latency), which copt's guidellm reader turns back into the same
+    figures; `advise --from-profile` reads it."""
+    from clusteropt_cli.core.profile.external import detect_tool, external_report
+
+    report, saved = tmp_path / "copt.json", tmp_path / "guidellm.json"
+    proc = copt("profile", "endpoint", "--url", fake_server, "--model", "fake", "--concurrency", "1,2",
+                "--num-requests", "4", "--gen-len", "6", "--prompt-len", "8", "--report", str(report),
+                "--save-guidellm", str(saved), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ours, doc = json.loads(report.read_text()), json.loads(saved.read_text())
+    assert detect_tool(doc) == "guidellm" and doc["args"]["model"] == "fake" and doc["args"]["rate"] == [1, 2]
+    assert len(doc["benchmarks"]) == 2
+    for level, bench in zip(ours["levels"], doc["benchmarks"], strict=True):
+        assert bench["type_"] == "generative_benchmark"
+        assert bench["config"]["strategy"] == {"type_": "concurrent", "streams": level["concurrency"]}
+        assert bench["scheduler_metrics"]["requests_made"] == {"successful": 4, "incomplete": 0, "errored": 0,
+                                                               "total": 4}
+        ttft = bench["metrics"]["time_to_first_token_ms"]["successful"]
+        assert ttft["median"] == pytest.approx(level["ttft_s"]["p50"] * 1e3)
+        assert ttft["percentiles"]["p99"] == pytest.approx(level["ttft_s"]["p99"] * 1e3) and ttft["count"] == 4
+        assert bench["metrics"]["request_latency"]["successful"]["mean"] == pytest.approx(level["e2e_s"]["mean"])
+        assert bench["metrics"]["output_token_count"]["successful"]["mean"] == pytest.approx(6.0)
+    back = external_report(doc, "guidellm")
+    assert back.workload["concurrency"] == [1, 2] and back.workload["gen_len"] == 6
+    for level, lv in zip(ours["levels"], back.levels, strict=True):
+        got = lv.model_dump()
+        for key in ("ttft_s", "tpot_s", "e2e_s"):
+            assert got[key] == pytest.approx(level[key]), key
+        assert got["itl_s"] == pytest.approx(level["tpot_s"])  # guidellm's inter-token latency is copt's TPOT
+        for key in ("concurrency", "requests", "completed", "errors"):
+            assert got[key] == level[key], key
+        for key in ("duration_s", "request_throughput", "output_tokens_per_s"):
+            assert got[key] == pytest.approx(level[key]), key
+    for key in ("ttft_s", "tpot_s", "output_tokens_per_s"):
+        assert back.metrics[key] == pytest.approx(ours["metrics"][key]), key
+    advised = copt("advise", "--from-profile", str(saved), "--model", "llama-3.2-1b", "--gpu", "h200", "--json",
+                   timeout=120)
+    assert advised.returncode == 0, advised.stderr
+    measured = {row["metric"] for row in json.loads(advised.stdout)["measured"]}
+    assert {"ttft_s", "tpot_s", "output_tokens_per_s"} <= measured
+    again = copt("profile", "endpoint", "--url", fake_server, "--model", "fake", "--save-guidellm", str(saved),
+                 timeout=60)
+    assert again.returncode == 2 and "--save-guidellm" in again.stderr  # refused before any request

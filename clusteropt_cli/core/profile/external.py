@@ -192,3 +192,67 @@ def vllm_bench_results(report: ProfileReport) -> list[dict[str, Any]]:
                     doc[f"{theirs}_{metric}_ms"] = summary[ours] * 1e3
         docs.append(doc)
     return docs
+
+
+def _guidellm_distribution(summary: dict[str, float], count: int, scale: float) -> dict[str, Any] | None:
+    """A guidellm StatusDistributionSummary (`successful`/`incomplete`/`errored`/`total`) holding the statistics
+    copt measured: mean, median and the p50/p90/p99 percentiles, times `scale` (s → ms for the *_ms metrics).
+    The fields copt does not measure (mode, variance, min, max, the other percentiles) are left out."""
+    if not summary:
+        return None
+    stats: dict[str, Any] = {"count": count}
+    if "mean" in summary:
+        stats["mean"] = summary["mean"] * scale
+        stats["total_sum"] = summary["mean"] * scale * count
+    if "p50" in summary:
+        stats["median"] = summary["p50"] * scale
+    stats["percentiles"] = {k: summary[k] * scale for k in ("p50", "p90", "p99") if k in summary}
+    return {"successful": stats, "incomplete": None, "errored": None, "total": None}
+
+
+def guidellm_report(report: ProfileReport) -> dict[str, Any]:
+    """A copt endpoint report as a guidellm benchmarks report (`guidellm benchmark --output-path report.json`):
+    one `generative_benchmark` per load level, in guidellm's layout (`config.strategy`,
+    `scheduler_metrics.requests_made`, `metrics.<name>.successful` distribution summaries, `duration`).
+
+    Units as guidellm writes them: `time_to_first_token_ms` and `inter_token_latency_ms` in milliseconds,
+    `request_latency` in seconds. guidellm's inter-token latency is per request (last − first token) / (tokens −
+    1), which is copt's TPOT, so that is what it carries. Only the figures copt measures are written; guidellm's
+    per-request samples (`requests`) and scheduler state are not, so guidellm's own loader does not validate the
+    file, while readers of its metrics (copt's among them) do."""
+    workload = report.workload
+    benchmarks = []
+    for index, lv in enumerate(report.levels):
+        errored = lv.requests - lv.completed
+        if lv.concurrency is not None:
+            strategy: dict[str, Any] = {"type_": "concurrent", "streams": lv.concurrency}
+        else:
+            strategy = {"type_": "poisson", "rate": lv.rate}
+        out_tokens = lv.output_tokens_per_s * lv.duration_s
+        metrics: dict[str, Any] = {
+            "requests_per_second": _guidellm_distribution({"mean": lv.request_throughput}, lv.completed, 1.0),
+            "output_tokens_per_second": _guidellm_distribution({"mean": lv.output_tokens_per_s}, lv.completed, 1.0),
+            "request_latency": _guidellm_distribution(lv.e2e_s, lv.completed, 1.0),
+            "time_to_first_token_ms": _guidellm_distribution(lv.ttft_s, lv.completed, 1e3),
+            "inter_token_latency_ms": _guidellm_distribution(lv.tpot_s, lv.completed, 1e3),
+        }
+        if lv.completed:
+            metrics["output_token_count"] = _guidellm_distribution({"mean": out_tokens / lv.completed},
+                                                                   lv.completed, 1.0)
+        benchmarks.append({
+            "type_": "generative_benchmark",
+            "config": {"id_": f"copt-{index}", "run_index": index, "strategy": strategy},
+            "scheduler_metrics": {"requests_made": {"successful": lv.completed, "incomplete": 0,
+                                                    "errored": errored, "total": lv.requests}},
+            "metrics": {k: v for k, v in metrics.items() if v is not None},
+            "duration": lv.duration_s,
+        })
+    concurrent = [lv.concurrency for lv in report.levels if lv.concurrency is not None]
+    rates = [lv.rate for lv in report.levels if lv.concurrency is None and lv.rate is not None]
+    args: dict[str, Any] = {"target": workload.get("url"), "model": report.model.get("name"),
+                            "profile": "concurrent" if concurrent else "poisson", "rate": concurrent or rates}
+    if workload.get("prompt_len") and workload.get("gen_len") and not workload.get("dataset"):
+        args["data"] = [f"prompt_tokens={workload['prompt_len']},output_tokens={workload['gen_len']}"]
+    return {"metadata": {"version": 1, "source": f"copt profile endpoint {report.copt_version}",
+                         "created_at": report.created_at},
+            "args": args, "benchmarks": benchmarks}
