@@ -236,8 +236,9 @@ def test_final_model_loads_with_from_pretrained(fixtures, tmp_path, data64):
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_cpu_peak_memory_matches_the_shared_definition(fixtures, tmp_path, checkpointing):
-    """peak_mem_bytes on CPU = states + saved tensors + logits buffers (docs/advise.md): with the model's own loss it
-    equals `copt advise --gpu cpu`'s prediction; the fused loss holds less (no saved log-softmax)."""
+    """peak_mem_bytes on CPU = states + saved tensors + logits buffers (docs/advise.md): with the model's own loss
+    and with the fused loss it equals `copt advise --gpu cpu`'s prediction for that loss; the fused loss holds less
+    (no saved log-softmax)."""
     import torch
 
     from clusteropt_cli.core.advise.api import evaluate_train, resolve_target
@@ -255,9 +256,12 @@ def test_cpu_peak_memory_matches_the_shared_definition(fixtures, tmp_path, check
         measured[loss_impl] = run_training(recipe, load_model(source), dataset, tmp_path / loss_impl,
                                            save_final=False).peak_mem_bytes
     target, _ = resolve_target("cpu")
-    plan = TrainPlan(micro_batch=4, seq_len=128, precision="bf16", activation_checkpointing=checkpointing)
-    predicted = evaluate_train(load_model_spec(str(fixtures.teacher)), plan, target)["memory"]["per_gpu_bytes"]
-    assert measured["hf"] == pytest.approx(predicted, rel=0.01)
+    spec = load_model_spec(str(fixtures.teacher))
+    for loss_impl in ("hf", "fused"):
+        plan = TrainPlan(micro_batch=4, seq_len=128, precision="bf16", activation_checkpointing=checkpointing,
+                         loss_impl=loss_impl)
+        predicted = evaluate_train(spec, plan, target)["memory"]["per_gpu_bytes"]
+        assert measured[loss_impl] == pytest.approx(predicted, rel=0.01), loss_impl
     assert measured["fused"] < measured["hf"]
 
 
