@@ -177,6 +177,7 @@ complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subco
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l dataset
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l duration
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l expect
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l from-profile
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l gen-len
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l help
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l ignore-eos

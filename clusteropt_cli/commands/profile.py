@@ -173,7 +173,7 @@ def _render_endpoint(report: Any, report_path: Path | None = None) -> None:
     headers = ["load", "ok", "req/s", "out tok/s", "goodput", "TTFT ms p50/90/99", "ITL ms p50/99",
                "TPOT ms p50/90", "E2E ms p50/99", "errors"]
     console.out.print(console.grid(f"copt profile endpoint: {report.model.get('name')} @ "
-                                   f"{report.workload.get('url')}", headers, rows))
+                                   f"{report.workload.get('url') or report.workload.get('tool')}", headers, rows))
     control = report.workload.get("output_length_control")
     if control:
         mean = report.workload.get("mean_output_tokens")
@@ -320,6 +320,69 @@ def _float_list(text: str | None, flag: str) -> list[float]:
                             hint=f"e.g. {flag} 2,4") from None
 
 
+def _endpoint_from_file(path: Path, load_flags: list[str], *, expect: str | None, tolerance: float,
+                        report_path: Path | None, plot: Path | None, save_vllm_bench: Path | None,
+                        save_guidellm: Path | None, overwrite: bool, json_out: bool) -> None:
+    """`profile endpoint --from-profile FILE`: a saved measurement (copt, guidellm or vllm bench serve JSON) in
+    place of a load test: rendered, written in the --report/--save-* formats, checked against --expect."""
+    from clusteropt_cli.core.profile_report import load_profile
+
+    if load_flags:
+        raise BadInputError(f"--from-profile takes the measurement from {path}; {', '.join(load_flags)} "
+                            "configure a load test and do not apply.",
+                            hint="Drop them, or measure the server without --from-profile.")
+    report = load_profile(str(path))
+    if report.kind != "endpoint" or not report.levels:
+        raise BadInputError(f"--from-profile {path}: a {report.kind} profile with no endpoint levels; profile "
+                            "endpoint reads endpoint measurements.",
+                            hint="Check a model profile's recipe with 'copt profile model --expect'.")
+    expectation = None
+    if expect is not None:
+        from clusteropt_cli.core.profile.expect import load_expectation
+
+        expectation = load_expectation(expect)
+        if expectation.task != "serve":
+            raise BadInputError(f"--expect {expect}: profile endpoint checks a serve recipe (this one is task "
+                                f"{expectation.task}).")
+        want = expectation.assumptions.get("concurrency", expectation.assumptions.get("batch"))
+        have = [lv.concurrency for lv in report.levels]
+        if want is not None and want not in have:
+            measured = ", ".join(f"concurrency {c}" if c is not None else f"rate {lv.rate}/s"
+                                 for c, lv in zip(have, report.levels, strict=True))
+            raise BadInputError(f"--expect {expect} predicts concurrency {want}; {path} measured {measured}.",
+                                hint=f"Measure concurrency {want} (copt profile endpoint --expect {expect}, or "
+                                     f"guidellm --profile concurrent --rate {want}).")
+    vllm_paths: list[Path] = []
+    if save_vllm_bench is not None:  # one file per level, named as a live sweep names them
+        tags = [f"c{lv.concurrency}" if lv.concurrency is not None else f"r{lv.rate}" if lv.rate else str(i)
+                for i, lv in enumerate(report.levels)]
+        vllm_paths = [save_vllm_bench] if len(tags) == 1 else [
+            save_vllm_bench.with_name(f"{save_vllm_bench.stem}-{tag}{save_vllm_bench.suffix or '.json'}")
+            for tag in tags]
+    _check_outputs({f"--save-vllm-bench ({p.name})": p for p in vllm_paths}, overwrite,
+                   inputs={"--from-profile": path, "--expect": expect})
+    if plot is not None:
+        from clusteropt_cli.deps import require
+
+        require("matplotlib", "profile")
+    _write_report(report, report_path)
+    if vllm_paths:
+        _write_vllm_bench(report, vllm_paths)
+    if save_guidellm is not None:
+        _write_guidellm(report, save_guidellm)
+    if plot is not None:
+        from clusteropt_cli.core.profile.plot import plot_endpoint
+
+        plot_endpoint(report, plot)
+        console.log(f"plot written to {plot}")
+    comparison = None
+    if expectation is not None:
+        from clusteropt_cli.core.profile.expect import compare_to_prediction
+
+        comparison = compare_to_prediction(report, expectation, tolerance)
+    _finish(report, comparison, json_out, _render_endpoint, report_path or path)
+
+
 @app.command("endpoint")
 def endpoint(
     url: Annotated[str | None, typer.Option(
@@ -368,6 +431,10 @@ def endpoint(
         "--save-guidellm", help="Also write the result as a guidellm benchmarks report JSON (one benchmark per "
                                 "level, in one file).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed for prompts and arrivals.")] = 0,
+    from_profile: Annotated[Path | None, typer.Option(
+        "--from-profile", help="Take the measurement from this file (a copt endpoint profile, a guidellm report "
+                               "or a vllm bench serve result) instead of load-testing a server: check it with "
+                               "--expect, convert it with --report/--save-*.")] = None,
     expect: ExpectOpt = None,
     tolerance: ToleranceOpt = 0.10,
     report_path: ReportOpt = None,
@@ -379,9 +446,21 @@ def endpoint(
 
     _check_outputs({"--report": report_path, "--plot": plot, "--save-vllm-bench": save_vllm_bench,
                     "--save-guidellm": save_guidellm}, overwrite,
-                   inputs={"--dataset": dataset, "--tokenizer": tokenizer, "--expect": expect})
+                   inputs={"--dataset": dataset, "--tokenizer": tokenizer, "--expect": expect,
+                           "--from-profile": from_profile})
     if plot is not None and plot.suffix.lower() != ".png":
         raise BadInputError(f"--plot {plot}: the plot is a PNG; name the file *.png.")
+    if from_profile is not None:
+        load_flags = {"--url": url, "--model": model_name, "--concurrency": concurrency, "--rate": rate,
+                      "--num-requests": num_requests, "--duration": duration, "--prompt-len": prompt_len,
+                      "--gen-len": gen_len, "--temperature": temperature, "--dataset": dataset,
+                      "--tokenizer": tokenizer, "--slo-ttft-ms": slo_ttft_ms, "--slo-tpot-ms": slo_tpot_ms,
+                      "--ignore-eos": ignore_eos}
+        _endpoint_from_file(from_profile, [flag for flag, value in load_flags.items() if value is not None],
+                            expect=expect, tolerance=tolerance, report_path=report_path, plot=plot,
+                            save_vllm_bench=save_vllm_bench, save_guidellm=save_guidellm, overwrite=overwrite,
+                            json_out=json_out)
+        return
     expectation = None
     given = {"url": url, "model": model_name, "concurrency": _int_list(concurrency, "--concurrency"),
              "prompt_len": prompt_len, "gen_len": gen_len, "temperature": temperature}

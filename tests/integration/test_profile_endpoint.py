@@ -388,3 +388,60 @@ def test_endpoint_writes_guidellm_report_that_reads_back(fake_server, copt, tmp_
     again = copt("profile", "endpoint", "--url", fake_server, "--model", "fake", "--save-guidellm", str(saved),
                  timeout=60)
     assert again.returncode == 2 and "--save-guidellm" in again.stderr  # refused before any request
+
+
+_DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def _serve_recipe(path, concurrency: int, ttft_s: float, tpot_s: float, out_tps: float):
+    path.write_text(f"task: serve\nmodel: /models/x\nprediction:\n  figures:\n    ttft_s: {ttft_s}\n"
+                    f"    tpot_s: {tpot_s}\n    output_tokens_per_s: {out_tps}\n"
+                    f"  assumptions:\n    concurrency: {concurrency}\n")
+    return path
+
+
+def test_expect_checks_a_guidellm_report_without_a_server(copt, tmp_path):
+    """`profile endpoint --from-profile guidellm.json --expect R.yaml` checks the prediction against guidellm's
+    measurement at the predicted concurrency (16 of the report's 1 and 16), and exits 6 when it misses."""
+    close = _serve_recipe(tmp_path / "close.yaml", 16, 0.05, 0.003, 4500.0)
+    proc = copt("profile", "endpoint", "--from-profile", str(_DATA / "guidellm_report.json"), "--expect",
+                str(close), "--json", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["check"]["passed"] and doc["check"]["level"] == "concurrency 16"
+    measured = {f["name"]: f["measured"] for f in doc["check"]["figures"]}
+    assert measured == pytest.approx({"ttft_s": 0.048, "tpot_s": 0.0031, "output_tokens_per_s": 4544.0})
+    far = _serve_recipe(tmp_path / "far.yaml", 16, 0.01, 0.003, 4500.0)
+    missed = copt("profile", "endpoint", "--from-profile", str(_DATA / "guidellm_report.json"), "--expect",
+                  str(far), timeout=60)
+    assert missed.returncode == 6 and "ttft_s" in missed.stderr
+    assert "predicted vs measured at concurrency 16" in missed.stdout
+
+
+def test_expect_checks_a_vllm_bench_result_and_refuses_another_concurrency(copt, tmp_path):
+    """A vllm bench serve result is checked the same way; a prediction for a concurrency the file did not
+    measure is refused (exit 2) rather than compared with another load."""
+    bench = str(_DATA / "vllm_bench_serve.json")
+    ok = copt("profile", "endpoint", "--from-profile", bench, "--expect",
+              str(_serve_recipe(tmp_path / "c64.yaml", 64, 0.15, 0.0175, 3300.0)), "--json", timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["check"]["level"] == "concurrency 64"
+    other = copt("profile", "endpoint", "--from-profile", bench, "--expect",
+                 str(_serve_recipe(tmp_path / "c8.yaml", 8, 0.15, 0.0175, 3300.0)), timeout=60)
+    assert other.returncode == 2 and "concurrency 8" in other.stderr and "concurrency 64" in other.stderr
+    mixed = copt("profile", "endpoint", "--from-profile", bench, "--url", "http://127.0.0.1:1", timeout=60)
+    assert mixed.returncode == 2 and "--url" in mixed.stderr
+
+
+def test_from_profile_converts_between_formats(copt, tmp_path):
+    """--from-profile with the --report/--save-* outputs converts a guidellm report into copt's profile and
+    vLLM's result files (one per level), with the same figures."""
+    proc = copt("profile", "endpoint", "--from-profile", str(_DATA / "guidellm_report.json"), "--report",
+                str(tmp_path / "copt.json"), "--save-vllm-bench", str(tmp_path / "v.json"), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    ours = json.loads((tmp_path / "copt.json").read_text())
+    assert ours["schema_version"].startswith("copt.profile/1") and ours["workload"]["tool"] == "guidellm"
+    for level, name in zip(ours["levels"], ("v-c1.json", "v-c16.json"), strict=True):
+        doc = json.loads((tmp_path / name).read_text())
+        assert doc["max_concurrency"] == level["concurrency"]
+        assert doc["median_ttft_ms"] == pytest.approx(level["ttft_s"]["p50"] * 1e3)
