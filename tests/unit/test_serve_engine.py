@@ -6,14 +6,9 @@ import json
 
 import pytest
 
-from clusteropt_cli.core.serve.engine import (
-    Engine,
-    EngineConfig,
-    GenerationRequest,
-    QueueFullError,
-    TextStream,
-    _ngram_draft,
-)
+from clusteropt_cli.core.serve.engine import Engine, EngineConfig
+from clusteropt_cli.core.serve.requests import GenerationRequest, QueueFullError, TextStream
+from clusteropt_cli.core.serve.speculative import _ngram_draft
 from clusteropt_cli.core.serve.vllm import build_vllm_command
 from clusteropt_cli.errors import BadInputError
 from clusteropt_cli.recipe.schema.serve import ServeRecipe
@@ -237,7 +232,8 @@ def test_compile_mode_reaches_torch_compile_of_the_decode_layers(fixtures, monke
 
 
 def test_decode_attention_setting_reaches_the_runner(fixtures):
-    from clusteropt_cli.core.serve.engine import Engine, resolve_decode_attention
+    from clusteropt_cli.core.serve.engine import Engine
+    from clusteropt_cli.core.serve.loading import resolve_decode_attention
     from clusteropt_cli.errors import RecipeError
     from clusteropt_cli.recipe.load import load_settings
 
@@ -269,7 +265,7 @@ def test_greedy_tokens_equal_argmax_with_ties(vocab):
 
 
 def test_cpu_kv_cache_is_sized_from_the_model_and_the_machine():
-    from clusteropt_cli.core.serve.engine import cpu_kv_capacity
+    from clusteropt_cli.core.serve.loading import cpu_kv_capacity
 
     per_token = 46_080  # SmolLM2-135M in fp32: 30 layers × 2 × 3 KV heads × 64 × 4 bytes
     gib = 2**30

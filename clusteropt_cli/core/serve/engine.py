@@ -19,282 +19,42 @@ frees their slots, (2) admits waiting requests into free KV-cache slots, (3) run
 sequence that is generating (a CUDA graph per batch-size bucket on GPU; a speculative draft+verify step
 instead when few sequences run), and (4) spends the rest of the `max_batch_tokens` budget on prompt chunks
 (chunked prefill), so requests join and leave at every step and long prompts never stall decoding.
+
+This module holds the engine's state and scheduler; requests.py the client-facing objects (requests, results,
+handles, errors), loading.py the model load and KV-cache sizing, speculative.py the draft-and-verify step.
 """
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import itertools
-import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from clusteropt_cli.errors import BadInputError, CoptError
+from clusteropt_cli.core.serve.loading import EngineLoading
+from clusteropt_cli.core.serve.requests import (
+    EngineDeadError,
+    EngineObserver,
+    EngineStoppedError,
+    GenerationRequest,
+    GenerationResult,
+    InvalidRequestError,
+    QueueFullError,
+    RequestHandle,
+    TextStream,
+    _wake_all,
+    is_fatal_device_error,
+)
+from clusteropt_cli.core.serve.speculative import SpeculativeDecoding
+from clusteropt_cli.errors import BadInputError
 
-
-class QueueFullError(CoptError):
-    """The engine's waiting queue is full (the server answers 429)."""
-
-    exit_code = 1
-
-
-class EngineStoppedError(CoptError):
-    """The engine is not running (stopped, draining or crashed)."""
-
-    exit_code = 1
-
-
-class EngineDeadError(EngineStoppedError):
-    """The engine hit an unrecoverable (device) error: every request fails and the server exits non-zero."""
-
-
-class InvalidRequestError(BadInputError):
-    """A request the engine cannot serve; `param` names the request field (the server answers 400)."""
-
-    def __init__(self, message: str, param: str, hint: str | None = None):
-        super().__init__(message, hint)
-        self.param = param
-
-
-# device errors after which the CUDA context cannot be trusted (vLLM: the engine is dead, the process exits)
-_FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS", "cuDNN error",
-                  "CUDA driver", "unspecified launch failure", "NCCL error")
-
-
-def is_fatal_device_error(exc: BaseException) -> bool:
-    """Whether `exc` leaves the device unusable (a failed request cannot be told apart from the others)."""
-    accelerator_error = getattr(sys.modules.get("torch"), "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(exc, accelerator_error):
-        return True
-    text = f"{type(exc).__name__}: {exc}"
-    return any(marker in text for marker in _FATAL_MARKERS)
-
-
-@dataclass
-class GenerationRequest:
-    """One generation. Token ids in, token ids out; `stop` strings need the engine's tokenizer."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int = 16
-    temperature: float = 0.0  # 0 → greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 (or -1): off
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
-    seed: int | None = None  # the same seed gives the same tokens whatever else runs
-    logprobs: int | None = None  # per output token: its logprob and this many top alternatives (0: none)
-    prompt_logprobs: int | None = None  # the same for every prompt token (max_new_tokens may then be 0)
-    stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids (EOS is added unless ignore_eos)
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    speculative: bool = True  # allow speculative decoding for this request (when the engine has a drafter)
-    request_id: str | None = None
-
-
-@dataclass
-class GenerationResult:
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "abort" | "error"
-    text: str | None = None
-    stop_reason: str | int | None = None  # the stop string or token id that ended the request
-    ttft_s: float | None = None
-    latency_s: float = 0.0
-    spec_drafted: int = 0
-    spec_accepted: int = 0
-    error: str | None = None
-    # with request.logprobs: one (token id, logprob, [(id, logprob), ...]) per output token
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
-    # with request.prompt_logprobs: None for the first prompt token, then as above
-    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]] | None] | None = None
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_ids)
-
-
-class RequestHandle:
-    """A submitted request: iterate (sync or async) over lists of new token ids; `result()` when done."""
-
-    def __init__(self, request: GenerationRequest, request_id: str):
-        self.request = request
-        self.request_id = request_id
-        self._cond = threading.Condition()
-        self._chunks: deque[list[int]] = deque()
-        self._result: GenerationResult | None = None
-        self._cancelled = False
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event, bool]] = []
-        # output index → (token id, logprob, top alternatives), filled before the token is pushed (streaming reads it)
-        self.logprobs: dict[int, tuple[int, float, list[tuple[int, float]]]] = {}
-
-    # engine side
-    def _push(self, token_ids: list[int], result: GenerationResult | None = None,
-              wakes: dict[Any, list[Any]] | None = None) -> None:
-        """Hand new tokens (and the final result) to the consumers. With `wakes`, asyncio consumers are not woken
-        here but collected per event loop, so the engine wakes each loop once per step (`_wake_all`)."""
-        with self._cond:
-            if token_ids:
-                self._chunks.append(list(token_ids))
-            if result is not None:
-                self._result = result
-            self._cond.notify_all()
-            # streaming consumers wake per chunk; result-only waiters (wait()) wake once, at the end
-            waiters = [(loop, ev) for loop, ev, final in self._waiters if result is not None or not final]
-        for loop, event in waiters:
-            if event.is_set():  # the consumer has not run since the last wake-up: no need to wake it again
-                continue
-            if wakes is not None:
-                wakes.setdefault(loop, []).append(event)
-                continue
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the loop is closed
-                pass
-
-    # client side
-    @property
-    def done(self) -> bool:
-        return self._result is not None
-
-    def cancel(self) -> None:
-        """Stop generating; the slot is freed at the next engine step (finish_reason 'abort')."""
-        self._cancelled = True
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        """Block until the request finished and return its result."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._result is not None, timeout=timeout):
-                raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
-            return self._result
-
-    async def wait(self) -> GenerationResult:
-        """Await the final result without blocking the event loop (woken once, when the request ends)."""
-        if self._result is not None:
-            return self._result
-        loop = asyncio.get_running_loop()
-        event = asyncio.Event()
-        with self._cond:
-            if self._result is not None:
-                return self._result
-            self._waiters.append((loop, event, True))
-        try:
-            await event.wait()
-            return self._result
-        finally:
-            with self._cond:
-                self._waiters = [w for w in self._waiters if w[1] is not event]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._chunks or self._result is not None)
-                if self._chunks:
-                    chunk = self._chunks.popleft()
-                else:
-                    return
-            yield chunk
-
-    async def __aiter__(self):
-        loop = asyncio.get_running_loop()
-        event = asyncio.Event()
-        with self._cond:
-            self._waiters.append((loop, event, False))
-        try:
-            while True:
-                event.clear()
-                with self._cond:
-                    chunks = list(self._chunks)
-                    self._chunks.clear()
-                    finished = self._result is not None
-                if chunks:  # everything that arrived since the last wake-up as one chunk (fewer events when behind)
-                    yield chunks[0] if len(chunks) == 1 else [t for c in chunks for t in c]
-                if finished and not chunks:
-                    return
-                if not chunks:
-                    await event.wait()
-        finally:
-            with self._cond:
-                self._waiters = [w for w in self._waiters if w[1] is not event]
-
-
-def _set_events(events: list[Any]) -> None:
-    for event in events:
-        event.set()
-
-
-def _wake_all(wakes: dict[Any, list[Any]]) -> None:
-    """One call_soon_threadsafe per event loop for all the handles a step touched (not one per token)."""
-    for loop, events in wakes.items():
-        try:
-            loop.call_soon_threadsafe(_set_events, events)
-        except RuntimeError:  # the loop is closed
-            pass
-
-
-class TextStream:
-    """Incremental detokenization for streaming: yields text deltas, never a partial stop string or UTF-8 char."""
-
-    def __init__(self, tokenizer: Any, stop: list[str] | None = None):
-        self.tokenizer = tokenizer
-        self.stop = [s for s in (stop or []) if s]
-        self.ids: list[int] = []
-        self.sent = 0
-        # incremental detokenization (as vLLM does it): only the last few tokens are decoded per push;
-        # text = decode(ids[:read]); ids[prefix:read] is the window the next tokens are decoded against
-        self.text = ""
-        self.prefix = 0
-        self.read = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _text(self) -> str:
-        window = self.ids[self.prefix :]
-        prefix_text = self._decode(self.ids[self.prefix : self.read]) if self.read > self.prefix else ""
-        new_text = self._decode(window)
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            self.text += new_text[len(prefix_text) :]
-            self.prefix, self.read = self.read, len(self.ids)
-        return self.text
-
-    def push(self, token_ids: list[int]) -> str:
-        self.ids.extend(token_ids)
-        text = self._text()
-        for s in self.stop:  # text already sent holds no stop string: search only where a new one can start
-            cut = text.find(s, max(0, self.sent - len(s) + 1))
-            if cut >= 0:
-                text = text[:cut]
-        safe = len(text)
-        while safe > self.sent and text[safe - 1] == "\ufffd":
-            safe -= 1
-        for s in self.stop:  # hold back a suffix that may be the start of a stop string
-            for n in range(min(len(s) - 1, safe - self.sent), 0, -1):
-                if text[safe - n : safe] == s[:n]:
-                    safe -= n
-                    break
-        delta = text[self.sent : safe]
-        self.sent = max(self.sent, safe)
-        return delta
-
-    def finish(self, final_text: str | None = None) -> str:
-        text = final_text if final_text is not None else self._decode(self.ids)
-        delta = text[self.sent :]
-        self.sent = len(text)
-        return delta
+# the public in-process API (the request objects live in requests.py; importing them from here keeps working)
+__all__ = ["Engine", "EngineConfig", "EngineDeadError", "EngineObserver", "EngineStats", "EngineStoppedError",
+           "GenerationRequest", "GenerationResult", "InvalidRequestError", "QueueFullError", "RequestHandle",
+           "TextStream"]
 
 
 @dataclass
@@ -325,16 +85,6 @@ class EngineStats:
     @property
     def spec_acceptance_rate(self) -> float:
         return self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0
-
-
-class EngineObserver:
-    """Hooks the server uses for its metrics (all called on the engine thread; keep them cheap)."""
-
-    def on_first_token(self, ttft_s: float) -> None: ...
-
-    def on_tokens(self, itl_s: float, count: int) -> None: ...
-
-    def on_finish(self, result: GenerationResult) -> None: ...
 
 
 class _Seq:
@@ -406,55 +156,7 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None  # vLLM's meaning: of the device's total memory, for everything
 
 
-def resolve_decode_attention(choice: str) -> str:
-    """The decode-step attention for `auto`: plain tensor ops the compiler fuses (math). Measured on an H200
-    (Llama-3.2-1B shape, one host): batch-1 decode 1.234 ms/token against 1.420 with masked SDPA (memory-efficient
-    kernel over the padded bucket) and 1.377 with FlexAttention. The runner falls back to SDPA where the decode
-    layers are not compiled."""
-    return "math" if choice == "auto" else choice
-
-
-def _ngram_draft(tokens: list[int], n_max: int, k: int) -> list[int]:
-    """Prompt lookup: find the latest earlier occurrence of the trailing n-gram and propose what followed it."""
-    length = len(tokens)
-    for n in range(min(n_max, length - 1), 0, -1):
-        tail = tokens[length - n :]
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start : start + n] == tail:
-                follow = tokens[start + n : start + n + k]
-                if follow:
-                    return follow
-    return []
-
-
-CPU_KV_FRACTION = 0.1  # of the memory available after loading the model
-CPU_KV_MAX_BYTES = 4 * 2**30  # vLLM's CPU backend reserved 4 GiB by default (VLLM_CPU_KVCACHE_SPACE)
-
-
-def cpu_kv_capacity(per_token: int, cache_len: int, max_batch_size: int,
-                    available: int | None = None) -> tuple[int, str]:
-    """KV-cache capacity (tokens) on a device without a memory query of its own (the CPU), and why.
-
-    What `max_batch_size` full-length sequences need, at most 10% of the memory available now (the model is
-    loaded) and 4 GiB — never the ~11 GiB that 64 sequences × 4096 tokens of a 30-layer fp32 model would pin —
-    but always one full sequence while it fits in half the available memory."""
-    if available is None:
-        import psutil
-
-        available = int(psutil.virtual_memory().available)
-    wanted = max_batch_size * cache_len
-    budget = min(int(available * CPU_KV_FRACTION), CPU_KV_MAX_BYTES)
-    capacity = min(wanted, budget // per_token)
-    if capacity >= wanted:
-        return wanted, f"--max-batch-size {max_batch_size} full sequences"
-    why = (f"{CPU_KV_FRACTION:.0%} of {available / 2**30:.1f} GiB available" if budget < CPU_KV_MAX_BYTES
-           else f"at most {CPU_KV_MAX_BYTES / 2**30:.0f} GiB")
-    if capacity < cache_len and cache_len * per_token <= available // 2:
-        return cache_len, f"one sequence: {why} holds less"
-    return capacity, why
-
-
-class Engine:
+class Engine(EngineLoading, SpeculativeDecoding):
     """Continuous-batching generation over a slot KV cache (see the module docstring for the API)."""
 
     def __init__(self, config: EngineConfig, observer: EngineObserver | None = None):
@@ -493,188 +195,6 @@ class Engine:
         return cls(config, observer=observer)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
-    def load(self) -> None:
-        """Load the tokenizer, model(s) and allocate the KV cache (called by start())."""
-        if self._loaded:
-            return
-        import torch
-        from transformers import AutoConfig, AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        from clusteropt_cli.core.serve.architectures import make_runner
-        from clusteropt_cli.core.serve.kv_budget import (
-            activation_reserve,
-            choose_max_model_len,
-            describe_choice,
-            utilization_budget,
-        )
-        from clusteropt_cli.core.serve.runner import ModelRunner, resolve_dtype
-
-        hf_logging.disable_progress_bar()
-        cfg = self.config
-        device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = device
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        hf_config = AutoConfig.from_pretrained(cfg.model)
-        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        ctx = int(getattr(text_config, "max_position_embeddings", 4096) or 4096)
-        if cfg.max_model_len and cfg.max_model_len > ctx:
-            raise BadInputError(f"--max-model-len {cfg.max_model_len} exceeds the model's context of {ctx} tokens.",
-                                hint=f"Pass --max-model-len {ctx} or less.")
-        spec_extra = cfg.num_speculative_tokens + 1 if (cfg.draft_model or cfg.prompt_lookup) else 0
-        dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
-        elt = torch.empty((), dtype=dtype).element_size()
-        draft_text = None
-        if cfg.draft_model:
-            draft_config = AutoConfig.from_pretrained(cfg.draft_model)
-            draft_text = draft_config.get_text_config() if hasattr(draft_config, "get_text_config") else draft_config
-
-        def bytes_per_token(length: int) -> int:  # of a slot `length` tokens long, draft model included
-            n = ModelRunner.kv_bytes_per_token_of(text_config, elt, length)
-            if draft_text is not None:
-                n += ModelRunner.kv_bytes_per_token_of(draft_text, elt, length)
-            return n
-
-        cuda = device.startswith("cuda")
-        self.max_batch_tokens = int(cfg.max_batch_tokens or (2048 if cuda else 512))
-        free_at_start = total = None
-        reserve = 0
-        if cuda:
-            torch.cuda.empty_cache()  # blocks cached by this process (an engine before this one) count as free
-            free_at_start, total = torch.cuda.mem_get_info(torch.device(device))
-            reserve = activation_reserve(text_config, self.max_batch_tokens, cfg.max_batch_size, elt)
-            sized_by_memory = cfg.kv_cache_tokens is None and cfg.kv_cache_memory_gib is None
-            if cfg.gpu_memory_utilization is not None and sized_by_memory:
-                try:  # as vLLM: the memory free at start-up must cover utilization × total
-                    utilization_budget(total, free_at_start, 0, cfg.gpu_memory_utilization, 0)
-                except ValueError as exc:
-                    raise BadInputError(f"{exc}.", hint="Lower --gpu-memory-utilization, or free the GPU "
-                                        "(other processes hold the rest).") from exc
-        self.length_choice = None
-        self.length_budget_why = ""
-        if cfg.max_model_len:
-            max_len = int(cfg.max_model_len)
-        else:  # the full context when the budget holds --max-batch-size sequences of it (kv_budget.py)
-            budget, per_token_of, self.length_budget_why = self._planned_kv_budget(
-                device, hf_config, elt, bytes_per_token, free_at_start, total, reserve)
-            self.length_choice = choose_max_model_len(ctx, per_token_of, budget, cfg.max_batch_size, spec_extra)
-            max_len = self.length_choice.max_model_len
-        cache_len = max_len + spec_extra
-        per_token = bytes_per_token(cache_len)
-        use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.startswith("cuda")
-
-        use_compile = cfg.compile if cfg.compile is not None else use_graphs
-        # copt's slot attention for verified architectures, transformers' own otherwise (with a notice)
-        self.runner = make_runner(cfg.model, device=device, dtype=cfg.dtype, num_slots=None, max_len=cache_len,
-                                  cuda_graphs=use_graphs, compile_decode=use_compile, compile_mode=cfg.compile_mode,
-                                  decode_attention=resolve_decode_attention(cfg.decode_attention))
-        self.draft_runner = None
-        if cfg.draft_model:
-            self.draft_runner = make_runner(cfg.draft_model, device=device, dtype=cfg.dtype, num_slots=None,
-                                            max_len=cache_len, cuda_graphs=False)
-            if self.draft_runner.vocab_size != self.runner.vocab_size:
-                raise BadInputError(
-                    f"--draft-model vocabulary ({self.draft_runner.vocab_size}) differs from the model's "
-                    f"({self.runner.vocab_size}).", hint="Use a draft model trained with the same tokenizer.")
-        capacity = cfg.kv_cache_tokens
-        if capacity is None and cfg.kv_cache_memory_gib is not None:
-            capacity = int(cfg.kv_cache_memory_gib * 2**30 // per_token)
-        if capacity is None and device.startswith("cuda"):
-            # weights are loaded: size the cache from free GPU memory (never from system RAM)
-            free, total = torch.cuda.mem_get_info(torch.device(device))
-            if cfg.gpu_memory_utilization is not None:  # vLLM's budget: the whole engine within util × total
-                engine_bytes = max(0, free_at_start - free)  # what loading took (weights, context, kernels)
-                budget = int(total * cfg.gpu_memory_utilization) - engine_bytes - reserve
-                if budget <= 0:
-                    raise BadInputError(
-                        f"--gpu-memory-utilization {cfg.gpu_memory_utilization} leaves no room for a KV cache: the "
-                        f"engine holds {engine_bytes / 2**30:.1f} GiB after loading and keeps "
-                        f"{reserve / 2**30:.1f} GiB for activations, of {cfg.gpu_memory_utilization} × "
-                        f"{total / 2**30:.1f} GiB.", hint="Raise --gpu-memory-utilization.")
-                capacity = int(budget // per_token)
-            else:
-                capacity = int(free * cfg.gpu_memory_fraction // per_token)
-        self.kv_cache_choice = None
-        if capacity is None:  # CPU: from the model's bytes per token and the machine's available memory
-            capacity, self.kv_cache_choice = cpu_kv_capacity(per_token, cache_len, cfg.max_batch_size)
-        slots = min(cfg.max_batch_size, capacity // cache_len)
-        if slots < 1:
-            raise BadInputError(
-                f"The KV cache holds {capacity} tokens, less than one sequence of {cache_len} tokens.",
-                hint="Raise --kv-cache-blocks / --kv-cache-memory, or lower --max-model-len.")
-        self.runner.allocate(slots)
-        if self.draft_runner is not None:
-            self.draft_runner.allocate(slots)
-        self.max_model_len = max_len
-        self.num_slots = slots
-        self.stats.num_slots = slots
-        self.stats.kv_cache_tokens = slots * cache_len
-        self.kv_cache_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.runner.caches)
-        if self.kv_cache_choice is not None:
-            import sys
-
-            print(f"copt serve: KV cache on {device}: {slots} sequences × {cache_len} tokens = "
-                  f"{self.kv_cache_bytes / 2**30:.2f} GiB ({per_token / 1024:.0f} KiB per token; "
-                  f"{self.kv_cache_choice}); --kv-cache-memory or --kv-cache-blocks set it.", file=sys.stderr,
-                  flush=True)
-        if self.length_choice is not None:
-            import sys
-
-            print(describe_choice(self.length_choice, ctx, slots, self.kv_cache_bytes, self.length_budget_why),
-                  file=sys.stderr, flush=True)
-        self.stats.graphs_captured = self.runner.capture_graphs(slots)
-        self.eos_ids = self._eos_ids()
-        from clusteropt_cli.core.serve.sampling import generation_defaults
-
-        self.sampling_defaults = generation_defaults(cfg.model)  # what vLLM applies when a request omits them
-        self.model_name = cfg.model
-        self._free_slots = list(range(slots))  # a min-heap: lowest slot first keeps decode batches small
-        import random
-
-        self._rng = random.Random(0)  # seeds of requests that send none
-        self._loaded = True
-
-    def _planned_kv_budget(self, device: str, hf_config: Any, elt: int, bytes_per_token: Any,
-                           free_at_start: int | None, total: int | None, reserve: int) -> tuple[int, Any, str]:
-        """The KV budget the default max_model_len is chosen for, before the weights are loaded: (budget, bytes per
-        token (or 1 for a budget in tokens), why). Loading measures the real one; the slots follow it."""
-        from clusteropt_cli.core.serve.kv_budget import checkpoint_weight_bytes, utilization_budget
-
-        cfg = self.config
-        if cfg.kv_cache_tokens is not None:
-            return int(cfg.kv_cache_tokens), 1, f"--kv-cache-blocks: {cfg.kv_cache_tokens:,} tokens"
-        if cfg.kv_cache_memory_gib is not None:
-            gib = cfg.kv_cache_memory_gib
-            return int(gib * 2**30), bytes_per_token, f"--kv-cache-memory {gib:g} GiB"
-        if not device.startswith("cuda"):
-            import psutil
-
-            available = int(psutil.virtual_memory().available)
-            budget = min(int(available * CPU_KV_FRACTION), CPU_KV_MAX_BYTES)
-            return budget, bytes_per_token, (f"CPU: {budget / 2**30:.1f} GiB, {CPU_KV_FRACTION:.0%} of the memory "
-                                             f"available, at most {CPU_KV_MAX_BYTES / 2**30:.0f} GiB")
-        weights = checkpoint_weight_bytes(cfg.model, elt, hf_config)
-        if cfg.draft_model:
-            weights += checkpoint_weight_bytes(cfg.draft_model, elt)
-        if cfg.gpu_memory_utilization is not None:
-            budget = utilization_budget(total, free_at_start, weights, cfg.gpu_memory_utilization, reserve)
-            return budget, bytes_per_token, (f"--gpu-memory-utilization {cfg.gpu_memory_utilization:g} of "
-                                             f"{total / 2**30:.0f} GiB, less the weights and activations")
-        budget = int((free_at_start - weights) * cfg.gpu_memory_fraction)
-        return budget, bytes_per_token, (f"{cfg.gpu_memory_fraction:.0%} of the GPU memory free after the weights")
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.runner.model, "generation_config", None), self.runner.model.config):
-            eos = getattr(source, "eos_token_id", None) if source is not None else None
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif isinstance(eos, (list, tuple)):
-                ids.update(int(e) for e in eos)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return ids
-
     def start(self) -> Engine:
         """Load (if needed) and start the scheduler thread."""
         self.load()
@@ -1178,105 +698,6 @@ class Engine:
         for tok, v, ti, tv in zip(targets, values, top_i.tolist(), top_v.tolist(), strict=True):
             seq.prompt_lp.append((tok, v, list(zip(ti, tv, strict=True))))
 
-    # ---- speculative decoding ----------------------------------------------------------------------------
-    def _spec_step(self, seqs: list[_Seq]) -> None:
-        from clusteropt_cli.core.serve.device_sampling import speculative_accept
-
-        k_max = self.config.num_speculative_tokens
-        budgets = {}
-        for seq in seqs:
-            room = min(seq.max_new - len(seq.out) - 1, self.max_model_len - seq.length - 1)
-            early = seq.req.min_tokens and len(seq.out) < seq.req.min_tokens
-            budgets[seq.rid] = 0 if (early or not seq.req.speculative) else max(0, min(k_max, room))
-        drafts, draft_probs = self._draft(seqs, budgets)
-        packed = [(s.slot, s.num_computed, [s.last_token()] + drafts[s.rid]) for s in seqs]
-        wanted = [list(range(1 + len(drafts[s.rid]))) for s in seqs]
-        logits = self.runner.forward_packed(packed, wanted)
-        # every row's processed distribution at the position of the token it chooses
-        row_slots = [s.slot for s, rows in zip(seqs, wanted, strict=True) for _ in rows]
-        row_pos = [s.length + j for s, rows in zip(seqs, wanted, strict=True) for j in range(len(rows))]
-        scaled, args, pos = self.runner.sampler.processed(logits, row_slots, row_pos)
-        row = 0
-        for seq in seqs:
-            k = len(drafts[seq.rid])
-            window = slice(row, row + k + 1)
-            try:
-                tokens = speculative_accept(scaled[window], {n: v[window] for n, v in args.items()}, pos[window],
-                                            drafts[seq.rid], draft_probs.get(seq.rid), seq.settings)
-            except Exception as exc:  # noqa: BLE001 - this request's fault alone
-                self._fault(seq, exc)
-                tokens = []
-            row += k + 1
-            accepted = len(tokens) - 1
-            old_len = seq.length
-            seq.num_computed += len(tokens)
-            if self.draft_runner is not None:
-                seq.draft_computed = min(seq.draft_computed, old_len + min(accepted, max(k - 1, 0)))
-            seq.drafted += k
-            seq.accepted += accepted
-            self.stats.spec_drafted += k
-            self.stats.spec_accepted += accepted
-            self._emit(seq, tokens)
-        self.stats.spec_steps += 1
-
-    def _draft(self, seqs: list[_Seq], budgets: dict[str, int]) -> tuple[dict[str, list[int]], dict[str, Any]]:
-        drafts: dict[str, list[int]] = {s.rid: [] for s in seqs}
-        probs: dict[str, Any] = {}
-        if self.draft_runner is None:
-            n = int(self.config.prompt_lookup or 0)
-            for seq in seqs:
-                if budgets[seq.rid]:
-                    drafts[seq.rid] = _ngram_draft(seq.all_ids(), n, budgets[seq.rid])
-            return drafts, probs
-        import torch
-
-        from clusteropt_cli.core.serve.device_sampling import draft_sample
-
-        active = [s for s in seqs if budgets[s.rid] > 0]
-        if not active:
-            return drafts, probs
-        runner = self.draft_runner
-        sampler = self.runner.sampler  # the target's row settings (same slots)
-        packed, wanted = [], []
-        for seq in active:
-            ids = seq.all_ids()
-            catch_up = ids[seq.draft_computed :]
-            packed.append((seq.slot, seq.draft_computed, catch_up))
-            wanted.append([len(catch_up) - 1])
-        logits = runner.forward_packed(packed, wanted)
-        step_rows: dict[str, list[Any]] = {s.rid: [] for s in active}
-        for seq in active:
-            seq.draft_computed = seq.length
-        current = active
-        row_logits = logits
-        for j in range(max(budgets[s.rid] for s in active)):
-            scaled, args, pos = sampler.processed(row_logits, [s.slot for s in current],
-                                                  [s.length + j for s in current])
-            sampled, row_probs = draft_sample(scaled, args, pos)
-            greedy = scaled.argmax(-1).tolist()
-            sampled = sampled.tolist()
-            picks = []
-            for i, seq in enumerate(current):
-                if seq.temperature <= 0:
-                    tok = greedy[i]
-                else:
-                    tok = sampled[i]
-                    step_rows[seq.rid].append(row_probs[i])
-                drafts[seq.rid].append(tok)
-                picks.append(tok)
-            nxt = [(s, t) for s, t in zip(current, picks, strict=True) if len(drafts[s.rid]) < budgets[s.rid]]
-            if not nxt:
-                break
-            current = [s for s, _ in nxt]
-            positions = [s.length + j for s in current]
-            row_logits = runner.forward_decode([s.slot for s in current], positions, [t for _, t in nxt])
-            for s in current:
-                s.draft_computed += 1
-        for seq in active:
-            if step_rows[seq.rid]:
-                probs[seq.rid] = torch.stack(step_rows[seq.rid])
-        return drafts, probs
-
     # ---- output ------------------------------------------------------------------------------------------
     def _emit_one_each(self, seqs: list[_Seq], tokens: list[int]) -> None:
         """One new token per sequence (a decode step): the common case inline, anything special via `_emit`."""
@@ -1380,4 +801,3 @@ class Engine:
             self.observer.on_finish(result)
         except Exception:  # noqa: BLE001 - metrics must never break generation
             pass
-

@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from clusteropt_cli.core.serve.engine import (
-    Engine,
+from clusteropt_cli.core.serve.engine import Engine
+from clusteropt_cli.core.serve.requests import (
     EngineDeadError,
     EngineObserver,
     EngineStoppedError,
