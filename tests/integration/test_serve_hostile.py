@@ -120,7 +120,7 @@ def test_poison_request_is_refused_while_six_others_stream(server):
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "top_k": -2}, "top_k"),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format.type"),
 ])
 def test_bad_fields_get_400_naming_the_field(server, body, param):
     r = httpx.post(server + "/v1/completions", json=body, headers=AUTH, timeout=30)
@@ -130,10 +130,10 @@ def test_bad_fields_get_400_naming_the_field(server, body, param):
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "stream": True}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format.json_schema"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0].type"),
 ])

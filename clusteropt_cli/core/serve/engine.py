@@ -92,7 +92,8 @@ class _Seq:
 
     __slots__ = ("req", "handle", "rid", "prompt", "out", "num_computed", "slot", "draft_computed", "settings",
                  "temperature", "top_p", "stop_ids", "max_new", "t_arrival", "t_first", "t_last", "drafted",
-                 "accepted", "finish_reason", "stop_reason", "text", "prompt_lp", "fault", "detok", "leader")
+                 "accepted", "finish_reason", "stop_reason", "text", "prompt_lp", "fault", "detok", "leader",
+                 "matcher")
 
     def __init__(self, req: GenerationRequest, handle: RequestHandle, stop_ids: set[int], max_new: int,
                  settings: Any):
@@ -116,6 +117,7 @@ class _Seq:
         self.text: str | None = None
         self.fault: str | None = None  # why this request failed alone (finish_reason "error")
         self.detok: TextStream | None = None  # incremental text of the output, for stop strings
+        self.matcher = req.grammar.matcher() if req.grammar is not None else None  # constrained decoding
 
     @property
     def length(self) -> int:
@@ -265,6 +267,9 @@ class Engine(EngineLoading, SpeculativeDecoding):
         if request.min_tokens and len(set(request.stop_token_ids) | self.eos_ids) > MAX_STOP_IDS:
             raise InvalidRequestError(f"min_tokens suppresses at most {MAX_STOP_IDS} stop token ids.",
                                       "stop_token_ids", hint="Send fewer stop_token_ids.")
+        if request.grammar is not None and request.min_tokens:
+            raise InvalidRequestError("min_tokens cannot be combined with response_format or tools (the grammar "
+                                      "decides where the output ends).", "min_tokens", hint="Drop min_tokens.")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(request, name)
             if k is not None and not 0 <= k <= 20:
@@ -447,7 +452,7 @@ class Engine(EngineLoading, SpeculativeDecoding):
         if decoding:
             use_spec = (self.draft_runner is not None or self.config.prompt_lookup) and (
                 len(decoding) <= self.config.speculative_max_batch) and not any(
-                s.settings.has_penalties or s.req.logprobs is not None for s in decoding)
+                s.settings.has_penalties or s.req.logprobs is not None or s.matcher is not None for s in decoding)
             if use_spec:
                 self._spec_step(decoding)
                 stats.add_phase("speculative", clock() - t1)
@@ -556,7 +561,7 @@ class Engine(EngineLoading, SpeculativeDecoding):
         slots, positions = [s.slot for s in seqs], [s.length - 1 for s in seqs]
         last = [s.last_token() for s in seqs]
         plain = self.runner.sampler.flags(slots)[0]
-        if plain or any(s.req.logprobs is not None for s in seqs):
+        if plain or any(s.req.logprobs is not None or s.matcher is not None for s in seqs):
             logits = self.runner.forward_decode(slots, positions, last)
             t1 = clock()
             tokens = self._choose(logits, seqs)
@@ -580,10 +585,11 @@ class Engine(EngineLoading, SpeculativeDecoding):
 
     def _can_chain(self, seqs: list[_Seq]) -> bool:
         """A stretch of pure decoding: every running sequence decodes, nothing waits for a slot or a prefill, and
-        no request wants logprobs (greedy or sampled: the tokens are chosen on the device either way)."""
+        no request wants logprobs or follows a grammar (greedy or sampled: the tokens are chosen on the device
+        either way)."""
         if not self.config.async_scheduling or len(seqs) != len(self._running) or self._waiting or self._incoming:
             return False
-        return all(s.req.logprobs is None for s in seqs)
+        return all(s.req.logprobs is None and s.matcher is None for s in seqs)
 
     def _chain_goes_on(self, seqs: list[_Seq], steps: int) -> bool:
         return (steps < self.CHAIN_MAX_STEPS and not self._stop and not self._incoming
@@ -652,6 +658,13 @@ class Engine(EngineLoading, SpeculativeDecoding):
 
         sampler = self.runner.sampler
         slots, positions = [s.slot for s in seqs], [s.length for s in seqs]
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:  # the grammar's allowed tokens only, on the device, before any sampling step
+            from clusteropt_cli.core.serve.structured import apply_grammar_masks
+
+            t0 = time.perf_counter()
+            apply_grammar_masks(logits, constrained, [seqs[i].matcher for i in constrained])
+            self.stats.add_phase("grammar_mask", time.perf_counter() - t0)
         if any(s.req.logprobs is not None for s in seqs):
             tokens, logprobs = sampler.sample(logits, slots, positions, logprobs=True)
             host = to_host(tokens)
@@ -706,7 +719,7 @@ class Engine(EngineLoading, SpeculativeDecoding):
         wakes = self._wakes
         plain = 0
         for seq, tok in zip(seqs, tokens, strict=True):
-            if (seq.t_first is None or seq.req.stop or tok in seq.stop_ids
+            if (seq.t_first is None or seq.req.stop or tok in seq.stop_ids or seq.matcher is not None
                     or len(seq.out) + 1 >= seq.max_new or seq.finish_reason is not None):
                 self._emit(seq, [tok], now)
                 continue
@@ -731,6 +744,12 @@ class Engine(EngineLoading, SpeculativeDecoding):
         now = time.perf_counter() if now is None else now
         new: list[int] = []
         for tok in tokens:
+            if seq.matcher is not None:
+                if not seq.matcher.accept_token(tok):
+                    raise RuntimeError(f"token {tok} is outside the request's grammar")
+                if seq.matcher.is_terminated():  # the grammar's end: its stop token, not part of the output
+                    seq.finish_reason, seq.stop_reason = "stop", tok
+                    break
             if tok in seq.stop_ids:
                 seq.finish_reason, seq.stop_reason = "stop", tok
                 break

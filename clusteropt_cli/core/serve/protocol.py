@@ -132,11 +132,11 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any, Any], bool]] = {
     "best_of": lambda v, b: v is None or v == b.n,  # best_of > n would rank choices: not implemented
     "echo": lambda v, b: not v or not b.stream,  # echo works without streaming
     "suffix": lambda v, b: not v,
-    "tools": lambda v, b: not v,
-    "tool_choice": _unset("none", "auto"),  # without tools, "auto" and "none" mean plain text
+    # tools with tool_choice are served on chat completions, not streamed (tool-call deltas are not implemented)
+    "tools": lambda v, b: not v or (isinstance(b, ChatBody) and not b.stream),
+    "tool_choice": lambda v, b: v is None or v in ("none", "auto") or (isinstance(b, ChatBody) and not b.stream),
     "functions": lambda v, b: not v,
     "function_call": _unset("none", "auto"),
-    "response_format": lambda v, b: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "use_beam_search": lambda v, b: not v,
     "length_penalty": _unset(1, 1.0),
     "include_stop_str_in_output": lambda v, b: not v,

@@ -74,6 +74,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     speculative: bool = True  # allow speculative decoding for this request (when the engine has a drafter)
+    grammar: Any = None  # structured.Grammar: constrained decoding (response_format, tools)
     request_id: str | None = None
 
 

@@ -269,6 +269,36 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     async def off_loop(fn: Callable, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(workers, lambda: fn(*args, **kwargs))
 
+    grammars: list[Any] = []  # the structured.GrammarCompiler, built on the first constrained request
+
+    def compile_grammar(build: Callable, *args: Any) -> Any:
+        from clusteropt_cli.core.serve.structured import GrammarCompiler
+
+        if not grammars:
+            grammars.append(GrammarCompiler(tokenizer, engine.runner.vocab_size, engine.eos_ids))
+        return build(*args, grammars[0])
+
+    async def structured(body: Any, functions: list[dict[str, Any]] | None = None,
+                         mode: str | None = None) -> Any:
+        """The request's grammar (None: unconstrained), or a 400 naming the field the grammar library refuses."""
+        from clusteropt_cli.core.serve.structured import (
+            StructuredOutputError,
+            response_format_grammar,
+            tool_grammar,
+        )
+
+        try:
+            if mode not in (None, "auto"):
+                parallel = (body.model_extra or {}).get("parallel_tool_calls") is not False
+                return await off_loop(compile_grammar, lambda *a: tool_grammar(*a, parallel=parallel), functions,
+                                      mode)
+            fmt = (body.model_extra or {}).get("response_format")
+            if fmt is None or fmt == {"type": "text"}:
+                return None
+            return await off_loop(compile_grammar, response_format_grammar, fmt)
+        except StructuredOutputError as exc:
+            return error(400, exc.message, param=exc.param)
+
     def error(status: int, message: str, **kw: Any) -> JSONResponse:
         return JSONResponse(openai_error(message, status, **kw), status_code=status)
 
@@ -455,7 +485,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     defaults = getattr(engine, "sampling_defaults", None) or {}  # generation_config.json, as vLLM applies it
 
     def to_request(body: Any, prompt_ids: list[int], max_tokens: int | None, *, choice: int = 0,
-                   logprobs: int | None = None, prompt_logprobs: int | None = None) -> GenerationRequest:
+                   logprobs: int | None = None, prompt_logprobs: int | None = None,
+                   grammar: Any = None) -> GenerationRequest:
         top_k = defaults.get("top_k", 0) if body.top_k is None else body.top_k
 
         def given(key: str) -> float:  # the request's value, else the model's default, else the protocol's
@@ -474,7 +505,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             logit_bias=body.logit_bias_ids(), logprobs=logprobs,
             prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else body.prompt_logprobs,
             stop=body.stop_list(),
-            stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
+            stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+            grammar=grammar)
 
     text_of = TokenText(tokenizer)
 
@@ -675,8 +707,11 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
                          param="max_tokens")
         # echo + logprobs: the prompt's logprobs too (lm-evaluation-harness' loglikelihood requests)
         prompt_lp = body.logprobs if (body.echo and body.logprobs is not None) else None
+        grammar = await structured(body)
+        if isinstance(grammar, JSONResponse):
+            return grammar
         handles = submit_all([to_request(body, p, body.max_tokens, choice=j, logprobs=body.logprobs,
-                                         prompt_logprobs=prompt_lp)
+                                         prompt_logprobs=prompt_lp, grammar=grammar)
                               for p in prompts for j in range(body.n)])
         if not isinstance(handles, list):
             return handles
@@ -718,7 +753,16 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         body = await parse(request, ChatBody)
         if isinstance(body, JSONResponse):
             return body
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        from clusteropt_cli.core.serve.structured import StructuredOutputError, check_tools, parse_tool_calls
+
+        extra = body.model_extra or {}
+        try:
+            functions, tool_mode = check_tools(extra.get("tools"), extra.get("tool_choice"))
+        except StructuredOutputError as exc:
+            return error(400, exc.message, param=exc.param)
+        messages = [{"role": m.role, "content": m.text(),
+                     **{k: v for k, v in (m.model_extra or {}).items() if k in ("tool_calls", "tool_call_id", "name")}}
+                    for m in body.messages]
         chars = sum(len(m["content"]) for m in messages)
         if chars > max_prompt_chars:
             return too_long_prompt(chars, "messages")
@@ -736,6 +780,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             if not isinstance(request_template, str) or len(request_template) > max_prompt_chars:
                 return error(400, "chat_template must be a string of a reasonable size.", param=where)
             kwargs["chat_template"] = request_template
+        if functions:  # rendered by the model's chat template (transformers' `tools` argument)
+            kwargs["tools"] = [{"type": "function", "function": f} for f in functions]
         try:
             prompt_ids = await off_loop(render_chat, messages, body.add_generation_prompt, kwargs,
                                         body.add_special_tokens)
@@ -745,7 +791,10 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         if max_tokens is None:
             max_tokens = max(1, engine.max_model_len - len(prompt_ids))
         top = (body.top_logprobs or 0) if body.logprobs else None
-        handles = submit_all([to_request(body, prompt_ids, max_tokens, choice=j, logprobs=top)
+        grammar = await structured(body, functions, tool_mode)
+        if isinstance(grammar, JSONResponse):
+            return grammar
+        handles = submit_all([to_request(body, prompt_ids, max_tokens, choice=j, logprobs=top, grammar=grammar)
                               for j in range(body.n)])
         if not isinstance(handles, list):
             return handles
@@ -758,11 +807,20 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         bad = failed(results)
         if bad is not None:
             return bad
-        choices = [{"index": i, "message": {"role": "assistant", "content": r.text or ""},
-                    "logprobs": (chat_logprobs(text_of, [e for e in (r.logprobs or []) if e is not None])
-                                 if top is not None else None),
-                    "finish_reason": finish_reason(r), "stop_reason": r.stop_reason, **token_ids(body, r)}
-                   for i, r in enumerate(results)]
+        names = {f["name"] for f in functions}
+        choices = []
+        for i, r in enumerate(results):
+            message: dict[str, Any] = {"role": "assistant", "content": r.text or ""}
+            reason = finish_reason(r)
+            if tool_mode is not None:
+                content, calls = parse_tool_calls(r.text or "", tool_mode, names)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = "tool_calls" if reason == "stop" else reason
+            choices.append({"index": i, "message": message,
+                            "logprobs": (chat_logprobs(text_of, [e for e in (r.logprobs or []) if e is not None])
+                                         if top is not None else None),
+                            "finish_reason": reason, "stop_reason": r.stop_reason, **token_ids(body, r)})
         return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
                 "model": served_model_name, "choices": choices, "usage": usage(results)}
 
