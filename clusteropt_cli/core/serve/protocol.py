@@ -132,9 +132,8 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any, Any], bool]] = {
     "best_of": lambda v, b: v is None or v == b.n,  # best_of > n would rank choices: not implemented
     "echo": lambda v, b: not v or not b.stream,  # echo works without streaming
     "suffix": lambda v, b: not v,
-    # tools with tool_choice are served on chat completions, not streamed (tool-call deltas are not implemented)
-    "tools": lambda v, b: not v or (isinstance(b, ChatBody) and not b.stream),
-    "tool_choice": lambda v, b: v is None or v in ("none", "auto") or (isinstance(b, ChatBody) and not b.stream),
+    "tools": lambda v, b: not v or isinstance(b, ChatBody),  # tools with tool_choice: chat completions only
+    "tool_choice": lambda v, b: v is None or v in ("none", "auto") or isinstance(b, ChatBody),
     "functions": lambda v, b: not v,
     "function_call": _unset("none", "auto"),
     "use_beam_search": lambda v, b: not v,

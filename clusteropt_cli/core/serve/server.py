@@ -679,6 +679,51 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def tool_stream(handles: list[RequestHandle], body: Any, mode: str, names: set[str],
+                    logprobs: bool) -> StreamingResponse:
+        """A streamed chat completion with tools: each choice's text is parsed for tool calls once it is complete,
+        then sent as one delta (`tool_calls` with their index, id, name and whole arguments, or `content`)."""
+        from clusteropt_cli.core.serve.structured import parse_tool_calls
+
+        rid, now = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
+
+        def chunk(index: int, delta: dict[str, Any], reason: str | None, lp: Any = None) -> str:
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": served_model_name,
+                         "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for i in range(len(handles)):
+                    yield chunk(i, {"role": "assistant", "content": ""}, None)
+                for i, handle in enumerate(handles):
+                    result = await handle.wait()
+                    if result.finish_reason == "error":
+                        yield _sse(openai_error(f"The request failed in the engine: {result.error}", 500))
+                        yield _sse("[DONE]")
+                        return
+                    content, calls = parse_tool_calls(result.text or "", mode, names)
+                    lp = (chat_logprobs(text_of, [e for e in (result.logprobs or []) if e is not None])
+                          if logprobs else None)
+                    if content:
+                        yield chunk(i, {"content": content}, None, lp)
+                        lp = None
+                    if calls:
+                        yield chunk(i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, None, lp)
+                    reason = finish_reason(result)
+                    yield chunk(i, {}, "tool_calls" if calls and reason == "stop" else reason)
+                if body.include_usage():
+                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": now,
+                                "model": served_model_name, "choices": [],
+                                "usage": usage([h.result() for h in handles])})
+                yield _sse("[DONE]")
+            finally:
+                for h in handles:
+                    if not h.done:
+                        h.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     def encode_all(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
 
@@ -798,6 +843,9 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
                               for j in range(body.n)])
         if not isinstance(handles, list):
             return handles
+        names = {f["name"] for f in functions}
+        if body.stream and tool_mode is not None:
+            return tool_stream(handles, body, tool_mode, names, top is not None)
         if body.stream:
             return stream_response(handles, body, "chat", logprobs=top is not None)
         try:
@@ -807,7 +855,6 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         bad = failed(results)
         if bad is not None:
             return bad
-        names = {f["name"] for f in functions}
         choices = []
         for i, r in enumerate(results):
             message: dict[str, Any] = {"role": "assistant", "content": r.text or ""}
