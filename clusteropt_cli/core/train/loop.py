@@ -225,45 +225,14 @@ def run_training(
     dp_world = 1 if kind == "pipeline" else ctx.world_size
     global_batch = int(options.micro_batch) * int(options.grad_accum) * dp_world
     total_steps = plan_total_steps(options, len(dataset), global_batch)
-    ds_config_path = None
-    if kind == "deepspeed":
-        from clusteropt_cli.core.train.deepspeed_config import deepspeed_config
-        from clusteropt_cli.core.train.engines import DeepSpeedEngine
-
-        ds_config_path = output_dir / DEEPSPEED_CONFIG_FILE
-        engine = DeepSpeedEngine(options, model, loss_fn, ctx, total_steps, deepspeed_config(options, ctx.world_size),
-                                 ds_config_path)
-    elif kind == "pipeline":
-        from clusteropt_cli.core.train.pipeline import PipelineEngine
-
-        model.to(ctx.device)
-        engine = PipelineEngine(options, model, ctx, total_steps)
-    else:
-        from clusteropt_cli.core.train.engines import TorchEngine
-
-        model.to(ctx.device)
-        engine = TorchEngine(options, model, loss_fn, ctx, total_steps,
-                             getattr(options, "gradient_compression", "none"))
+    engine, ds_config_path = _make_engine(options, model, loss_fn, ctx, kind, total_steps, output_dir)
 
     cursor = DataCursor(len(dataset), seed=int(options.seed))
     start_step = 0
     if resume_dir is not None:
-        meta = resume_meta
-        if meta.get("world_size") != ctx.world_size or meta.get("engine_kind") != kind:
-            raise BadInputError(
-                f"Checkpoint {resume_dir} was written by a {meta.get('engine_kind')} run on "
-                f"{meta.get('world_size')} process(es); this run is {kind} on {ctx.world_size}.",
-                hint="resume with the same --zero/--pipeline-stages/--gpus/--nodes, or start a new --output")
-        engine.load(resume_dir)
-        cursor.load_state_dict(meta["data"])
-        rng_file = resume_dir / f"rng_rank{ctx.rank}.pt"
-        if rng_file.exists():
-            set_rng_state(load_torch_file(rng_file))
-        start_step = int(meta["step"])
+        start_step = _load_checkpoint(engine, cursor, resume_dir, resume_meta, ctx, kind)
         log(f"resumed from {resume_dir.name} (step {start_step} of {total_steps})")
 
-    flops_per_token = training_flops_per_token(model.config, int(options.seq_len))
-    peak_flops = peak_flops_per_device(options.precision, ctx.device_type)
     writer = MetricsWriter(output_dir / METRICS_FILE, resume_step=start_step if resume_dir else None) \
         if ctx.is_main else None
     if ctx.is_main:
@@ -271,94 +240,36 @@ def run_training(
 
     if ctx.device_type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    cpu_activation_bytes: int | None = None
-    losses: list[float] = []
-    step_times: list[float] = []
+    readout = _StepReadout(ctx, kind, engine, writer, callbacks, total_steps,
+                           flops_per_token=training_flops_per_token(model.config, int(options.seq_len)),
+                           peak_flops=peak_flops_per_device(options.precision, ctx.device_type))
     tokens_per_step = 0
-    tokens_done = 0
-    peak = reserved = None
-    started = time.perf_counter()
-    last_done = started  # when the previous step's values were read (its kernels had finished)
     pending: tuple[int, StepValues, dict[str, Any], float] | None = None
-
-    def finish(step_no: int, values: StepValues, info: dict[str, Any], step_started: float) -> None:
-        """Read a step's values (waiting for its kernels only), time it, write its metrics row."""
-        nonlocal peak, reserved, last_done, tokens_done
-        scalars = values.read()
-        now = time.perf_counter()
-        # queued behind the previous step, this one started on the GPU when that one ended
-        elapsed = now - max(step_started, last_done)
-        last_done = now
-        if ctx.device_type == "cuda":
-            peak = int(torch.cuda.max_memory_allocated(ctx.device))
-            reserved = int(torch.cuda.max_memory_reserved(ctx.device))
-        elif cpu_activation_bytes is not None or kind == "pipeline":
-            peak = model_state_bytes(engine.model, engine.optimizer, full_gradients=kind != "deepspeed") + \
-                int(cpu_activation_bytes or 0)
-        loss_value = scalars.pop("loss")
-        grad_norm = scalars.pop("grad_norm")
-        step_times.append(elapsed)
-        losses.append(loss_value)
-        tokens_done += info["tokens"]
-        tps = info["tokens"] / elapsed if elapsed > 0 else None
-        mfu = (tps * flops_per_token / (peak_flops * ctx.world_size)
-               if tps and flops_per_token and peak_flops else None)
-        row = {"step": step_no, "loss": loss_value, "lr": info["lr"], "tokens_per_s": tps, "mfu": mfu,
-               "peak_mem_bytes": peak, "peak_reserved_bytes": reserved, "step_time_s": elapsed,
-               "grad_norm": grad_norm, "tokens": info["tokens"], "epoch": info["epoch"], "total_steps": total_steps}
-        if info["loss_scale"] is not None:
-            row["loss_scale"] = info["loss_scale"]
-        row.update(scalars)
-        if writer is not None:
-            writer.write(row)
-            _emit(callbacks, "on_step", row)
-
     step = start_step
     try:
         for step in range(start_step + 1, total_steps + 1):
             t0 = time.perf_counter()
             indices = cursor.next_indices(global_batch)
-            step_loss = torch.zeros((), device=ctx.device, dtype=torch.float32)
-            step_metrics: dict[str, Any] = {}
-            if kind == "pipeline":
-                batch = collate([dataset[i] for i in indices])
-                step_loss = engine.train_step(batch)
-                tokens_per_step = int(batch["input_ids"].numel())
-            else:
-                tokens_per_step = 0
-                for micro in range(int(options.grad_accum)):
-                    offset = (micro * dp_world + ctx.rank) * int(options.micro_batch)
-                    batch = collate([dataset[i] for i in indices[offset : offset + int(options.micro_batch)]])
-                    tokens_per_step += int(batch["input_ids"].numel()) * dp_world
-                    measure = ctx.device_type == "cpu" and cpu_activation_bytes is None
-                    if measure:
-                        meter = SavedTensorMeter()
-                        with meter.watch(model, checkpointed=bool(options.activation_checkpointing)):
-                            loss, metrics = engine.micro_step(batch, micro == int(options.grad_accum) - 1)
-                        cpu_activation_bytes = meter.bytes
-                    else:
-                        loss, metrics = engine.micro_step(batch, micro == int(options.grad_accum) - 1)
-                    step_loss += loss.float() / int(options.grad_accum)
-                    for key, value in metrics.items():  # tensors stay on the device until the step is read
-                        step_metrics[key] = step_metrics.get(key, 0.0) + value / int(options.grad_accum)
+            step_loss, step_metrics, tokens_per_step = _forward_backward(engine, model, dataset, indices, options,
+                                                                         ctx, kind, dp_world, readout)
             info = {"lr": engine.lr, "tokens": tokens_per_step, "epoch": cursor.epoch}
             grad_norm = engine.optimizer_step()
             step_loss = all_reduce_mean(step_loss, ctx) if kind != "pipeline" else step_loss
             info["loss_scale"] = engine.loss_scale
             values = StepValues({"loss": step_loss, "grad_norm": grad_norm, **step_metrics})
             if pending is not None:  # the previous step: done once this one is queued behind it
-                finish(*pending)
+                readout.finish(*pending)
                 pending = None
             saving = bool(options.save_every and step % int(options.save_every) == 0 and step < total_steps)
             if values.deferred and not saving:
                 pending = (step, values, info, t0)
             else:
-                finish(step, values, info, t0)
+                readout.finish(step, values, info, t0)
             if saving:
                 _save_checkpoint(engine, output_dir, step, cursor, ctx, kind, options)
                 log(f"checkpoint step-{step} saved")
         if pending is not None:
-            finish(*pending)
+            readout.finish(*pending)
     finally:
         if writer is not None:
             writer.close()
@@ -370,17 +281,9 @@ def run_training(
         model_saved = True
     barrier(ctx)
 
-    timed = step_times[1:] if len(step_times) > 1 else step_times
-    mean_tps = (tokens_per_step / (sum(timed) / len(timed))) if timed and tokens_per_step else None
-    result = TrainResult(
+    result = readout.result(
         output_dir=str(output_dir), engine=engine.name, world_size=ctx.world_size, precision=options.precision,
-        steps=step - start_step, start_step=start_step, total_steps=total_steps, tokens=tokens_done,
-        first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None, losses=losses,
-        tokens_per_s=mean_tps,
-        mfu=(mean_tps * flops_per_token / (peak_flops * ctx.world_size)
-             if mean_tps and flops_per_token and peak_flops else None),
-        peak_mem_bytes=peak, peak_reserved_bytes=reserved,
-        step_time_s=(sum(timed) / len(timed)) if timed else None, elapsed_s=time.perf_counter() - started,
+        steps=step - start_step, start_step=start_step, total_steps=total_steps, tokens_per_step=tokens_per_step,
         metrics_path=str(output_dir / METRICS_FILE),
         deepspeed_config=str(ds_config_path) if ds_config_path else None,
         resumed_from=start_step if resume_dir else None, model_saved=model_saved, extra=dict(extra_result or {}),
@@ -391,6 +294,143 @@ def run_training(
         atomic_write_text(output_dir / RESULT_FILE, json.dumps(_jsonable(result), indent=2))
         _emit(callbacks, "on_end", result)
     return result
+
+
+def _make_engine(options: Any, model: Any, loss_fn: Any, ctx: DistContext, kind: str, total_steps: int,
+                 output_dir: Path) -> tuple[Any, Path | None]:
+    """The engine for `kind` (DeepSpeed ZeRO, pipeline or plain torch/DDP) and the DeepSpeed config's path."""
+    if kind == "deepspeed":
+        from clusteropt_cli.core.train.deepspeed_config import deepspeed_config
+        from clusteropt_cli.core.train.engines import DeepSpeedEngine
+
+        ds_config_path = output_dir / DEEPSPEED_CONFIG_FILE
+        return DeepSpeedEngine(options, model, loss_fn, ctx, total_steps, deepspeed_config(options, ctx.world_size),
+                               ds_config_path), ds_config_path
+    if kind == "pipeline":
+        from clusteropt_cli.core.train.pipeline import PipelineEngine
+
+        model.to(ctx.device)
+        return PipelineEngine(options, model, ctx, total_steps), None
+    from clusteropt_cli.core.train.engines import TorchEngine
+
+    model.to(ctx.device)
+    return TorchEngine(options, model, loss_fn, ctx, total_steps, getattr(options, "gradient_compression", "none")), \
+        None
+
+
+def _load_checkpoint(engine: Any, cursor: DataCursor, resume_dir: Path, meta: dict[str, Any], ctx: DistContext,
+                     kind: str) -> int:
+    """Restore the engine, the data cursor and this rank's RNG from a verified checkpoint; returns its step."""
+    if meta.get("world_size") != ctx.world_size or meta.get("engine_kind") != kind:
+        raise BadInputError(
+            f"Checkpoint {resume_dir} was written by a {meta.get('engine_kind')} run on "
+            f"{meta.get('world_size')} process(es); this run is {kind} on {ctx.world_size}.",
+            hint="resume with the same --zero/--pipeline-stages/--gpus/--nodes, or start a new --output")
+    engine.load(resume_dir)
+    cursor.load_state_dict(meta["data"])
+    rng_file = resume_dir / f"rng_rank{ctx.rank}.pt"
+    if rng_file.exists():
+        set_rng_state(load_torch_file(rng_file))
+    return int(meta["step"])
+
+
+def _forward_backward(engine: Any, model: Any, dataset: Any, indices: Sequence[int], options: Any,
+                      ctx: DistContext, kind: str, dp_world: int, readout: _StepReadout) -> tuple[Any, dict, int]:
+    """One step's forward and backward passes over this rank's micro-batches (a whole pipeline step for the
+    pipeline engine); returns the step's mean loss and metrics (tensors, not read) and the tokens it trained on.
+    On the CPU the first micro-batch's saved activations are measured (readout.cpu_activation_bytes)."""
+    import torch
+
+    step_loss = torch.zeros((), device=ctx.device, dtype=torch.float32)
+    step_metrics: dict[str, Any] = {}
+    if kind == "pipeline":
+        batch = collate([dataset[i] for i in indices])
+        return engine.train_step(batch), step_metrics, int(batch["input_ids"].numel())
+    tokens = 0
+    accum, micro_batch = int(options.grad_accum), int(options.micro_batch)
+    for micro in range(accum):
+        offset = (micro * dp_world + ctx.rank) * micro_batch
+        batch = collate([dataset[i] for i in indices[offset : offset + micro_batch]])
+        tokens += int(batch["input_ids"].numel()) * dp_world
+        if ctx.device_type == "cpu" and readout.cpu_activation_bytes is None:
+            meter = SavedTensorMeter()
+            with meter.watch(model, checkpointed=bool(options.activation_checkpointing)):
+                loss, metrics = engine.micro_step(batch, micro == accum - 1)
+            readout.cpu_activation_bytes = meter.bytes
+        else:
+            loss, metrics = engine.micro_step(batch, micro == accum - 1)
+        step_loss += loss.float() / accum
+        for key, value in metrics.items():  # tensors stay on the device until the step is read
+            step_metrics[key] = step_metrics.get(key, 0.0) + value / accum
+    return step_loss, step_metrics, tokens
+
+
+class _StepReadout:
+    """Reads finished steps back (waiting for their kernels only), times them, tracks peak memory, writes the
+    metrics rows (rank 0) and sums up the run."""
+
+    def __init__(self, ctx: DistContext, kind: str, engine: Any, writer: MetricsWriter | None,
+                 callbacks: Sequence[Any], total_steps: int, *, flops_per_token: float | None,
+                 peak_flops: float | None):
+        self.ctx, self.kind, self.engine, self.writer, self.callbacks = ctx, kind, engine, writer, callbacks
+        self.total_steps, self.flops_per_token, self.peak_flops = total_steps, flops_per_token, peak_flops
+        self.cpu_activation_bytes: int | None = None
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+        self.tokens_done = 0
+        self.peak: int | None = None
+        self.reserved: int | None = None
+        self.started = time.perf_counter()
+        self.last_done = self.started  # when the previous step's values were read (its kernels had finished)
+
+    def finish(self, step_no: int, values: StepValues, info: dict[str, Any], step_started: float) -> None:
+        """Read a step's values (waiting for its kernels only), time it, write its metrics row."""
+        import torch
+
+        ctx = self.ctx
+        scalars = values.read()
+        now = time.perf_counter()
+        # queued behind the previous step, this one started on the GPU when that one ended
+        elapsed = now - max(step_started, self.last_done)
+        self.last_done = now
+        if ctx.device_type == "cuda":
+            self.peak = int(torch.cuda.max_memory_allocated(ctx.device))
+            self.reserved = int(torch.cuda.max_memory_reserved(ctx.device))
+        elif self.cpu_activation_bytes is not None or self.kind == "pipeline":
+            self.peak = model_state_bytes(self.engine.model, self.engine.optimizer,
+                                          full_gradients=self.kind != "deepspeed") + int(self.cpu_activation_bytes or 0)
+        loss_value = scalars.pop("loss")
+        grad_norm = scalars.pop("grad_norm")
+        self.step_times.append(elapsed)
+        self.losses.append(loss_value)
+        self.tokens_done += info["tokens"]
+        tps = info["tokens"] / elapsed if elapsed > 0 else None
+        mfu = (tps * self.flops_per_token / (self.peak_flops * ctx.world_size)
+               if tps and self.flops_per_token and self.peak_flops else None)
+        row = {"step": step_no, "loss": loss_value, "lr": info["lr"], "tokens_per_s": tps, "mfu": mfu,
+               "peak_mem_bytes": self.peak, "peak_reserved_bytes": self.reserved, "step_time_s": elapsed,
+               "grad_norm": grad_norm, "tokens": info["tokens"], "epoch": info["epoch"],
+               "total_steps": self.total_steps}
+        if info["loss_scale"] is not None:
+            row["loss_scale"] = info["loss_scale"]
+        row.update(scalars)
+        if self.writer is not None:
+            self.writer.write(row)
+            _emit(self.callbacks, "on_step", row)
+
+    def result(self, *, tokens_per_step: int, **fields: Any) -> TrainResult:
+        """The run's TrainResult: losses, throughput (mean over the steps after the first), MFU, peak memory."""
+        timed = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
+        mean_tps = (tokens_per_step / (sum(timed) / len(timed))) if timed and tokens_per_step else None
+        losses = self.losses
+        return TrainResult(
+            tokens=self.tokens_done, first_loss=losses[0] if losses else None,
+            final_loss=losses[-1] if losses else None, losses=losses, tokens_per_s=mean_tps,
+            mfu=(mean_tps * self.flops_per_token / (self.peak_flops * self.ctx.world_size)
+                 if mean_tps and self.flops_per_token and self.peak_flops else None),
+            peak_mem_bytes=self.peak, peak_reserved_bytes=self.reserved,
+            step_time_s=(sum(timed) / len(timed)) if timed else None,
+            elapsed_s=time.perf_counter() - self.started, **fields)
 
 
 def _agreed_resume_point(options: Any, output_dir: Path, log: Callable[[str], None],
