@@ -78,6 +78,15 @@ def test_json_schema_greedy_and_sampled_outputs_validate(client):
         validate(json.loads(r.choices[0].message.content), SCHEMA)
 
 
+def test_json_schema_n_choices_each_follow_the_grammar(client):
+    r = client.chat.completions.create(model="teacher", messages=MESSAGES, max_tokens=120, temperature=1.0, seed=9,
+                                       n=3, response_format=schema_format())
+    assert len(r.choices) == 3
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        validate(json.loads(choice.message.content), SCHEMA)
+
+
 def test_json_schema_on_completions_and_concurrent_with_free_requests(client):
     from concurrent.futures import ThreadPoolExecutor
 
