@@ -44,7 +44,7 @@ def thinking_mode(tokenizer: Any, think: bool | None) -> ThinkingMode:
     think True: the switch, or the prefix even for a vocabulary without it. think False: the switch off, no
     prefix."""
     from clusteropt_cli.core.distill.traces import THINK_OPEN
-    from clusteropt_cli.core.serve.server import template_variables
+    from clusteropt_cli.core.serve.openai_routes import template_variables
 
     switch = next((v for v in REASONING_SWITCHES if v in template_variables(tokenizer)), None)
     if switch is not None:

@@ -1,0 +1,596 @@
+"""The OpenAI routes of the server: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming),
+/tokenize and /detokenize. server.py builds the app around them (auth, body limits, error handlers, /health,
+/metrics) and the server."""
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from clusteropt_cli.core.serve.engine import Engine
+from clusteropt_cli.core.serve.requests import (
+    EngineDeadError,
+    EngineStoppedError,
+    GenerationRequest,
+    GenerationResult,
+    InvalidRequestError,
+    QueueFullError,
+    RequestHandle,
+    TextStream,
+)
+from clusteropt_cli.core.serve.server import ServerLimits
+from clusteropt_cli.errors import BadInputError
+
+# names apply_chat_template gives meaning to itself: never taken from a request's chat_template_kwargs
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "tokenize", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "add_generation_prompt", "continue_final_message"})
+
+
+def template_variables(tokenizer: Any) -> frozenset[str]:
+    """The variables the model's own chat template reads: the only chat_template_kwargs passed on."""
+    template = getattr(tokenizer, "chat_template", None)
+    sources = list(template.values()) if isinstance(template, dict) else [template] if template else []
+    names: set[str] = set()
+    try:
+        import jinja2
+        from jinja2 import meta
+
+        env = jinja2.Environment()
+        for source in sources:
+            names |= meta.find_undeclared_variables(env.parse(source))
+    except Exception:  # noqa: BLE001 - an unparsable template: pass no kwargs at all
+        return frozenset()
+    return frozenset(names - _RESERVED_TEMPLATE_KWARGS)
+
+class _ClientGone(Exception):
+    pass
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limits: ServerLimits,
+                      off_loop: Callable, error: Callable, invalid: Callable, engine_dead: Callable) -> None:
+    """Register the OpenAI endpoints on `app` (build_app calls it with its error and off-loop helpers)."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from pydantic import ValidationError
+
+    from clusteropt_cli.core.serve.openai_extras import (
+        TokenText,
+        chat_logprobs,
+        completion_logprobs,
+        echo_entries,
+    )
+    from clusteropt_cli.core.serve.protocol import (
+        ChatBody,
+        ChatMessage,
+        CompletionBody,
+        openai_error,
+        unsupported_field,
+    )
+
+    max_prompt_chars = limits.prompt_chars(engine.max_model_len)
+    tokenizer = engine.tokenizer
+    template_kwargs = template_variables(tokenizer)
+    created = int(time.time())
+
+    grammars: list[Any] = []  # the structured.GrammarCompiler, built on the first constrained request
+
+    def compile_grammar(build: Callable, *args: Any) -> Any:
+        from clusteropt_cli.core.serve.structured import GrammarCompiler
+
+        if not grammars:
+            grammars.append(GrammarCompiler(tokenizer, engine.runner.vocab_size, engine.eos_ids))
+        return build(*args, grammars[0])
+
+    async def structured(body: Any, functions: list[dict[str, Any]] | None = None,
+                         mode: str | None = None) -> Any:
+        """The request's grammar (None: unconstrained), or a 400 naming the field the grammar library refuses."""
+        from clusteropt_cli.core.serve.structured import (
+            StructuredOutputError,
+            response_format_grammar,
+            tool_grammar,
+        )
+
+        try:
+            if mode not in (None, "auto"):
+                parallel = (body.model_extra or {}).get("parallel_tool_calls") is not False
+                return await off_loop(compile_grammar, lambda *a: tool_grammar(*a, parallel=parallel), functions,
+                                      mode)
+            fmt = (body.model_extra or {}).get("response_format")
+            if fmt is None or fmt == {"type": "text"}:
+                return None
+            return await off_loop(compile_grammar, response_format_grammar, fmt)
+        except StructuredOutputError as exc:
+            return error(400, exc.message, param=exc.param)
+
+    async def json_body(request: Request) -> Any:
+        """The body as plain JSON, parsed on a worker thread (lone surrogates are invalid JSON here: 400)."""
+        import pydantic_core
+
+        try:
+            return await off_loop(pydantic_core.from_json, await request.body())
+        except ValueError as exc:
+            return error(400, f"The request body is not valid JSON (UTF-8 text without lone surrogates): {exc}.")
+
+    async def parse(request: Request, model: type) -> Any:
+        """The body as `model`, parsed on a worker thread; an error response when it is malformed."""
+        raw = await request.body()
+        try:
+            body = await off_loop(model.model_validate_json, raw)
+        except ValidationError as exc:
+            return invalid(list(exc.errors()))
+        bad = check_model(body.model)
+        if bad is not None:
+            return bad
+        field_ = unsupported_field(body)
+        if field_ is not None:
+            return error(400, f"'{field_}' is not supported by this server (copt serve); remove it from the "
+                              "request.", param=field_, code="unsupported_parameter")
+        return body
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
+                                            "owned_by": "copt", "max_model_len": engine.max_model_len}]}
+
+    def check_model(name: str | None) -> JSONResponse | None:
+        if name and name not in (served_model_name, engine.model_name):
+            return error(404, f"The model '{name}' does not exist; this server serves '{served_model_name}'.",
+                         err_type="not_found_error", param="model", code="model_not_found")
+        return None
+
+    defaults = getattr(engine, "sampling_defaults", None) or {}  # generation_config.json, as vLLM applies it
+
+    def to_request(body: Any, prompt_ids: list[int], max_tokens: int | None, *, choice: int = 0,
+                   logprobs: int | None = None, prompt_logprobs: int | None = None,
+                   grammar: Any = None) -> GenerationRequest:
+        top_k = defaults.get("top_k", 0) if body.top_k is None else body.top_k
+
+        def given(key: str) -> float:  # the request's value, else the model's default, else the protocol's
+            return getattr(body, key) if key in body.model_fields_set else defaults.get(key, getattr(body, key))
+
+        seed = body.seed
+        if seed is not None and choice:  # n > 1: each choice its own stream of the request's seed
+            seed = (seed + choice) % 2**64
+        return GenerationRequest(
+            prompt_ids=prompt_ids, max_new_tokens=max_tokens if max_tokens is not None else 16,
+            temperature=defaults.get("temperature", 1.0) if body.temperature is None else body.temperature,
+            top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p, seed=seed,
+            top_k=max(0, int(top_k)), min_p=defaults.get("min_p", 0.0) if body.min_p is None else body.min_p,
+            presence_penalty=given("presence_penalty"), frequency_penalty=given("frequency_penalty"),
+            repetition_penalty=given("repetition_penalty"),
+            logit_bias=body.logit_bias_ids(), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else body.prompt_logprobs,
+            stop=body.stop_list(),
+            stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+            grammar=grammar)
+
+    text_of = TokenText(tokenizer)
+
+    def submit_all(requests: list[GenerationRequest]) -> list[RequestHandle] | JSONResponse:
+        if app.state.draining:
+            return error(503, "The server is shutting down.")
+        handles: list[RequestHandle] = []
+        try:
+            first: dict[tuple[int, ...], RequestHandle] = {}  # n > 1: the choices share their prompt's prefill
+            for req in requests:
+                key = tuple(req.prompt_ids)
+                handles.append(engine.submit(req, share_prompt_with=first.get(key)))
+                first.setdefault(key, handles[-1])
+        except (BadInputError, QueueFullError, EngineStoppedError) as exc:
+            for h in handles:
+                h.cancel()
+            if isinstance(exc, EngineDeadError):
+                return error(500, exc.message, err_type="server_error", code="engine_dead")
+            status = 400 if isinstance(exc, BadInputError) else 429 if isinstance(exc, QueueFullError) else 503
+            param = exc.param if isinstance(exc, InvalidRequestError) else "prompt" if status == 400 else None
+            return error(status, exc.message, param=param)
+        return handles
+
+    def failed(results: list[GenerationResult]) -> JSONResponse | None:
+        """A 500 for a request the engine failed (its own fault in a step, or a dead engine)."""
+        for r in results:
+            if r.finish_reason == "error":
+                return error(500, f"The request failed in the engine: {r.error}", err_type="server_error",
+                             code="engine_dead" if engine.error is not None else "request_failed")
+        return None
+
+    async def await_results(request: Request, handles: list[RequestHandle]) -> list[GenerationResult]:
+        tasks = [asyncio.ensure_future(h.wait()) for h in handles]
+        try:
+            while True:
+                done, pending = await asyncio.wait(tasks, timeout=0.5)
+                if not pending:
+                    return [t.result() for t in tasks]
+                if await request.is_disconnected():
+                    raise _ClientGone()
+        finally:
+            for h in handles:
+                if not h.done:
+                    h.cancel()
+            for t in tasks:
+                t.cancel()
+
+    def usage(results: list[GenerationResult]) -> dict[str, int]:
+        prompt = sum(r.num_prompt_tokens for r in results)
+        completion = sum(r.num_output_tokens for r in results)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def token_ids(body: Any, result: GenerationResult) -> dict[str, Any]:
+        """vLLM's `return_token_ids` extra: the prompt and output token ids next to the text."""
+        if not (body.model_extra or {}).get("return_token_ids"):
+            return {}
+        return {"prompt_token_ids": result.prompt_ids, "token_ids": result.output_ids}
+
+    def finish_reason(result: GenerationResult) -> str:
+        return result.finish_reason if result.finish_reason in ("stop", "length") else "abort"
+
+    def too_long_prompt(chars: int, param: str) -> JSONResponse:
+        return error(413, f"The prompt has {chars} characters; this server accepts at most {max_prompt_chars} "
+                          "(--max-prompt-chars).", param=param, code="prompt_too_long")
+
+    async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, list[int] | None]]:
+        """Token chunks of several handles as (index, ids); (index, None) when one finishes."""
+        if len(handles) == 1:
+            async for ids in handles[0]:
+                yield 0, ids
+            yield 0, None
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, h: RequestHandle) -> None:
+            async for ids in h:
+                await queue.put((i, ids))
+            await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+        try:
+            remaining = len(handles)
+            while remaining:
+                item = await queue.get()
+                if item[1] is None:
+                    remaining -= 1
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def stream_response(handles: list[RequestHandle], body: Any, kind: str,
+                        logprobs: bool = False) -> StreamingResponse:
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        now = int(time.time())
+        streams = [TextStream(tokenizer, body.stop_list()) for _ in handles]
+
+        def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> dict[str, Any]:
+            if kind == "chat":
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
+                    {"content": text} if text else {})
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"id": rid, "object": obj, "created": now, "model": served_model_name, "choices": [choice]}
+
+        # the per-token event, pre-rendered around the JSON-escaped text (the same document json.dumps of
+        # chunk(index, text, None) gives, without building and encoding the dicts for every token)
+        head = json.dumps({"id": rid, "object": obj, "created": now, "model": served_model_name},
+                          separators=(",", ":"))[:-1] + ',"choices":[{"index":'
+        field_ = ',"delta":{"content":' if kind == "chat" else ',"text":'
+        tail = '},"logprobs":null,"finish_reason":null}]}\n\n' if kind == "chat" else (
+            ',"logprobs":null,"finish_reason":null}]}\n\n')
+
+        def token_event(index: int, text: str) -> str:
+            return f"data: {head}{index}{field_}{json.dumps(text)}{tail}"
+
+        continuous = body.continuous_usage()
+        sent = [0] * len(handles)  # tokens streamed per choice (the logprob entries' keys)
+
+        def rich_event(index: int, ids: list[int], delta: str) -> str:
+            """A token event with logprobs and/or running usage (the slower, dict-built path)."""
+            payload = chunk(index, delta, None)
+            if logprobs:
+                handle = handles[index]
+                entries = [handle.logprobs.get(sent[index] + i) for i in range(len(ids))]
+                entries = [e for e in entries if e is not None]
+                payload["choices"][0]["logprobs"] = (chat_logprobs(text_of, entries) if kind == "chat"
+                                                     else completion_logprobs(text_of, entries))
+            if continuous:
+                prompt = sum(len(h.request.prompt_ids) for h in handles)
+                done = sum(sent) + len(ids)
+                payload["usage"] = {"prompt_tokens": prompt, "completion_tokens": done,
+                                    "total_tokens": prompt + done}
+            return _sse(payload)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if kind == "chat":
+                    for i in range(len(handles)):
+                        yield _sse(chunk(i, None, None, role=True))
+                async for index, ids in merged(handles):
+                    if ids is not None:
+                        delta = streams[index].push(ids)
+                        if logprobs or continuous:
+                            event = rich_event(index, ids, delta)
+                            sent[index] += len(ids)
+                            yield event
+                        elif delta:
+                            yield token_event(index, delta)
+                        continue
+                    result = handles[index].result()
+                    if result.finish_reason == "error":  # the status line is sent: an error event, as vLLM does
+                        yield _sse(openai_error(f"The request failed in the engine: {result.error}", 500))
+                        yield _sse("[DONE]")
+                        return
+                    tail = streams[index].finish(result.text)
+                    yield _sse(chunk(index, tail, finish_reason(result)))
+                if body.include_usage():
+                    payload = {"id": rid, "object": obj, "created": now, "model": served_model_name, "choices": [],
+                               "usage": usage([h.result() for h in handles])}
+                    yield _sse(payload)
+                yield _sse("[DONE]")
+            finally:
+                for h in handles:
+                    if not h.done:
+                        h.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def tool_stream(handles: list[RequestHandle], body: Any, mode: str, names: set[str],
+                    logprobs: bool) -> StreamingResponse:
+        """A streamed chat completion with tools: each choice's text is parsed for tool calls once it is complete,
+        then sent as one delta (`tool_calls` with their index, id, name and whole arguments, or `content`)."""
+        from clusteropt_cli.core.serve.structured import parse_tool_calls
+
+        rid, now = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
+
+        def chunk(index: int, delta: dict[str, Any], reason: str | None, lp: Any = None) -> str:
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": served_model_name,
+                         "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for i in range(len(handles)):
+                    yield chunk(i, {"role": "assistant", "content": ""}, None)
+                for i, handle in enumerate(handles):
+                    result = await handle.wait()
+                    if result.finish_reason == "error":
+                        yield _sse(openai_error(f"The request failed in the engine: {result.error}", 500))
+                        yield _sse("[DONE]")
+                        return
+                    content, calls = parse_tool_calls(result.text or "", mode, names)
+                    lp = (chat_logprobs(text_of, [e for e in (result.logprobs or []) if e is not None])
+                          if logprobs else None)
+                    if content:
+                        yield chunk(i, {"content": content}, None, lp)
+                        lp = None
+                    if calls:
+                        yield chunk(i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, None, lp)
+                    reason = finish_reason(result)
+                    yield chunk(i, {}, "tool_calls" if calls and reason == "stop" else reason)
+                if body.include_usage():
+                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": now,
+                                "model": served_model_name, "choices": [],
+                                "usage": usage([h.result() for h in handles])})
+                yield _sse("[DONE]")
+            finally:
+                for h in handles:
+                    if not h.done:
+                        h.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def encode_all(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse(request, CompletionBody)
+        if isinstance(body, JSONResponse):
+            return body
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and all(isinstance(p, str) for p in prompt)):
+            texts = [prompt] if isinstance(prompt, str) else list(prompt)
+            chars = sum(len(t) for t in texts)
+            if chars > max_prompt_chars:
+                return too_long_prompt(chars, "prompt")
+            prompts = await off_loop(encode_all, texts, body.add_special_tokens)
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        elif prompt and all(isinstance(p, list) for p in prompt):
+            prompts = [list(p) for p in prompt]
+        else:
+            return error(400, "The prompt is empty.", param="prompt")
+        if any(not p for p in prompts):
+            return error(400, "The prompt is empty.", param="prompt")
+        if body.max_tokens == 0 and not body.echo:
+            return error(400, "max_tokens 0 is only for echo (prompt logprobs); ask for at least 1 token.",
+                         param="max_tokens")
+        # echo + logprobs: the prompt's logprobs too (lm-evaluation-harness' loglikelihood requests)
+        prompt_lp = body.logprobs if (body.echo and body.logprobs is not None) else None
+        grammar = await structured(body)
+        if isinstance(grammar, JSONResponse):
+            return grammar
+        handles = submit_all([to_request(body, p, body.max_tokens, choice=j, logprobs=body.logprobs,
+                                         prompt_logprobs=prompt_lp, grammar=grammar)
+                              for p in prompts for j in range(body.n)])
+        if not isinstance(handles, list):
+            return handles
+        if body.stream:
+            return stream_response(handles, body, "completion", logprobs=body.logprobs is not None)
+        try:
+            results = await await_results(request, handles)
+        except _ClientGone:
+            return error(499, "Client disconnected.")
+        bad = failed(results)
+        if bad is not None:
+            return bad
+        echoed = (await off_loop(lambda: [tokenizer.decode(r.prompt_ids, skip_special_tokens=True)
+                                          for r in results])) if body.echo else None
+        choices = []
+        for i, r in enumerate(results):
+            text = r.text or ""
+            if echoed is not None:
+                text = echoed[i] + text
+            lp = None
+            if body.logprobs is not None:
+                entries = [e for e in (r.logprobs or []) if e is not None]
+                if body.echo:
+                    entries = echo_entries(r.prompt_ids, r.prompt_logprobs) + entries
+                lp = completion_logprobs(text_of, entries)
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason(r),
+                            "stop_reason": r.stop_reason, **token_ids(body, r)})
+        return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
+                "model": served_model_name, "choices": choices, "usage": usage(results)}
+
+    def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool, kwargs: dict[str, Any],
+                    add_special_tokens: bool = False) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await parse(request, ChatBody)
+        if isinstance(body, JSONResponse):
+            return body
+        from clusteropt_cli.core.serve.structured import StructuredOutputError, check_tools, parse_tool_calls
+
+        extra = body.model_extra or {}
+        try:
+            functions, tool_mode = check_tools(extra.get("tools"), extra.get("tool_choice"))
+        except StructuredOutputError as exc:
+            return error(400, exc.message, param=exc.param)
+        messages = [{"role": m.role, "content": m.text(),
+                     **{k: v for k, v in (m.model_extra or {}).items() if k in ("tool_calls", "tool_call_id", "name")}}
+                    for m in body.messages]
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > max_prompt_chars:
+            return too_long_prompt(chars, "messages")
+        requested = dict(body.chat_template_kwargs or {})
+        request_template = requested.pop("chat_template", None)
+        where = "chat_template_kwargs.chat_template"
+        if request_template is None and (body.model_extra or {}).get("chat_template") is not None:
+            request_template, where = body.model_extra["chat_template"], "chat_template"  # vLLM's top-level field
+        if request_template is not None and not limits.trust_request_chat_template:
+            return error(400, "A chat template sent with the request is refused; the server uses the model's own "
+                              "(start it with --trust-request-chat-template to allow them).",
+                         param=where, code="unsupported_parameter")
+        kwargs = {k: v for k, v in requested.items() if k in template_kwargs}
+        if request_template is not None:
+            if not isinstance(request_template, str) or len(request_template) > max_prompt_chars:
+                return error(400, "chat_template must be a string of a reasonable size.", param=where)
+            kwargs["chat_template"] = request_template
+        if functions:  # rendered by the model's chat template (transformers' `tools` argument)
+            kwargs["tools"] = [{"type": "function", "function": f} for f in functions]
+        try:
+            prompt_ids = await off_loop(render_chat, messages, body.add_generation_prompt, kwargs,
+                                        body.add_special_tokens)
+        except Exception as exc:  # noqa: BLE001 - template errors are the client's
+            return error(400, f"Cannot apply the chat template: {exc}", param="messages")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, engine.max_model_len - len(prompt_ids))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        grammar = await structured(body, functions, tool_mode)
+        if isinstance(grammar, JSONResponse):
+            return grammar
+        handles = submit_all([to_request(body, prompt_ids, max_tokens, choice=j, logprobs=top, grammar=grammar)
+                              for j in range(body.n)])
+        if not isinstance(handles, list):
+            return handles
+        names = {f["name"] for f in functions}
+        if body.stream and tool_mode is not None:
+            return tool_stream(handles, body, tool_mode, names, top is not None)
+        if body.stream:
+            return stream_response(handles, body, "chat", logprobs=top is not None)
+        try:
+            results = await await_results(request, handles)
+        except _ClientGone:
+            return error(499, "Client disconnected.")
+        bad = failed(results)
+        if bad is not None:
+            return bad
+        choices = []
+        for i, r in enumerate(results):
+            message: dict[str, Any] = {"role": "assistant", "content": r.text or ""}
+            reason = finish_reason(r)
+            if tool_mode is not None:
+                content, calls = parse_tool_calls(r.text or "", tool_mode, names)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = "tool_calls" if reason == "stop" else reason
+            choices.append({"index": i, "message": message,
+                            "logprobs": (chat_logprobs(text_of, [e for e in (r.logprobs or []) if e is not None])
+                                         if top is not None else None),
+                            "finish_reason": reason, "stop_reason": r.stop_reason, **token_ids(body, r)})
+        return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
+                "model": served_model_name, "choices": choices, "usage": usage(results)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} → {"count", "max_model_len", "tokens"}."""
+        body = await json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        if not isinstance(body, dict):
+            return error(400, "The request body must be a JSON object.")
+        bad = check_model(body.get("model"))
+        if bad is not None:
+            return bad
+        special = body.get("add_special_tokens", True)
+        if "messages" in body:
+            try:
+                messages = [ChatMessage.model_validate(m) for m in body["messages"]]
+                chars = sum(len(m.text()) for m in messages)
+                if chars > max_prompt_chars:
+                    return too_long_prompt(chars, "messages")
+                ids = await off_loop(render_chat, [{"role": m.role, "content": m.text()} for m in messages],
+                                     bool(body.get("add_generation_prompt", True)), {})
+            except Exception as exc:  # noqa: BLE001 - the client's messages or template
+                return error(400, f"Cannot apply the chat template: {exc}", param="messages")
+        elif isinstance(body.get("prompt"), str):
+            if len(body["prompt"]) > max_prompt_chars:
+                return too_long_prompt(len(body["prompt"]), "prompt")
+            ids = await off_loop(tokenizer.encode, body["prompt"], add_special_tokens=bool(special))
+        else:
+            return error(400, "Send 'prompt' (a string) or 'messages'.", param="prompt")
+        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
+        if body.get("return_token_strs"):
+            out["token_strs"] = await off_loop(tokenizer.convert_ids_to_tokens, ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's /detokenize: {"tokens": [ids]} → {"prompt": text}."""
+        body = await json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        vocab = engine.runner.vocab_size
+
+        most = 4 * engine.max_model_len  # decoding holds the GIL: a bounded list keeps the event loop responsive
+
+        def checked_decode() -> str | None:  # on a worker thread: the ids may be many
+            if not isinstance(tokens, list) or len(tokens) > most or not all(
+                    type(t) is int and 0 <= t < vocab for t in tokens):
+                return None
+            return tokenizer.decode(tokens)
+
+        bad = check_model(body.get("model")) if isinstance(body, dict) else None
+        if bad is not None:
+            return bad
+        text = await off_loop(checked_decode)
+        if text is None:
+            return error(400, f"'tokens' must be a list of at most {most} token ids in [0, {vocab}).",
+                         param="tokens")
+        return {"prompt": text}
