@@ -42,7 +42,7 @@ def load(path: Path, fp8: bool):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from clusteropt_cli.core.quantize.fp8_runtime import swap_fp8_linears
+    from clusteropt_cli.core.serve.fp8_linear import swap_fp8_linears
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
     swapped = swap_fp8_linears(model) if fp8 else 0

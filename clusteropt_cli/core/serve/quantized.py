@@ -8,7 +8,7 @@ int8 one that the float input cannot multiply. `prepare_quantized_model` does th
 projections are merged:
 
 * FP8 (W8A8, FP8_DYNAMIC): `Fp8Linear` — FP8 GEMMs on GPUs with FP8 tensor cores, the exact emulation elsewhere
-  (fp8_runtime.py);
+  (fp8_linear.py);
 * packed integer weights (W4A16/W3A16/W8A16, AWQ/GPTQ/RTN): dequantized to the serving dtype with compressed-tensors'
   own decompressor — the same tensors transformers computes on its first forward, so greedy tokens match `generate`.
   copt's engine has no packed-integer GEMM kernel; the weights then take full-precision memory, and the engine says
@@ -74,7 +74,7 @@ def prepare_quantized_model(model: Any, dtype: Any) -> QuantizedLayers:
     docstring); returns what was done. A model without quantized layers is left as it is."""
     import torch
 
-    from clusteropt_cli.core.quantize.fp8_runtime import swap_fp8_linears
+    from clusteropt_cli.core.serve.fp8_linear import swap_fp8_linears
 
     found = QuantizedLayers()
     # FP8 first: its layers become Fp8Linear (no compressed-tensors scheme left), so they are never dequantized

@@ -27,7 +27,7 @@ def _load(path):
 def test_fp8linear_equals_compressed_tensors_forward(fp8_checkpoint, fixtures):
     import torch
 
-    from clusteropt_cli.core.quantize.fp8_runtime import fp8_matmul_supported, swap_fp8_linears
+    from clusteropt_cli.core.serve.fp8_linear import fp8_matmul_supported, swap_fp8_linears
 
     ids = torch.randint(0, 1000, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -50,7 +50,7 @@ def test_fp8linear_equals_compressed_tensors_forward(fp8_checkpoint, fixtures):
 def test_fp8linear_math_against_a_manual_quantization():
     import torch
 
-    from clusteropt_cli.core.quantize.fp8_runtime import FP8_MAX, fp8_linear
+    from clusteropt_cli.core.serve.fp8_linear import FP8_MAX, fp8_linear
 
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(32, 64, generator=gen)
@@ -82,7 +82,7 @@ def test_compiled_per_token_quantization_is_exact():
     """The fused (torch.compile) quantization used on FP8 GPUs gives the eager ops' bits."""
     import torch
 
-    from clusteropt_cli.core.quantize.fp8_runtime import _compiled_quantize_per_token, quantize_per_token
+    from clusteropt_cli.core.serve.fp8_linear import _compiled_quantize_per_token, quantize_per_token
 
     x = torch.randn(7, 64, generator=torch.Generator().manual_seed(2)) * 3
     want_q, want_s = quantize_per_token(x)
