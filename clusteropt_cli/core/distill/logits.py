@@ -14,22 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from clusteropt_cli.core.distill.losses import DistillLossConfig, distillation_loss, per_token_divergence
 from clusteropt_cli.core.distill.vocab import VocabCheck, check_vocab_compatible, load_tokenizer, read_config
+from clusteropt_cli.core.models import load_causal_lm, pick_device
 from clusteropt_cli.core.train.attention import check_unpadded
 from clusteropt_cli.errors import BadInputError
 
 if TYPE_CHECKING:
     from clusteropt_cli.recipe.schema.distill import DistillRecipe
-
-
-def pick_device() -> str:
-    """cuda:LOCAL_RANK under a launcher, cuda on one GPU, else cpu."""
-    import os
-
-    import torch
-
-    if not torch.cuda.is_available():
-        return "cpu"
-    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
 
 
 RESULT_FILE = "distill_result.json"
@@ -49,26 +39,6 @@ def write_result(output_dir: Path, result: Any) -> None:
 
     if is_main_process():
         atomic_write_text(Path(output_dir) / RESULT_FILE, json.dumps(dataclasses.asdict(result), indent=2))
-
-
-def torch_dtype(name: str, device: str, precision: str = "fp32") -> Any:
-    """A teacher dtype name → torch dtype. auto: the training precision's compute dtype on GPU, fp32 on CPU."""
-    import torch
-
-    if name == "auto":
-        if device == "cpu":
-            return torch.float32
-        return {"fp16": torch.float16, "fp32": torch.float32}.get(precision, torch.bfloat16)
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
-
-
-def load_causal_lm(path: str | Path, dtype: str | Any = "auto", device: str = "cpu", precision: str = "fp32"):
-    """A local HF causal LM directory, loaded on `device` (never downloads)."""
-    from transformers import AutoModelForCausalLM
-
-    dtype = torch_dtype(dtype, device, precision) if isinstance(dtype, str) else dtype
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-    return model.to(device)
 
 
 def resolve_student(student: str) -> Any:

@@ -159,10 +159,10 @@ def distill_onpolicy(settings: DistillRecipe, *, output_dir: Path, overwrite: bo
     import torch
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM
 
     from clusteropt_cli.core.distill.logits import EVAL_BLOCKS, mean_kl_to_teacher
     from clusteropt_cli.core.distill.vocab import load_tokenizer
+    from clusteropt_cli.core.models import load_causal_lm
     from clusteropt_cli.core.train import build_text_dataset
 
     log = log or (lambda _msg: None)
@@ -176,8 +176,8 @@ def distill_onpolicy(settings: DistillRecipe, *, output_dir: Path, overwrite: bo
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     dtype = torch.bfloat16 if settings.precision == "bf16" and cuda else torch.float32
-    student = AutoModelForCausalLM.from_pretrained(settings.student, dtype=dtype)
-    teacher = AutoModelForCausalLM.from_pretrained(settings.teacher, dtype=dtype)
+    student = load_causal_lm(settings.student, dtype)
+    teacher = load_causal_lm(settings.teacher, dtype)
     result = OnPolicyResult(str(output_dir), str(settings.teacher), str(settings.student), beta, temperature, 0,
                             settings.micro_batch, max_new, settings.lr, trl.__version__)
     blocks = None

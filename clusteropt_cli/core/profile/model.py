@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from clusteropt_cli import __version__
+from clusteropt_cli.core.models import dtype_of
 from clusteropt_cli.core.profile.loading import check_model_source, load_model, model_spec
 from clusteropt_cli.core.profile.memory import (
     SavedTensorTracker,
@@ -59,12 +60,6 @@ def resolve_dtype(name: str, device: str) -> str:
 
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return "fp32"
-
-
-def torch_dtype(name: str):
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def hardware_info(device: str) -> tuple[HardwareInfo, Any]:
@@ -118,7 +113,7 @@ def profile_model(s: ModelProfileSettings, log: Log | None = None) -> ProfileRep
     if device == "cpu" and precision == "fp16" and s.mode == "infer":
         log("fp16 matmuls on CPU are slow; bf16 or fp32 are the usual CPU dtypes")
     log(f"loading {s.model} on {device} ({weights_dtype} weights)")
-    loaded = load_model(s.model, device, torch_dtype(weights_dtype), attn=s.attn, seed=s.seed)
+    loaded = load_model(s.model, device, dtype_of(weights_dtype), attn=s.attn, seed=s.seed)
     model = loaded.model
     max_pos = getattr(model.config, "max_position_embeddings", None)
     needed = s.seq_len if s.mode == "train" else s.prompt_len + s.gen_len
@@ -271,7 +266,7 @@ def _train_runner(model: Any, s: ModelProfileSettings, device: str, precision: s
     optimizer = build_optimizer(SimpleNamespace(optimizer=s.optimizer, lr=1e-4), params, device)
     loss_fn = default_loss_fn(SimpleNamespace(loss_impl=s.loss_impl, zero=0), model, "torch")
     scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
-    autocast = (torch.autocast(device_type=device, dtype=torch_dtype(precision)) if precision != "fp32"
+    autocast = (torch.autocast(device_type=device, dtype=dtype_of(precision)) if precision != "fp32"
                 else nullcontext())
     gen = torch.Generator(device="cpu").manual_seed(s.seed)
     vocab = model.config.vocab_size
