@@ -365,22 +365,8 @@ def _endpoint_from_file(path: Path, load_flags: list[str], *, expect: str | None
         from clusteropt_cli.deps import require
 
         require("matplotlib", "profile")
-    _write_report(report, report_path)
-    if vllm_paths:
-        _write_vllm_bench(report, vllm_paths)
-    if save_guidellm is not None:
-        _write_guidellm(report, save_guidellm)
-    if plot is not None:
-        from clusteropt_cli.core.profile.plot import plot_endpoint
-
-        plot_endpoint(report, plot)
-        console.log(f"plot written to {plot}")
-    comparison = None
-    if expectation is not None:
-        from clusteropt_cli.core.profile.expect import compare_to_prediction
-
-        comparison = compare_to_prediction(report, expectation, tolerance)
-    _finish(report, comparison, json_out, _render_endpoint, report_path or path)
+    _emit_endpoint(report, report_path, vllm_paths, save_guidellm, plot, expectation, tolerance, json_out,
+                   report_path or path)
 
 
 @app.command("endpoint")
@@ -494,9 +480,16 @@ def endpoint(
     from clusteropt_cli.core.profile.endpoint import profile_endpoint
 
     report = profile_endpoint(settings, log=console.log)
+    _emit_endpoint(report, report_path, bench_paths, save_guidellm, plot, expectation, tolerance, json_out,
+                   report_path)
+
+
+def _emit_endpoint(report: Any, report_path: Path | None, vllm_paths: list[Path], save_guidellm: Path | None,
+                   plot: Path | None, expectation: Any, tolerance: float, json_out: bool, source: Path | None) -> None:
+    """Write an endpoint report's files (report, vllm-bench, guidellm, plot), compare it with --expect, render it."""
     _write_report(report, report_path)
-    if bench_paths:
-        _write_vllm_bench(report, bench_paths)
+    if vllm_paths:
+        _write_vllm_bench(report, vllm_paths)
     if save_guidellm is not None:
         _write_guidellm(report, save_guidellm)
     if plot is not None:
@@ -509,4 +502,4 @@ def endpoint(
         from clusteropt_cli.core.profile.expect import compare_to_prediction
 
         comparison = compare_to_prediction(report, expectation, tolerance)
-    _finish(report, comparison, json_out, _render_endpoint, report_path)
+    _finish(report, comparison, json_out, _render_endpoint, source)

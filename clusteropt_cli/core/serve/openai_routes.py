@@ -50,6 +50,14 @@ class _ClientGone(Exception):
     pass
 
 
+def _event_stream(events: Any) -> Any:
+    """Server-sent events, unbuffered by proxies."""
+    from fastapi.responses import StreamingResponse
+
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 def _sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n"
@@ -341,8 +349,7 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
                     if not h.done:
                         h.cancel()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _event_stream(events())
 
     def tool_stream(handles: list[RequestHandle], body: Any, mode: str, names: set[str],
                     logprobs: bool) -> StreamingResponse:
@@ -386,8 +393,7 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
                     if not h.done:
                         h.cancel()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _event_stream(events())
 
     def encode_all(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
