@@ -101,7 +101,7 @@ def advise(
 ) -> None:
     """Predict per-GPU memory (with a breakdown) and time of a plan, and rank the fixes for its symptoms."""
     from clusteropt_cli.core.advise import api
-    from clusteropt_cli.core.profile_report import SYMPTOMS
+    from clusteropt_cli.core.profile.report import SYMPTOMS
     from clusteropt_cli.modelspec import list_presets as presets
     from clusteropt_cli.modelspec import load_model_spec
 
@@ -150,7 +150,7 @@ def advise(
 
     measured: dict[str, Any] | None = None
     if from_profile is not None:
-        from clusteropt_cli.core.profile_report import load_profile
+        from clusteropt_cli.core.profile.report import load_profile
 
         report = load_profile(str(from_profile))
         given = {"model": model, "micro_batch": micro_batch, "seq_len": seq_len, "precision": precision,

@@ -1,6 +1,6 @@
 """copt profile: measure a model (`model`) or an OpenAI-compatible endpoint (`endpoint`) and name the bottleneck.
 
-Both write the versioned ProfileReport (core/profile_report.py) that `copt advise --from-profile` reads:
+Both write the versioned ProfileReport (core/profile/report.py) that `copt advise --from-profile` reads:
 `--json` prints it on stdout, `--report FILE` writes it. `--expect R.yaml` checks the measurement against the
 prediction a recipe carries and exits 6 when a figure misses by more than `--tolerance`.
 """
@@ -325,7 +325,7 @@ def _endpoint_from_file(path: Path, load_flags: list[str], *, expect: str | None
                         save_guidellm: Path | None, overwrite: bool, json_out: bool) -> None:
     """`profile endpoint --from-profile FILE`: a saved measurement (copt, guidellm or vllm bench serve JSON) in
     place of a load test: rendered, written in the --report/--save-* formats, checked against --expect."""
-    from clusteropt_cli.core.profile_report import load_profile
+    from clusteropt_cli.core.profile.report import load_profile
 
     if load_flags:
         raise BadInputError(f"--from-profile takes the measurement from {path}; {', '.join(load_flags)} "

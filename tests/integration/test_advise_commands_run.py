@@ -14,7 +14,7 @@ import typer
 
 from clusteropt_cli.app import app, main
 from clusteropt_cli.core.advise import recipes
-from clusteropt_cli.core.profile_report import SYMPTOMS
+from clusteropt_cli.core.profile.report import SYMPTOMS
 
 
 @pytest.fixture

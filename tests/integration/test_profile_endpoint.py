@@ -123,7 +123,7 @@ def test_endpoint_sweep_report_plot_and_expect(fake_server, copt, tmp_path):
     by_name = {f["name"]: f for f in check["figures"]}
     assert by_name["output_tokens_per_s"]["measured"] == pytest.approx(profile["levels"][1]["output_tokens_per_s"])
     assert by_name["tpot_s"]["rel_error"] == pytest.approx(by_name["tpot_s"]["measured"] / 0.01 - 1)
-    from clusteropt_cli.core.profile_report import load_profile
+    from clusteropt_cli.core.profile.report import load_profile
 
     assert load_profile(str(report)).levels[0].completed == 8
     assert plot.stat().st_size > 5000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

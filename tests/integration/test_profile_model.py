@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from clusteropt_cli.core.profile_report import SYMPTOMS, load_profile
+from clusteropt_cli.core.profile.report import SYMPTOMS, load_profile
 
 VERDICTS = {"compute-bound", "memory-bandwidth-bound", "overhead-bound", "memory-capacity-bound"}
 

@@ -214,7 +214,7 @@ def _endpoint_profile(tmp_path: Path) -> Path:
     ("vllm_bench_serve.json", 64, {"ttft_s": 0.1504, "tpot_s": 0.0175, "output_tokens_per_s": 3320.0}),
 ])
 def test_from_profile_reads_endpoint_guidellm_and_vllm_reports(tmp_path, name, batch, figures) -> None:
-    from clusteropt_cli.core.profile_report import load_profile
+    from clusteropt_cli.core.profile.report import load_profile
 
     path = _endpoint_profile(tmp_path) if name == "endpoint" else DATA / name
     report = load_profile(str(path))
@@ -272,7 +272,7 @@ def test_endpoint_expect_names_why_nothing_compares(tmp_path) -> None:
     """A serve recipe emitted for --gpu cpu predicts no latency: the error says so instead of repeating the
     pairing hint."""
     from clusteropt_cli.core.profile.expect import compare_to_prediction, load_expectation
-    from clusteropt_cli.core.profile_report import load_profile
+    from clusteropt_cli.core.profile.report import load_profile
     from clusteropt_cli.errors import BadInputError
 
     spec, target = load_model_spec("llama-3.2-1b"), api.resolve_target("cpu", memory_budget_gib=64)[0]

@@ -11,10 +11,10 @@ from clusteropt_cli.core.profile.expect import (
     load_expectation,
     model_values_from_recipe,
 )
+from clusteropt_cli.core.profile.report import SYMPTOMS, HardwareInfo, ProfileReport, Verdict
 from clusteropt_cli.core.profile.settings import EndpointSettings, ModelProfileSettings
 from clusteropt_cli.core.profile.stats import latency_summary, percentile, spread
 from clusteropt_cli.core.profile.verdict import endpoint_verdict, model_verdict
-from clusteropt_cli.core.profile_report import SYMPTOMS, HardwareInfo, ProfileReport, Verdict
 from clusteropt_cli.errors import BadInputError
 
 

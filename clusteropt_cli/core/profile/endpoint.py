@@ -26,10 +26,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 from clusteropt_cli import __version__
+from clusteropt_cli.core.profile.report import EndpointLevel, HardwareInfo, ProfileReport
 from clusteropt_cli.core.profile.settings import EndpointSettings
 from clusteropt_cli.core.profile.stats import latency_summary
 from clusteropt_cli.core.profile.verdict import endpoint_verdict
-from clusteropt_cli.core.profile_report import EndpointLevel, HardwareInfo, ProfileReport
 from clusteropt_cli.core.textfiles import jsonl_rows, string_field
 from clusteropt_cli.errors import BadInputError, CheckFailedError
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from clusteropt_cli.core.profile_report import ProfileReport
+from clusteropt_cli.core.profile.report import ProfileReport
 from clusteropt_cli.errors import BadInputError, RecipeError
 
 

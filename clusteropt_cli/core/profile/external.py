@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from clusteropt_cli import __version__
-from clusteropt_cli.core.profile_report import EndpointLevel, HardwareInfo, ProfileReport
+from clusteropt_cli.core.profile.report import EndpointLevel, HardwareInfo, ProfileReport
 
 _PCTS = {"p50": ("p50", "median"), "p90": ("p90",), "p99": ("p99",), "mean": ("mean",)}
 

@@ -24,10 +24,10 @@ from clusteropt_cli.core.profile.memory import (
     optimizer_state_bytes,
     tensor_bytes,
 )
+from clusteropt_cli.core.profile.report import HardwareInfo, OpTime, ProfileReport
 from clusteropt_cli.core.profile.settings import ModelProfileSettings
 from clusteropt_cli.core.profile.stats import spread
 from clusteropt_cli.core.profile.verdict import model_verdict
-from clusteropt_cli.core.profile_report import HardwareInfo, OpTime, ProfileReport
 from clusteropt_cli.errors import BadInputError, UnsupportedHardwareError
 
 Log = Callable[[str], None]

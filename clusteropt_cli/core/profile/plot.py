@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from clusteropt_cli.core.profile_report import ProfileReport
+from clusteropt_cli.core.profile.report import ProfileReport
 from clusteropt_cli.deps import require
 
 

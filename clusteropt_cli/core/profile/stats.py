@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from clusteropt_cli.core.profile_report import Spread
+from clusteropt_cli.core.profile.report import Spread
 
 
 def percentile(values: Sequence[float], q: float) -> float:

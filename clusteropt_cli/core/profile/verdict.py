@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from clusteropt_cli.core.profile_report import EndpointLevel, Verdict
+from clusteropt_cli.core.profile.report import EndpointLevel, Verdict
 
 NEAR_LIMIT_FRAC = 0.92
 BUSY_FRAC_MIN = 0.60
