@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clusteropt_cli.core.distill.traces import Generation, SamplingSettings
+
+if TYPE_CHECKING:
+    from clusteropt_cli.recipe.schema.distill import DistillRecipe
 
 
 def stop_token_ids(tokenizer: Any) -> list[int]:
@@ -150,7 +153,7 @@ def hash_ids(ids: list[int]) -> int:
     return value
 
 
-def distill_traces(settings: Any, *, output: Path, overwrite: bool = False, on_batch: Any = None,
+def distill_traces(settings: DistillRecipe, *, output: Path, overwrite: bool = False, on_batch: Any = None,
                    generator: Any = None) -> Any:
     """`copt distill traces`: validate up front, then generate (resumable) and return TraceStats."""
     from clusteropt_cli.core.distill.traces import read_prompts as _read

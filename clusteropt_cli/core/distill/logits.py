@@ -66,7 +66,7 @@ def prepare_output_dir(output_dir: Path, *, overwrite: bool, resume: bool, input
     check_output(output_dir, inputs, overwrite=overwrite, resume=resume, can_resume=True)
 
 
-def logits_inputs(settings: Any, recipe: str | None = None) -> dict[str, Any]:
+def logits_inputs(settings: DistillRecipe, recipe: str | None = None) -> dict[str, Any]:
     """The input paths of `copt distill logits` (what --output must stay clear of)."""
     return {"--teacher": settings.teacher, "--student": settings.student, "--data": settings.data,
             "--eval-data": settings.eval_data, "--recipe": recipe}

@@ -8,9 +8,12 @@ only on the completion tokens (the reasoning, the answer and the end-of-turn mar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clusteropt_cli.errors import BadInputError
+
+if TYPE_CHECKING:
+    from clusteropt_cli.recipe.schema.distill import DistillRecipe
 
 IGNORE_INDEX = -100
 
@@ -127,13 +130,14 @@ class SFTResult:
     eval_loss_after: float | None = None
 
 
-def sft_inputs(settings: Any, recipe: str | None = None) -> dict[str, Any]:
+def sft_inputs(settings: DistillRecipe, recipe: str | None = None) -> dict[str, Any]:
     """The input paths of `copt distill sft` (what --output must stay clear of)."""
     return {"--student": settings.student, "--traces": settings.traces, "--eval-traces": settings.eval_traces,
             "--recipe": recipe}
 
 
-def distill_sft(settings: Any, *, output_dir: Any, overwrite: bool = False, callbacks: tuple = ()) -> SFTResult:
+def distill_sft(settings: DistillRecipe, *, output_dir: Any, overwrite: bool = False,
+                callbacks: tuple = ()) -> SFTResult:
     """Fine-tune the student on the kept traces with copt train's loop (loss only on completion tokens)."""
     from pathlib import Path
 

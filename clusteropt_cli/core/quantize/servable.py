@@ -9,7 +9,10 @@ checkpoints through awq/awq_marlin (4 bits). FP8_DYNAMIC and int8 W8A8 are vLLM'
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from clusteropt_cli.recipe.schema.quantize import QuantizeRecipe
 
 MARLIN_GROUP_SIZES = (-1, 32, 64, 128)
 
@@ -26,7 +29,7 @@ class Servability:
         return f"{'yes' if self.servable else 'no'} ({self.reason})"
 
 
-def vllm_servability(settings: Any) -> Servability:
+def vllm_servability(settings: QuantizeRecipe) -> Servability:
     """Whether vLLM loads and runs the checkpoint a QuantizeRecipe writes, and why (not)."""
     method, bits, group = settings.method, settings.weight_bits, settings.group_size
     if method == "fp8":

@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clusteropt_cli.core.serve.loading import EngineLoading
 from clusteropt_cli.core.serve.requests import (
@@ -50,6 +50,10 @@ from clusteropt_cli.core.serve.requests import (
 )
 from clusteropt_cli.core.serve.speculative import SpeculativeDecoding
 from clusteropt_cli.errors import BadInputError
+
+if TYPE_CHECKING:
+    from clusteropt_cli.core.serve.device_sampling import RowSettings
+    from clusteropt_cli.recipe.schema.serve import ServeRecipe
 
 # the public in-process API (the request objects live in requests.py; importing them from here keeps working)
 __all__ = ["Engine", "EngineConfig", "EngineDeadError", "EngineObserver", "EngineStats", "EngineStoppedError",
@@ -96,14 +100,14 @@ class _Seq:
                  "matcher")
 
     def __init__(self, req: GenerationRequest, handle: RequestHandle, stop_ids: set[int], max_new: int,
-                 settings: Any):
+                 settings: RowSettings):
         self.req, self.handle, self.rid = req, handle, handle.request_id
         self.prompt = list(req.prompt_ids)
         self.out: list[int] = []
         self.num_computed = 0
         self.slot = -1
         self.draft_computed = 0
-        self.settings = settings  # device_sampling.RowSettings
+        self.settings = settings
         self.temperature, self.top_p = float(req.temperature), float(req.top_p)
         self.prompt_lp: list[Any] | None = [None] if req.prompt_logprobs is not None else None
         self.leader: _Seq | None = None  # shares the prompt's KV cache of this sequence (n > 1)
@@ -179,7 +183,8 @@ class Engine(EngineLoading, SpeculativeDecoding):
         self._wakes: dict[Any, list[Any]] | None = None  # asyncio wake-ups collected during a step
 
     @classmethod
-    def from_settings(cls, settings: Any, observer: EngineObserver | None = None, device: str | None = None) -> Engine:
+    def from_settings(cls, settings: ServeRecipe, observer: EngineObserver | None = None,
+                      device: str | None = None) -> Engine:
         """Build from a ServeRecipe (the same settings `copt serve` validates)."""
         gib = settings.kv_cache_memory
         tokens = settings.kv_cache_blocks * settings.block_size if settings.kv_cache_blocks else None

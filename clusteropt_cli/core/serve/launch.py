@@ -5,9 +5,12 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clusteropt_cli.errors import BadInputError
+
+if TYPE_CHECKING:
+    from clusteropt_cli.recipe.schema.serve import ServeRecipe
 
 
 def _check_model_dir(path: str, flag: str) -> None:
@@ -20,7 +23,7 @@ def _check_model_dir(path: str, flag: str) -> None:
 API_KEY_ENV = ("COPT_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key / api_key is not given
 
 
-def resolve_api_key(settings: Any, environ: dict[str, str] | None = None) -> tuple[str | None, str | None]:
+def resolve_api_key(settings: ServeRecipe, environ: dict[str, str] | None = None) -> tuple[str | None, str | None]:
     """(key, where it came from): --api-key / the recipe's api_key, else the first of API_KEY_ENV that is set (so
     the key need not appear in `ps`). An empty or non-ASCII key is refused before anything loads."""
     import os
@@ -50,7 +53,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def server_limits(settings: Any) -> Any:
+def server_limits(settings: ServeRecipe) -> Any:
     from clusteropt_cli.core.serve.server import ServerLimits
 
     return ServerLimits(max_request_bytes=settings.max_request_bytes, max_prompt_chars=settings.max_prompt_chars,
@@ -59,7 +62,7 @@ def server_limits(settings: Any) -> Any:
                         max_connections=settings.max_connections)
 
 
-def check_settings(settings: Any) -> None:
+def check_settings(settings: ServeRecipe) -> None:
     """Validate what can be checked before loading anything (paths, port, option combinations)."""
     from clusteropt_cli.deps import require
 
@@ -87,7 +90,7 @@ def check_settings(settings: Any) -> None:
                                     hint="Pick another --port (or stop the process using it).") from None
 
 
-def serve_transformers(settings: Any, on_ready: Callable[[str, dict], None] | None = None) -> int:
+def serve_transformers(settings: ServeRecipe, on_ready: Callable[[str, dict], None] | None = None) -> int:
     """Load the engine, serve until SIGTERM, drain, return the exit status."""
     from clusteropt_cli.core.serve.engine import Engine
     from clusteropt_cli.core.serve.server import run_server

@@ -22,9 +22,12 @@ import shlex
 import shutil
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clusteropt_cli.errors import BadInputError
+
+if TYPE_CHECKING:
+    from clusteropt_cli.recipe.schema.serve import ServeRecipe
 
 DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 KV_DTYPES = {"auto": "auto", "bf16": "auto", "fp8": "fp8", "int8": None}
@@ -118,11 +121,11 @@ def choose_engine(requested: str) -> str:
         return "copt"
 
 
-def _user_set(settings: Any, name: str) -> bool:
+def _user_set(settings: ServeRecipe, name: str) -> bool:
     return name in getattr(settings, "model_fields_set", set()) and getattr(settings, name) is not None
 
 
-def plan_vllm_command(settings: Any, version: str | None = None) -> VllmPlan:
+def plan_vllm_command(settings: ServeRecipe, version: str | None = None) -> VllmPlan:
     """The `vllm serve` argv equivalent to a ServeRecipe for one vLLM version (BadInputError for settings that
     version cannot express). `version` None: settings.vllm_version, the installed vLLM, else the newest known."""
     ver, source = resolve_version(version or getattr(settings, "vllm_version", None))
@@ -217,7 +220,7 @@ def plan_vllm_command(settings: Any, version: str | None = None) -> VllmPlan:
     return VllmPlan(argv=cmd, version=ver, version_source=source, warnings=warnings)
 
 
-def build_vllm_command(settings: Any, version: str | None = None) -> list[str]:
+def build_vllm_command(settings: ServeRecipe, version: str | None = None) -> list[str]:
     """The argv of plan_vllm_command (warnings dropped)."""
     return plan_vllm_command(settings, version).argv
 

@@ -21,9 +21,12 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clusteropt_cli.errors import BadInputError
+
+if TYPE_CHECKING:
+    from clusteropt_cli.recipe.schema.base import TrainingOptions
 
 DEFAULT_PORT = 29500
 
@@ -187,7 +190,8 @@ def record_rank_error(exit_code: int, message: str, hint: str | None) -> None:
         pass
 
 
-def child_args(settings: Any, words: list[str], *, exclude: Iterable[str] = (), extra: Iterable[str] = ()) -> list[str]:
+def child_args(settings: TrainingOptions, words: list[str], *, exclude: Iterable[str] = (),
+               extra: Iterable[str] = ()) -> list[str]:
     """The copt arguments every rank runs: this process's own (when sys.argv holds this invocation, e.g.
     `copt train ...` or `python -m clusteropt_cli train ...`), or, when copt was called programmatically (a test
     runner's argv), `words` (e.g. ["distill", "sft"]) with every setting as an override, then `extra`."""

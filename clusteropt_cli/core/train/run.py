@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from clusteropt_cli.recipe.schema.train import TrainRecipe
 
 
 def device_type() -> str:
@@ -22,7 +25,7 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def train_from_settings(settings: Any, *, overwrite: bool = False, callbacks: Sequence[Any] = (),
+def train_from_settings(settings: TrainRecipe, *, overwrite: bool = False, callbacks: Sequence[Any] = (),
                         log: Callable[[str], None] | None = None) -> Any:
     """One process of a training run (the only one, or one rank under a launcher): load, train, save. Returns
     run_training's TrainResult (rank 0 also writes it to train_result.json in settings.output)."""

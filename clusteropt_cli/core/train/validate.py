@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clusteropt_cli.core.train.model import ModelSource, resolve_model_source
 from clusteropt_cli.errors import BadInputError, UnsupportedHardwareError
 
+if TYPE_CHECKING:
+    from clusteropt_cli.recipe.schema.base import TrainingOptions
+    from clusteropt_cli.recipe.schema.train import TrainRecipe
 
-def train_inputs(settings: Any, recipe: str | None = None) -> dict[str, Any]:
+
+def train_inputs(settings: TrainRecipe, recipe: str | None = None) -> dict[str, Any]:
     """Every input path of a training run (what its --output must stay clear of)."""
     return {"--model": settings.model, "--tokenizer": getattr(settings, "tokenizer", None),
             "--data": getattr(settings, "data", None), "--hostfile": getattr(settings, "hostfile", None),
             "--recipe": recipe}
 
 
-def validate_train(settings: Any, *, overwrite: bool = False, check_output: bool = True,
+def validate_train(settings: TrainRecipe, *, overwrite: bool = False, check_output: bool = True,
                    device_type: str | None = None, recipe: str | None = None) -> ModelSource:
     """Validate a TrainRecipe against the files and the hardware; returns the resolved model source."""
     from clusteropt_cli.deps import version_of
@@ -82,7 +86,7 @@ def validate_train(settings: Any, *, overwrite: bool = False, check_output: bool
     return source
 
 
-def check_hardware(settings: Any, device_type: str) -> None:
+def check_hardware(settings: TrainingOptions, device_type: str) -> None:
     """fp8/bf16 support and the attention implementation against this machine."""
     from clusteropt_cli.core.train.precision import check_precision_supported
 
