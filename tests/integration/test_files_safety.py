@@ -374,19 +374,20 @@ def test_the_temporary_output_of_a_killed_quantize_is_removed_by_the_next_run(fi
     import signal
     import subprocess
     import sys
-    import time
 
     from tests.conftest import REPO
 
-    args = [sys.executable, "-m", "clusteropt_cli", "quantize", str(fixtures.teacher), "--method", "rtn", "--bits",
-            "8", "--output", str(tmp_path / "q")]
+    words = ["quantize", str(fixtures.teacher), "--method", "rtn", "--bits", "8", "--output", str(tmp_path / "q")]
+    args = [sys.executable, "-m", "clusteropt_cli", *words]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not list(tmp_path.glob(".q.tmp-*")) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    # kill -9 at the last moment of the run: the weights are in the temporary directory, the swap has not happened
+    # (killing from outside after seeing the directory raced the swap of a fast run)
+    killed_before_swap = ("import os, signal, clusteropt_cli.core.io as io\n"
+                          "io.write_output_marker = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+                          "from clusteropt_cli.app import main\nmain()")
+    proc = subprocess.run([sys.executable, "-c", killed_before_swap, *words], env=env, capture_output=True,
+                          timeout=600)
+    assert proc.returncode == -signal.SIGKILL
     stale = list(tmp_path.glob(".q.tmp-*"))
     assert len(stale) == 1 and not (tmp_path / "q").exists()  # kill -9: no output, one temporary left
     done = subprocess.run(args + ["--json"], env=env, capture_output=True, text=True, timeout=600)
