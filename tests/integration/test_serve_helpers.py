@@ -109,9 +109,9 @@ def assert_greedy_parity(model, prompt: list[int], served: list[int], expected: 
 
     exact: the sequences are equal. Otherwise (checkpoints that quantize activations per token at run time, INT8
     and FP8 W8A8: one rounding flip of an int8 activation moves HF's own logits by up to ~2 between a full forward
-    and a prefix forward of the same tokens) they agree up to a first divergence where both tokens are HF's top two
-    at that position, within `max_gap` nats of each other (vLLM's check_logprobs_close idea); after it, nothing is
-    compared."""
+    and a prefix forward of the same tokens) they agree up to a first divergence where both tokens are within `max_gap`
+    nats of the best token of HF's full forward at that position (vLLM's check_logprobs_close idea); after it,
+    nothing is compared."""
     import torch
 
     if exact or served == expected:
@@ -125,11 +125,14 @@ def assert_greedy_parity(model, prompt: list[int], served: list[int], expected: 
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + expected[:i]])).logits[0, -1].float()
     logprobs = torch.log_softmax(logits, -1)
-    top2 = logprobs.topk(2).indices.tolist()
+    best = logprobs.max()
     eos = model.generation_config.eos_token_id
     eos = eos if isinstance(eos, int) else eos[0]
     a = served[i] if i < len(served) else eos
     b = expected[i] if i < len(expected) else eos
-    assert {a, b} <= set(top2), f"diverged at token {i}: served {a}, HF {b}, HF's top two {top2}"
-    assert abs(logprobs[a] - logprobs[b]) < max_gap, f"diverged at token {i} by {abs(logprobs[a] - logprobs[b]):.3f}"
+    # both choices within max_gap of the best token of HF's full forward over that prefix: HF's own cached decode
+    # can pick a token outside that forward's top two (its int8 activation scales differ between the two paths)
+    for who, token in (("served", a), ("HF", b)):
+        gap = float(best - logprobs[token])
+        assert gap < max_gap, f"diverged at token {i}: {who} token {token} is {gap:.3f} nats below HF's best"
     return i
