@@ -377,7 +377,7 @@ def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEsti
     # what copt train runs for this plan on this device (its own rules): compiled decoder? fused loss?
     compiled = plan.runs_compiled(target.device)
     loss = plan.loss(spec)
-    notes.append(f"copt train's step: {'compiled' if compiled else 'eager'} decoder, "
+    notes.append(f"this plan as copt train runs it: {'compiled' if compiled else 'eager'} decoder, "
                  f"{'fused chunked' if loss == 'fused' else 'the model’s own (fp32 logits)'} loss")
 
     # activations
