@@ -104,9 +104,12 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
         time.sleep(0.3)
 
 
-async def http_request(client, url: str, prompt: list[int], max_tokens: int, stream: bool) -> dict:
+async def http_request(client, url: str, prompt: list[int], max_tokens: int, stream: bool,
+                       params: dict | None = None) -> dict:
+    """One completion request (greedy unless `params` sets sampling fields): output tokens, latency and, when
+    streamed, the arrival time of each text chunk."""
     body = {"model": "llama-1b-shape", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream}
+            "ignore_eos": True, "stream": stream, **(params or {})}
     t0 = time.perf_counter()
     if not stream:
         r = await client.post(url + "/v1/completions", json=body)

@@ -39,6 +39,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from common import http_request  # noqa: E402
+
 SAMPLING = {
     "greedy": {"temperature": 0.0},
     "t0.7": {"temperature": 0.7},
@@ -155,31 +157,13 @@ def bench_engine(model_dir: Path, prompts: list[list[int]], names: list[str], b1
     return out
 
 
-async def _request(client, url: str, prompt: list[int], max_tokens: int, params: dict) -> dict:
-    body = {"model": "llama-1b-shape", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, **params}
-    t0 = time.perf_counter()
-    times, tokens = [], 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if obj.get("usage"):
-                tokens = obj["usage"]["completion_tokens"]
-            if obj["choices"] and obj["choices"][0]["text"]:
-                times.append(time.perf_counter())
-    return {"tokens": tokens, "times": [t - t0 for t in times]}
-
-
 async def _load(url: str, prompts: list[list[int]], max_tokens: int, params: dict) -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
-        out = await asyncio.gather(*[_request(client, url, p, max_tokens, params) for p in prompts])
+        out = await asyncio.gather(*[http_request(client, url, p, max_tokens, True, params) for p in prompts])
         wall = time.perf_counter() - t0
     tokens = sum(o["tokens"] for o in out)
     tpot = sorted((o["times"][-1] - o["times"][0]) / (len(o["times"]) - 1) for o in out if len(o["times"]) > 1)
