@@ -262,6 +262,7 @@ complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subco
 complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subcommand_from validate" -l help
 complete -c copt -n "__fish_seen_subcommand_from recipes ; and __fish_seen_subcommand_from validate" -l json
 complete -c copt -n "__fish_seen_subcommand_from serve" -l api-key
+complete -c copt -n "__fish_seen_subcommand_from serve" -l api-server-count
 complete -c copt -n "__fish_seen_subcommand_from serve" -l block-size
 complete -c copt -n "__fish_seen_subcommand_from serve" -l compile-mode
 complete -c copt -n "__fish_seen_subcommand_from serve" -l draft-model

@@ -82,6 +82,9 @@ def serve(
     = None,
     quantization: Annotated[str | None, typer.Option("--quantization", help="vLLM --quantization.")] = None,
     kv_cache_dtype: Annotated[str | None, typer.Option("--kv-cache-dtype", help="vLLM: auto | fp8.")] = None,
+    api_server_count: Annotated[int | None, typer.Option(
+        "--api-server-count", help="API-server processes in front of a separate engine-core process (ZeroMQ; "
+        "vLLM's flag). Default 0: HTTP and the engine in one process.")] = None,
     grace_period: Annotated[float | None, typer.Option("--grace-period",
                                                        help="Seconds to finish in-flight requests on SIGTERM.")]
     = None,
@@ -129,7 +132,8 @@ def serve(
         compile_mode=compile_mode, async_scheduling=async_scheduling, decode_attention=decode_attention,
         tensor_parallel=tensor_parallel,
         pipeline_parallel=pipeline_parallel, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-        grace_period=grace_period, max_request_bytes=max_request_bytes, max_prompt_chars=max_prompt_chars,
+        grace_period=grace_period, api_server_count=api_server_count,
+        max_request_bytes=max_request_bytes, max_prompt_chars=max_prompt_chars,
         trust_request_chat_template=trust_request_chat_template, metrics_public=metrics_public,
         read_timeout=read_timeout, max_connections=max_connections))
 
@@ -193,7 +197,9 @@ def serve(
         else:
             console.out.print(console.kv_table("copt serve (dry run)", [
                 ("engine", "copt"), ("model", settings.model), ("bind", f"{settings.host}:{settings.port}"),
-                ("max batch", settings.max_batch_size), ("speculation", settings.draft_model or (
+                ("max batch", settings.max_batch_size),
+                ("processes", f"{settings.api_server_count} API server(s) + engine core" if settings.api_server_count
+                 else "one (HTTP and engine)"), ("speculation", settings.draft_model or (
                     f"prompt lookup n={settings.prompt_lookup}" if settings.prompt_lookup else "off"))]))
         return
 
@@ -208,6 +214,10 @@ def serve(
                         f"{info['cuda_graphs']} CUDA graphs, {info.get('merged_projections', 0)} merged projection "
                         f"groups (q/k/v, gate/up), decode attention {info.get('decode_attention', 'sdpa')}, "
                         f"speculation: {info['speculation']}")
+            if info.get("api_server_count"):
+                console.log(f"{info['api_server_count']} API-server process(es) (pids "
+                            f"{', '.join(map(str, info['api_server_pids']))}) in front of the engine-core process "
+                            f"(pid {info['engine_core_pid']})")
             if info.get("attention"):
                 console.log(f"attention: {info['attention']}")
             fp8 = info.get("fp8_linears") or {}

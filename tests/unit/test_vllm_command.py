@@ -31,7 +31,7 @@ EVERYTHING = dict(model="/m", engine="vllm", port=9000, api_key="k", dtype="bf16
                   max_batch_tokens=4096, max_batch_size=128, max_model_len=8192, block_size=16,
                   gpu_memory_utilization=0.8, kv_cache_memory=20.0, kv_cache_dtype="fp8",
                   quantization="compressed-tensors", tensor_parallel=4, pipeline_parallel=2, compile=False,
-                  async_scheduling=False)
+                  async_scheduling=False, api_server_count=4)
 
 
 @pytest.mark.parametrize("version", sorted(RECORDED))
@@ -137,3 +137,9 @@ def test_cli_aliases_version_and_engine_name(copt):
     assert ServeRecipe(model="/m", engine="transformers").engine == "copt"
     r = copt("serve", "/no/such/model", "--engine", "transformers")
     assert r.returncode == 2 and "not a local model directory" in r.stderr
+
+
+def test_api_server_count_is_forwarded_only_when_set():
+    argv = plan_vllm_command(ServeRecipe(model="/m", engine="vllm", api_server_count=4), "0.11").argv
+    assert argv[argv.index("--api-server-count") + 1] == "4"
+    assert "--api-server-count" not in plan_vllm_command(ServeRecipe(model="/m", engine="vllm"), "0.11").argv

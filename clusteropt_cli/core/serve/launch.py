@@ -68,6 +68,9 @@ def check_settings(settings: ServeRecipe) -> None:
 
     require("fastapi", "serve")
     require("uvicorn", "serve")
+    if settings.api_server_count:  # the split server's IPC
+        require("zmq", "serve")
+        require("msgpack", "serve")
     _check_model_dir(settings.model, "MODEL")
     if settings.draft_model:
         _check_model_dir(settings.draft_model, "--draft-model")
@@ -93,24 +96,17 @@ def check_settings(settings: ServeRecipe) -> None:
 def serve_transformers(settings: ServeRecipe, on_ready: Callable[[str, dict], None] | None = None) -> int:
     """Load the engine, serve until SIGTERM, drain, return the exit status."""
     from clusteropt_cli.core.serve.engine import Engine
+    from clusteropt_cli.core.serve.engine_core import engine_info
     from clusteropt_cli.core.serve.server import run_server
 
+    if settings.api_server_count:
+        from clusteropt_cli.core.serve.multiprocess import serve_split
+
+        return serve_split(settings, on_ready)
     engine = Engine.from_settings(settings)
     engine.start()
     name = settings.served_model_name or settings.model
-    speculation = (f"draft model {settings.draft_model}" if settings.draft_model else
-                   f"prompt lookup (n ≤ {settings.prompt_lookup})" if settings.prompt_lookup else "off")
-    if settings.draft_model or settings.prompt_lookup:
-        speculation += f", k={settings.num_speculative_tokens}, while ≤ {settings.speculative_max_batch} run"
-    info = {"model": name, "device": engine.device, "kv_cache_slots": engine.num_slots,
-            "max_model_len": engine.max_model_len, "kv_cache_bytes": engine.kv_cache_bytes,
-            "max_batch_tokens": engine.max_batch_tokens, "cuda_graphs": engine.stats.graphs_captured,
-            "speculation": speculation,
-            "fp8_linears": {"count": engine.runner.fp8_linears,
-                            "kernel": "scaled_mm" if engine.runner.fp8_kernels else "emulated"},
-            "merged_projections": engine.runner.fused_projections,
-            "decode_attention": engine.runner.decode_attention,
-            "attention": engine.runner.attention_path}
+    info = engine_info(engine, settings)
     return run_server(engine, host=settings.host, port=settings.port, served_model_name=name,
                       api_key=settings.api_key, grace_period=settings.grace_period,
                       on_ready=(lambda url: on_ready(url, info)) if on_ready else None,

@@ -110,14 +110,22 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
         try:
             if mode not in (None, "auto"):
                 parallel = (body.model_extra or {}).get("parallel_tool_calls") is not False
-                return await off_loop(compile_grammar, lambda *a: tool_grammar(*a, parallel=parallel), functions,
-                                      mode)
-            fmt = (body.model_extra or {}).get("response_format")
-            if fmt is None or fmt == {"type": "text"}:
-                return None
-            return await off_loop(compile_grammar, response_format_grammar, fmt)
+                spec: list = ["tools", functions, mode, parallel]
+                grammar = await off_loop(compile_grammar, lambda *a: tool_grammar(*a, parallel=parallel), functions,
+                                         mode)
+            else:
+                fmt = (body.model_extra or {}).get("response_format")
+                if fmt is None or fmt == {"type": "text"}:
+                    return None
+                spec = ["response_format", fmt]
+                grammar = await off_loop(compile_grammar, response_format_grammar, fmt)
         except StructuredOutputError as exc:
             return error(400, exc.message, param=exc.param)
+        if grammar is not None and getattr(engine, "remote", False):  # the engine core compiles it from its spec
+            from clusteropt_cli.core.serve.engine_client import WireGrammar
+
+            return WireGrammar(spec, grammar)
+        return grammar
 
     async def json_body(request: Request) -> Any:
         """The body as plain JSON, parsed on a worker thread (lone surrogates are invalid JSON here: 400)."""
@@ -183,13 +191,17 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
 
     text_of = TokenText(tokenizer)
 
-    def submit_all(requests: list[GenerationRequest]) -> list[RequestHandle] | JSONResponse:
+    submit_many = getattr(engine, "submit_many", None)  # the split server's EngineClient: one message, awaited
+
+    async def submit_all(requests: list[GenerationRequest]) -> list[RequestHandle] | JSONResponse:
         if app.state.draining:
             return error(503, "The server is shutting down.")
         handles: list[RequestHandle] = []
         try:
+            if submit_many is not None:
+                handles = await submit_many(requests)
             first: dict[tuple[int, ...], RequestHandle] = {}  # n > 1: the choices share their prompt's prefill
-            for req in requests:
+            for req in requests if submit_many is None else ():
                 key = tuple(req.prompt_ids)
                 handles.append(engine.submit(req, share_prompt_with=first.get(key)))
                 first.setdefault(key, handles[-1])
@@ -426,7 +438,7 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
         grammar = await structured(body)
         if isinstance(grammar, JSONResponse):
             return grammar
-        handles = submit_all([to_request(body, p, body.max_tokens, choice=j, logprobs=body.logprobs,
+        handles = await submit_all([to_request(body, p, body.max_tokens, choice=j, logprobs=body.logprobs,
                                          prompt_logprobs=prompt_lp, grammar=grammar)
                               for p in prompts for j in range(body.n)])
         if not isinstance(handles, list):
@@ -510,7 +522,7 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
         grammar = await structured(body, functions, tool_mode)
         if isinstance(grammar, JSONResponse):
             return grammar
-        handles = submit_all([to_request(body, prompt_ids, max_tokens, choice=j, logprobs=top, grammar=grammar)
+        handles = await submit_all([to_request(body, prompt_ids, max_tokens, choice=j, logprobs=top, grammar=grammar)
                               for j in range(body.n)])
         if not isinstance(handles, list):
             return handles

@@ -143,6 +143,23 @@ class RequestHandle:
             except RuntimeError:  # the loop is closed
                 pass
 
+    # another process's consumer (the engine-core process of the split server, engine_core.py)
+    def add_step_listener(self, loop: Any, event: Any) -> None:
+        """Be told of this handle's new tokens the way an asyncio consumer is: the engine calls
+        `loop.call_soon_threadsafe(fn, *args)` once per step for all the handles it touched, and `fn` calls
+        `event.set()` for each (an object with `is_set()` and `set()`). Tokens pushed before this call are not
+        announced: `take()` them once after registering."""
+        with self._cond:
+            self._waiters.append((loop, event, False))
+
+    def take(self) -> tuple[list[int], GenerationResult | None]:
+        """Without blocking: every token id pushed since the last take, and the result once the request ended."""
+        with self._cond:
+            chunks = list(self._chunks)
+            self._chunks.clear()
+            result = self._result
+        return [t for c in chunks for t in c], result
+
     # client side
     @property
     def done(self) -> bool:

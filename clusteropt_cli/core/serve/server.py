@@ -86,6 +86,11 @@ class ServerMetrics(EngineObserver):
         self.vllm_e2e = vllm_histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
                                        TTFT_BUCKETS)
         self.registry.register(_EngineCollector(engine, name))
+        if getattr(engine, "remote", False):  # the split server: which API-server process answered this scrape
+            from prometheus_client import Gauge
+
+            Gauge("copt_api_server_index", "Index of the API-server process that answered (per-process counters "
+                  "above are this process's)", registry=self.registry).set(engine.index)
 
     def on_first_token(self, ttft_s: float) -> None:
         if self.registry is not None:
@@ -352,18 +357,29 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
 
     @app.get("/metrics")
     async def prometheus():
+        refresh = getattr(engine, "refresh_stats", None)
+        if refresh is not None:  # the split server: the engine's stats come from the engine-core process
+            await refresh()
         body = metrics.render()
         if body is None:
             return error(503, "prometheus-client is not installed (pip install 'clusteropt-cli[serve]').")
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def engine_dead() -> bool:
-        thread = engine._thread
-        return engine.error is not None or (thread is not None and not thread.is_alive())
+        return is_engine_dead(engine)
 
     add_openai_routes(app, engine, served_model_name=served_model_name, limits=limits, off_loop=off_loop,
                       error=error, invalid=invalid, engine_dead=engine_dead)
     return app
+
+
+def is_engine_dead(engine: Any) -> bool:
+    """The engine failed (or its thread is gone); for the split server's EngineClient: the engine-core process."""
+    dead = getattr(engine, "is_dead", None)
+    if dead is not None:
+        return dead()
+    thread = engine._thread
+    return engine.error is not None or (thread is not None and not thread.is_alive())
 
 
 def raise_open_file_limit() -> int:
@@ -440,10 +456,15 @@ def guarded_protocol(read_timeout: float, max_connections: int) -> type:
 
 def run_server(engine: Engine, *, host: str, port: int, served_model_name: str, api_key: str | None = None,
                grace_period: float = 30.0, on_ready: Callable[[str], None] | None = None,
-               log_level: str = "warning", limits: ServerLimits | None = None, dead_linger_s: float = 1.0) -> int:
+               log_level: str = "warning", limits: ServerLimits | None = None, dead_linger_s: float = 1.0,
+               sockets: list | None = None, signals: tuple[int, ...] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; then drain (no new requests, in-flight ones finish) and return 0. When the
     engine dies (an unrecoverable device error) the server answers 503/500 for `dead_linger_s` seconds, stops and
-    returns ENGINE_DEAD_EXIT."""
+    returns ENGINE_DEAD_EXIT.
+
+    `engine`: the Engine, or (an API-server process of the split server) an engine_client.EngineClient;
+    `sockets`: listening sockets to serve on (shared by the API-server processes) instead of binding host:port;
+    `signals`: the signals that drain (default SIGTERM and SIGINT)."""
     import contextlib
     import signal
     import sys
@@ -473,7 +494,7 @@ def run_server(engine: Engine, *, host: str, port: int, served_model_name: str, 
                     self.force_exit = True
                 self.should_exit = True
 
-            previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+            previous = {sig: signal.signal(sig, handle) for sig in (signals or (signal.SIGTERM, signal.SIGINT))}
             try:
                 yield
             finally:
@@ -481,6 +502,9 @@ def run_server(engine: Engine, *, host: str, port: int, served_model_name: str, 
                     signal.signal(sig, old)
 
         async def startup(self, sockets=None) -> None:
+            attach = getattr(engine, "attach", None)
+            if attach is not None:  # the split server: connect to the engine core on this event loop
+                await attach()
             await super().startup(sockets)
             if self.started:
                 self._watchdog = asyncio.ensure_future(self._watch_engine())
@@ -493,8 +517,7 @@ def run_server(engine: Engine, *, host: str, port: int, served_model_name: str, 
             """A dead engine cannot recover: let the in-flight requests get their 500, then stop (non-zero)."""
             nonlocal dead
             while not self.should_exit:
-                thread = engine._thread
-                if engine.error is not None or (thread is not None and not thread.is_alive()):
+                if is_engine_dead(engine):
                     dead = True
                     sys.stderr.write(f"copt serve: the engine failed ({engine.error}); exiting so that a "
                                      "supervisor can restart the server\n")
@@ -506,10 +529,12 @@ def run_server(engine: Engine, *, host: str, port: int, served_model_name: str, 
 
     server = _Server(config)
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         deadline = time.time() + grace_period
-        while not dead and not engine.idle and time.time() < deadline:
+        # (an EngineClient's requests cannot progress once the event loop is gone: uvicorn's graceful shutdown
+        # has waited for them)
+        while not dead and not getattr(engine, "remote", False) and not engine.idle and time.time() < deadline:
             time.sleep(0.05)
         engine.stop()
         app.state.workers.shutdown(wait=False, cancel_futures=True)

@@ -179,6 +179,8 @@ def plan_vllm_command(settings: ServeRecipe, version: str | None = None) -> Vllm
         cmd += ["--tensor-parallel-size", str(settings.tensor_parallel)]
     if settings.pipeline_parallel > 1:
         cmd += ["--pipeline-parallel-size", str(settings.pipeline_parallel)]
+    if getattr(settings, "api_server_count", 0):
+        cmd += ["--api-server-count", str(settings.api_server_count)]
 
     spec: dict[str, Any] | None = None
     k = settings.num_speculative_tokens

@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""copt serve's HTTP front end against the in-process engine, same run (H200, Llama-3.2-1B shape, random weights).
+
+Run from the repo root:  python3 bench/gpu_serve_frontend.py --out $OUT/frontend.json        (≤ 10 minutes)
+                         python3 bench/gpu_serve_frontend.py --smoke --out /tmp/f.json        (CPU: checks the script)
+
+Workload: 256 requests, prompts of 256 random tokens, 128 output tokens each (ignore_eos); greedy (temperature 0)
+and sampled (temperature 1.0, top_p 0.95, seeded).
+
+Cases:
+  engine        the Engine in-process (Engine.generate over all requests at once): output tok/s, TTFT p50 in the
+                engine — the ceiling
+  http_apiN     `copt serve --api-server-count N`, 256 concurrent streaming clients: output tok/s at the clients,
+                TTFT and time-per-output-token percentiles (client-side). N = 0 is the single-process server (HTTP
+                and the engine share one process); N ≥ 1 runs N API-server processes in front of an engine-core
+                process (ZeroMQ + msgpack). --api-server-counts picks the Ns (default 0,1,2,4).
+The clients run in --client-procs processes (default 4) so that the load generator is not the bottleneck.
+Printed: tok/s, the ratio HTTP / in-process engine per sampling mode, TTFT p50; the JSON has everything.
+uvloop and httptools are used by the server when installed (uvicorn's "auto"); the JSON records whether they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from common import free_gpu, free_port, http_request, log, make_model_dir, percentiles, wait_healthy  # noqa: E402
+
+MODES = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0, "top_p": 0.95}}
+CFG = {"requests": 256, "prompt_len": 256, "out_tokens": 128, "max_model_len": 512, "kv_gib": 16.0,
+       "max_batch_tokens": 4096}
+
+
+def prompts_for(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, min(vocab, 128000) - 10) for _ in range(length)] for _ in range(n)]
+
+
+# ---- in-process ----------------------------------------------------------------------------------------
+def bench_engine(model_dir: Path, prompts: list[list[int]], repeats: int) -> dict:
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
+
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=str(model_dir), max_batch_size=len(prompts),
+                                 max_model_len=CFG["max_model_len"], kv_cache_memory_gib=CFG["kv_gib"],
+                                 max_batch_tokens=CFG["max_batch_tokens"], max_queue=4096))
+    engine.start()
+    out: dict = {"startup_s": round(time.perf_counter() - t0, 1), "graphs": engine.stats.graphs_captured}
+    try:
+        for mode, params in MODES.items():
+            def requests(run: int, params=params) -> list:
+                seeded = {"seed": 1000 * run + 1} if params.get("temperature") else {}
+                return [GenerationRequest(prompt_ids=p, max_new_tokens=CFG["out_tokens"], ignore_eos=True,
+                                          **params, **{k: v + i for k, v in seeded.items()})
+                        for i, p in enumerate(prompts)]
+
+            engine.generate(requests(99)[:16])  # warm-up
+            runs = []
+            for r in range(repeats):
+                reqs = requests(r)
+                t = time.perf_counter()
+                results = engine.generate(reqs)
+                wall = time.perf_counter() - t
+                tokens = sum(x.num_output_tokens for x in results)
+                runs.append({"output_tokens_per_s": tokens / wall, "wall_s": wall,
+                             "ttft_s": percentiles([x.ttft_s for x in results if x.ttft_s is not None])})
+            runs.sort(key=lambda x: x["output_tokens_per_s"])
+            out[mode] = {**runs[len(runs) // 2], "runs_tok_s": [round(x["output_tokens_per_s"]) for x in runs]}
+            log(f"engine {mode}: {out[mode]['output_tokens_per_s']:,.0f} tok/s")
+    finally:
+        engine.stop()
+        del engine
+        free_gpu()
+    return out
+
+
+# ---- through HTTP --------------------------------------------------------------------------------------
+def _client_proc(url: str, prompts: list[list[int]], max_tokens: int, params: dict, start_at: float) -> dict:
+    """One load-generator process: its share of the streaming clients, started at the same wall-clock time."""
+    import httpx
+
+    async def run() -> dict:
+        limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            t0 = time.time()
+            reqs = [http_request(client, url, p, max_tokens, True,
+                                 {**params, **({"seed": 7 + i} if params.get("temperature") else {})})
+                    for i, p in enumerate(prompts)]
+            out = await asyncio.gather(*reqs)
+            return {"start": t0, "end": time.time(), "results": out}
+
+    return asyncio.run(run())
+
+
+def http_load(url: str, prompts: list[list[int]], max_tokens: int, params: dict, procs: int,
+              pool: ProcessPoolExecutor) -> dict:
+    shares = [prompts[i::procs] for i in range(procs)]
+    start_at = time.time() + 1.0
+    parts = list(pool.map(_client_proc, [url] * procs, shares, [max_tokens] * procs, [params] * procs,
+                          [start_at] * procs))
+    wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
+    results = [r for p in parts for r in p["results"]]
+    tokens = sum(r["tokens"] for r in results)
+    return {"requests": len(results), "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+            "ttft_s": percentiles([r["times"][0] for r in results if r["times"]]),
+            "tpot_s": percentiles([(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in results
+                                   if len(r["times"]) > 1])}
+
+
+def start_server(model_dir: Path, port: int, api_servers: int, max_batch: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
+    cmd = [sys.executable, "-m", "clusteropt_cli", "serve", str(model_dir), "--port", str(port),
+           "--max-batch-size", str(max_batch), "--max-model-len", str(CFG["max_model_len"]), "--kv-cache-memory",
+           str(CFG["kv_gib"]), "--max-batch-tokens", str(CFG["max_batch_tokens"]), "--served-model-name",
+           "llama-1b-shape", "--max-queue", "4096", "--api-server-count", str(api_servers)]
+    log("starting: " + " ".join(cmd))
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def bench_http(model_dir: Path, prompts: list[list[int]], api_servers: int, procs: int, repeats: int) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(model_dir, port, api_servers, len(prompts))
+    out: dict = {"api_server_count": api_servers}
+    try:
+        out["startup_s"] = round(wait_healthy(url, proc, timeout=300), 1)
+        with ProcessPoolExecutor(procs) as pool:
+            http_load(url, prompts[:32], 16, {}, procs, pool)  # warm-up (and the client processes' imports)
+            for mode, params in MODES.items():
+                try:
+                    runs = sorted((http_load(url, prompts, CFG["out_tokens"], params, procs, pool)
+                                   for _ in range(repeats)), key=lambda r: r["output_tokens_per_s"])
+                    out[mode] = {**runs[len(runs) // 2], "runs_tok_s": [round(r["output_tokens_per_s"]) for r in runs]}
+                    log(f"http api-server-count {api_servers} {mode}: {out[mode]['output_tokens_per_s']:,.0f} tok/s, "
+                        f"TTFT p50 {out[mode]['ttft_s']['p50']:.3f} s")
+                except Exception as exc:  # noqa: BLE001 - recorded, the next mode runs
+                    out[mode] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out["exit_status"] = proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out["exit_status"] = "killed"
+        tail = proc.stderr.read()[-2000:] if proc.stderr else ""
+        if out["exit_status"] != 0 and tail:
+            log("server stderr tail:\n" + tail)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="JSON results path")
+    parser.add_argument("--api-server-counts", default="0,1,2,4",
+                        help="comma-separated --api-server-count values to serve with (0: single process)")
+    parser.add_argument("--client-procs", type=int, default=4, help="load-generator processes")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per case (median reported)")
+    parser.add_argument("--skip", default="", help="comma-separated: engine, http")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, few requests (checks the script on CPU)")
+    args = parser.parse_args()
+    counts = [int(c) for c in args.api_server_counts.split(",") if c.strip()]
+    skip = set(filter(None, args.skip.split(",")))
+    import importlib.util
+
+    import torch
+
+    if args.smoke:
+        CFG.update(requests=8, prompt_len=16, out_tokens=8, max_model_len=64, kv_gib=0.02, max_batch_tokens=256)
+        args.repeats, args.client_procs = 1, min(args.client_procs, 2)
+    results: dict = {"bench": "gpu_serve_frontend", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                     "config": dict(CFG), "modes": MODES, "client_procs": args.client_procs,
+                     "uvloop": importlib.util.find_spec("uvloop") is not None,
+                     "httptools": importlib.util.find_spec("httptools") is not None}
+    tmp = Path(tempfile.mkdtemp(prefix="copt-frontend-bench-"))
+    model_dir = tmp / "llama-1b-shape"
+    made = make_model_dir(model_dir, small=args.smoke)
+    vocab = made["vocab"]
+    del made
+    free_gpu()
+    prompts = prompts_for(vocab, CFG["requests"], CFG["prompt_len"])
+    if "engine" not in skip:
+        try:
+            results["engine"] = bench_engine(model_dir, prompts, args.repeats)
+        except Exception as exc:  # noqa: BLE001
+            results["engine"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    if "http" not in skip:
+        for n in counts:
+            try:
+                results[f"http_api{n}"] = bench_http(model_dir, prompts, n, args.client_procs, args.repeats)
+            except Exception as exc:  # noqa: BLE001
+                results[f"http_api{n}"] = {"error": f"{type(exc).__name__}: {exc}",
+                                           "traceback": traceback.format_exc()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, default=str))
+
+    print(f"\ncopt serve front end vs in-process engine — {results['gpu']}, {results['date']}, "
+          f"{CFG['requests']} clients, prompts {CFG['prompt_len']}, {CFG['out_tokens']} output tokens")
+    print(f"{'case':<14}" + "".join(f"{m + ' tok/s':>16}{'÷ engine':>10}{'TTFT p50 s':>12}" for m in MODES))
+    engine = results.get("engine", {})
+    for case in ["engine"] + [f"http_api{n}" for n in counts]:
+        row = results.get(case, {})
+        cells = ""
+        for m in MODES:
+            r = row.get(m, {})
+            tok = r.get("output_tokens_per_s")
+            base = engine.get(m, {}).get("output_tokens_per_s")
+            ttft = (r.get("ttft_s") or {}).get("p50")
+            cells += (f"{tok:>16,.0f}" if tok else f"{'-':>16}") + (f"{tok / base:>10.2f}" if tok and base else
+                                                                  f"{'-':>10}")
+            cells += f"{ttft:>12.3f}" if ttft is not None else f"{'-':>12}"
+        print(f"{case:<14}{cells}")
+        if "error" in row:
+            print(f"  {case} error: {row['error']}")
+    print(f"uvloop: {results['uvloop']}, httptools: {results['httptools']}; results: {args.out}")
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""`copt serve --api-server-count 2`: two API-server processes in front of an engine-core process (ZeroMQ +
+msgpack). Streaming and non-streaming equal HF greedy; a client that disconnects mid-stream frees its slot in the
+engine process; a bad request gets its 400 before admission; auth and /metrics (the engine core's stats in every
+API process) hold; SIGTERM drains and exits 0; a dead engine core gives /health 503 and a non-zero exit, with no
+process left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.integration.test_serve_helpers import eval_prompts, hf_greedy, running_server
+
+pytestmark = pytest.mark.slow
+KEY = "sk-split"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _ready_info(proc) -> dict:
+    """The --json ready document the supervisor prints once every process is up."""
+    lines = []
+    while True:
+        line = proc.stdout.readline()
+        assert line, "no ready document on stdout"
+        lines.append(line)
+        if line.rstrip() == "}":
+            return json.loads("".join(lines))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while any(_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "a child process outlived the server"
+
+
+def _stream(url: str, body: dict, *, stop_after: int | None = None) -> dict:
+    out = {"text": "", "finish_reason": None, "events": 0, "done": False}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=60) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                out["done"] = True
+                continue
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            for choice in event.get("choices", []):
+                out["text"] += choice["text"]
+                out["finish_reason"] = choice["finish_reason"] or out["finish_reason"]
+            out["events"] += 1
+            if stop_after is not None and out["events"] >= stop_after:
+                break  # leaving the block closes the connection mid-stream
+    return out
+
+
+@pytest.fixture(scope="module")
+def split(fixtures):
+    with running_server(fixtures.teacher, "--api-server-count", "2", "--api-key", KEY, "--max-model-len", "512",
+                        "--json") as (url, proc):
+        yield url, proc, _ready_info(proc)
+
+
+def test_streaming_and_plain_equal_hf_greedy_across_api_processes(fixtures, split):
+    url, _, info = split
+    assert info["api_server_count"] == 2 and len(info["api_server_pids"]) == 2
+    prompts = eval_prompts(fixtures, 8, seed=21)
+    expected = hf_greedy(fixtures.teacher, prompts, 16)
+
+    def plain(prompt):
+        r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=60, json={
+            "prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(plain, prompts))
+        streamed = list(pool.map(lambda p: _stream(url, {"prompt": p, "max_tokens": 16, "temperature": 0}),
+                                 prompts))
+    assert [c["token_ids"] for c in got] == expected
+    assert [s["text"] for s in streamed] == [c["text"] for c in got]
+    assert all(s["done"] and s["finish_reason"] == c["finish_reason"] for s, c in zip(streamed, got, strict=True))
+    # both API processes accept on the shared socket
+    seen = set()
+    for _ in range(40):
+        with ThreadPoolExecutor(4) as pool:
+            seen |= set(pool.map(lambda _: _index(url), range(4)))
+        if seen == {0, 1}:
+            break
+    assert seen == {0, 1}
+
+
+def _index(url: str) -> int:
+    r = httpx.get(url + "/metrics", headers=AUTH, timeout=5)
+    line = next(x for x in r.text.splitlines() if x.startswith("copt_api_server_index "))
+    return int(float(line.split()[-1]))
+
+
+def test_auth_validation_and_engine_metrics(split):
+    url = split[0]
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/metrics").status_code == 401
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/v1/models", headers=AUTH).json()["data"][0]["max_model_len"] == 512
+    bad = httpx.post(url + "/v1/completions", headers=AUTH, json={"prompt": [5, 10**9], "max_tokens": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    bad = httpx.post(url + "/v1/completions", headers=AUTH, json={"prompt": "x", "max_tokens": 2, "logprobs": 21})
+    assert bad.status_code == 400
+    text = httpx.get(url + "/metrics", headers=AUTH).text  # the engine core's stats, through an API process
+    assert "copt_engine_steps_total" in text and "copt_kv_cache_slots 64.0" in text
+    assert 'copt_request_finished_total{reason="length"}' in text
+
+
+def test_logprobs_and_n_choices_cross_the_process_boundary(split):
+    url = split[0]
+    r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=60, json={
+        "prompt": "def add(a, b):", "max_tokens": 6, "temperature": 0, "logprobs": 2, "n": 2})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and choices[0]["text"] == choices[1]["text"]
+    lp = choices[0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(lp["tokens"]) > 0 and all(len(t) >= 1 for t in lp["top_logprobs"])
+
+
+def test_disconnect_mid_stream_frees_the_slot_in_the_engine_process(split):
+    url = split[0]
+
+    def aborted() -> float:
+        return metric_auth(url, "copt_request_finished_total", 'reason="abort"')
+
+    before = aborted()
+    out = _stream(url, {"prompt": "def f(x):", "max_tokens": 400, "ignore_eos": True, "temperature": 0},
+                  stop_after=3)
+    assert out["events"] == 3 and not out["done"]
+    deadline = time.time() + 15
+    while time.time() < deadline and (aborted() < before + 1 or metric_auth(url, "copt_num_requests_running")):
+        time.sleep(0.1)
+    assert aborted() == before + 1
+    assert metric_auth(url, "copt_num_requests_running") == 0
+
+
+def metric_auth(url: str, name: str, labels: str = "") -> float:
+    key = f"{name}{{{labels}}}" if labels else name
+    for line in httpx.get(url + "/metrics", headers=AUTH, timeout=5).text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_engine_core_death_gives_503_and_a_nonzero_exit(split):
+    """(Last: it kills the module's server.)"""
+    url, proc, info = split
+    long = ThreadPoolExecutor(1).submit(_stream, url, {"prompt": "x", "max_tokens": 400, "ignore_eos": True})
+    time.sleep(0.5)
+    os.kill(info["engine_core_pid"], signal.SIGKILL)
+    statuses = []
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            statuses.append(httpx.get(url + "/health", timeout=2).status_code)
+        except httpx.HTTPError:
+            break
+        if statuses[-1] == 503:
+            break
+        time.sleep(0.05)
+    assert 503 in statuses
+    assert long.result(30)["finish_reason"] != "length"  # the request in flight failed, it did not hang
+    assert proc.wait(30) != 0
+    _wait_gone(info["api_server_pids"])
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_zero(fixtures):
+    with running_server(fixtures.teacher, "--api-server-count", "2", "--api-key", KEY, "--max-model-len", "512",
+                        "--grace-period", "20", "--json") as (url, proc):
+        info = _ready_info(proc)
+        pool = ThreadPoolExecutor(2)
+        streams = [pool.submit(_stream, url, {"prompt": f"def f{i}(x):", "max_tokens": 60, "ignore_eos": True,
+                                              "temperature": 0}) for i in range(2)]
+        deadline = time.time() + 15
+        while metric_auth(url, "copt_num_requests_running") < 2 and time.time() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        try:
+            late = httpx.post(url + "/v1/completions", headers=AUTH, json={"prompt": "y", "max_tokens": 2},
+                              timeout=5).status_code
+        except httpx.HTTPError:
+            late = None  # the listening socket is closed already
+        assert late in (None, 503)
+        for s in streams:
+            out = s.result(60)
+            assert out["done"] and out["finish_reason"] == "length", out
+        assert proc.wait(40) == 0
+        _wait_gone([info["engine_core_pid"], *info["api_server_pids"]])
