@@ -8,7 +8,8 @@ Sampling settings (`--sampling`, comma-separated; default all):
   greedy   temperature 0
   t0.7     temperature 0.7
   t1.0     temperature 1.0 (OpenAI's default)
-  t1.0p95  temperature 1.0, top_p 0.95
+  t1.0p95  temperature 1.0, top_p 0.95 (the sort mode: the vocabulary sorted once per step)
+  t1.0k50  temperature 1.0, top_k 50 (the top-k mode: torch.topk thresholds, no sort)
   pen      temperature 0.7, top_k 50, presence_penalty 0.5 (the penalties' graph variant)
 
 Cases, each per sampling setting:
@@ -17,7 +18,8 @@ Cases, each per sampling setting:
   http_c64      64 concurrent streaming requests (prompts 32–256 tokens, 128 output tokens, ignore_eos): tok/s,
                 median of --repeats runs (3)
   http_c256     the same with 256 clients
-kernels: the sampling graph alone (µs per step by batch and variant) against the greedy argmax.
+kernels: the sampling graph alone (µs per step by batch, selection mode — plain, topk, sort — and penalties)
+against the greedy argmax.
 Also checked on the device: a seeded request gives the same tokens when repeated and alone vs. inside a batch of 64
 others (with the greedy request as the control: batched GEMMs may round differently from batch 1), and whether the
 sampling graphs were captured (`sampler_graph_error`, `sampler_compile_error`).
@@ -46,6 +48,7 @@ SAMPLING = {
     "t0.7": {"temperature": 0.7},
     "t1.0": {"temperature": 1.0},
     "t1.0p95": {"temperature": 1.0, "top_p": 0.95},
+    "t1.0k50": {"temperature": 1.0, "top_k": 50},
     "pen": {"temperature": 0.7, "top_k": 50, "presence_penalty": 0.5},
 }
 
@@ -55,14 +58,14 @@ def bench_kernels(vocab: int, batches: list[int]) -> dict:
     and the greedy argmax for comparison: µs per step on random logits."""
     import torch
 
-    from clusteropt_cli.core.serve.device_sampling import RowSettings, SlotSampler
+    from clusteropt_cli.core.serve.device_sampling import PLAIN, SORT, TOP_K, RowSettings, SlotSampler
     from clusteropt_cli.core.serve.runner import greedy_tokens
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = max(batches)
     sampler = SlotSampler(rows, vocab, dev, compiled=dev.type == "cuda")
     for slot in range(rows):
-        sampler.assign(slot, RowSettings(temperature=1.0, top_p=0.95, seed=slot, presence_penalty=0.5,
+        sampler.assign(slot, RowSettings(temperature=1.0, top_p=0.95, top_k=50, seed=slot, presence_penalty=0.5,
                                          min_tokens=2, stop_ids=(1, 2)), [3, 4, 5])
     logits = torch.randn(rows, vocab, device=dev)
     sampler.active.fill_(True)
@@ -88,10 +91,10 @@ def bench_kernels(vocab: int, batches: list[int]) -> dict:
     with torch.inference_mode():
         for b in batches:
             out[f"b{b}_greedy_argmax_us"] = timed(lambda b=b: greedy_tokens(logits[:b]))
-            for sort in (False, True):
+            for mode, label in ((PLAIN, "plain"), (TOP_K, "topk"), (SORT, "sort")):
                 for pen in (False, True):
-                    key = f"b{b}_{'sort' if sort else 'plain'}{'_pen' if pen else ''}_us"
-                    out[key] = timed(lambda b=b, sort=sort, pen=pen: sampler.graph_sample(logits[:b], b, sort, pen))
+                    key = f"b{b}_{label}{'_pen' if pen else ''}_us"
+                    out[key] = timed(lambda b=b, mode=mode, pen=pen: sampler.graph_sample(logits[:b], b, mode, pen))
             row = {k: v for k, v in out.items() if k.startswith(f"b{b}_")}
             log(f"sampling kernels b{b}: " + ", ".join(f"{k}={v:.1f}" for k, v in row.items()))
     out["graph_error"], out["compile_error"] = sampler.graph_error, sampler.compile_error
@@ -277,6 +280,15 @@ def main() -> None:
         print(f"{n:<10}{fmt[0]:>13}{fmt[1]:>12}" + "".join(f"{x:>12}" for x in fmt[2:]))
         if base and e.get("engine_b1_ms_per_token") and n != "greedy":
             print(f"{'':<10}{e['engine_b1_ms_per_token'] / base - 1:>+12.1%} vs greedy")
+        temp = eng.get("t1.0", {}).get("engine_b1_ms_per_token")
+        if temp and e.get("engine_b1_ms_per_token") and n in ("t1.0p95", "t1.0k50"):
+            print(f"{'':<10}{e['engine_b1_ms_per_token'] / temp - 1:>+12.1%} vs t1.0")
+    kern = results.get("kernels", {})
+    for b in (1, 64, 256):
+        cells = [kern.get(f"b{b}_{k}_us") for k in ("greedy_argmax", "plain", "topk", "sort")]
+        if all(isinstance(c, float) for c in cells):
+            print(f"sampling graph b{b} µs: argmax {cells[0]:.1f}, plain {cells[1]:.1f}, topk {cells[2]:.1f}, "
+                  f"sort {cells[3]:.1f}")
     for k in ("startup_s", "graphs", "graph_error", "compile_error", "sampler_graph_error", "sampler_compile_error",
               "sampler_graphs", "seeded_repeat_identical", "seeded_in_batch_identical", "seeded_in_batch_common_prefix",
               "greedy_repeat_identical", "greedy_in_batch_identical", "greedy_in_batch_common_prefix"):

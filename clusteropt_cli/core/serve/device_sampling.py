@@ -12,6 +12,12 @@ noise a request sees depends on nothing but its own seed and the position of the
 the same text whatever else is batched with it (and whichever path — CUDA graph, eager, speculative — chose the
 token). Requests without a seed get one drawn from the engine's random stream.
 
+Restricted sampling takes the cheapest exact way the step's rows allow (`RowSettings.selection`): top-k (k up to
+TOP_K_CAP) and min-p mask the vocabulary with thresholds from one torch.topk — the k-th largest score, the ties at
+it kept in token order as a stable sort ranks them — and top-p sorts the vocabulary once (its nucleus has no bound
+on its size: a flat distribution puts most of the vocabulary in a 0.95 nucleus). Every mode draws the token the
+full sort would.
+
 Logprobs are those of the distribution the token is sampled from before truncation: the logits after
 `logit_bias`, `min_tokens` suppression, the penalties and the temperature (1 for greedy rows), log-softmaxed;
 top-k / top-p / min-p then restrict which tokens can be drawn but do not renormalize the reported logprobs.
@@ -73,10 +79,11 @@ def penalized_logits(x, counts, prompt_mask, presence, frequency, repetition):
 
 def process_logits(logits, temperature, position, prompt_len, min_tokens, stop_ids, bias_ids, bias_vals, presence,
                    frequency, repetition, counts, prompt_mask, penalize: bool, divide: bool = True,
-                   penalties=penalized_logits):
+                   penalties=penalized_logits, inv_temperature=None):
     """Logits [B, V] → the processed logits the row samples from, divided by the temperature (1 for greedy rows;
     not divided with divide=False: choose_tokens then scales them inside its fused kernel). `penalize` adds
-    logit_bias, min_tokens suppression and (with counts) the penalties."""
+    logit_bias, min_tokens suppression and (with counts) the penalties. `inv_temperature`: the rows' factors
+    1 / temperature_or_one(temperature) when already at hand (the sampler keeps them per row)."""
     import torch
 
     x = logits.float()
@@ -89,7 +96,9 @@ def process_logits(logits, temperature, position, prompt_len, min_tokens, stop_i
         x = x.scatter_add(1, stop_ids.clamp_min(0), block)
     if not divide:
         return x
-    return x * (1.0 / temperature_or_one(temperature))[:, None]  # the same product the fused kernel forms
+    if inv_temperature is None:
+        inv_temperature = 1.0 / temperature_or_one(temperature)
+    return x * inv_temperature[:, None]  # the same product the fused kernel forms
 
 
 def temperature_or_one(temperature):
@@ -98,20 +107,31 @@ def temperature_or_one(temperature):
     return torch.where(temperature > 0, temperature, torch.ones_like(temperature))
 
 
-def perturbed_scores(scores, scale, noisy, seed_lo, seed_hi, position, token_ids):
-    """Gumbel-perturbed log-scores: scores - log E(seed, position, token) on `noisy` rows, the scores unchanged on
-    the others (greedy rows). The argmax of a noisy row is a sample from softmax(scores) (log p - log E: the
-    Gumbel-max trick); of a greedy row, its argmax. Pointwise only: torch.compile fuses it into one kernel."""
+def perturbed_scores(scores, scale, temperature, seed_lo, seed_hi, position):
+    """Gumbel-perturbed log-scores: scores - log E(seed, position, token) on sampled rows (temperature > 0), the
+    scores unchanged on the others (greedy rows). The argmax of a sampled row is a sample from softmax(scores)
+    (log p - log E: the Gumbel-max trick); of a greedy row, its argmax. Pointwise only: torch.compile fuses it
+    into one kernel (the token ids and the row flags included)."""
     import torch
 
     scores = scores * scale[:, None]  # 1 / temperature (the division fused here)
-    e = exponential_noise(seed_lo, seed_hi, position, token_ids)
-    return torch.where(noisy[:, None], scores - torch.log(e), scores)
+    ids = torch.arange(scores.shape[-1], device=scores.device)[None, :]
+    e = exponential_noise(seed_lo, seed_hi, position, ids)
+    return torch.where((temperature > 0)[:, None], scores - torch.log(e), scores)
 
 
-def perturbed_sorted(values, w, cum, top_p, top_k, min_p, noisy, seed_lo, seed_hi, position, order):
+def sorted_weights(values):
+    """Unnormalized probabilities of rows sorted largest first: exp(value - the row's largest), the largest taken
+    as 0 when it is not finite (a row of -inf gives zeros, never NaN). Pointwise (one fused kernel compiled)."""
+    import torch
+
+    top = values[:, :1]
+    return torch.exp(values - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+
+
+def perturbed_sorted(values, w, cum, top_p, top_k, min_p, temperature, seed_lo, seed_hi, position, order):
     """perturbed_scores over rows sorted largest first (values, their unnormalized probabilities w and the
-    running sums cum), with the tokens outside top-k, the top-p nucleus and the min-p floor set to -inf on noisy
+    running sums cum), with the tokens outside top-k, the top-p nucleus and the min-p floor set to -inf on sampled
     rows. Pointwise only (one fused kernel compiled)."""
     import torch
 
@@ -120,9 +140,28 @@ def perturbed_sorted(values, w, cum, top_p, top_k, min_p, noisy, seed_lo, seed_h
     keep = (((cum - w) <= top_p[:, None] * cum[:, -1:]) & (ranks < k[:, None])
             & (w >= min_p[:, None] * w[:, :1]))  # the smallest prefix whose mass reaches top_p, top k, min-p
     e = exponential_noise(seed_lo, seed_hi, position, order)
-    noisy_rows = noisy[:, None]
+    noisy_rows = (temperature > 0)[:, None]
     return torch.where(noisy_rows & keep, values - torch.log(e),
                        torch.where(noisy_rows, torch.full_like(values, float("-inf")), values))
+
+
+def perturbed_top_k(scores, top, kth, need, tie_rank, limited, min_p, temperature, seed_lo, seed_hi, position):
+    """perturbed_scores over unsorted rows with the tokens outside top-k and the min-p floor set to -inf on sampled
+    rows — the same tokens perturbed_sorted keeps when top_p is 1, found without sorting the vocabulary. `top`: the
+    row's largest score; `kth`: its k-th largest (ties counted); `need`: how many tokens equal to kth top-k keeps
+    (k minus those above it: the ties in token order, as a stable sort ranks them); `tie_rank`: the running count
+    of scores equal to kth in token order; `limited`: rows where 0 < top_k < vocab. Pointwise (one fused kernel)."""
+    import torch
+
+    top_f = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp(scores - top_f)  # the sorted path's weights, token by token
+    in_top_k = (~limited[:, None]) | (scores > kth) | ((scores == kth) & (tie_rank <= need[:, None]))
+    keep = in_top_k & (w >= min_p[:, None] * torch.exp(top - top_f))
+    ids = torch.arange(scores.shape[-1], device=scores.device)[None, :]
+    e = exponential_noise(seed_lo, seed_hi, position, ids)
+    noisy_rows = (temperature > 0)[:, None]
+    return torch.where(noisy_rows & keep, scores - torch.log(e),
+                       torch.where(noisy_rows, torch.full_like(scores, float("-inf")), scores))
 
 
 def row_argmax(scores):
@@ -132,39 +171,80 @@ def row_argmax(scores):
     return greedy_tokens(scores)
 
 
-def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort: bool,
-                  perturb=None, scale=None):
-    """One token per row from processed logits: greedy rows (temperature 0) take the argmax, the others sample
-    (Gumbel-max over the exponential noise of (seed, position)); with `sort`, from the distribution restricted by
-    top-k, top-p and min-p. A row whose every logit is -inf gives a token, never NaN. `perturb`: the pointwise
-    functions (perturbed_scores, perturbed_sorted, penalized_logits), compiled or not. `scale`: per-row factors
-    still to apply to `scaled` (1 / temperature, when process_logits did not divide; sort=False only)."""
+# How choose_tokens restricts the sampled rows (the sampler picks one per step from the rows' settings):
+PLAIN = 0  # temperature only: Gumbel-max over the vocabulary
+TOP_K = 1  # top-k (k <= TOP_K_CAP or >= vocab) and min-p: thresholds from torch.topk, no sort of the vocabulary
+SORT = 2  # top-p (or a top-k above TOP_K_CAP): the vocabulary sorted once, the nucleus from running sums
+TOP_K_CAP = 1024
+
+# the pointwise pieces choose_tokens and process_logits call (SlotSampler compiles each into one fused kernel)
+KERNELS = {"plain": perturbed_scores, "sorted": perturbed_sorted, "weights": sorted_weights,
+           "top_k": perturbed_top_k, "penalties": penalized_logits}
+
+
+def selection_mode(sort) -> int:
+    """choose_tokens' `sort` argument as a mode: False → PLAIN, True → SORT (always exact), else the mode."""
+    if isinstance(sort, bool):
+        return SORT if sort else PLAIN
+    return int(sort)
+
+
+def top_k_bounds(scaled, top_k):
+    """The TOP_K mode's thresholds: (the row's largest score [B, 1], its k-th largest [B, 1], how many of the
+    scores equal to the k-th top-k keeps [B], their running count in token order [B, V], limited [B]). One
+    torch.topk of min(TOP_K_CAP, V) values per row instead of a sort of V; exact for top_k <= TOP_K_CAP."""
     import torch
 
-    plain, nucleus = perturb[:2] if perturb else (perturbed_scores, perturbed_sorted)
-    noisy = temperature > 0
-    if sort:
+    vocab = scaled.shape[-1]
+    cap = min(TOP_K_CAP, vocab)
+    vals = scaled.topk(cap, dim=-1, sorted=True).values
+    kth = vals.gather(1, (top_k.clamp(1, cap) - 1)[:, None])
+    need = top_k - (vals > kth).sum(-1)  # everything above the k-th is inside the top `cap` values
+    tie_rank = (scaled == kth).cumsum(-1, dtype=torch.int32)
+    return vals[:, :1], kth, need, tie_rank, (top_k > 0) & (top_k < vocab)
+
+
+def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort,
+                  perturb=None, scale=None):
+    """One token per row from processed logits: greedy rows (temperature 0) take the argmax, the others sample
+    (Gumbel-max over the exponential noise of (seed, position)), restricted by top-k, top-p and min-p as `sort`
+    says (a mode: PLAIN, TOP_K — exact when every row's top_k is at most TOP_K_CAP or at least the vocabulary
+    and its top_p is 1 — or SORT, exact for every row; False/True: PLAIN/SORT). A row whose every logit is -inf
+    gives a token, never NaN. `perturb`: the KERNELS, compiled or not. `scale`: per-row factors still to apply to
+    `scaled` (1 / temperature, when process_logits did not divide; PLAIN only)."""
+    import torch
+
+    fns = perturb or KERNELS
+    mode = selection_mode(sort)
+    if mode == SORT:
         values, order = scaled.sort(dim=-1, descending=True, stable=True)  # ties keep index order (first max)
-        top = values[:, :1]
-        w = torch.exp(values - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+        w = fns["weights"](values)
         cum = w.cumsum(-1)
-        pick = row_argmax(nucleus(values, w, cum, top_p, top_k, min_p, noisy, seed_lo, seed_hi, position, order))
+        pick = row_argmax(fns["sorted"](values, w, cum, top_p, top_k, min_p, temperature, seed_lo, seed_hi,
+                                        position, order))
         return order.gather(-1, pick[:, None]).squeeze(-1)
-    ids = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    if mode == TOP_K:
+        top, kth, need, tie_rank, limited = top_k_bounds(scaled, top_k)
+        return row_argmax(fns["top_k"](scaled, top, kth, need, tie_rank, limited, min_p, temperature, seed_lo,
+                                       seed_hi, position))
     if scale is None:
         scale = torch.ones_like(temperature)
-    return row_argmax(plain(scaled, scale, noisy, seed_lo, seed_hi, position, ids))
+    return row_argmax(fns["plain"](scaled, scale, temperature, seed_lo, seed_hi, position))
 
 
 def sample_kernel(logits, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, prompt_len, min_tokens,
                   stop_ids, bias_ids, bias_vals, presence, frequency, repetition, counts, prompt_mask,
-                  sort: bool, penalize: bool, perturb=None):
-    """process_logits + choose_tokens (without sort, the temperature is applied inside the fused noise kernel)."""
+                  sort, penalize: bool, perturb=None, inv_temperature=None):
+    """process_logits + choose_tokens (in PLAIN mode, the temperature is applied inside the fused noise kernel)."""
+    fns = perturb or KERNELS
+    plain = selection_mode(sort) == PLAIN
+    if inv_temperature is None:
+        inv_temperature = 1.0 / temperature_or_one(temperature)
     scaled = process_logits(logits, temperature, position, prompt_len, min_tokens, stop_ids, bias_ids, bias_vals,
-                            presence, frequency, repetition, counts, prompt_mask, penalize, divide=sort,
-                            penalties=perturb[2] if perturb else penalized_logits)
-    scale = None if sort else 1.0 / temperature_or_one(temperature)
-    return choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort, perturb, scale)
+                            presence, frequency, repetition, counts, prompt_mask, penalize, divide=not plain,
+                            penalties=fns["penalties"], inv_temperature=inv_temperature)
+    return choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort, perturb,
+                         inv_temperature if plain else None)
 
 
 @dataclass
@@ -186,6 +266,13 @@ class RowSettings:
     @property
     def needs_sort(self) -> bool:
         return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0)
+
+    @property
+    def selection(self) -> int:
+        """The choose_tokens mode this row needs: PLAIN, TOP_K or SORT (top-p, or a top-k above TOP_K_CAP)."""
+        if not self.needs_sort:
+            return PLAIN
+        return SORT if self.top_p < 1.0 or self.top_k > TOP_K_CAP else TOP_K
 
     @property
     def has_penalties(self) -> bool:
@@ -219,9 +306,9 @@ class SlotSampler:
         self.num_rows, self.vocab, self.device = num_rows, vocab, device
         f = dict(dtype=torch.float32, device=device)
         i = dict(dtype=torch.long, device=device)
-        self.fparams = torch.zeros(num_rows, 6, **f)  # temperature, top_p, min_p, presence, frequency, repetition
-        self.fparams[:, 1] = 1.0
-        self.fparams[:, 5] = 1.0
+        # temperature, top_p, min_p, presence, frequency, repetition, 1 / temperature (1 for greedy rows)
+        self.fparams = torch.zeros(num_rows, 7, **f)
+        self.fparams[:, [1, 5, 6]] = 1.0
         self.iparams = torch.zeros(num_rows, 5, **i)  # top_k, seed_lo, seed_hi, prompt_len, min_tokens
         self.stop_ids = torch.full((num_rows, MAX_STOP_IDS), -1, **i)
         self.bias_ids = torch.zeros(num_rows, MAX_LOGIT_BIAS, **i)
@@ -232,9 +319,9 @@ class SlotSampler:
         self.active = torch.zeros(num_rows, dtype=torch.bool, device=device)
         self.out = torch.zeros(num_rows, **i)
         self.settings: list[RowSettings | None] = [None] * num_rows
-        # the noise and the masking as one fused pointwise kernel (the reductions and the sort stay eager ops)
-        self.perturb = (tuple(torch.compile(fn, dynamic=True)
-                              for fn in (perturbed_scores, perturbed_sorted, penalized_logits)) if compiled else None)
+        # the noise and the masking as one fused pointwise kernel (the reductions, topk and sort stay eager ops)
+        self.perturb = ({name: torch.compile(fn, dynamic=True) for name, fn in KERNELS.items()} if compiled
+                        else None)
         self._graphs: dict[tuple[int, bool, bool], Any] = {}
         self.graph_error: str | None = None
         self.compile_error: str | None = None
@@ -246,8 +333,11 @@ class SlotSampler:
 
         s = settings
         lo, hi = split_seed(s.seed)
-        self.fparams[slot] = torch.tensor([s.temperature, s.top_p, s.min_p, s.presence_penalty,
-                                           s.frequency_penalty, s.repetition_penalty], dtype=torch.float32)
+        temperature = torch.tensor([s.temperature], dtype=torch.float32)
+        inverse = 1.0 / temperature_or_one(temperature)  # float32, as process_logits divides
+        self.fparams[slot] = torch.cat([temperature, torch.tensor(
+            [s.top_p, s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty], dtype=torch.float32),
+            inverse])
         self.iparams[slot] = torch.tensor([s.top_k, lo, hi, len(prompt_ids), s.min_tokens], dtype=torch.long)
         if s.penalized:
             stops = list(s.stop_ids)[:MAX_STOP_IDS] if s.min_tokens else []
@@ -274,14 +364,16 @@ class SlotSampler:
         """The kernel's per-row arguments for the rows `index` (a slice for graphs, a long tensor otherwise)."""
         fp, ip = self.fparams[index], self.iparams[index]
         return dict(temperature=fp[:, 0], top_p=fp[:, 1], min_p=fp[:, 2], presence=fp[:, 3], frequency=fp[:, 4],
-                    repetition=fp[:, 5], top_k=ip[:, 0], seed_lo=ip[:, 1], seed_hi=ip[:, 2], prompt_len=ip[:, 3],
-                    min_tokens=ip[:, 4], stop_ids=self.stop_ids[index], bias_ids=self.bias_ids[index],
-                    bias_vals=self.bias_vals[index])
+                    repetition=fp[:, 5], inv_temperature=fp[:, 6], top_k=ip[:, 0], seed_lo=ip[:, 1],
+                    seed_hi=ip[:, 2], prompt_len=ip[:, 3], min_tokens=ip[:, 4], stop_ids=self.stop_ids[index],
+                    bias_ids=self.bias_ids[index], bias_vals=self.bias_vals[index])
 
-    def flags(self, slots: list[int]) -> tuple[bool, bool, bool]:
-        """(plain greedy for every row, any row needs the sort, any row needs penalize)."""
+    def flags(self, slots: list[int]) -> tuple[bool, int, bool]:
+        """(plain greedy for every row, the selection mode the rows need — PLAIN, TOP_K or SORT: falsy when no row
+        restricts its sampling —, any row needs penalize)."""
         rows = [self.settings[s] for s in slots]
-        return (all(r.greedy_plain for r in rows), any(r.needs_sort for r in rows), any(r.penalized for r in rows))
+        return (all(r.greedy_plain for r in rows), max(r.selection for r in rows),
+                any(r.penalized for r in rows))
 
     def count_penalties(self, slots: list[int]) -> bool:
         return any(self.settings[s].has_penalties for s in slots)
@@ -315,7 +407,8 @@ class SlotSampler:
             scaled = process_logits(logits, args["temperature"], pos, args["prompt_len"], args["min_tokens"],
                                     args["stop_ids"], args["bias_ids"], args["bias_vals"], args["presence"],
                                     args["frequency"], args["repetition"], counts, prompt_mask, penalize,
-                                    penalties=self.perturb[2] if self.perturb else penalized_logits)
+                                    penalties=(self.perturb or KERNELS)["penalties"],
+                                    inv_temperature=args["inv_temperature"])
             tokens = choose_tokens(scaled, args["temperature"], args["top_p"], args["top_k"], args["min_p"],
                                    args["seed_lo"], args["seed_hi"], pos, sort, self.perturb)
             lp = torch.log_softmax(scaled, -1).nan_to_num(nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
@@ -336,12 +429,13 @@ class SlotSampler:
                               None, penalize), a, pos
 
     # ---- CUDA graphs: rows 0..batch-1 read the shared logits buffer ---------------------------------------
-    def graph_sample(self, logits_rows, batch: int, sort: bool, penalize: bool):
+    def graph_sample(self, logits_rows, batch: int, sort, penalize: bool):
         """Sample rows 0..batch-1 from `logits_rows` (the runner's shared logits buffer, [batch, V]) into
-        self.out[:batch], counting tokens of active rows; position/active rows are inputs. Replays a captured
-        graph when one exists for (batch, sort, penalize); eager otherwise."""
+        self.out[:batch], counting tokens of active rows; position/active rows are inputs. `sort`: the selection
+        mode (flags()). Replays a captured graph when one exists for (batch, mode, penalize); eager otherwise."""
         import torch
 
+        sort = selection_mode(sort)
         key = (batch, sort, penalize)
         graph = self._graphs.get(key)
         if graph is None and self.graph_error is None and logits_rows.is_cuda:
@@ -361,7 +455,7 @@ class SlotSampler:
             self._graph_body(logits_rows, batch, sort, penalize)
         return self.out[:batch]
 
-    def _graph_body(self, logits_rows, batch: int, sort: bool, penalize: bool) -> None:
+    def _graph_body(self, logits_rows, batch: int, sort: int, penalize: bool) -> None:
         import torch
 
         rows = slice(0, batch)
@@ -374,7 +468,7 @@ class SlotSampler:
         if penalize:
             self.counts[rows].scatter_add_(1, tokens[:, None], self.active[rows, None].to(torch.int32))
 
-    def _capture(self, logits_rows, batch: int, sort: bool, penalize: bool):
+    def _capture(self, logits_rows, batch: int, sort: int, penalize: bool):
         import torch
 
         counts_before = self.counts[:batch].clone() if penalize else None

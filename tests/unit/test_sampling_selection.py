@@ -1,0 +1,189 @@
+"""choose_tokens' selection modes give the tokens of the full-vocabulary sort they replace: the top-k threshold mode
+(torch.topk, no sort) and the fused sort path against a private copy of the previous sort-based implementation,
+over random rows, seeds, positions, top_k / top_p / min_p values and ties."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _reference_choose(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort: bool):
+    """The previous choose_tokens (eager): a stable descending sort of the whole vocabulary for top-k / top-p /
+    min-p, Gumbel-max with the counter noise; kept here as the reference the package is checked against."""
+    import torch
+
+    from clusteropt_cli.core.serve.device_sampling import exponential_noise
+    from clusteropt_cli.core.serve.runner import greedy_tokens
+
+    noisy = temperature > 0
+    if sort:
+        values, order = scaled.sort(dim=-1, descending=True, stable=True)
+        top = values[:, :1]
+        w = torch.exp(values - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+        cum = w.cumsum(-1)
+        ranks = torch.arange(values.shape[-1])[None, :]
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, values.shape[-1]))
+        keep = (((cum - w) <= top_p[:, None] * cum[:, -1:]) & (ranks < k[:, None])
+                & (w >= min_p[:, None] * w[:, :1]))
+        e = exponential_noise(seed_lo, seed_hi, position, order)
+        rows = noisy[:, None]
+        scores = torch.where(rows & keep, values - torch.log(e),
+                             torch.where(rows, torch.full_like(values, float("-inf")), values))
+        pick = greedy_tokens(scores)
+        return order.gather(-1, pick[:, None]).squeeze(-1)
+    ids = torch.arange(scaled.shape[-1])[None, :]
+    e = exponential_noise(seed_lo, seed_hi, position, ids)
+    return greedy_tokens(torch.where(noisy[:, None], scaled - torch.log(e), scaled))
+
+
+def _logits(gen, rows: int, vocab: int, kind: str):
+    """[rows, vocab] scaled logits: continuous, heavily tied (quarter steps), peaked, with -inf entries, or
+    degenerate (constant rows, all -inf rows)."""
+    import torch
+
+    x = torch.randn(rows, vocab, generator=gen) * 2.0
+    if kind == "ties":
+        x = torch.round(x * 4) / 4
+    elif kind == "peaked":
+        x = x * 4.0
+    elif kind == "masked":
+        x[torch.rand(rows, vocab, generator=gen) < 0.3] = float("-inf")
+    elif kind == "degenerate":
+        x[0::3] = 0.5
+        x[1::3] = float("-inf")
+    return x
+
+
+def _args(gen, rows: int, **fixed):
+    import torch
+
+    temperature = torch.where(torch.rand(rows, generator=gen) < 0.15, 0.0, 1.0)  # some greedy rows in the mix
+    seeds = torch.randint(0, 1 << 62, (rows,), generator=gen)
+    out = dict(temperature=temperature, top_p=torch.ones(rows), top_k=torch.zeros(rows, dtype=torch.long),
+               min_p=torch.zeros(rows), seed_lo=seeds & 0xFFFFFFFF, seed_hi=seeds >> 32,
+               position=torch.randint(0, 5000, (rows,), generator=gen))
+    for key, value in fixed.items():
+        out[key] = value if isinstance(value, torch.Tensor) else torch.full_like(out[key], value)
+    return out
+
+
+def _both(scaled, args, mode):
+    from clusteropt_cli.core.serve.device_sampling import choose_tokens
+
+    order = ("temperature", "top_p", "top_k", "min_p", "seed_lo", "seed_hi", "position")
+    new = choose_tokens(scaled, *(args[k] for k in order), mode)
+    old = _reference_choose(scaled, *(args[k] for k in order), True)
+    return new, old
+
+
+@pytest.mark.parametrize("kind", ["continuous", "ties", "peaked", "masked", "degenerate"])
+@pytest.mark.parametrize("vocab", [3000, 600])
+def test_top_k_threshold_mode_equals_the_full_sort(kind, vocab):
+    import torch
+
+    from clusteropt_cli.core.serve.device_sampling import TOP_K, TOP_K_CAP
+
+    gen = torch.Generator().manual_seed(vocab + len(kind))
+    rows = 96
+    scaled = _logits(gen, rows, vocab, kind)
+    cap = min(TOP_K_CAP, vocab)
+    ks = torch.tensor([0, 1, 2, 50, cap, vocab, vocab + 7, -1], dtype=torch.long)
+    top_k = ks[torch.arange(rows) % len(ks)]
+    top_k[5::len(ks)] = torch.randint(1, cap + 1, (len(top_k[5::len(ks)]),), generator=gen)
+    for min_p in (0.0, 0.05, 0.6):
+        args = _args(gen, rows, top_k=top_k, min_p=min_p)
+        new, old = _both(scaled, args, TOP_K)
+        assert torch.equal(new, old), f"rows {torch.nonzero(new != old).flatten().tolist()} differ (min_p {min_p})"
+        # the check can fail: a top-k mask that ignores the tie order picks other tokens on tied rows
+    if kind == "ties":
+        args = _args(gen, rows, top_k=top_k, temperature=1.0)
+        new, old = _both(scaled, args, TOP_K)
+        assert torch.equal(new, old)
+        wrong = _reference_choose(scaled, args["temperature"], args["top_p"], args["top_k"] + 1, args["min_p"],
+                                  args["seed_lo"], args["seed_hi"], args["position"], True)
+        assert not torch.equal(new, wrong)
+
+
+@pytest.mark.parametrize("kind", ["continuous", "ties", "peaked", "masked", "degenerate"])
+def test_sort_mode_equals_the_previous_sort(kind):
+    import torch
+
+    from clusteropt_cli.core.serve.device_sampling import SORT
+
+    gen = torch.Generator().manual_seed(7 + len(kind))
+    rows, vocab = 120, 2000
+    scaled = _logits(gen, rows, vocab, kind)
+    ps = torch.tensor([1.0, 1e-6, 0.1, 0.5, 0.9, 0.95, 0.999])
+    top_p = ps[torch.arange(rows) % len(ps)]
+    ks = torch.tensor([0, 0, 1, 40, 1500, vocab + 3], dtype=torch.long)
+    top_k = ks[torch.arange(rows) % len(ks)]
+    for min_p in (0.0, 0.02):
+        args = _args(gen, rows, top_p=top_p, top_k=top_k, min_p=min_p)
+        new, old = _both(scaled, args, SORT)
+        assert torch.equal(new, old)
+        assert torch.equal(_both(scaled, args, True)[0], old)  # True: the sort mode
+
+
+def test_plain_mode_equals_the_previous_plain_path():
+    import torch
+
+    from clusteropt_cli.core.serve.device_sampling import PLAIN, choose_tokens, temperature_or_one
+
+    gen = torch.Generator().manual_seed(3)
+    raw = _logits(gen, 64, 1000, "ties")
+    args = _args(gen, 64)
+    args["temperature"] = torch.where(args["temperature"] > 0, torch.rand(64, generator=gen) + 0.3, 0.0)
+    scale = 1.0 / temperature_or_one(args["temperature"])
+    order = ("temperature", "top_p", "top_k", "min_p", "seed_lo", "seed_hi", "position")
+    new = choose_tokens(raw, *(args[k] for k in order), PLAIN, scale=scale)
+    old = _reference_choose(raw * scale[:, None], *(args[k] for k in order), False)
+    assert torch.equal(new, old)
+
+
+def test_rows_pick_the_cheapest_exact_mode():
+    from clusteropt_cli.core.serve.device_sampling import PLAIN, SORT, TOP_K, TOP_K_CAP, RowSettings
+
+    assert RowSettings(temperature=0.0, top_p=0.5, top_k=5).selection == PLAIN  # greedy: argmax
+    assert RowSettings(temperature=1.0).selection == PLAIN
+    assert RowSettings(temperature=1.0, top_k=50).selection == TOP_K
+    assert RowSettings(temperature=1.0, min_p=0.1).selection == TOP_K
+    assert RowSettings(temperature=1.0, top_k=TOP_K_CAP).selection == TOP_K
+    assert RowSettings(temperature=1.0, top_k=TOP_K_CAP + 1).selection == SORT
+    assert RowSettings(temperature=1.0, top_p=0.95).selection == SORT
+    assert RowSettings(temperature=1.0, top_p=0.95, top_k=50).selection == SORT
+
+
+def test_the_sampler_mixes_modes_per_step_and_keeps_the_sorted_tokens():
+    """SlotSampler: a step's mode is the most general its rows need; each row's token is the one the previous
+    full sort gave it (penalties and min_tokens suppression on), and a top-k row gives the same token whether its
+    step ran in the top-k mode or (next to a top-p row) in the sort mode."""
+    import torch
+
+    from clusteropt_cli.core.serve.device_sampling import SORT, TOP_K, RowSettings, SlotSampler, process_logits
+
+    vocab = 1500
+    sampler = SlotSampler(4, vocab, torch.device("cpu"))
+    rows = [RowSettings(temperature=0.8, top_k=40, seed=11, presence_penalty=0.4, min_tokens=3, stop_ids=(2,)),
+            RowSettings(temperature=1.0, min_p=0.05, seed=12),
+            RowSettings(temperature=0.0, repetition_penalty=1.3),
+            RowSettings(temperature=1.2, top_p=0.9, top_k=100, seed=13)]
+    for slot, settings in enumerate(rows):
+        sampler.assign(slot, settings, [5, 6, 7])
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=gen) * 3
+    positions = [4, 9, 4, 6]
+    assert sampler.flags([0, 1, 2])[1] == TOP_K and sampler.flags([0, 3])[1] == SORT
+    counts = sampler.counts.clone()
+    top_k_step = sampler.sample(logits[:3], [0, 1, 2], positions[:3])
+    sampler.counts.copy_(counts)
+    sort_step = sampler.sample(logits, [0, 1, 2, 3], positions)
+    assert torch.equal(top_k_step, sort_step[:3])
+    a = sampler._rows(torch.arange(4))
+    pos = torch.tensor(positions)
+    scaled = process_logits(logits, a["temperature"], pos, a["prompt_len"], a["min_tokens"], a["stop_ids"],
+                            a["bias_ids"], a["bias_vals"], a["presence"], a["frequency"], a["repetition"], counts,
+                            sampler.prompt_mask, True)
+    old = _reference_choose(scaled, a["temperature"], a["top_p"], a["top_k"], a["min_p"], a["seed_lo"],
+                            a["seed_hi"], pos, True)
+    assert torch.equal(sort_step, old)
+    assert int(sort_step[0]) != 2  # the stop id is suppressed before min_tokens
