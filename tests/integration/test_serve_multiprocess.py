@@ -207,3 +207,94 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(fixtures):
             assert out["done"] and out["finish_reason"] == "length", out
         assert proc.wait(40) == 0
         _wait_gone([info["engine_core_pid"], *info["api_server_pids"]])
+
+
+def test_a_device_error_in_the_engine_core_reaches_the_api_process(fixtures, tmp_path):
+    """The engine core and an API server's EngineClient in this process (threads): a device error in an engine
+    step fails the requests in flight with the error, /health answers 503, new requests 500 (engine_dead), and the
+    API server exits ENGINE_DEAD_EXIT; the engine core stops too."""
+    import threading
+
+    import torch
+
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig
+    from clusteropt_cli.core.serve.engine_client import EngineClient
+    from clusteropt_cli.core.serve.engine_core import EngineCore, client_info
+    from clusteropt_cli.core.serve.server import ENGINE_DEAD_EXIT, run_server
+    from tests.integration.test_serve_helpers import free_port
+
+    torch.set_num_threads(1)
+    engine = Engine(EngineConfig(model=str(fixtures.teacher), max_batch_size=4, max_model_len=512)).start()
+    real = engine._step
+    armed = threading.Event()
+
+    def step():
+        if armed.is_set() and engine._running and any(s.out for s in engine._running):
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        return real()
+
+    engine._step = step
+    inp, out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out-0"
+    core = EngineCore(engine, inp, [out], grace_period=5, dead_linger_s=0.5)
+    codes: dict = {}
+    core_thread = threading.Thread(target=lambda: codes.setdefault("core", core.run(install_signals=False)),
+                                   daemon=True)
+    core_thread.start()
+    client = EngineClient(client_info(engine), 0, inp, out)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    seen: dict = {}
+
+    def load() -> None:
+        for _ in range(200):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        pool = ThreadPoolExecutor(2)
+        streamed = pool.submit(_stream_any, url, {"prompt": "x", "max_tokens": 400, "ignore_eos": True})
+        plain = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "y", "max_tokens": 400,
+                                                                       "ignore_eos": True}, timeout=60)
+        deadline = time.time() + 30
+        while len(engine._running) < 2 and time.time() < deadline:
+            time.sleep(0.005)
+        armed.set()
+        seen["stream"] = streamed.result(60)
+        seen["plain"] = plain.result(60).status_code
+        seen["health"] = httpx.get(url + "/health", timeout=5).status_code
+        seen["new"] = httpx.post(url + "/v1/completions", json={"prompt": "z", "max_tokens": 2}, timeout=5)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    code = run_server(client, host="127.0.0.1", port=port, served_model_name="m", grace_period=5, dead_linger_s=3)
+    thread.join(30)
+    core_thread.join(30)
+    assert code == ENGINE_DEAD_EXIT != 0 and codes["core"] == ENGINE_DEAD_EXIT
+    assert seen["stream"]["error"] is not None and "device-side assert" in seen["stream"]["error"]["message"]
+    assert seen["plain"] == 500 and seen["health"] == 503
+    assert seen["new"].status_code == 500 and seen["new"].json()["error"]["code"] == "engine_dead"
+
+
+def _stream_any(url: str, body: dict) -> dict:
+    """A streamed completion without auth: its text and any error event."""
+    out = {"text": "", "error": None}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out["error"] = event["error"]
+            for choice in event.get("choices", []):
+                out["text"] += choice["text"]
+    return out
+
+
+def test_a_load_error_in_the_engine_core_keeps_its_message_and_exit_code(fixtures, copt):
+    from tests.integration.test_serve_helpers import free_port
+
+    result = copt("serve", str(fixtures.teacher), "--api-server-count", "2", "--kv-cache-memory", "0.0000001",
+                  "--port", str(free_port()), env={"OMP_NUM_THREADS": "1"}, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "The KV cache holds 0 tokens" in result.stderr and "--kv-cache-memory" in result.stderr

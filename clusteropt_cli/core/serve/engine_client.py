@@ -37,6 +37,15 @@ from clusteropt_cli.core.serve.requests import (
 from clusteropt_cli.errors import BadInputError
 
 
+def load_tokenizer(model: str) -> Any:
+    """The tokenizer the engine loads (Engine.load: AutoTokenizer of the model directory)."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return AutoTokenizer.from_pretrained(model)
+
+
 class WireGrammar:
     """A grammar compiled here (so that a bad schema gets its 400 at once) and sent to the engine core as its
     spec (the engine core compiles it again against its own tokenizer info; xgrammar caches)."""
@@ -132,12 +141,8 @@ class EngineClient:
             pass
 
     def __init__(self, info: dict[str, Any], index: int, input_address: str, output_address: str,
-                 parent_pid: int | None = None):
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        self.tokenizer = AutoTokenizer.from_pretrained(info["tokenizer"])
+                 parent_pid: int | None = None, tokenizer: Any = None):
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(info["tokenizer"])
         self.model_name = info["model_name"]
         self.max_model_len = int(info["max_model_len"])
         self.eos_ids = set(info["eos_ids"])
@@ -315,7 +320,8 @@ class EngineClient:
         """The engine is gone: every request in flight ends with an error, new ones are refused."""
         if self.error is not None:
             return
-        self.error = message
+        self.error = message.removeprefix("The engine failed: ")  # (/health and the errors say it)
+        message = f"The engine failed: {self.error}"
         self._accepting = False
         for rid, handle in list(self._handles.items()):
             handle._finish(GenerationResult(request_id=rid, prompt_ids=handle.request.prompt_ids,

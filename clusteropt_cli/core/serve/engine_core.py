@@ -104,6 +104,7 @@ class EngineCore:
         self.entries: dict[str, _Entry] = {}
         self.draining = False
         self.drain_deadline = 0.0
+        self._announced = False
         self._sender = threading.Thread(target=self._send_loop, name="copt-engine-out", daemon=True)
 
     # ---- the sender thread ---------------------------------------------------------------------------------
@@ -150,6 +151,12 @@ class EngineCore:
                 elif kind == "stop":
                     stop = True
             try:
+                if self.engine.error is not None and not self._announced:
+                    # before the failed requests' results: the API processes answer them as the engine's death
+                    self._announced = True
+                    data = pack(["dead", self._dead_reason()])
+                    for sock in self.pushes:
+                        sock.send(data, zmq.NOBLOCK)
                 for client, deltas in per_client.items():
                     self.pushes[client].send(pack(["out", deltas]), zmq.NOBLOCK)
                 for client, message in messages:
@@ -221,17 +228,27 @@ class EngineCore:
         elif kind == "stats":
             self._reply(client, ["stats", message[1], stats_to_wire(self.engine.stats)])
 
+    def drain(self) -> None:
+        self._drain(signal.SIGTERM, None)
+
     def _drain(self, signum: int, frame: Any) -> None:
         if not self.draining:
             self.draining = True
             self.drain_deadline = time.time() + self.grace_period
             self.engine.close_admission()
 
-    def run(self) -> int:
-        """Serve until drained (0), the engine died (ENGINE_DEAD_EXIT) or the supervisor went away."""
+    def _dead_reason(self) -> str:
+        error = self.engine.error
+        return f"The engine failed: {type(error).__name__}: {error}" if error is not None else \
+            "The engine failed: its thread is gone"
+
+    def run(self, install_signals: bool = True) -> int:
+        """Serve until drained (0), the engine died (ENGINE_DEAD_EXIT) or the supervisor went away. SIGTERM drains
+        (install_signals False: call drain() instead)."""
         import zmq
 
-        signal.signal(signal.SIGTERM, self._drain)
+        if install_signals:
+            signal.signal(signal.SIGTERM, self._drain)
         self._sender.start()
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
@@ -249,7 +266,7 @@ class EngineCore:
                         except Exception:  # noqa: BLE001 - a malformed message must not stop the engine
                             traceback.print_exc()
                 if self._engine_dead():
-                    reason = f"The engine failed: {self.engine.error or 'its thread is gone'}"
+                    reason = self._dead_reason()
                     sys.stderr.write(f"copt serve (engine core): {reason}\n")
                     self._reply(None, ["dead", reason])
                     time.sleep(self.dead_linger_s)

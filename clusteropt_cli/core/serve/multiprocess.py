@@ -39,16 +39,29 @@ def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket
     return sock
 
 
-def run_api_server(settings: Any, client_info: dict[str, Any], index: int, input_address: str, output_address: str,
-                   sock: socket.socket, conn: Any, parent_pid: int) -> None:
-    """An API-server process (multiprocessing spawn target)."""
+def run_api_server(settings: Any, index: int, input_address: str, output_address: str, sock: socket.socket,
+                   conn: Any, parent_pid: int) -> None:
+    """An API-server process (multiprocessing spawn target). It imports and loads the tokenizer while the engine
+    core loads the model, then waits for the engine's facts on `conn`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which sends SIGTERM
     signal.signal(signal.SIGTERM, lambda *a: os._exit(0))  # until the server's own handler is in place
-    from clusteropt_cli.core.serve.engine_client import EngineClient
-    from clusteropt_cli.core.serve.launch import server_limits
-    from clusteropt_cli.core.serve.server import run_server
+    try:
+        from clusteropt_cli.core.serve.engine_client import EngineClient, load_tokenizer
+        from clusteropt_cli.core.serve.launch import server_limits
+        from clusteropt_cli.core.serve.server import run_server
 
-    client = EngineClient(client_info, index, input_address, output_address, parent_pid=parent_pid)
+        tokenizer = load_tokenizer(settings.model)
+    except BaseException:  # noqa: BLE001 - reported to the supervisor
+        import traceback
+
+        conn.send(("crash", traceback.format_exc()))
+        os._exit(1)
+    try:
+        message = conn.recv()  # ("info", the engine's facts) once the engine core is up
+    except (EOFError, OSError):  # the supervisor is gone or gave up
+        os._exit(0)
+    client = EngineClient(message[1], index, input_address, output_address, parent_pid=parent_pid,
+                          tokenizer=tokenizer)
     name = settings.served_model_name or settings.model
 
     def ready(url: str) -> None:
@@ -174,17 +187,22 @@ def serve_split(settings: Any, on_ready: Callable[[str, dict], None] | None = No
                            args=(settings, input_address, outputs, child, os.getpid()))
         core.start()
         child.close()
+        conns = []
+        for i in range(count):  # they import and load the tokenizer while the engine core loads the model
+            parent_api, child_api = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=run_api_server, name=f"copt-api-server-{i}",
+                            args=(settings, i, input_address, outputs[i], sock, child_api, os.getpid()))
+            p.start()
+            child_api.close()
+            apis.append(p)
+            conns.append(parent_api)
         ready = _await_ready(parent, core, "engine core", stop)
         info, client_info = ready["info"], ready["client"]
-        conns = []
-        for i in range(count):
-            parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=run_api_server, name=f"copt-api-server-{i}",
-                            args=(settings, client_info, i, input_address, outputs[i], sock, child, os.getpid()))
-            p.start()
-            child.close()
-            apis.append(p)
-            conns.append(parent)
+        for conn in conns:
+            try:
+                conn.send(("info", client_info))
+            except OSError:  # that API process failed to start: _await_ready reports why
+                pass
         for i, (p, conn) in enumerate(zip(apis, conns, strict=True)):
             _await_ready(conn, p, f"API server {i}", stop)
         port = sock.getsockname()[1]
