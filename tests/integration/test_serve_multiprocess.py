@@ -103,6 +103,9 @@ def test_streaming_and_plain_equal_hf_greedy_across_api_processes(fixtures, spli
         if seen == {0, 1}:
             break
     assert seen == {0, 1}
+    # /metrics sums the HTTP counters of both processes, whichever answers the scrape
+    for _ in range(6):
+        assert metric_auth(url, "copt_http_requests_total", 'endpoint="/v1/completions",status="200"') == 16
 
 
 def _index(url: str) -> int:

@@ -284,11 +284,17 @@ class EngineClient:
 
     # ---- the reader task ----------------------------------------------------------------------------------
     async def _read(self) -> None:
+        flushed = time.monotonic()
         while True:
             message = unpack(await self._pull.recv())
             kind = message[0]
             if kind == "out":
                 self._deliver(message[1])
+                if time.monotonic() - flushed > 1.0:
+                    flushed = time.monotonic()
+                    flush = getattr(self.observer, "flush", None)
+                    if flush is not None:
+                        flush()
             elif kind in ("ack", "stats"):
                 future = self._calls.get(message[1])
                 if future is not None and not future.done():

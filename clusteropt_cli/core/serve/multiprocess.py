@@ -40,9 +40,10 @@ def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket
 
 
 def run_api_server(settings: Any, index: int, input_address: str, output_address: str, sock: socket.socket,
-                   conn: Any, parent_pid: int) -> None:
+                   conn: Any, parent_pid: int, metrics_dir: str) -> None:
     """An API-server process (multiprocessing spawn target). It imports and loads the tokenizer while the engine
     core loads the model, then waits for the engine's facts on `conn`."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before prometheus_client is imported: summed /metrics
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which sends SIGTERM
     signal.signal(signal.SIGTERM, lambda *a: os._exit(0))  # until the server's own handler is in place
     try:
@@ -167,6 +168,8 @@ def serve_split(settings: Any, on_ready: Callable[[str, dict], None] | None = No
     ipc_dir = tempfile.mkdtemp(prefix="copt-serve-")
     input_address = f"ipc://{ipc_dir}/engine-in"
     outputs = [f"ipc://{ipc_dir}/api-{i}-out" for i in range(count)]
+    metrics_dir = os.path.join(ipc_dir, "metrics")
+    os.mkdir(metrics_dir)
     stop: list[int] = []
     apis: list[Any] = []
     core: Any = None
@@ -191,7 +194,8 @@ def serve_split(settings: Any, on_ready: Callable[[str, dict], None] | None = No
         for i in range(count):  # they import and load the tokenizer while the engine core loads the model
             parent_api, child_api = ctx.Pipe(duplex=True)
             p = ctx.Process(target=run_api_server, name=f"copt-api-server-{i}",
-                            args=(settings, i, input_address, outputs[i], sock, child_api, os.getpid()))
+                            args=(settings, i, input_address, outputs[i], sock, child_api, os.getpid(),
+                                  metrics_dir))
             p.start()
             child_api.close()
             apis.append(p)

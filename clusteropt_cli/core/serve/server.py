@@ -86,11 +86,19 @@ class ServerMetrics(EngineObserver):
         self.vllm_e2e = vllm_histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
                                        TTFT_BUCKETS)
         self.registry.register(_EngineCollector(engine, name))
-        if getattr(engine, "remote", False):  # the split server: which API-server process answered this scrape
-            from prometheus_client import Gauge
+        self._render_registry = self.registry
+        if getattr(engine, "remote", False):  # the split server (an API-server process)
+            # the HTTP counters and latency histograms of every API-server process, summed: prometheus_client keeps
+            # them in PROMETHEUS_MULTIPROC_DIR (set before it was imported), as vLLM does
+            from prometheus_client import values
 
-            Gauge("copt_api_server_index", "Index of the API-server process that answered (per-process counters "
-                  "above are this process's)", registry=self.registry).set(engine.index)
+            if getattr(values.ValueClass, "__name__", "") == "MmapedValue":
+                from prometheus_client.multiprocess import MultiProcessCollector
+
+                self._render_registry = CollectorRegistry()
+                MultiProcessCollector(self._render_registry)
+                self._render_registry.register(_EngineCollector(engine, name))
+            self._render_registry.register(_ApiServerCollector(engine.index))
 
     def on_first_token(self, ttft_s: float) -> None:
         if self.registry is not None:
@@ -103,6 +111,12 @@ class ServerMetrics(EngineObserver):
             self._itl_pending.append((itl_s, count))
             if len(self._itl_pending) >= 100_000:
                 self._drain_itl()
+
+    def flush(self) -> None:
+        """Move the queued inter-token samples into the histograms (the split server's API processes do it every
+        second: their histograms are summed with the other processes' at scrape time)."""
+        if self.registry is not None:
+            self._drain_itl()
 
     def _drain_itl(self) -> None:
         pending = self._itl_pending
@@ -127,7 +141,20 @@ class ServerMetrics(EngineObserver):
         self._drain_itl()
         from prometheus_client import generate_latest
 
-        return generate_latest(self.registry)
+        return generate_latest(self._render_registry)
+
+
+class _ApiServerCollector:
+    """The split server: which API-server process answered this scrape."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        yield GaugeMetricFamily("copt_api_server_index", "Index of the API-server process that answered this scrape",
+                                value=self.index)
 
 
 class _NoMetric:
