@@ -84,6 +84,8 @@ def _await_ready(conn: Any, proc: Any, what: str, stop: list[int]) -> Any:
         if stop:
             raise _Stopped()
         ready = wait([conn, proc.sentinel], timeout=0.2)
+        if stop:  # SIGTERM / Ctrl-C while starting (the children were told to stop)
+            raise _Stopped()
         if conn in ready:
             try:
                 message = conn.recv()
@@ -218,7 +220,7 @@ def serve_split(settings: Any, on_ready: Callable[[str, dict], None] | None = No
                       "api_server_pids": [p.pid for p in apis]})
         while not stop:
             done = wait([core.sentinel] + [p.sentinel for p in apis], timeout=0.2)
-            if not done:
+            if not done or stop:  # (a signal: the API processes are draining and exit 0)
                 continue
             if core.sentinel in done:
                 core.join(1)
@@ -242,7 +244,7 @@ def serve_split(settings: Any, on_ready: Callable[[str, dict], None] | None = No
             sys.stderr.write(f"copt serve: a process did not stop cleanly ({', '.join(map(_describe, bad))})\n")
         return 0 if not bad else 1
     except _Stopped:
-        return 0
+        return 130 if signal.SIGINT in stop else 0
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
