@@ -55,7 +55,7 @@ def make_case(batch, kv_heads, groups, dim, block_size, num_blocks, dtype, pool_
     cap = num_blocks * block_size
     candidates = [0, block_size - 1, block_size, 2 * block_size + 3, cap - 1, cap + 7, 10**9]
     positions = torch.tensor([candidates[i % len(candidates)] for i in range(batch)], dtype=torch.int64)
-    return query, k_pool, v_pool, tables, positions
+    return [query, k_pool, v_pool, tables, positions]
 
 
 def tolerance(dtype):
