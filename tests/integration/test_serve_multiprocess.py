@@ -301,3 +301,12 @@ def test_a_load_error_in_the_engine_core_keeps_its_message_and_exit_code(fixture
                   "--port", str(free_port()), env={"OMP_NUM_THREADS": "1"}, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "The KV cache holds 0 tokens" in result.stderr and "--kv-cache-memory" in result.stderr
+
+
+def test_no_orphans_when_the_supervisor_is_killed(fixtures):
+    with running_server(fixtures.teacher, "--api-server-count", "2", "--max-model-len", "128", "--json") as (url,
+                                                                                                         proc):
+        info = _ready_info(proc)
+        proc.kill()
+        proc.wait(10)
+        _wait_gone([info["engine_core_pid"], *info["api_server_pids"]], timeout=15)
