@@ -170,3 +170,34 @@ def test_triton_kernels_under_the_interpreter():
     assert len(results) == 7
     for r in results:
         assert r["dtype_ok"] and r["err"] <= r["tol"], r
+
+
+def test_torch_sees_the_kernels_inside_the_op():
+    """torch keys its compile caches on the source of the kernels a triton_op launches: they must be found."""
+    pytest.importorskip("triton")
+    from torch._library.triton import get_triton_kernels_for_op
+
+    pa.register()
+    names = sorted(k.fn.__name__ for k in get_triton_kernels_for_op(pa.OP_NAME))
+    assert names == ["paged_decode_stage1", "paged_decode_stage2"]
+
+
+NO_TRITON_SCRIPT = r"""
+import sys
+sys.modules["triton"] = None  # import triton now raises ImportError
+sys.path.insert(0, sys.argv[1])
+from clusteropt_cli.core.serve import paged_attention as pa
+assert "torch" not in sys.modules  # importing the module stays light
+from tests.unit.test_paged_attention import make_case, naive
+import torch
+assert not pa.triton_available()
+case = make_case(5, 2, 4, 16, 16, 3, torch.float32)
+torch.testing.assert_close(pa.paged_decode_attention(*case, 3, 0.3), naive(*case, 3, 0.3), atol=1e-5, rtol=1e-5)
+print("ok")
+"""
+
+
+def test_the_op_works_without_triton():
+    proc = subprocess.run([sys.executable, "-c", NO_TRITON_SCRIPT, str(REPO)], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -36,6 +36,10 @@ PROGRAMS_PER_SM = 2
 
 _OP: Any = None
 _SM_COUNT: dict[int, int] = {}
+# the Triton kernels (paged_attention_kernels.py), loaded by load_kernels(): module globals, so that torch finds them
+# in the op's source (torch._library.triton.get_inner_triton_kernels keys its compile caches on their source)
+paged_decode_stage1: Any = None
+paged_decode_stage2: Any = None
 
 
 def triton_available() -> bool:
@@ -45,6 +49,15 @@ def triton_available() -> bool:
     except Exception:  # ImportError, or a broken install: the reference serves
         return False
     return True
+
+
+def load_kernels() -> None:
+    """Import the Triton kernels into this module (needs triton)."""
+    global paged_decode_stage1, paged_decode_stage2
+    if paged_decode_stage1 is None:
+        from clusteropt_cli.core.serve import paged_attention_kernels as kernels
+
+        paged_decode_stage1, paged_decode_stage2 = kernels.paged_decode_stage1, kernels.paged_decode_stage2
 
 
 def reference_paged_decode_attention(query, k_pool, v_pool, block_tables, positions, num_blocks: int, scale: float):
@@ -109,8 +122,7 @@ def triton_paged_decode_attention(query, k_pool, v_pool, block_tables, positions
     import torch
     from torch.library import wrap_triton
 
-    from clusteropt_cli.core.serve.paged_attention_kernels import paged_decode_stage1, paged_decode_stage2
-
+    load_kernels()
     batch = query.shape[0]
     # model constants become kernel constexprs (a symbolic size here is specialised: one compile per model)
     heads, dim = int(query.shape[1]), int(query.shape[2])
@@ -123,10 +135,16 @@ def triton_paged_decode_attention(query, k_pool, v_pool, block_tables, positions
         k_pool = k_pool.contiguous()
     if v_pool.stride(-1) != 1:
         v_pool = v_pool.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    if positions.stride(0) != 1:
+        positions = positions.contiguous()
     if num_splits is None:
         sm_count = _sm_count(query.device) if query.device.type == "cuda" else 8
         num_splits = choose_splits(batch, kv_heads, cap, sm_count)
     out = torch.empty((batch, heads, dim), dtype=query.dtype, device=query.device)
+    if isinstance(batch, int) and batch == 0:
+        return out
     block_d = triton_next_power_of_2(dim)
     block_g = max(16, triton_next_power_of_2(groups))
     single = _is_one(num_splits)
@@ -138,7 +156,11 @@ def triton_paged_decode_attention(query, k_pool, v_pool, block_tables, positions
         mid_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=query.device)
     # the interpreter (TRITON_INTERPRET=1, CPU tests) runs tl.dot through numpy, which mishandles bfloat16
     f32_dot = query.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
-    wrap_triton(paged_decode_stage1)[(batch, kv_heads, num_splits)](
+    if os.environ.get("TRITON_INTERPRET") == "1":  # interpreted kernels launch directly (older torch refuses to wrap)
+        stage1, stage2 = paged_decode_stage1, paged_decode_stage2
+    else:
+        stage1, stage2 = wrap_triton(paged_decode_stage1), wrap_triton(paged_decode_stage2)
+    stage1[(batch, kv_heads, num_splits)](
         query, k_pool, v_pool, block_tables, positions, out, mid_o, mid_lse,
         query.stride(0), query.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
@@ -151,7 +173,7 @@ def triton_paged_decode_attention(query, k_pool, v_pool, block_tables, positions
         SINGLE=single, F32_DOT=f32_dot, num_warps=4, num_stages=2,
     )
     if not single:
-        wrap_triton(paged_decode_stage2)[(batch, heads)](
+        stage2[(batch, heads)](
             mid_o, mid_lse, positions, out,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             out.stride(0), out.stride(1),
@@ -174,6 +196,8 @@ def register():
     from torch.library import triton_op
 
     use_triton = triton_available()
+    if use_triton:
+        load_kernels()
 
     def paged_decode_attention_impl(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                     block_tables: torch.Tensor, positions: torch.Tensor, num_blocks: int,
