@@ -39,43 +39,56 @@ def _predict(model: str, **plan) -> tuple[dict, dict]:
 
 
 def test_copt_train_defaults_anchor_1b() -> None:
-    """explore3 copt_default: 43,496,511,488 bytes peak (40.5 GiB) and 66,122 tok/s at 8 × 2048."""
+    """explore3 copt_default: 43,496,511,488 bytes peak (40.5 GiB) at 8 × 2048. Its tokens/s (66,122) came from an
+    earlier day's machine; absolute speed is checked against the advise-vs-train runs
+    (test_advise_vs_train_h200.py), and here only what one run compares: the loss's chunk size."""
     measured = _case("explore3", "copt_default")
     mem, tm = _predict("llama-3.2-1b", micro_batch=8)
     assert mem["peak"] == pytest.approx(measured["peak_mem_bytes"], rel=0.10)
-    assert tm["tokens_per_s"] == pytest.approx(measured["tokens_per_s"], rel=0.10)
     # the eager HF loop's figure (73.8 GiB) is what advise used to say: +86% over the run
     assert mem["peak"] / GiB < 45
 
 
 @pytest.mark.parametrize("chunk", [4096, 8192])
 def test_fused_loss_chunk_anchor_1b(chunk: int) -> None:
-    """explore3 copt_chunk4k / copt_chunk8k: the loss's chunk size is priced (46.07 and 51.33 GB)."""
+    """explore3 copt_chunk4k / copt_chunk8k: the loss's chunk size is priced (46.07 and 51.33 GB), and so is its
+    speed: fewer chunks, fewer passes over the fp32 head-gradient accumulator (+1.0% / +0.8% measured in the run
+    against its default's 66,122 tok/s)."""
     measured = _case("explore3", f"copt_chunk{chunk // 1024}k")
-    mem, _ = _predict("llama-3.2-1b", micro_batch=8, loss_chunk_tokens=chunk)
+    default = _case("explore3", "copt_default")
+    mem, tm = _predict("llama-3.2-1b", micro_batch=8, loss_chunk_tokens=chunk)
+    _, tm_default = _predict("llama-3.2-1b", micro_batch=8)
     assert mem["peak"] == pytest.approx(measured["peak_mem_bytes"], rel=0.10)
+    predicted = tm["tokens_per_s"] / tm_default["tokens_per_s"]
+    assert predicted > 1.0
+    assert predicted == pytest.approx(measured["tokens_per_s"] / default["tokens_per_s"], abs=0.01)
 
 
 def test_copt_train_checkpointing_and_fp8_anchors_1b() -> None:
-    ckpt = _case("explore2", "copt_checkpointing")  # 22,265,182,208 bytes, 52,183 tok/s (per-step readout)
+    """Peaks of the checkpointed and fp8 runs; their speed against the default measured in the same run (all with
+    the per-step readout of that time): checkpointing 52,183 / 61,602 = 0.85 (the full-forward recompute priced
+    before gave 0.79), fp8 70,087 / 61,326 = 1.14."""
+    _, tm_default = _predict("llama-3.2-1b", micro_batch=8)
+    ckpt = _case("explore2", "copt_checkpointing")  # 22,265,182,208 bytes, 52,183 tok/s
     mem, tm = _predict("llama-3.2-1b", micro_batch=8, activation_checkpointing=True)
     assert mem["peak"] == pytest.approx(ckpt["peak_mem_bytes"], rel=0.10)
-    assert tm["tokens_per_s"] == pytest.approx(ckpt["tokens_per_s"], rel=0.10)
+    ratio = ckpt["tokens_per_s"] / _case("explore2", "copt_default")["tokens_per_s"]
+    assert tm["tokens_per_s"] / tm_default["tokens_per_s"] == pytest.approx(ratio, rel=0.03)
     fp8 = _case("final", "copt_fp8")  # 35,110,114,816 bytes, 70,087 tok/s
     mem, tm = _predict("llama-3.2-1b", micro_batch=8, precision="fp8")
     assert mem["peak"] == pytest.approx(fp8["peak_mem_bytes"], rel=0.10)
-    assert tm["tokens_per_s"] == pytest.approx(fp8["tokens_per_s"], rel=0.10)
+    ratio = fp8["tokens_per_s"] / _case("final", "copt_default")["tokens_per_s"]
+    assert tm["tokens_per_s"] / tm_default["tokens_per_s"] == pytest.approx(ratio, rel=0.03)
 
 
 def test_3b_micro_batch_4_as_the_issue_measured_it() -> None:
     """The issue's H200 run of copt train's defaults on the 3B shape, 4 × 2048: the eager-loop model advise used
-    then (reproduced here with compile off and the model's loss) was +33% on peak and −25% on tokens/s. The
-    prediction for what copt train runs must sit within 10% of those measured figures."""
-    old_mem, old_tm = _predict("llama-3.2-3b", micro_batch=4, compile=False, loss_impl="hf")
-    measured_peak, measured_tps = old_mem["peak"] / 1.33, old_tm["tokens_per_s"] / 0.75
-    mem, tm = _predict("llama-3.2-3b", micro_batch=4)
+    then (reproduced here with compile off and the model's loss) was +33% on peak. The prediction for what copt
+    train runs must sit within 10% of that measured peak (its speed: test_advise_vs_train_h200.py)."""
+    old_mem, _ = _predict("llama-3.2-3b", micro_batch=4, compile=False, loss_impl="hf")
+    measured_peak = old_mem["peak"] / 1.33
+    mem, _ = _predict("llama-3.2-3b", micro_batch=4)
     assert mem["peak"] == pytest.approx(measured_peak, rel=0.10)
-    assert tm["tokens_per_s"] == pytest.approx(measured_tps, rel=0.10)
 
 
 def test_8b_micro_batch_2_fits_one_h200_as_copt_train_ran_it() -> None:
@@ -182,7 +195,7 @@ def test_train_recommendations_stay_runnable() -> None:
     result = api.advise(spec, target, TrainPlan(micro_batch=8, seq_len=2048, zero=2), ["low-mfu"],
                         model_arg="llama-3.2-1b")
     assert "operator-fusion" not in [r["id"] for r in result["recommendations"]]
-    assert result["assumptions"]["mfu"] == cal.TRAIN_MFU["eager"]
+    assert result["assumptions"]["mfu"] == cal.TRAIN_MFU_EAGER
 
 
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -15,11 +15,14 @@ GiB = 1024**3
 # measured 73.8 GiB / 42.5 GiB (checkpointing); this model gives 75.4 / 44.0 held, 71.4 / 40.1 not held.
 LOGITS_HELD_IN_BACKWARD = True
 # Saved activations of a torch.compile'd decoder layer (memory.compiled_layer_bytes_per_token) relative to the
-# minimal set the partitioner must keep. H200 anchor, docs/benchmarks.md#train (copt train defaults: compiled
-# decoder, fused chunked loss, mask-free causal SDPA, fused AdamW), Llama-3.2-1B shape, 8 × 2048: peak
-# 43,496,511,488 bytes (40.5 GiB); FP8 (torchao Float8Linear + the same defaults): 35,110,114,816 bytes (32.7 GiB).
-# Fitted so that both anchors are met with the model's other terms.
-COMPILED_ACTIVATION_FACTOR = {"default": 1.09, "fp8": 0.79}
+# minimal set the partitioner must keep. bf16: 1.0, the minimal set as counted, with the bf16 weight casts the
+# compiled graph saves for backward counted apart (memory.train_memory). H200 measurements in docs/benchmarks.md
+# (copt train running advise's plans: Llama-3.2-1B 8 × 2048, Llama-3.2-3B 4 × 2048, Llama-3.1-8B 2 × 2048): peaks
+# 43,496,512,000 / 73,087,488,512 / 136,783,503,360 bytes, all three within 0.1% with 1.0 and the saved casts
+# (with 1.09 and no casts, fitted on the 1B alone, the 3B and 8B were −4.9% and −6.1%). FP8 (torchao
+# Float8Linear + the same defaults; weights reach the linears in fp32, their fp8 copies counted in model_states),
+# 1B shape: 35,110,114,816 bytes (32.7 GiB) → 0.79.
+COMPILED_ACTIVATION_FACTOR = {"default": 1.0, "fp8": 0.79}
 # Bytes per logit of one chunk of copt train's fused loss (logits, their gradient and the cross-entropy kernel's
 # temporaries). H200, 1B shape, 8 × 2048 (docs/benchmarks.md#train): peak 43.50 / 46.07 / 51.33 GB with
 # loss_chunk_tokens 2,093 (default) / 4,096 / 8,192 → +2.58 GB per 2,003 × 128,256 logits and +7.84 GB per
@@ -39,16 +42,51 @@ WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0 + 4 / 4096, "i
 KV_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0}
 
 # ---- time ---------------------------------------------------------------------------------------------------
-# Model FLOPs utilization of an eager HF training step (dense FLOPs, datasheet peak). H200 anchor: 46.6k tok/s on
-# the 1B shape at 8 × 2048 = 8.22 GFLOP/token → 383 TFLOP/s = 0.387 of 989 TFLOP/s. "compile" is copt train's
-# CUDA default (compiled decoder, mask-free causal SDPA, chunked LM-head loss, fused AdamW, each step's loss read one
-# step late so the host never stalls the GPU): 66.1k tok/s (docs/benchmarks.md#train; 61.9k with a per-step
-# sync) → 0.55.
-TRAIN_MFU = {"eager": 0.39, "compile": 0.55}
-# FP8 training reaches a lower fraction of its (2×) peak: casts/scaling and non-GEMM time stay. H200 anchor: copt
-# train --precision fp8 (torchao Float8Linear + the compiled defaults, before the deferred step readout) 70.1k
-# tok/s = 0.291 of the 1,979 TFLOP/s fp8 peak = 0.53 × the compiled bf16 MFU (~1.3× bf16 in TransformerEngine's
-# Llama examples on larger models).
+# Model FLOPs utilization of an eager training step (dense FLOPs, datasheet peak; DeepSpeed, or compile off): one
+# efficiency for the whole step, optimizer included. H200 anchor: 46.6k tok/s on the 1B shape at 8 × 2048 = 8.22
+# GFLOP/token → 383 TFLOP/s = 0.387 of 989 TFLOP/s (docs/benchmarks.md#h200-baselines).
+TRAIN_MFU_EAGER = 0.39
+# copt train's compiled step (its CUDA default: compiled decoder, mask-free causal SDPA, chunked LM-head loss, fused
+# AdamW, each step's loss read one step late) is priced term by term (timing.train_time):
+#   FLOPs / (peak × ceiling × h / (h + overhead_width))  +  logits × LOSS_BYTES_PER_LOGIT / HBM
+#   + once per optimizer step: parameters × (OPTIMIZER_BYTES_PER_PARAM + GRAD_CLIP_BYTES_PER_PARAM) / HBM.
+# The h / (h + w) factor is the memory-bound work of a decoder layer (∝ tokens·h: norms, RoPE, SwiGLU, residual
+# adds, casts, attention's softmax) next to its GEMMs (∝ tokens·h²): wider models spend more of the step at GEMM
+# speed. ceiling: a bf16 8192³ matmul reaches 774 TFLOP/s = 0.78 of peak (docs/benchmarks.md#h200-baselines);
+# 0.80 taken. overhead_width fitted on the H200 measurements in docs/benchmarks.md (copt train running advise's
+# plans: Llama-3.2-1B shape 8 × 2048, 3B 4 × 2048, Llama-3.1-8B 2 × 2048, the 1B and 3B also with activation
+# checkpointing: 71.3k / 30.6k / 12.9k / 63.1k / 25.5k tok/s), least squares on log tokens/s: 290 → 0.70 of peak
+# at h 2048, 0.73 at 3072, 0.75 at 4096; tokens/s within +7.0% (1B) to −7.8% (8B) of all five. The 8B's step
+# implies ≥ 0.8 of peak once its optimizer traffic is counted; the ceiling is kept at the measured large-GEMM
+# figure instead. The 1B step profiled (docs/benchmarks.md#train: GEMMs 175 ms at ~695 TFLOP/s, fused Triton
+# kernels 36 ms, attention 28 ms, AdamW + clipping ~13 ms of 248 ms) agrees: 0.70 of peak on GEMMs, a fifth of
+# the step memory-bound. The same program measured 66.1k tok/s there (7% below the 71.3k above): expect that
+# spread between machines and runs.
+COMPILED_GEMM_EFFICIENCY = {"ceiling": 0.80, "overhead_width": 290.0}
+# Fraction of the datasheet HBM bandwidth streaming kernels reach: H200 device-to-device copy 4.26 of 4.8 TB/s
+# (docs/benchmarks.md#h200-baselines).
+STREAM_BANDWIDTH_EFFICIENCY = 0.89
+# HBM bytes per parameter of one optimizer step over fp32 parameters (copt train, zero 0): fused AdamW reads
+# parameter, gradient and both moments and writes parameter and moments (7 × 4 bytes); SGD with momentum 5 × 4;
+# bitsandbytes' 8-bit AdamW 4 + 4 read, 4 written, 1-byte moments read and written (4). The 1B profile's AdamW +
+# clipping (13 ms for 1.24 B parameters, docs/benchmarks.md#train) is 40 bytes at 3.8 TB/s.
+OPTIMIZER_BYTES_PER_PARAM = {"adamw": 28.0, "sgd": 20.0, "adamw-8bit": 16.0}
+# clip_grad_norm_ (copt train always calls it): the norm reads every gradient, the clip multiplies them in place.
+GRAD_CLIP_BYTES_PER_PARAM = 12.0
+# HBM bytes per logit of the loss beyond its GEMMs. "fused" (copt train's chunked head + cross-entropy): the bf16
+# logits written, read by the compiled cross-entropy kernel, which writes their bf16 gradient, read by the two
+# gradient GEMMs. "hf" (the model's own loss): bf16 logits, their fp32 upcast, fp32 log-softmax, its gradient,
+# softmax backward and the cast back, read by the two GEMMs (counted, not measured). The fused loss also reads and
+# writes its fp32 head-gradient accumulator once per chunk (timing.train_time).
+LOSS_BYTES_PER_LOGIT = {"fused": 10.0, "hf": 42.0}
+# torchao Float8Linear runs the decoder's linears (not the LM head, not attention) at this fraction of the fp8 peak
+# relative to what bf16 GEMMs reach of theirs: casts and amax/scale reductions stay. Fitted to the H200 ratio of
+# copt train --precision fp8 to its bf16 default on the 1B shape, 8 × 2048, in the same run (both with the per-step
+# readout of that time): 70,087 / 61,326 tok/s = 1.14 (docs/benchmarks.md#train) → 0.62 (1,979 TFLOP/s × 0.62 ×
+# 0.70 ≈ 860 TFLOP/s on the 1B shape's linears, against 690 in bf16).
+FP8_GEMM_FACTOR = 0.62
+# Eager fp8 (compile off; not measured): this fraction of the eager bf16 MFU, on the 2× peak (the ratio the
+# compiled fp8 anchor gave under the single-MFU model).
 FP8_MFU_FACTOR = 0.53
 # Prefill runs large matmuls: MFU of a prefill forward (vLLM/HF sdpa on Hopper, typical 0.4–0.6).
 PREFILL_MFU = 0.50
@@ -94,8 +132,10 @@ AUTOTUNED_DECODE_STEP_S = 0.10e-3
 COMM_EFFICIENCY = 0.80
 # Fraction of ZeRO/DP communication hidden behind backward compute (overlap_comm, bucketed all-reduce).
 COMM_OVERLAP = 0.70
-# Activation checkpointing recomputes the checkpointed layers' forward: +1 forward of the decoder layers.
-# Measured on the H200 anchor: 46.6k → 38.2k tok/s (−18%); the FLOP count alone gives −21%.
+# Activation checkpointing recomputes each decoder layer's forward (timing.recompute_flops_per_token: eager the
+# whole layer, compiled all but the MLP output projection). Eager H200 anchor (docs/benchmarks.md#h200-baselines):
+# 46.6k → 38.2k tok/s (−18%); the FLOP count gives −21%. Compiled: 71.3k → 63.1k (1B shape), 30.6k → 25.5k (3B)
+# measured; −15% / −18% priced.
 
 # ---- defaults for cost ----------------------------------------------------------------------------------------
 DEFAULT_GPU_HOUR_USD = {"h200": 3.50, "h100-sxm": 2.50, "h100-pcie": 2.00, "a100-80g": 1.50, "a100-40g": 1.10,

@@ -146,9 +146,9 @@ def compiled_layer_bytes_per_token(spec: ModelSpec, mode: str, tp: int, fp8: boo
     Inductor's partitioner keeps the smallest set backward needs and recomputes cheap pointwise ops from it: per
     norm its input (the residual stream, fp32 under autocast) and the one bf16 cast of its output that the
     projections share; q, k, v after RoPE, the attention output and its log-sum-exp; gate, up and their SwiGLU
-    product. Weight casts are recomputed from the fp32 weights, not saved. torchao's Float8Linear saves the inputs
-    of the linears in fp8 instead (1 byte). COMPILED_ACTIVATION_FACTOR scales the set to the H200 measurements
-    (calibration.py).
+    product. The bf16 casts of the weights are saved too (counted in train_memory, not here). torchao's Float8Linear
+    saves the inputs of the linears in fp8 instead (1 byte). COMPILED_ACTIVATION_FACTOR scales the set to the H200
+    measurements (calibration.py).
     """
     if spec.is_mla or spec.model_type == "gpt2":
         return None
@@ -401,10 +401,16 @@ def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEsti
     logits = _logits_bytes(spec, mode, tokens, plan.tp) if loss == "hf" else \
         fused_loss_bytes(spec, mode, tokens, plan.tp, plan.loss_chunk_tokens)
     # bf16 weight copies made by autocast (matmul weights; kept by the cast cache and the linears' saved inputs).
-    # A compiled decoder recomputes its casts in backward; the fused loss counts its own head cast.
+    # A compiled decoder saves the decoder layers' casts for backward too (its partitioner keeps the 2-byte cast
+    # rather than the 4-byte weight; H200: the 1B, 3B and 8B peaks, calibration.COMPILED_ACTIVATION_FACTOR), except
+    # under checkpointing (each layer recomputes its casts) and fp8 (the fp32 weights reach Float8Linear; its fp8
+    # copies are in model_states). The fused loss counts its own head cast.
     matmul_local = spec.matmul_params_active / (plan.tp * plan.pp) if not spec.is_moe else local
-    head_cast = 2 * spec.vocab_size * spec.hidden_size / plan.tp if mode == "amp" and loss == "hf" else 0.0
-    casts = (head_cast if compiled else 2 * matmul_local) if mode == "amp" else 0.0
+    head_params = spec.vocab_size * spec.hidden_size / plan.tp
+    head_cast = 2 * head_params if mode == "amp" and loss == "hf" else 0.0
+    layer_matmul = max(0.0, matmul_local - head_params / plan.pp)
+    compiled_casts = 2 * layer_matmul if plan.precision != "fp8" and not plan.activation_checkpointing else 0.0
+    casts = (head_cast + compiled_casts if compiled else 2 * matmul_local) if mode == "amp" else 0.0
     layer_casts = 2 * local / max(1.0, layers_local) if mode == "amp" and not compiled else 0.0
     if plan.zero >= 3:
         casts = head_cast = 0.0  # ZeRO-3 gathers bf16 params per layer (in the buffers above)
@@ -421,9 +427,16 @@ def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEsti
         + (recompute + stored / max(1.0, layers_local) if plan.activation_checkpointing else 0.0) + layer_casts,
     }
     if spec.tie_word_embeddings and plan.pp == 1:
-        # the embedding's backward makes a dense V × h gradient and adds it to the tied weight's (the head's) grad
+        # the embedding's backward makes a dense V × h gradient and adds it to the tied weight's (the head's) grad.
+        # Compiled, the embedding lookup is inside the decoder's graph and its backward runs in the same backward
+        # graph as the first layer's, whose activations are still held then (H200, checkpointing: 1B and 3B shapes
+        # within 0.3% with them, −2.8% and −1.7% without)
+        first_layer = 0.0
+        if compiled:
+            first_layer = recompute + stored / max(1.0, layers_local) if plan.activation_checkpointing \
+                else full_layer * tokens
         phases["embedding-backward"] = states["weights"] + states["optimizer"] + states["gradients"] + buffers \
-            + (4.0 if mode != "half" else 2.0) * spec.vocab_size * spec.hidden_size / plan.tp
+            + (4.0 if mode != "half" else 2.0) * spec.vocab_size * spec.hidden_size / plan.tp + first_layer
     peak_phase = max(phases, key=phases.get)
     peak = phases[peak_phase]
     if peak_phase == "loss-forward":
@@ -436,8 +449,8 @@ def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEsti
         act = recompute + (stored / max(1.0, layers_local) if plan.activation_checkpointing else 0.0)
         lg, wcast, grads = 0.0, layer_casts, states["gradients"]
     else:  # embedding-backward: the tied embedding's dense gradient, counted with the gradients
-        act, lg, wcast = 0.0, 0.0, 0.0
-        grads = phases[peak_phase] - states["weights"] - states["optimizer"] - buffers
+        act, lg, wcast = first_layer, 0.0, 0.0
+        grads = phases[peak_phase] - states["weights"] - states["optimizer"] - buffers - first_layer
     breakdown = {
         "weights": states["weights"], "gradients": grads, "optimizer": states["optimizer"],
         "activations": act, "logits": lg, "kv_cache": 0.0, "autocast_weight_copies": wcast, "buffers": buffers,

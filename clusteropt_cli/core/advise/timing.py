@@ -49,8 +49,52 @@ def _dp_link(target: Target, tp: int, pp: int) -> tuple[float, str]:
     return gpu.intra_node_bandwidth, gpu.interconnect
 
 
+def _mlp_output_params(spec: ModelSpec) -> float:
+    """Parameters per token of the decoder layers' MLP output projections (down_proj / c_proj, the active experts'
+    under MoE) whose output only feeds the residual add; 0 where a norm follows it (Gemma-2/3's post-norm needs
+    that output in backward)."""
+    if spec.model_type in ("gemma2", "gemma3_text"):
+        return 0.0
+    h = spec.hidden_size
+    dense = (spec.num_layers - spec.num_moe_layers) * h * spec.intermediate_size
+    moe = spec.num_moe_layers * h * (spec.experts_per_token * spec.moe_intermediate_size
+                                     + spec.shared_expert_intermediate_size)
+    return float(dense + moe)
+
+
+def recompute_flops_per_token(spec: ModelSpec, seq_len: int, compiled: bool) -> float:
+    """Forward FLOPs per token activation checkpointing adds: copt train checkpoints every decoder layer
+    (transformers' gradient_checkpointing_enable, non-reentrant); the embedding, final norm and LM head are not
+    checkpointed. Eager, torch.utils.checkpoint reruns each layer's whole forward. Compiled, the checkpointed layers
+    are inlined into the decoder's graph and the partitioner recomputes only what backward reads: every projection
+    and the attention forward, but not the MLP's output projection, whose output only feeds the residual add (the
+    next layer's input is the saved checkpoint)."""
+    head = spec.vocab_size * spec.hidden_size
+    layers = spec.matmul_params_active - head
+    if compiled:
+        layers -= _mlp_output_params(spec)
+    return 2.0 * layers + spec.attention_flops_per_token(seq_len)
+
+
+def compiled_gemm_efficiency(spec: ModelSpec) -> float:
+    """Fraction of dense peak a compiled copt train step reaches on its FLOPs: a ceiling (large GEMMs) scaled by
+    h / (h + w). A decoder layer's GEMMs cost ∝ tokens·h² while its memory-bound work (norms, RoPE, SwiGLU,
+    residual adds, weight and gradient casts, attention's softmax) costs ∝ tokens·h, so the share of the step
+    spent at GEMM speed grows with the hidden size h (calibration.COMPILED_GEMM_EFFICIENCY)."""
+    ceiling, width = cal.COMPILED_GEMM_EFFICIENCY["ceiling"], cal.COMPILED_GEMM_EFFICIENCY["overhead_width"]
+    h = spec.hidden_size
+    return ceiling * h / (h + width)
+
+
 def train_time(spec: ModelSpec, plan: TrainPlan, target: Target) -> TimeEstimate:
-    """Step time = compute (FLOPs / (peak × MFU)) / (1 − bubble) + exposed communication + offload time."""
+    """Step time = compute / (1 − bubble) + optimizer step + exposed communication + offload time.
+
+    Eager (DeepSpeed, or compile off): compute = FLOPs / (peak × TRAIN_MFU_EAGER), everything else of the step
+    inside that one efficiency. Compiled (copt train's CUDA default): compute = FLOPs / (peak ×
+    compiled_gemm_efficiency) + the fused loss's pass over the logits (bytes / HBM bandwidth), and the optimizer
+    step (clipping + the optimizer's update, bytes per parameter / HBM bandwidth) once per step; under fp8 the
+    decoder's linears run at the fp8 peak (× FP8_GEMM_FACTOR), the LM head and attention in bf16.
+    """
     if target.gpu is None:
         return TimeEstimate({"step_time_s": None, "tokens_per_s": None},
                             notes=["no CPU speed model: measure with copt profile"])
@@ -59,20 +103,46 @@ def train_time(spec: ModelSpec, plan: TrainPlan, target: Target) -> TimeEstimate
     tokens_replica = plan.micro_batch * plan.seq_len * plan.grad_accum
     tokens_step = tokens_replica * dp
     model_flops_token = spec.training_flops_per_token(plan.seq_len)
-    recompute = 0.0
-    if plan.activation_checkpointing:  # decoder layers run their forward twice (the head is not checkpointed)
-        head = spec.vocab_size * spec.hidden_size
-        recompute = 2.0 * (spec.matmul_params_active - head) + spec.attention_flops_per_token(plan.seq_len)
-    mfu = cal.TRAIN_MFU["compile" if plan.runs_compiled(target.device) else "eager"]
+    compiled = plan.runs_compiled(target.device)
+    recompute = recompute_flops_per_token(spec, plan.seq_len, compiled) if plan.activation_checkpointing else 0.0
     dtype = "fp8" if plan.precision == "fp8" and gpu.supports_fp8 else plan.precision
-    if dtype == "fp8":
-        mfu *= cal.FP8_MFU_FACTOR
     peak = gpu.peak_flops(dtype)
-    compute = tokens_replica * (model_flops_token + recompute) / (plan.tp * plan.pp) / (peak * mfu)
+    shard = plan.tp * plan.pp
+    local = spec.num_params / shard
+    hbm = gpu.hbm_bandwidth * cal.STREAM_BANDWIDTH_EFFICIENCY
+    loss_s = optimizer_s = 0.0
+    assumptions: dict[str, float | str] = {}
+    if compiled:
+        eff = compiled_gemm_efficiency(spec)
+        flops = tokens_replica * (model_flops_token + recompute) / shard
+        if dtype == "fp8":  # torchao Float8Linear swaps the decoder's linears; LM head and attention stay bf16
+            head = spec.vocab_size * spec.hidden_size
+            linear = 6.0 * (spec.matmul_params_active - head) + (recompute - spec.attention_flops_per_token(
+                plan.seq_len) if recompute else 0.0)
+            linear_flops = tokens_replica * linear / shard
+            compute = linear_flops / (peak * eff * cal.FP8_GEMM_FACTOR) \
+                + (flops - linear_flops) / (gpu.peak_flops("bf16") * eff)
+        else:
+            compute = flops / (peak * eff)
+        loss = plan.loss(spec)
+        vocab = spec.vocab_size / plan.tp
+        loss_bytes = tokens_replica * vocab * cal.LOSS_BYTES_PER_LOGIT[loss]
+        if loss == "fused":  # each chunk's addmm reads and writes the fp32 head-gradient accumulator (V × h)
+            chunk = plan.loss_chunk_tokens or max(256, 2**30 // (4 * spec.vocab_size))  # copt train's default
+            chunks = plan.grad_accum * math.ceil(plan.micro_batch * (plan.seq_len - 1) / chunk)
+            loss_bytes += chunks * 8.0 * vocab * spec.hidden_size
+        loss_s = loss_bytes / hbm
+        compute += loss_s
+        updated = local / (dp if plan.zero >= 1 else 1)
+        optimizer_s = updated * (cal.OPTIMIZER_BYTES_PER_PARAM[plan.optimizer] + cal.GRAD_CLIP_BYTES_PER_PARAM) / hbm
+        assumptions.update({"gemm_efficiency": eff, "hbm_efficiency": cal.STREAM_BANDWIDTH_EFFICIENCY})
+    else:
+        mfu = cal.TRAIN_MFU_EAGER * (cal.FP8_MFU_FACTOR if dtype == "fp8" else 1.0)
+        compute = tokens_replica * (model_flops_token + recompute) / shard / (peak * mfu)
+        assumptions["mfu"] = mfu
     m = plan.pp_micro_batches or plan.grad_accum
     bubble = bubble_fraction(plan.pp, m, plan.pp_virtual_stages)
     compute /= 1 - bubble
-    local = spec.num_params / (plan.tp * plan.pp)
     grad_bytes = 4.0 if plan.precision == "fp32" else 2.0
     if plan.gradient_compression == "powersgd":
         grad_bytes /= 8  # rank-limited low-rank factors; order of magnitude from PowerSGD (Vogels et al. 2019)
@@ -93,20 +163,21 @@ def train_time(spec: ModelSpec, plan: TrainPlan, target: Target) -> TimeEstimate
         local_part = local / (dp if plan.zero >= 1 else 1)
         pcie = 25e9 if plan.offload == "cpu" else 5e9  # host link / NVMe read+write
         offload = local_part * cal.CPU_ADAM_S_PER_PARAM + 4 * local_part / pcie
-    step = compute + exposed + tp_comm + offload
+    step = compute + optimizer_s + exposed + tp_comm + offload
     tokens_per_s = tokens_step / step
     achieved_mfu = tokens_step * model_flops_token / step / (peak * target.world)
     figures = {
         "step_time_s": step, "tokens_per_s": tokens_per_s, "mfu": achieved_mfu, "compute_s": compute,
+        "loss_s": loss_s, "optimizer_s": optimizer_s,
         "bubble_fraction": bubble, "comm_bytes_per_gpu": comm_bytes, "comm_s": comm, "comm_exposed_s": exposed,
         "tp_comm_s": tp_comm, "offload_s": offload, "flops_per_token": model_flops_token,
         "recompute_flops_per_token": recompute,
     }
     if target.gpu_hour_usd:
         figures["usd_per_million_tokens"] = target.gpu_hour_usd * target.world / 3600 / tokens_per_s * 1e6
-    assumptions = {"mfu": mfu, "peak_tflops": peak / 1e12, "comm_efficiency": cal.COMM_EFFICIENCY,
-                   "comm_overlap": cal.COMM_OVERLAP, "link": link_name,
-                   "bubble_form": "interleaved (p-1)/(v*m)" if plan.pp_virtual_stages > 1 else "(p-1)/(m+p-1)"}
+    assumptions.update({"peak_tflops": peak / 1e12, "comm_efficiency": cal.COMM_EFFICIENCY,
+                        "comm_overlap": cal.COMM_OVERLAP, "link": link_name,
+                        "bubble_form": "interleaved (p-1)/(v*m)" if plan.pp_virtual_stages > 1 else "(p-1)/(m+p-1)"})
     return TimeEstimate(figures, assumptions)
 
 
