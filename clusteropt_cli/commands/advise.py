@@ -332,11 +332,13 @@ def _render(r: dict[str, Any]) -> None:
     for key, label in (("step_time_s", "step time"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"),
                        ("bubble_fraction", "pipeline bubble"), ("comm_s", "DP communication"),
                        ("comm_exposed_s", "exposed communication"), ("offload_s", "offload"),
+                       ("optimizer_s", "optimizer step (clip + update)"),
                        ("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("tpot_floor_s", "TPOT floor (bytes/bandwidth)"),
                        ("output_tokens_per_s", "output tokens/s"), ("max_concurrent_seqs", "max concurrent seqs"),
                        ("usd_per_million_tokens", "USD per 1M tokens")):
         value = tm.get(key)
-        if value is None or (key in ("bubble_fraction", "comm_s", "comm_exposed_s", "offload_s") and not value):
+        optional = ("bubble_fraction", "comm_s", "comm_exposed_s", "offload_s", "optimizer_s")
+        if value is None or (key in optional and not value):
             continue
         if key.endswith("_s") and not key.endswith("per_s"):
             text = _fmt_s(value)

@@ -41,6 +41,18 @@ def test_json_schema_and_anchor(cli) -> None:
     assert all("id" in rec and "command" in rec for rec in r["recommendations"])
 
 
+def test_compiled_step_terms_printed(cli) -> None:
+    """copt train's compiled step on the 8B shape: the human output names the optimizer step's time and the GEMM
+    efficiency it assumed; the JSON carries the terms."""
+    args = ("advise", "--model", "llama-3.1-8b", "--gpu", "h200", "--micro-batch", "2", "--seq-len", "2048")
+    proc = cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "optimizer step (clip + update)" in proc.stdout and "gemm_efficiency=0.747" in proc.stdout
+    r = json.loads(cli(*args, "--json").stdout)
+    assert r["time"]["optimizer_s"] > 0 and r["time"]["loss_s"] > 0
+    assert r["time"]["step_time_s"] > r["time"]["optimizer_s"] + r["time"]["compute_s"] - 1e-9
+
+
 def test_emit_recipe_and_ds_config(cli, tmp_path) -> None:
     recipe, ds = tmp_path / "plan.yaml", tmp_path / "ds.json"
     proc = cli("advise", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--gpus", "8", "--seq-len", "4096",

@@ -135,7 +135,7 @@ def train_time(spec: ModelSpec, plan: TrainPlan, target: Target) -> TimeEstimate
         compute += loss_s
         updated = local / (dp if plan.zero >= 1 else 1)
         optimizer_s = updated * (cal.OPTIMIZER_BYTES_PER_PARAM[plan.optimizer] + cal.GRAD_CLIP_BYTES_PER_PARAM) / hbm
-        assumptions.update({"gemm_efficiency": eff, "hbm_efficiency": cal.STREAM_BANDWIDTH_EFFICIENCY})
+        assumptions.update({"gemm_efficiency": round(eff, 3), "hbm_efficiency": cal.STREAM_BANDWIDTH_EFFICIENCY})
     else:
         mfu = cal.TRAIN_MFU_EAGER * (cal.FP8_MFU_FACTOR if dtype == "fp8" else 1.0)
         compute = tokens_replica * (model_flops_token + recompute) / shard / (peak * mfu)
