@@ -104,7 +104,7 @@ def test_compiled_step_saves_the_bf16_weight_casts() -> None:
     mem = train_memory(spec, TrainPlan(micro_batch=2, seq_len=2048), target)
     layer_weights = spec.matmul_params_active - spec.vocab_size * spec.hidden_size
     assert mem.peak_phase == "loss-forward"
-    assert mem.breakdown["autocast_weight_copies"] == pytest.approx(2 * layer_weights)
+    assert mem.breakdown["autocast_weight_copies"] == pytest.approx(2 * layer_weights, rel=1e-3)
     ckpt = train_memory(spec, TrainPlan(micro_batch=2, seq_len=2048, activation_checkpointing=True), target)
     fp8 = train_memory(spec, TrainPlan(micro_batch=2, seq_len=2048, precision="fp8"), target)
     eager = train_memory(spec, TrainPlan(micro_batch=2, seq_len=2048, zero=0, compile=False), target)

@@ -408,7 +408,8 @@ def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEsti
     matmul_local = spec.matmul_params_active / (plan.tp * plan.pp) if not spec.is_moe else local
     head_params = spec.vocab_size * spec.hidden_size / plan.tp
     head_cast = 2 * head_params if mode == "amp" and loss == "hf" else 0.0
-    layer_matmul = max(0.0, matmul_local - head_params / plan.pp)
+    untied_head = 0.0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
+    layer_matmul = max(0.0, spec.num_params - spec.embedding_params - untied_head) / (plan.tp * plan.pp)  # all experts
     compiled_casts = 2 * layer_matmul if plan.precision != "fp8" and not plan.activation_checkpointing else 0.0
     casts = (head_cast + compiled_casts if compiled else 2 * matmul_local) if mode == "amp" else 0.0
     layer_casts = 2 * local / max(1.0, layers_local) if mode == "amp" and not compiled else 0.0
