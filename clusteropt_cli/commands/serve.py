@@ -51,7 +51,7 @@ def serve(
     max_queue: Annotated[int | None, typer.Option("--max-queue", help="Waiting requests before 429.")] = None,
     max_model_len: Annotated[int | None, typer.Option(
         "--max-model-len", help="Context length served (copt engine default: the model's full context while "
-        "--max-batch-size sequences of it fit; said on stderr).")] = None,
+        "one sequence of it fits the KV cache; said on stderr).")] = None,
     draft_model: Annotated[str | None, typer.Option("--draft-model", help="Draft model dir for speculation.")] = None,
     num_speculative_tokens: Annotated[int | None, typer.Option("--num-speculative-tokens",
                                                                help="Draft tokens per step.")] = None,
@@ -81,7 +81,14 @@ def serve(
                                                                   help="vLLM: pipeline stages.")]
     = None,
     quantization: Annotated[str | None, typer.Option("--quantization", help="vLLM --quantization.")] = None,
-    kv_cache_dtype: Annotated[str | None, typer.Option("--kv-cache-dtype", help="vLLM: auto | fp8.")] = None,
+    kv_cache_dtype: Annotated[str | None, typer.Option("--kv-cache-dtype", help="auto | fp8 (KV blocks in "
+                                                                                "float8: half the memory).")] = None,
+    enable_prefix_caching: Annotated[bool | None, typer.Option(
+        "--enable-prefix-caching/--no-enable-prefix-caching", "--prefix-caching/--no-prefix-caching",
+        help="Share the KV blocks of common prompt prefixes between requests (default: on).")] = None,
+    kv_layout: Annotated[str | None, typer.Option("--kv-layout", hidden=True,
+                                                  help="auto | paged | slots: the copt engine's KV-cache layout.")]
+    = None,
     api_server_count: Annotated[int | None, typer.Option(
         "--api-server-count", help="API-server processes in front of a separate engine-core process (ZeroMQ; "
         "vLLM's flag). Default 0: HTTP and the engine in one process.")] = None,
@@ -132,6 +139,7 @@ def serve(
         compile_mode=compile_mode, async_scheduling=async_scheduling, decode_attention=decode_attention,
         tensor_parallel=tensor_parallel,
         pipeline_parallel=pipeline_parallel, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+        enable_prefix_caching=enable_prefix_caching, kv_layout=kv_layout,
         grace_period=grace_period, api_server_count=api_server_count,
         max_request_bytes=max_request_bytes, max_prompt_chars=max_prompt_chars,
         trust_request_chat_template=trust_request_chat_template, metrics_public=metrics_public,

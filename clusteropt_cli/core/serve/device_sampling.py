@@ -360,6 +360,13 @@ class SlotSampler:
                     self.prompt_mask[slot, torch.tensor(sorted(set(prompt_ids)), device=self.device)] = True
         self.settings[slot] = s
 
+    def restore_counts(self, slot: int, token_ids: list[int]) -> None:
+        """Count tokens a request generated before it got this row (resumed after a preemption) for its penalties."""
+        import torch
+
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        self.counts[slot].index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+
     def _rows(self, index):
         """The kernel's per-row arguments for the rows `index` (a slice for graphs, a long tensor otherwise)."""
         fp, ip = self.fparams[index], self.iparams[index]

@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from clusteropt_cli.core.serve.kv_blocks import hash_chain as hash_chain_of
 from clusteropt_cli.core.serve.loading import EngineLoading
 from clusteropt_cli.core.serve.requests import (
     EngineDeadError,
@@ -80,6 +81,12 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)
     graphs_captured: int = 0
     chained_steps: int = 0  # decode steps launched ahead by async scheduling
+    # paged KV cache: blocks, automatic prefix caching (tokens looked up / found), preemptions (recomputed later)
+    kv_blocks: int = 0
+    block_size: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preemptions: int = 0
     # wall seconds the engine thread spent per phase of its steps (where the time goes)
     phase_s: dict[str, float] = field(default_factory=dict)
 
@@ -97,7 +104,7 @@ class _Seq:
     __slots__ = ("req", "handle", "rid", "prompt", "out", "num_computed", "slot", "draft_computed", "settings",
                  "temperature", "top_p", "stop_ids", "max_new", "t_arrival", "t_first", "t_last", "drafted",
                  "accepted", "finish_reason", "stop_reason", "text", "prompt_lp", "fault", "detok", "leader",
-                 "matcher")
+                 "matcher", "blocks", "hashes", "registered")
 
     def __init__(self, req: GenerationRequest, handle: RequestHandle, stop_ids: set[int], max_new: int,
                  settings: RowSettings):
@@ -122,6 +129,15 @@ class _Seq:
         self.fault: str | None = None  # why this request failed alone (finish_reason "error")
         self.detok: TextStream | None = None  # incremental text of the output, for stop strings
         self.matcher = req.grammar.matcher() if req.grammar is not None else None  # constrained decoding
+        self.blocks: list[int] = []  # paged KV cache: the physical blocks of positions 0, bs, 2·bs, ...
+        self.hashes: list[bytes] = []  # prefix-cache hashes of the full blocks of all_ids()
+        self.registered = 0  # leading blocks registered in the prefix cache
+
+    @property
+    def kv_target(self) -> int:
+        """Positions whose KV must be computed before the sequence decodes: its prompt, or (recomputing after a
+        preemption) everything but the last token, which the next decode step feeds."""
+        return self.length - 1 if self.out else len(self.prompt)
 
     @property
     def length(self) -> int:
@@ -160,6 +176,10 @@ class EngineConfig:
     decode_attention: str = "auto"
     gpu_memory_fraction: float = 0.85  # of the memory free after loading (when gpu_memory_utilization is None)
     gpu_memory_utilization: float | None = None  # vLLM's meaning: of the device's total memory, for everything
+    block_size: int = 16  # tokens per KV block (paged cache)
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "fp8": KV blocks stored as float8 e4m3 (paged cache)
+    kv_layout: str = "auto"  # "paged" (block pool), "slots" (a max_model_len slot per sequence), auto: paged if it can
 
 
 class Engine(EngineLoading, SpeculativeDecoding):
@@ -179,6 +199,7 @@ class Engine(EngineLoading, SpeculativeDecoding):
         self._accepting = False
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self.pool: Any = None  # the paged cache's BlockPool (None: slot cache)
         self.error: BaseException | None = None
         self._wakes: dict[Any, list[Any]] | None = None  # asyncio wake-ups collected during a step
 
@@ -198,6 +219,8 @@ class Engine(EngineLoading, SpeculativeDecoding):
             async_scheduling=settings.async_scheduling is not False,
             decode_attention=settings.decode_attention,
             gpu_memory_utilization=getattr(settings, "gpu_memory_utilization", None),
+            block_size=settings.block_size, enable_prefix_caching=settings.enable_prefix_caching,
+            kv_cache_dtype=settings.kv_cache_dtype, kv_layout=settings.kv_layout,
         )
         return cls(config, observer=observer)
 
@@ -332,8 +355,9 @@ class Engine(EngineLoading, SpeculativeDecoding):
             seq = _Seq(request, handle, stop_ids, min(request.max_new_tokens, room), self._row_settings(request))
             handle._seq = seq
             leader = getattr(share_prompt_with, "_seq", None)
-            if (leader is not None and leader.prompt == seq.prompt and request.prompt_logprobs is None
-                    and getattr(self.runner, "can_copy_prefix", False)):
+            shares = getattr(self.runner, "can_copy_prefix", False) or (
+                self.pool is not None and self.pool.enable_caching)
+            if leader is not None and leader.prompt == seq.prompt and request.prompt_logprobs is None and shares:
                 seq.leader = leader
             self._incoming.append(seq)
             self._cond.notify_all()
@@ -441,17 +465,28 @@ class Engine(EngineLoading, SpeculativeDecoding):
             for seq in [s for s in self._waiting if s.handle._cancelled]:
                 self._waiting.remove(seq)
                 self._finish(seq, "abort")
-        # 2. admission into free slots
+        # 2. admission into free slots (paged: and the blocks its prompt needs)
         while self._waiting and self._free_slots:
-            seq = self._waiting.popleft()
+            seq = self._waiting[0]
+            if self.pool is not None and not self._admit_blocks(seq):
+                break  # first come, first served: wait for blocks
+            self._waiting.popleft()
             seq.slot = heapq.heappop(self._free_slots)
             self._running.append(seq)
+            if self.pool is not None:
+                self.runner.tables.set(seq.slot, 0, seq.blocks)
             try:
                 self.runner.sampler.assign(seq.slot, seq.settings, seq.prompt)
+                if seq.out and seq.settings.has_penalties:  # resumed after a preemption: its counts so far
+                    self.runner.sampler.restore_counts(seq.slot, seq.out)
             except Exception as exc:  # noqa: BLE001 - this request's fault alone (finished after the step)
                 self._fault(seq, exc)
         # 3. decode (or speculate) for generating sequences
-        decoding = [s for s in self._running if s.out and s.finish_reason is None]
+        decoding = [s for s in self._running if s.out and s.finish_reason is None and s.num_computed == s.length - 1]
+        if decoding and self.pool is not None:
+            lookahead = self.config.num_speculative_tokens if (
+                self.draft_runner is not None or self.config.prompt_lookup) else 0
+            decoding = self._grow_blocks(decoding, lookahead)
         t1 = clock()
         stats.add_phase("schedule", t1 - t0)
         if decoding:
@@ -471,11 +506,11 @@ class Engine(EngineLoading, SpeculativeDecoding):
         for seq in self._running:
             if budget <= 0:
                 break
-            if seq.out or seq.finish_reason is not None:
+            if seq.finish_reason is not None or seq.num_computed >= seq.kv_target:
                 continue
-            if seq.leader is not None and not self._share_prompt(seq):
+            if seq.leader is not None and self.pool is None and not self._share_prompt(seq):
                 continue  # waits for the prefill of the request it shares its prompt with
-            n = min(len(seq.prompt) - seq.num_computed, budget)
+            n = min(seq.kv_target - seq.num_computed, budget)
             chunks.append((seq, n))
             budget -= n
         if chunks:
@@ -484,9 +519,99 @@ class Engine(EngineLoading, SpeculativeDecoding):
         stats.steps += 1
         stats.running = len(self._running)
         stats.waiting = len(self._waiting) + len(self._incoming)
-        used = sum(s.length for s in self._running)
-        stats.kv_cache_usage = used / max(1, stats.kv_cache_tokens)
+        if self.pool is not None:
+            stats.kv_cache_usage = self.pool.usage
+            stats.prefix_cache_queries, stats.prefix_cache_hits = self.pool.stats.queries, self.pool.stats.hits
+        else:
+            used = sum(s.length for s in self._running)
+            stats.kv_cache_usage = used / max(1, stats.kv_cache_tokens)
         stats.add_phase("bookkeeping", clock() - t2)
+
+    # ---- paged KV cache -------------------------------------------------------------------------------------
+    def _admit_blocks(self, seq: _Seq) -> bool:
+        """Give a waiting sequence the blocks of the positions it computes before decoding, reusing cached blocks of
+        its prefix (True), or leave it waiting: not enough free blocks, or its leader (the first choice of an `n > 1`
+        request) has not computed the shared prompt yet (False)."""
+        pool = self.pool
+        leader = seq.leader
+        if leader is not None:
+            if leader.finish_reason is not None or leader.handle.done:
+                seq.leader = None
+            elif leader.num_computed < len(leader.prompt):
+                return False
+        tokens = seq.all_ids()
+        hits: list[int] = []
+        if pool.enable_caching and seq.prompt_lp is None:  # prompt logprobs need every position's logits
+            seq.hashes = hash_chain_of(tokens, pool.block_size, seq.hashes)
+            hits = pool.match(seq.hashes, len(tokens))
+        need = pool.blocks_for(seq.kv_target) - len(hits)
+        free_hits = sum(1 for b in hits if pool.ref[b] == 0)
+        if pool.num_free - free_hits < need:
+            return False
+        if not seq.out:  # a preempted sequence's lookups are not new queries
+            pool.record_lookup(len(tokens), len(hits))
+        pool.take(hits)
+        seq.blocks = hits + (pool.allocate(need) if need > 0 else [])
+        seq.num_computed = seq.registered = len(hits)
+        seq.num_computed *= pool.block_size
+        if leader is not None:
+            self.stats.prompt_tokens_shared += seq.num_computed
+            seq.leader = None
+        return True
+
+    def _reserve(self, seq: _Seq, position: int) -> bool:
+        """Make sure the sequence owns the block of `position` (new blocks go into its block table)."""
+        pool = self.pool
+        index = position // pool.block_size
+        if index < len(seq.blocks):
+            return True
+        fresh = pool.allocate(index + 1 - len(seq.blocks))
+        if fresh is None:
+            return False
+        self.runner.tables.set(seq.slot, len(seq.blocks), fresh)
+        seq.blocks.extend(fresh)
+        return True
+
+    def _grow_blocks(self, decoding: list[_Seq], lookahead: int) -> list[_Seq]:
+        """Blocks for the positions this step's decoding writes. When the pool runs out, the most recently admitted
+        running sequences are preempted (their blocks freed; they are recomputed once blocks free up, as vLLM V1
+        does) until the others fit. Returns the sequences that decode."""
+        last = self.max_model_len + (self.config.num_speculative_tokens + 1 if lookahead else 0) - 1
+        for seq in decoding:
+            while seq.slot >= 0 and not self._reserve(seq, min(seq.length - 1 + lookahead, last)):
+                victim = self._running[-1]
+                self._preempt(victim)
+        return [s for s in decoding if s.slot >= 0]
+
+    def _reserve_chain_step(self, seqs: list[_Seq], starts: list[int], steps: int) -> bool:
+        """Blocks for the next chained step (position start + steps of each sequence); False ends the stretch (the
+        scheduler then preempts)."""
+        if self.pool is None:
+            return True
+        return all(self._reserve(s, start + steps) for s, start in zip(seqs, starts, strict=True)
+                   if s.finish_reason is None)
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Free a running sequence's blocks and slot; it waits at the head of the queue and recomputes its cache
+        (prompt and output so far, mostly prefix-cache hits) when it is admitted again."""
+        self._running.remove(seq)
+        heapq.heappush(self._free_slots, seq.slot)
+        seq.slot = -1
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.registered, seq.num_computed, seq.draft_computed = [], 0, 0, 0
+        self._waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    def _register_blocks(self, seq: _Seq) -> None:
+        """Make the sequence's newly filled blocks findable in the prefix cache."""
+        pool = self.pool
+        full = min(seq.num_computed, seq.length) // pool.block_size
+        if full <= seq.registered or not pool.enable_caching or len(seq.blocks) < full:
+            return
+        seq.hashes = hash_chain_of(seq.all_ids()[: full * pool.block_size], pool.block_size, seq.hashes)
+        for i in range(seq.registered, full):
+            pool.register(seq.blocks[i], seq.hashes[i])
+        seq.registered = full
 
     def _share_prompt(self, seq: _Seq) -> bool:
         """For a sequence sharing its prompt with `seq.leader`: copy the leader's KV of all but the last prompt
@@ -508,10 +633,16 @@ class Engine(EngineLoading, SpeculativeDecoding):
         clock = time.perf_counter
         t0 = clock()
         packed, wanted, done = [], [], []
+        recomputed = []
         for seq, n in chunks:
             start = seq.num_computed
-            packed.append((seq.slot, start, seq.prompt[start : start + n]))
+            tokens = seq.prompt if not seq.out else seq.all_ids()
+            packed.append((seq.slot, start, tokens[start : start + n]))
             last = start + n == len(seq.prompt)
+            if seq.out:  # recomputing a preempted sequence's cache: no logits, it goes on decoding
+                wanted.append([])
+                recomputed.append((seq, n))
+                continue
             if seq.prompt_lp is not None:  # every position's logits: the next prompt token's logprob
                 wanted.append(list(range(n)))
             else:
@@ -525,6 +656,8 @@ class Engine(EngineLoading, SpeculativeDecoding):
             torch.cuda.synchronize()
         last_rows, row = [], 0
         for (seq, n), rows in zip(chunks, wanted, strict=True):
+            if seq.out:
+                continue
             if seq.prompt_lp is not None:
                 self._record_prompt_logprobs(seq, logits[row : row + len(rows)], seq.num_computed)
             if seq.num_computed + n == len(seq.prompt):
@@ -532,6 +665,8 @@ class Engine(EngineLoading, SpeculativeDecoding):
             row += len(rows)
         for seq, n in chunks:
             seq.num_computed += n
+            if self.pool is not None:
+                self._register_blocks(seq)
         self.stats.prefill_chunks += len(chunks)
         self.stats.prompt_tokens += sum(n for _, n in chunks)
         t1 = clock()
@@ -576,6 +711,9 @@ class Engine(EngineLoading, SpeculativeDecoding):
             tokens = to_host(chosen)
         for s in seqs:
             s.num_computed += 1
+        if self.pool is not None:
+            for s in seqs:
+                self._register_blocks(s)
         t2 = clock()
         self.stats.decode_steps += 1
         self._emit_one_each(seqs, tokens)
@@ -608,15 +746,16 @@ class Engine(EngineLoading, SpeculativeDecoding):
         clock = time.perf_counter
         stats = self.stats
         t0 = clock()
-        chain = self.runner.start_chain([s.slot for s in seqs], [s.length - 1 for s in seqs],
-                                        [s.last_token() for s in seqs])
+        starts = [s.length - 1 for s in seqs]
+        chain = self.runner.start_chain([s.slot for s in seqs], starts, [s.last_token() for s in seqs])
         pending = chain.launch()
         stats.add_phase("decode_forward", clock() - t0)
         steps = 0
         while pending is not None:  # the last pass launches nothing: it drains the step in flight
             steps += 1
             t0 = clock()
-            ahead = chain.launch() if self._chain_goes_on(seqs, steps) else None
+            ahead = chain.launch() if (self._chain_goes_on(seqs, steps)
+                                       and self._reserve_chain_step(seqs, starts, steps)) else None
             t1 = clock()
             tokens = pending.tokens()
             t2 = clock()
@@ -636,6 +775,8 @@ class Engine(EngineLoading, SpeculativeDecoding):
         if live:
             for s, _ in live:
                 s.num_computed += 1
+                if self.pool is not None:
+                    self._register_blocks(s)
             self._emit_one_each([s for s, _ in live], [t for _, t in live])
         if self._wakes:
             _wake_all(self._wakes)
@@ -808,6 +949,9 @@ class Engine(EngineLoading, SpeculativeDecoding):
         if seq.slot >= 0:
             heapq.heappush(self._free_slots, seq.slot)
             seq.slot = -1
+        if seq.blocks:
+            self.pool.release(seq.blocks)
+            seq.blocks, seq.registered = [], 0
         text = seq.text
         if text is None and getattr(self, "tokenizer", None) is not None:
             text = self.tokenizer.decode(seq.out, skip_special_tokens=True)

@@ -80,9 +80,9 @@ def check_settings(settings: ServeRecipe) -> None:
     if settings.quantization:
         raise BadInputError("--quantization is a vLLM option; the embedded engine reads the checkpoint's own "
                             "quantization config.", hint="Drop --quantization or use --engine vllm.")
-    if settings.kv_cache_dtype not in ("auto", "bf16"):
-        raise BadInputError(f"--kv-cache-dtype {settings.kv_cache_dtype} needs vLLM; the embedded engine keeps "
-                            "the KV cache in the model dtype.", hint="Use --engine vllm or drop --kv-cache-dtype.")
+    if settings.kv_cache_dtype == "int8":
+        raise BadInputError("--kv-cache-dtype int8 needs vLLM; the embedded engine stores the KV cache in the model "
+                            "dtype or fp8.", hint="Use --kv-cache-dtype fp8, --engine vllm, or drop --kv-cache-dtype.")
     if settings.port:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

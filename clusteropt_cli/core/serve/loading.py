@@ -76,15 +76,25 @@ class EngineLoading:
         spec_extra = cfg.num_speculative_tokens + 1 if (cfg.draft_model or cfg.prompt_lookup) else 0
         dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
         elt = torch.empty((), dtype=dtype).element_size()
+        from clusteropt_cli.core.serve.architectures import inspect_architecture
+
+        # a paged cache unless asked for slots or a layer keeps a sliding-window ring (the runner decides finally)
+        arch = inspect_architecture(text_config, ctx)
+        plan_paged = cfg.kv_layout != "slots" and not (arch.native and arch.sliding_layers)
+        if cfg.kv_cache_dtype == "fp8":
+            if cfg.kv_layout == "slots" or not plan_paged:
+                raise BadInputError("--kv-cache-dtype fp8 needs the paged KV cache (models without sliding-window "
+                                    "layers).", hint="Drop --kv-cache-dtype or --kv-layout slots.")
+        kv_elt = 1 if cfg.kv_cache_dtype == "fp8" else elt  # KV bytes per element (the model keeps its dtype)
         draft_text = None
         if cfg.draft_model:
             draft_config = AutoConfig.from_pretrained(cfg.draft_model)
             draft_text = draft_config.get_text_config() if hasattr(draft_config, "get_text_config") else draft_config
 
         def bytes_per_token(length: int) -> int:  # of a slot `length` tokens long, draft model included
-            n = ModelRunner.kv_bytes_per_token_of(text_config, elt, length)
+            n = ModelRunner.kv_bytes_per_token_of(text_config, kv_elt, length)
             if draft_text is not None:
-                n += ModelRunner.kv_bytes_per_token_of(draft_text, elt, length)
+                n += ModelRunner.kv_bytes_per_token_of(draft_text, kv_elt, length)
             return n
 
         cuda = device.startswith("cuda")
@@ -109,7 +119,9 @@ class EngineLoading:
         else:  # the full context when the budget holds --max-batch-size sequences of it (kv_budget.py)
             budget, per_token_of, self.length_budget_why = self._planned_kv_budget(
                 device, hf_config, elt, bytes_per_token, free_at_start, total, reserve)
-            self.length_choice = choose_max_model_len(ctx, per_token_of, budget, cfg.max_batch_size, spec_extra)
+            # paged: the full context as soon as one sequence of it fits (vLLM's rule: shorter ones share the pool)
+            wanted = 1 if plan_paged else cfg.max_batch_size
+            self.length_choice = choose_max_model_len(ctx, per_token_of, budget, wanted, spec_extra)
             max_len = self.length_choice.max_model_len
         cache_len = max_len + spec_extra
         per_token = bytes_per_token(cache_len)
@@ -149,31 +161,47 @@ class EngineLoading:
         self.kv_cache_choice = None
         if capacity is None:  # CPU: from the model's bytes per token and the machine's available memory
             capacity, self.kv_cache_choice = cpu_kv_capacity(per_token, cache_len, cfg.max_batch_size)
-        slots = min(cfg.max_batch_size, capacity // cache_len)
-        if slots < 1:
-            raise BadInputError(
-                f"The KV cache holds {capacity} tokens, less than one sequence of {cache_len} tokens.",
-                hint="Raise --kv-cache-blocks / --kv-cache-memory, or lower --max-model-len.")
-        self.runner.allocate(slots)
-        if self.draft_runner is not None:
-            self.draft_runner.allocate(slots)
+        paged = plan_paged and getattr(self.runner, "can_page", False) and (
+            self.draft_runner is None or getattr(self.draft_runner, "can_page", False))
+        if cfg.kv_layout == "paged" and not paged:
+            raise BadInputError("This model cannot use the paged KV cache (a sliding-window layer or a model served "
+                                "through transformers' own attention).", hint="Drop --kv-layout paged.")
+        if paged:
+            self._allocate_paged(capacity, cache_len, device)
+        else:
+            slots = min(cfg.max_batch_size, capacity // cache_len)
+            if slots < 1:
+                raise BadInputError(
+                    f"The KV cache holds {capacity} tokens, less than one sequence of {cache_len} tokens.",
+                    hint="Raise --kv-cache-blocks / --kv-cache-memory, or lower --max-model-len.")
+            self.runner.allocate(slots)
+            if self.draft_runner is not None:
+                self.draft_runner.allocate(slots)
+            self.num_slots = slots
+            self.stats.kv_cache_tokens = slots * cache_len
+        slots = self.num_slots
         self.max_model_len = max_len
-        self.num_slots = slots
         self.stats.num_slots = slots
-        self.stats.kv_cache_tokens = slots * cache_len
         self.kv_cache_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.runner.caches)
+        import sys
+
         if self.kv_cache_choice is not None:
-            import sys
-
-            print(f"copt serve: KV cache on {device}: {slots} sequences × {cache_len} tokens = "
-                  f"{self.kv_cache_bytes / 2**30:.2f} GiB ({per_token / 1024:.0f} KiB per token; "
-                  f"{self.kv_cache_choice}); --kv-cache-memory or --kv-cache-blocks set it.", file=sys.stderr,
-                  flush=True)
+            held = (f"{self.pool.num_blocks:,} blocks × {self.pool.block_size} tokens" if paged
+                    else f"{slots} sequences × {cache_len} tokens")
+            print(f"copt serve: KV cache on {device}: {held} = {self.kv_cache_bytes / 2**30:.2f} GiB "
+                  f"({per_token / 1024:.0f} KiB per token; {self.kv_cache_choice}); --kv-cache-memory or "
+                  "--kv-cache-blocks set it.", file=sys.stderr, flush=True)
         if self.length_choice is not None:
-            import sys
-
-            print(describe_choice(self.length_choice, ctx, slots, self.kv_cache_bytes, self.length_budget_why),
-                  file=sys.stderr, flush=True)
+            if paged:
+                full = self.pool.num_blocks // self.pool.blocks_for(cache_len)
+                print(f"copt serve: max_model_len {max_len:,} of the model's {ctx:,}-token context; paged KV cache "
+                      f"of {self.pool.num_blocks * self.pool.block_size:,} tokens ({self.kv_cache_bytes / 2**30:.2f} "
+                      f"GiB; {self.length_budget_why}) holds {full:,} sequences of that length, more when shorter "
+                      f"(at most --max-batch-size {slots} run at once). --max-model-len sets the length; "
+                      "--gpu-memory-utilization (or --kv-cache-memory) the pool.", file=sys.stderr, flush=True)
+            else:
+                print(describe_choice(self.length_choice, ctx, slots, self.kv_cache_bytes, self.length_budget_why),
+                      file=sys.stderr, flush=True)
         self.stats.graphs_captured = self.runner.capture_graphs(slots)
         self.eos_ids = self._eos_ids()
         from clusteropt_cli.core.serve.sampling import generation_defaults
@@ -185,6 +213,32 @@ class EngineLoading:
 
         self._rng = random.Random(0)  # seeds of requests that send none
         self._loaded = True
+
+    def _allocate_paged(self, capacity: int, cache_len: int, device: str) -> None:
+        """A block pool of `capacity` tokens shared by --max-batch-size rows (a draft model's pool mirrors it)."""
+        import torch
+
+        from clusteropt_cli.core.serve.kv_blocks import BlockPool
+
+        cfg = self.config
+        block_size = int(cfg.block_size)
+        num_blocks = capacity // block_size
+        per_sequence = -(-cache_len // block_size)
+        if num_blocks < per_sequence:
+            raise BadInputError(
+                f"The KV cache holds {num_blocks * block_size:,} tokens, less than one sequence of {cache_len:,} "
+                "tokens.", hint="Raise --kv-cache-blocks / --kv-cache-memory, or lower --max-model-len.")
+        kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else None
+        rows = int(cfg.max_batch_size)
+        self.runner.allocate_paged(rows, num_blocks, block_size, kv_dtype)
+        if self.draft_runner is not None:
+            self.draft_runner.allocate_paged(rows, num_blocks, block_size, kv_dtype, tables=self.runner.tables)
+        # a draft model's cache of a cached block may never have been computed: no prefix caching with one
+        caching = cfg.enable_prefix_caching and self.draft_runner is None
+        self.pool = BlockPool(num_blocks, block_size, enable_caching=caching)
+        self.num_slots = rows
+        self.stats.kv_blocks, self.stats.block_size = num_blocks, block_size
+        self.stats.kv_cache_tokens = num_blocks * block_size
 
     def _planned_kv_budget(self, device: str, hf_config: Any, elt: int, bytes_per_token: Any,
                            free_at_start: int | None, total: int | None, reserve: int) -> tuple[int, Any, str]:

@@ -47,6 +47,11 @@ class StepContext:
     attention: str = "sdpa"
     window_masks: dict[int, Any] = field(default_factory=dict)  # decode: sliding window → [B, 1, 1, L] bool
     scratch_pos: int = 0  # decode: the position rows of slots that are not decoding carry
+    # paged KV cache (caches are block pools [blocks + 1, block_size, KVH, D]; the last block is the scratch block)
+    paged: bool = False
+    block_tables: Any = None  # [rows + 1, max blocks] long: row r's logical block j is physical block [r, j]
+    write_index: Any = None  # [tokens] long: where each token of the step goes in the flattened pool
+    read_blocks: list[Any] = field(default_factory=list)  # packed: per segment, the blocks it attends over
 
 
 def _slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, copt_step=None,
@@ -71,6 +76,8 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
         from clusteropt_cli.core.serve.attention import windowed_slot_attention
 
         return windowed_slot_attention(module, query, key, value, step, k_cache, v_cache, scaling), None
+    if step.paged:
+        return _paged_attention(query, key, value, step, k_cache, v_cache, scaling), None
     num_heads, head_dim = query.shape[1], query.shape[-1]
     kv_heads = key.shape[1]
     if step.mode == "decode":
@@ -113,6 +120,84 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
         outs.append(out)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2), None
+
+
+def _pool_write(pool, index, values) -> None:
+    """pool.view(-1, KVH, D)[index] = values (cast to the pool's dtype; FP8 pools are written as bytes, which every
+    device's index_copy handles)."""
+    import torch
+
+    flat = pool.view(-1, pool.shape[2], pool.shape[3])
+    if pool.dtype == torch.float8_e4m3fn:
+        flat.view(torch.uint8).index_copy_(0, index, values.to(pool.dtype).view(torch.uint8))
+    else:
+        flat.index_copy_(0, index, values.to(pool.dtype))
+
+
+def _pool_read(pool, blocks, dtype):
+    """pool[blocks] in `dtype` (blocks: an index tensor of any shape)."""
+    import torch
+
+    if pool.dtype == torch.float8_e4m3fn:
+        return pool.view(torch.uint8)[blocks].view(pool.dtype).to(dtype)
+    return pool[blocks].to(dtype)
+
+
+def _paged_attention(query, key, value, step: StepContext, k_pool, v_pool, scaling):
+    """Attention over a paged cache: write this step's keys/values where the block tables say, then attend each
+    sequence over its own blocks. query [B, H, T, D], key/value [B, KVH, T, D] → [B, T, H, D]."""
+    import torch
+    import torch.nn.functional as F
+
+    num_heads, head_dim = query.shape[1], query.shape[-1]
+    kv_heads = key.shape[1]
+    block_size = k_pool.shape[1]
+    if step.mode == "decode":
+        batch = query.shape[0]
+        _pool_write(k_pool, step.write_index, key[:, :, 0])
+        _pool_write(v_pool, step.write_index, value[:, :, 0])
+        if step.attention == "paged":  # the fused kernel reads the blocks in place (paged_attention.py)
+            from clusteropt_cli.core.serve.paged_attention import paged_decode_attention
+
+            scale = scaling if scaling is not None else head_dim**-0.5
+            out = paged_decode_attention(query[:, :, 0], k_pool, v_pool, step.block_tables, step.positions,
+                                         step.kv_len // block_size, scale)
+            return out[:, None]
+        blocks = step.block_tables[:batch, : step.kv_len // block_size]
+        keys = _pool_read(k_pool, blocks, query.dtype).view(batch, step.kv_len, kv_heads, head_dim).transpose(1, 2)
+        values = _pool_read(v_pool, blocks, query.dtype).view(batch, step.kv_len, kv_heads, head_dim).transpose(1, 2)
+        if step.attention == "flex":
+            return _flex_decode(query, keys, values, step.positions, scaling)
+        q = query.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
+        if step.attention == "math":
+            scale = scaling if scaling is not None else head_dim**-0.5
+            scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
+            probs = scores.masked_fill(~step.mask, float("-inf")).softmax(dim=-1).to(values.dtype)
+            out = torch.matmul(probs, values)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, scale=scaling)
+        return out.reshape(batch, num_heads, 1, head_dim).transpose(1, 2)
+
+    groups = num_heads // kv_heads
+    _pool_write(k_pool, step.write_index, key[0].transpose(0, 1))
+    _pool_write(v_pool, step.write_index, value[0].transpose(0, 1))
+    outs = []
+    for seg, mask, blocks in zip(step.segments, step.masks, step.read_blocks, strict=True):
+        end = seg.start + seg.length
+        span = blocks.shape[0] * block_size
+        keys = _pool_read(k_pool, blocks, query.dtype).view(span, kv_heads, head_dim)[:end].transpose(0, 1)[None]
+        values = _pool_read(v_pool, blocks, query.dtype).view(span, kv_heads, head_dim)[:end].transpose(0, 1)[None]
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        q = query[:, :, seg.offset : seg.offset + seg.length]
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+        outs.append(out)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2)
 
 
 def _flex_decode(query, keys, values, positions, scaling):
@@ -211,6 +296,49 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
+class BlockTables:
+    """Every row's block table, on the device (read by attention and by captured graphs in place) and mirrored on
+    the host (where packed steps compute their write positions). Updates are queued and applied in one copy before
+    the next forward (`flush`). A draft model's runner shares its target's tables (same blocks, own pools)."""
+
+    def __init__(self, rows: int, max_blocks: int, scratch_block: int, device: Any):
+        import torch
+
+        self.scratch_block, self.max_blocks = scratch_block, max_blocks
+        self.host = torch.full((rows + 1, max_blocks), scratch_block, dtype=torch.long)
+        self.device = torch.full((rows + 1, max_blocks), scratch_block, dtype=torch.long, device=device)
+        self._pending: list[tuple[int, int, int]] = []
+
+    def set(self, row: int, first: int, blocks: list[int]) -> None:
+        """Row `row`'s logical blocks first, first+1, ... are the physical `blocks`."""
+        if first + len(blocks) > self.max_blocks:
+            raise ValueError(f"a block table holds {self.max_blocks} blocks; asked for {first + len(blocks)}")
+        for j, b in enumerate(blocks):
+            self._pending.append((row, first + j, b))
+
+    def clear(self, row: int) -> None:
+        """Point the whole row at the scratch block (a finished sequence's stale entries are never read; this keeps
+        tests and dumps readable and costs one copy)."""
+        self._pending.append((row, -1, self.scratch_block))
+
+    def flush(self) -> None:
+        import torch
+
+        if not self._pending:
+            return
+        whole = [(r, b) for r, c, b in self._pending if c < 0]
+        cells = [(r, c, b) for r, c, b in self._pending if c >= 0]
+        self._pending = []
+        for r, b in whole:
+            self.host[r].fill_(b)
+            self.device[r].fill_(b)
+        if cells:
+            update = torch.tensor(cells, dtype=torch.long).t().contiguous()
+            self.host[update[0], update[1]] = update[2]
+            moved = update.to(self.device.device)
+            self.device.index_put_((moved[0], moved[1]), moved[2])
+
+
 class ModelRunner:
     """One model, its slot KV cache (`num_slots` × `max_len` tokens) and its forward passes."""
 
@@ -283,6 +411,8 @@ class ModelRunner:
         self.head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_heads)
         self.num_slots = 0
         self.caches: list[tuple[Any, Any]] = []
+        self.paged = False
+        self.tables: BlockTables | None = None
         if num_slots is not None:
             self.allocate(num_slots)
         self.kv_lengths = _length_buckets(self.max_len)
@@ -291,8 +421,8 @@ class ModelRunner:
         self._graph_pool = None
         self._eager_forwards: list[tuple[Any, Any]] = []
         self.compile_mode = compile_mode
-        if decode_attention not in ("sdpa", "flex", "math"):
-            raise ValueError(f"decode_attention must be sdpa, flex or math, not {decode_attention!r}")
+        if decode_attention not in ("sdpa", "flex", "math", "paged"):
+            raise ValueError(f"decode_attention must be sdpa, flex, math or paged, not {decode_attention!r}")
         self.compiled_layers = self._compile_decode_layers() if compile_decode else 0
         # FlexAttention and the plain-ops form pay only compiled (eager, they are several unfused kernels or
         # materialize the scores): masked SDPA otherwise
@@ -319,6 +449,43 @@ class ModelRunner:
         from clusteropt_cli.core.serve.device_sampling import SlotSampler
 
         # per-slot sampling state on the device (compiled with the decode layers: one fused kernel per variant)
+        self.sampler = SlotSampler(self.num_slots, self.vocab_size, self.device,
+                                   compiled=bool(getattr(self, "compiled_layers", 0)) and self.device.type == "cuda")
+
+    @property
+    def can_page(self) -> bool:
+        """Whether this model's cache can be paged: every layer keeps its whole context (a sliding-window ring
+        keeps the slot layout)."""
+        return not any(self.rings)
+
+    def allocate_paged(self, num_rows: int, num_blocks: int, block_size: int, kv_dtype: Any = None,
+                       tables: BlockTables | None = None) -> None:
+        """Allocate a paged KV cache: per layer a pool of `num_blocks` blocks of `block_size` tokens (+ a scratch
+        block that rows which are not decoding write to), and `num_rows` block tables (or share `tables`)."""
+        import torch
+
+        if not self.can_page:
+            raise RuntimeError("a model with sliding-window rings keeps the slot KV cache")
+        self.paged = True
+        self.num_slots = int(num_rows)
+        self.block_size = int(block_size)
+        self.num_blocks = int(num_blocks)
+        self.scratch_pos = self.max_len
+        self.kv_dtype = kv_dtype or self.dtype
+        max_blocks = -(-self.max_len // self.block_size)
+        self.tables = tables or BlockTables(self.num_slots, max_blocks, self.num_blocks, self.device)
+        shape = (self.num_blocks + 1, self.block_size, self.kv_heads, self.head_dim)
+        self.caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                        torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(self.num_layers)]
+        for module in self._attention_modules():
+            k, v = self.caches[module.layer_idx]
+            module.register_buffer("copt_k_cache", k, persistent=False)
+            module.register_buffer("copt_v_cache", v, persistent=False)
+        span = max_blocks * self.block_size  # decode context buckets: whole blocks
+        self.kv_lengths = sorted({min(span, -(-n // self.block_size) * self.block_size)
+                                  for n in _length_buckets(self.max_len)})
+        from clusteropt_cli.core.serve.device_sampling import SlotSampler
+
         self.sampler = SlotSampler(self.num_slots, self.vocab_size, self.device,
                                    compiled=bool(getattr(self, "compiled_layers", 0)) and self.device.type == "cuda")
 
@@ -432,12 +599,32 @@ class ModelRunner:
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([pos], dtype=torch.long, device=self.device)
         step = StepContext(caches=self.caches, mode="packed", segments=segments, masks=masks)
+        if self.paged:
+            self._page_packed(step, pos)
         with torch.inference_mode():
             hidden = self._hidden(input_ids, position_ids, step)[0]
             if not rows:
                 return torch.empty(0, self.vocab_size, device=self.device)
             picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
             return self._logits(picked)
+
+    def _page_packed(self, step: StepContext, positions: list[int]) -> None:
+        """A packed step's places in the paged cache: where each token is written (one index for the step) and
+        which blocks each segment attends over (one host-to-device copy for both)."""
+        import torch
+
+        tables = self.tables
+        tables.flush()
+        bs = self.block_size
+        host = tables.host
+        pos = torch.tensor(positions, dtype=torch.long)
+        rows = torch.cat([torch.full((seg.length,), seg.slot, dtype=torch.long) for seg in step.segments])
+        write = host[rows, pos // bs] * bs + pos % bs
+        reads = [host[seg.slot, : -(-(seg.start + seg.length) // bs)] for seg in step.segments]
+        moved = torch.cat([write, *reads]).to(self.device)
+        step.paged, step.block_tables = True, tables.device
+        step.write_index = moved[: len(positions)]
+        step.read_blocks = list(torch.split(moved[len(positions) :], [len(r) for r in reads]))
 
     def _forward_split(self, chunks: list[tuple[int, int, list[int]]], logits_for: list[list[int]]):
         """forward_packed in rounds of at most max_segment tokens per sequence (a windowed layer's ring holds
@@ -474,10 +661,17 @@ class ModelRunner:
 
         rows = torch.arange(input_ids.shape[0], device=self.device)
         mask = None
-        if self.decode_attention != "flex":
+        if self.decode_attention not in ("flex", "paged"):
             mask = (torch.arange(kv_len, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
         step = StepContext(caches=self.caches, mode="decode", slot_ids=rows, positions=positions, mask=mask,
                            kv_len=kv_len, attention=self.decode_attention, scratch_pos=self.scratch_pos)
+        if self.paged:  # where each row's token goes: its block (the scratch block for rows not decoding)
+            bs, table = self.block_size, self.tables.device
+            column = (positions // bs).clamp(max=table.shape[1] - 1)
+            block = table[: input_ids.shape[0]].gather(1, column[:, None])[:, 0]
+            block = torch.where(positions >= self.scratch_pos, self.tables.scratch_block, block)
+            step.paged, step.block_tables = True, table
+            step.write_index = block * bs + positions % bs
         if self.windows:
             from clusteropt_cli.core.serve.attention import decode_window_mask
 
@@ -505,6 +699,8 @@ class ModelRunner:
         n = len(slots)
         rows = max(slots) + 1
         kv_len = self._kv_bucket(max(positions))
+        if self.tables is not None:
+            self.tables.flush()
         with torch.inference_mode():
             logits = None
             if self.use_graphs:
@@ -530,6 +726,8 @@ class ModelRunner:
         sampler = self.sampler
         _plain, sort, penalize = sampler.flags(slots)
         rows = max(slots) + 1
+        if self.tables is not None:
+            self.tables.flush()
         with torch.inference_mode():
             if self.use_graphs:
                 kv_len = self._kv_bucket(max(positions))
@@ -543,8 +741,9 @@ class ModelRunner:
 
     @property
     def can_copy_prefix(self) -> bool:
-        """Every layer keeps all positions (a sliding-window ring may have overwritten a shared prefix)."""
-        return not any(getattr(self, "rings", None) or [])
+        """Every layer keeps all positions (a sliding-window ring may have overwritten a shared prefix); a paged
+        cache shares prompts through its prefix cache instead."""
+        return not self.paged and not any(getattr(self, "rings", None) or [])
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of slot src's KV cache to slot dst (a shared prompt)."""
@@ -725,6 +924,8 @@ class DecodeChain:
 
         runner = self.runner
         kv_len = runner._kv_bucket(self.max_position)
+        if runner.tables is not None:
+            runner.tables.flush()
         graph = runner._graph_for(len(self.ids), kv_len) if runner.use_graphs else None
         with torch.inference_mode():
             if graph is not None:

@@ -56,6 +56,8 @@ class SpeculativeDecoding:
             accepted = len(tokens) - 1
             old_len = seq.length
             seq.num_computed += len(tokens)
+            if self.pool is not None:
+                self._register_blocks(seq)
             if self.draft_runner is not None:
                 seq.draft_computed = min(seq.draft_computed, old_len + min(accepted, max(k - 1, 0)))
             seq.drafted += k

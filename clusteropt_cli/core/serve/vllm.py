@@ -158,6 +158,8 @@ def plan_vllm_command(settings: ServeRecipe, version: str | None = None) -> Vllm
         cmd += ["--max-model-len", str(settings.max_model_len)]
     if _user_set(settings, "block_size"):
         cmd += ["--block-size", str(settings.block_size)]
+    if _user_set(settings, "enable_prefix_caching"):
+        cmd += ["--enable-prefix-caching" if settings.enable_prefix_caching else "--no-enable-prefix-caching"]
     if getattr(settings, "gpu_memory_utilization", None) is not None:
         cmd += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
     if settings.kv_cache_blocks:

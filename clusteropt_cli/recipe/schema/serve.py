@@ -42,8 +42,17 @@ class ServeRecipe(Strict):
                                                         "forwarded to vLLM only when set).")
     kv_cache_blocks: PositiveInt | None = None
     kv_cache_memory: float | None = Field(None, gt=0, description="GiB for the KV cache.")
-    kv_cache_dtype: Literal["auto", "bf16", "fp8", "int8"] = "auto"
-    block_size: PositiveInt = Field(32, description="Tokens per KV-cache block (forwarded to vLLM only when set).")
+    kv_cache_dtype: Literal["auto", "bf16", "fp8", "int8"] = Field(
+        "auto", description="KV-cache element type: auto (the model's), fp8 (float8 e4m3 blocks, half the memory; "
+        "copt engine: paged cache), int8 (vLLM only).")
+    block_size: PositiveInt = Field(16, le=1024, description="Tokens per KV-cache block (vLLM's default 16; "
+                                    "forwarded to vLLM only when set).")
+    enable_prefix_caching: bool = Field(
+        True, description="Automatic prefix caching: full KV blocks are shared copy-free by requests with the same "
+        "token prefix (vLLM's --enable-prefix-caching; forwarded to vLLM only when set).")
+    kv_layout: Literal["auto", "paged", "slots"] = Field(
+        "auto", description="copt engine: paged (a block pool shared by all sequences) or slots (one max_model_len "
+        "slot per sequence); auto = paged unless a layer keeps a sliding-window ring.")
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="Fraction of the GPU's total memory this server may use (weights, activations "
         "and KV cache), as vLLM's --gpu-memory-utilization; copt's engine sizes its KV cache to fit the same "
@@ -121,6 +130,8 @@ class ServeRecipe(Strict):
         if self.decode_attention in ("flex", "math") and no_compiled_layers:
             problems.append("decode_attention: flex and math apply to the copt engine's compiled decode "
                             "layers (not with engine vllm or compile false)")
+        if self.kv_layout != "auto" and self.engine == "vllm":
+            problems.append("kv_layout: chooses the copt engine's KV cache (vLLM's is always paged)")
         if self.vllm_version is not None:
             from clusteropt_cli.core.serve.vllm import parse_version
 
