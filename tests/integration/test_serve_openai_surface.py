@@ -108,10 +108,10 @@ def test_chat_logprobs_and_n(client, server):
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
         assert entry.token == entry.top_logprobs[0].token  # greedy: the most likely token
-    many = client.completions.create(model="teacher", prompt="def main(", max_tokens=8, temperature=1.0, n=3,
-                                     seed=5)
-    again = client.completions.create(model="teacher", prompt="def main(", max_tokens=8, temperature=1.0, n=3,
-                                      seed=5)
+    # longer than a KV block: the choices share the prompt's full blocks through the prefix cache
+    prompt = "def main(argv):\n    parser = argparse.ArgumentParser(description='run')\n    parser.add_argument("
+    many = client.completions.create(model="teacher", prompt=prompt, max_tokens=8, temperature=1.0, n=3, seed=5)
+    again = client.completions.create(model="teacher", prompt=prompt, max_tokens=8, temperature=1.0, n=3, seed=5)
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
     assert [c.text for c in many.choices] == [c.text for c in again.choices]
     assert len({c.text for c in many.choices}) > 1  # each choice its own sample
