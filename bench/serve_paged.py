@@ -36,11 +36,12 @@ SYSTEM_TOKENS, USER_TOKENS = 2000, 128
 
 
 def engine_for(model_dir: str, layout: str, kv_gib: float, max_model_len: int, caching: bool = True,
-               max_batch_size: int = 256):
+               max_batch_size: int = 256, decode_attention: str = "auto"):
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig
 
     config = EngineConfig(model=model_dir, max_batch_size=max_batch_size, max_model_len=max_model_len,
-                          kv_cache_memory_gib=kv_gib, kv_layout=layout, enable_prefix_caching=caching)
+                          kv_cache_memory_gib=kv_gib, kv_layout=layout, enable_prefix_caching=caching,
+                          decode_attention=decode_attention)
     return Engine(config).start()
 
 
@@ -65,15 +66,16 @@ def batch1(engine, vocab: int, tokens: int) -> float:
     return 1000 * (r.latency_s - r.ttft_s) / (len(r.output_ids) - 1)
 
 
-def standard_case(model_dir: str, layout: str, args, vocab: int) -> dict:
+def standard_case(model_dir: str, layout: str, args, vocab: int, decode_attention: str = "auto") -> dict:
     from clusteropt_cli.core.serve.engine import GenerationRequest
 
     prompts = workload(vocab, args.requests)
-    engine = engine_for(model_dir, layout, args.kv_gib, 512)
+    engine = engine_for(model_dir, layout, args.kv_gib, 512, decode_attention=decode_attention)
     try:
         warm = [GenerationRequest(prompt_ids=p, max_new_tokens=8, ignore_eos=True) for p in prompts[:32]]
         engine.generate(warm)
-        out = {"kv_blocks": engine.stats.kv_blocks, "sequences": engine.num_slots}
+        out = {"kv_blocks": engine.stats.kv_blocks, "sequences": engine.num_slots,
+               "decode_attention": engine.runner.decode_attention, "graphs": engine.stats.graphs_captured}
         out["greedy"] = run_requests(engine, [GenerationRequest(prompt_ids=p, max_new_tokens=args.out_tokens,
                                                                 ignore_eos=True) for p in prompts])
         out["sampled"] = run_requests(engine, [GenerationRequest(prompt_ids=p, max_new_tokens=args.out_tokens,
@@ -154,14 +156,15 @@ def main() -> None:
         vocab = made["vocab"]
         del made
         free_gpu()
-        for layout in ("slots", "paged"):
+        for name, layout, attention in (("slots", "slots", "auto"), ("paged", "paged", "auto"),
+                                        ("paged_kernel", "paged", "paged")):
             if "standard" in cases:
-                log(f"standard workload, {layout}")
+                log(f"standard workload, {name}")
                 try:
-                    results["cases"][f"standard_{layout}"] = standard_case(model_dir, layout, args, vocab)
+                    results["cases"][f"standard_{name}"] = standard_case(model_dir, layout, args, vocab, attention)
                 except Exception as exc:  # noqa: BLE001 - record and go on
                     traceback.print_exc()
-                    results["cases"][f"standard_{layout}"] = {"error": f"{type(exc).__name__}: {exc}"}
+                    results["cases"][f"standard_{name}"] = {"error": f"{type(exc).__name__}: {exc}"}
                 save()
         if "shared_prefix" in cases:
             for name, layout, caching in (("slots", "slots", True), ("paged", "paged", True),
@@ -191,9 +194,13 @@ def main() -> None:
     print(f"copt engine, paged vs slot KV cache on {results['gpu']}, {results['date']}")
     for kind in ("greedy", "sampled"):
         s, p = pick("standard_slots", kind, "output_tok_s"), pick("standard_paged", kind, "output_tok_s")
-        print(f"standard {kind:8s} output tok/s  slots {s:10,.0f}  paged {p:10,.0f}  ratio {p / s:.3f}")
+        k = pick("standard_paged_kernel", kind, "output_tok_s")
+        print(f"standard {kind:8s} output tok/s  slots {s:10,.0f}  paged {p:10,.0f} ({p / s:.3f})  paged+kernel "
+              f"{k:10,.0f} ({k / s:.3f})")
     s, p = pick("standard_slots", "batch1_ms_per_token"), pick("standard_paged", "batch1_ms_per_token")
-    print(f"batch-1 ms/token              slots {s:10.3f}  paged {p:10.3f}  ratio {p / s:.3f}")
+    k = pick("standard_paged_kernel", "batch1_ms_per_token")
+    print(f"batch-1 ms/token              slots {s:10.3f}  paged {p:10.3f} ({p / s:.3f})  paged+kernel {k:10.3f} "
+          f"({k / s:.3f})")
     for name in ("slots", "paged", "paged_no_caching"):
         key = f"shared_prefix_{name}"
         print(f"shared prefix {name:17s} TTFT p50 {pick(key, 'ttft_s', 'p50'):8.3f} s  output tok/s "

@@ -268,6 +268,7 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l compile-mode
 complete -c copt -n "__fish_seen_subcommand_from serve" -l draft-model
 complete -c copt -n "__fish_seen_subcommand_from serve" -l dry-run
 complete -c copt -n "__fish_seen_subcommand_from serve" -l dtype
+complete -c copt -n "__fish_seen_subcommand_from serve" -l enable-prefix-caching
 complete -c copt -n "__fish_seen_subcommand_from serve" -l engine
 complete -c copt -n "__fish_seen_subcommand_from serve" -l gpu-memory-utilization
 complete -c copt -n "__fish_seen_subcommand_from serve" -l grace-period
@@ -288,10 +289,13 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l max-prompt-chars
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-queue
 complete -c copt -n "__fish_seen_subcommand_from serve" -l max-request-bytes
 complete -c copt -n "__fish_seen_subcommand_from serve" -l metrics-public
+complete -c copt -n "__fish_seen_subcommand_from serve" -l no-enable-prefix-caching
+complete -c copt -n "__fish_seen_subcommand_from serve" -l no-prefix-caching
 complete -c copt -n "__fish_seen_subcommand_from serve" -l num-speculative-tokens
 complete -c copt -n "__fish_seen_subcommand_from serve" -l pipeline-parallel
 complete -c copt -n "__fish_seen_subcommand_from serve" -l pipeline-parallel-size
 complete -c copt -n "__fish_seen_subcommand_from serve" -l port
+complete -c copt -n "__fish_seen_subcommand_from serve" -l prefix-caching
 complete -c copt -n "__fish_seen_subcommand_from serve" -l prompt-lookup
 complete -c copt -n "__fish_seen_subcommand_from serve" -l quantization
 complete -c copt -n "__fish_seen_subcommand_from serve" -l read-timeout

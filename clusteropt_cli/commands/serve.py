@@ -73,7 +73,7 @@ def serve(
                                                                "the current one's tokens (default: on; vLLM: its "
                                                                "own default).")] = None,
     decode_attention: Annotated[str | None, typer.Option("--decode-attention", hidden=True,
-                                                         help="auto | sdpa | flex | math: attention of the "
+                                                         help="auto | sdpa | flex | math | paged: attention of the "
                                                               "compiled decode steps.")] = None,
     tensor_parallel: Annotated[int | None, typer.Option("--tensor-parallel", "--tensor-parallel-size",
                                                                 help="vLLM: GPUs per replica.")] = None,

@@ -211,3 +211,15 @@ def test_slot_layout_still_serves(fixtures):
         assert engine.pool is None and not engine.runner.paged
         results = engine.generate(_requests(prompts, [8, 8, 8]))
     assert [r.output_ids for r in results] == [e[:8] for e in expected]
+
+
+def test_paged_decode_op_matches_hf(fixtures):
+    """decode_attention paged: the registered op (its CPU reference here; the Triton kernels on CUDA)."""
+    prompts = eval_prompts(fixtures, 4, seed=17)
+    lengths = [10, 17, 6, 12]
+    expected = [out[:n] for out, n in zip(hf_greedy(fixtures.teacher, prompts, max(lengths)), lengths, strict=True)]
+    with _engine(fixtures, decode_attention="paged") as engine:
+        assert engine.runner.decode_attention == "paged"
+        results = engine.generate(_requests(prompts, lengths))
+        _assert_no_leak(engine)
+    assert [r.output_ids for r in results] == expected

@@ -465,11 +465,18 @@ class Engine(EngineLoading, SpeculativeDecoding):
             for seq in [s for s in self._waiting if s.handle._cancelled]:
                 self._waiting.remove(seq)
                 self._finish(seq, "abort")
-        # 2. admission into free slots (paged: and the blocks its prompt needs)
+        # 2. admission into free slots (paged: and the blocks its prompt needs). Paged, a request is admitted only
+        # while the prefill already admitted leaves room in a step's token budget (as vLLM schedules): one that
+        # waits a step finds the blocks its predecessors computed in the prefix cache instead of computing them too
+        pending = 0
+        if self.pool is not None:
+            pending = sum(s.kv_target - s.num_computed for s in self._running if s.num_computed < s.kv_target)
         while self._waiting and self._free_slots:
             seq = self._waiting[0]
-            if self.pool is not None and not self._admit_blocks(seq):
-                break  # first come, first served: wait for blocks
+            if self.pool is not None and (pending >= self.max_batch_tokens or not self._admit_blocks(seq)):
+                break  # first come, first served: wait for blocks (or for the prefill ahead of it)
+            if self.pool is not None:
+                pending += seq.kv_target - seq.num_computed
             self._waiting.popleft()
             seq.slot = heapq.heappop(self._free_slots)
             self._running.append(seq)

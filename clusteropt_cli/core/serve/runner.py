@@ -426,13 +426,20 @@ class ModelRunner:
         self.compiled_layers = self._compile_decode_layers() if compile_decode else 0
         # FlexAttention and the plain-ops form pay only compiled (eager, they are several unfused kernels or
         # materialize the scores): masked SDPA otherwise
-        self.decode_attention = decode_attention if self.compiled_layers else "sdpa"
+        # the paged kernel (paged_attention.py) runs compiled or not; it needs the paged cache (allocate_paged)
+        self.decode_attention = decode_attention if (self.compiled_layers or decode_attention == "paged") else "sdpa"
+        if decode_attention == "paged":
+            from clusteropt_cli.core.serve.paged_attention import register
+
+            register()  # defined before any compile traces a layer that calls it
 
     def allocate(self, num_slots: int) -> None:
         """Allocate the static KV cache: num_slots sequences of max_len tokens (+ one scratch slot)."""
         import torch
 
         self.num_slots = int(num_slots)
+        if self.decode_attention == "paged":  # the slot layout has no block tables
+            self.decode_attention = "math" if self.compiled_layers else "sdpa"
         self.scratch_pos = self.max_len  # decode rows of slots that are not decoding write this column
         # a full layer keeps max_len positions per slot, a short sliding window a ring (attention.ring_length)
         self.caches = []

@@ -182,6 +182,12 @@ class _EngineCollector:
             ("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full)", s.kv_cache_usage, GaugeMetricFamily),
             ("vllm:prompt_tokens", "Prefilled prompt tokens", s.prompt_tokens, CounterMetricFamily),
             ("vllm:generation_tokens", "Generated tokens", s.generated_tokens, CounterMetricFamily),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries,
+             CounterMetricFamily),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits,
+             CounterMetricFamily),
+            ("vllm:num_preemptions", "Requests preempted (KV blocks freed, recomputed later)", s.preemptions,
+             CounterMetricFamily),
         ):
             metric = family(name, doc, labels=["model_name"])
             metric.add_metric([self.model_name], value)
@@ -196,6 +202,11 @@ class _EngineCollector:
         yield GaugeMetricFamily("copt_kv_cache_usage_ratio", "Fraction of KV-cache tokens in use",
                                 value=s.kv_cache_usage)
         yield GaugeMetricFamily("copt_kv_cache_slots", "Sequence slots in the KV cache", value=s.num_slots)
+        yield GaugeMetricFamily("copt_kv_cache_blocks", "Blocks of the paged KV cache (0: slot cache)",
+                                value=s.kv_blocks)
+        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        yield GaugeMetricFamily("copt_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache, of those "
+                                "looked up", value=hit_rate)
         yield GaugeMetricFamily("copt_spec_decode_acceptance_rate", "Accepted / drafted speculative tokens",
                                 value=s.spec_acceptance_rate)
         for name, doc, value in (

@@ -75,9 +75,10 @@ class ServeRecipe(Strict):
         "of pure greedy decoding). None = on for the copt engine (H200, 1B: batch-1 decode 1.70 -> 1.40 "
         "ms/token in the same run), vLLM's own default for engine vllm (true/false pass --async-scheduling / "
         "--no-async-scheduling).")
-    decode_attention: Literal["auto", "sdpa", "flex", "math"] = Field(
+    decode_attention: Literal["auto", "sdpa", "flex", "math", "paged"] = Field(
         "auto", description="Attention of the compiled decode steps: masked SDPA, FlexAttention, or plain tensor ops "
-        "(math) that the compiler fuses. auto = math where the decode layers are compiled (H200, 1B, batch-1: "
+        "(math) that the compiler fuses, or paged (a Triton kernel reading the paged cache's blocks in place). "
+        "auto = math where the decode layers are compiled (H200, 1B, batch-1: "
         "1.23 ms/token against 1.42 with sdpa), sdpa otherwise. flex/math: copt engine, compiled decode "
         "layers.")
     tensor_parallel: PositiveInt = 1
