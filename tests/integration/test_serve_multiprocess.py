@@ -140,6 +140,21 @@ def test_logprobs_and_n_choices_cross_the_process_boundary(split):
     assert len(lp["token_logprobs"]) == len(lp["tokens"]) > 0 and all(len(t) >= 1 for t in lp["top_logprobs"])
 
 
+def test_structured_output_is_compiled_in_the_engine_core(split):
+    from tests.integration.test_serve_structured import MESSAGES, SCHEMA, schema_format, validate
+
+    url = split[0]
+    r = httpx.post(url + "/v1/chat/completions", headers=AUTH, timeout=120, json={
+        "messages": MESSAGES, "max_tokens": 120, "temperature": 0, "response_format": schema_format()})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    validate(json.loads(choice["message"]["content"]), SCHEMA)
+    bad = httpx.post(url + "/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "messages": MESSAGES, "max_tokens": 4, "response_format": schema_format({"type": 5})})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("response_format")
+
+
 def test_disconnect_mid_stream_frees_the_slot_in_the_engine_process(split):
     url = split[0]
 

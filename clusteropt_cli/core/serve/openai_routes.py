@@ -200,11 +200,12 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
         try:
             if submit_many is not None:
                 handles = await submit_many(requests)
-            first: dict[tuple[int, ...], RequestHandle] = {}  # n > 1: the choices share their prompt's prefill
-            for req in requests if submit_many is None else ():
-                key = tuple(req.prompt_ids)
-                handles.append(engine.submit(req, share_prompt_with=first.get(key)))
-                first.setdefault(key, handles[-1])
+            else:
+                first: dict[tuple[int, ...], RequestHandle] = {}  # n > 1: the choices share their prompt's prefill
+                for req in requests:
+                    key = tuple(req.prompt_ids)
+                    handles.append(engine.submit(req, share_prompt_with=first.get(key)))
+                    first.setdefault(key, handles[-1])
         except (BadInputError, QueueFullError, EngineStoppedError) as exc:
             for h in handles:
                 h.cancel()
@@ -439,8 +440,8 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
         if isinstance(grammar, JSONResponse):
             return grammar
         handles = await submit_all([to_request(body, p, body.max_tokens, choice=j, logprobs=body.logprobs,
-                                         prompt_logprobs=prompt_lp, grammar=grammar)
-                              for p in prompts for j in range(body.n)])
+                                               prompt_logprobs=prompt_lp, grammar=grammar)
+                                    for p in prompts for j in range(body.n)])
         if not isinstance(handles, list):
             return handles
         if body.stream:
@@ -522,8 +523,8 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
         grammar = await structured(body, functions, tool_mode)
         if isinstance(grammar, JSONResponse):
             return grammar
-        handles = await submit_all([to_request(body, prompt_ids, max_tokens, choice=j, logprobs=top, grammar=grammar)
-                              for j in range(body.n)])
+        handles = await submit_all([to_request(body, prompt_ids, max_tokens, choice=j, logprobs=top,
+                                               grammar=grammar) for j in range(body.n)])
         if not isinstance(handles, list):
             return handles
         names = {f["name"] for f in functions}
