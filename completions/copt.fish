@@ -33,6 +33,7 @@ complete -c copt -n "__fish_seen_subcommand_from advise" -l json
 complete -c copt -n "__fish_seen_subcommand_from advise" -l kv-cache-dtype
 complete -c copt -n "__fish_seen_subcommand_from advise" -l list-gpus
 complete -c copt -n "__fish_seen_subcommand_from advise" -l list-presets
+complete -c copt -n "__fish_seen_subcommand_from advise" -l max-batch-size
 complete -c copt -n "__fish_seen_subcommand_from advise" -l memory-budget
 complete -c copt -n "__fish_seen_subcommand_from advise" -l micro-batch
 complete -c copt -n "__fish_seen_subcommand_from advise" -l model
@@ -48,6 +49,7 @@ complete -c copt -n "__fish_seen_subcommand_from advise" -l precision
 complete -c copt -n "__fish_seen_subcommand_from advise" -l prompt-len
 complete -c copt -n "__fish_seen_subcommand_from advise" -l recipe
 complete -c copt -n "__fish_seen_subcommand_from advise" -l seq-len
+complete -c copt -n "__fish_seen_subcommand_from advise" -l shared-prefix-len
 complete -c copt -n "__fish_seen_subcommand_from advise" -l symptom
 complete -c copt -n "__fish_seen_subcommand_from advise" -l task
 complete -c copt -n "__fish_seen_subcommand_from advise" -l temperature

@@ -73,6 +73,16 @@ def advise(
                                                    show_default=False)] = None,
     gen_len: Annotated[int | None, typer.Option("--gen-len", help="[infer] Generated tokens.",
                                                 show_default=False)] = None,
+    shared_prefix_len: Annotated[int | None, typer.Option(
+        "--shared-prefix-len", help="[infer] Leading prompt tokens every request shares (a system prompt, few-shot "
+        "examples): with prefix caching (copt serve's and vLLM's default) their KV blocks are stored once and "
+        "not prefilled again, which raises the concurrency and lowers TTFT.", show_default=False, min=0)] = None,
+    shared_prefix_alias: Annotated[int | None, typer.Option("--shared-prefix-tokens", hidden=True, min=0)] = None,
+    max_batch_size: Annotated[int | None, typer.Option(
+        "--max-batch-size", help="[infer] Sequences the serving engine runs at once at most (copt serve's "
+        "--max-batch-size, vLLM's --max-num-seqs; default: the engine's, 64 for copt serve).", show_default=False,
+        min=1)] = None,
+    max_num_seqs_alias: Annotated[int | None, typer.Option("--max-num-seqs", hidden=True, min=1)] = None,
     weights: Annotated[str | None, typer.Option("--weights", help="[infer] bf16 | fp8 | int8 | int4.",
                                                 show_default=False)] = None,
     kv_cache: Annotated[str | None, typer.Option("--kv-cache-dtype", help="[infer] auto | bf16 | fp8 | int8 (as copt "
@@ -109,6 +119,8 @@ def advise(
     pp_micro_batches = _alias(pp_micro_batches, pp_micro_alias, "--pipeline-micro-batches", "--pp-micro-batches")
     pp_virtual_stages = _alias(pp_virtual_stages, pp_virtual_alias, "--virtual-stages", "--pp-virtual-stages")
     kv_cache = _alias(kv_cache, kv_alias, "--kv-cache-dtype", "--kv-cache")
+    shared_prefix_len = _alias(shared_prefix_len, shared_prefix_alias, "--shared-prefix-len", "--shared-prefix-tokens")
+    max_batch_size = _alias(max_batch_size, max_num_seqs_alias, "--max-batch-size", "--max-num-seqs")
     if attn is not None and attn.lower() == "flash":  # the old spelling
         attn = "flash_attention_2"
     if list_presets or list_gpus:
@@ -263,17 +275,25 @@ def _infer_settings(model: str | None, recipe: str | None, overrides: list[str] 
     from clusteropt_cli.recipe.load import load_settings
 
     kv = v["kv_cache"]
-    cli = {"model": model, "tensor_parallel": v["tp"], "engine": v["engine"],
+    cli = {"model": model, "tensor_parallel": v["tp"], "engine": v["engine"], "max_batch_size": v["max_batch_size"],
            "kv_cache_dtype": {"fp16": "auto"}.get(kv, kv) if kv else None}
     s = load_settings("serve", recipe, overrides, cli)
     kv_dtype = {"auto": "bf16"}.get(s.kv_cache_dtype, s.kv_cache_dtype)
+    # the serve recipe's KV-cache settings size the engine's cache (`max_batch_size=256`, `kv_cache_memory=40`, ...
+    # as overrides or in --recipe); max_batch_size only where given (else the engine's own default cap)
+    given_cap = "max_batch_size" in s.model_fields_set
     # copt serve batches continuously (its own engine or vLLM): the plan is what it runs
     plan = InferPlan(batch=v["batch"] or 1, prompt_len=v["prompt_len"] or 512, gen_len=v["gen_len"] or 256,
                      weights=v["weights"] or "bf16", kv_cache=kv_dtype, tp=s.tensor_parallel,
                      engine="vllm" if s.engine == "vllm" else "copt", continuous_batching=True,
                      chunked_prefill=s.max_batch_tokens, decode_autotune=s.compile_mode != "default",
                      speculative_tokens=s.num_speculative_tokens if (s.prompt_lookup or s.draft_model) else 0,
-                     temperature=v["temperature"] or 0.0)
+                     temperature=v["temperature"] or 0.0, shared_prefix_len=v["shared_prefix_len"] or 0,
+                     prefix_caching=s.enable_prefix_caching, max_batch_size=s.max_batch_size if given_cap else None,
+                     block_size=s.block_size, kv_cache_memory_gib=s.kv_cache_memory,
+                     kv_cache_tokens=s.kv_cache_blocks * s.block_size if s.kv_cache_blocks else None,
+                     gpu_memory_utilization=s.gpu_memory_utilization, max_model_len=s.max_model_len,
+                     kv_layout=s.kv_layout, dtype=s.dtype)
     return s, plan
 
 
@@ -303,6 +323,11 @@ def _print_lists(show_presets: bool, show_gpus: bool, json_out: bool, preset_nam
                                         for g in data["gpus"]]))
 
 
+def _default_kv_setting(key: str, value: Any) -> bool:
+    """A serving KV-cache setting at its default (left out of the rendered workload)."""
+    return (key, value) in (("prefix_caching", True), ("block_size", 16), ("shared_prefix_len", 0))
+
+
 def _fmt_s(x: float | None) -> str:
     if x is None:
         return "-"
@@ -318,7 +343,8 @@ def _render(r: dict[str, Any]) -> None:
                   + (f", {m['num_active_params'] / 1e9:.2f}B active" if m["num_experts"] else "") + ")"),
         ("hardware", where + (f" ({hw['nodes']} nodes)" if hw["nodes"] > 1 else "")),
         ("task", r["task"]),
-        ("workload", ", ".join(f"{k}={v}" for k, v in r["workload"].items() if v not in (None, False, "none"))),
+        ("workload", ", ".join(f"{k}={v}" for k, v in r["workload"].items()
+                               if v not in (None, False, "none", "auto") and not _default_kv_setting(k, v))),
         ("symptoms", ", ".join(r["symptoms"]) or "-"),
     ]))
     rows = [[k, console.human_bytes(v)] for k, v in mem["breakdown"].items() if v]
@@ -352,6 +378,18 @@ def _render(r: dict[str, Any]) -> None:
     if trows:
         assumptions = ", ".join(f"{k}={v}" for k, v in r["assumptions"].items())
         out.print(console.grid(f"Time ({assumptions})", ["figure", "value"], trows))
+    kv = r.get("kv_cache")
+    if kv and kv["layout"] in ("paged", "slots"):
+        eng = "copt serve" if kv["engine"] == "copt" else kv["engine"]
+        held = (f"{kv['num_blocks']:,} blocks × {kv['block_size']} tokens" if kv["layout"] == "paged"
+                else f"{kv['capacity_tokens'] // max(1, kv['max_model_len'] or 1):,} slots of {kv['max_model_len']:,} "
+                     "tokens")
+        size = console.human_bytes(kv["capacity_tokens"] * kv["bytes_per_token"])
+        shared = (f", the shared prefix's {kv['shared_blocks']} blocks stored once "
+                  f"({kv['prefix_hit_rate']:.0%} prefix hits)" if kv["shared_blocks"] else "")
+        out.print(f"KV cache ({eng}, {kv['layout']}): {held} = {size} ({kv['budget']}); holds "
+                  f"{kv['kv_concurrent_seqs']:,} sequences of {kv['seq_tokens'] + 1:,} tokens{shared}; at most "
+                  f"{kv['max_seqs']} run at once (max_batch_size)", highlight=False, markup=False)
     if r.get("vllm"):
         out.print(f"vLLM: {r['vllm']['args']}  ({r['vllm']['note']})", highlight=False, markup=False)
     if r["recommendations"]:

@@ -13,11 +13,13 @@ from clusteropt_cli.modelspec import load_model_spec
 def test_capacity_in_vllm_terms():
     target, _ = resolve_target("h100-sxm")
     spec = load_model_spec("llama-3.1-8b")
-    plan = InferPlan(batch=8, prompt_len=1024, gen_len=256)
+    plan = InferPlan(batch=8, prompt_len=1024, gen_len=256, continuous_batching=True)  # as copt advise builds it
     result = advise(spec, target, plan)
     v = result["vllm"]
     assert v["max_model_len"] == 1280 and v["gpu_memory_utilization"] == 0.9
-    assert v["max_num_seqs"] == result["time"]["max_concurrent_seqs"] > 8
+    # vLLM's own sizing and paging, not copt's engine (whose concurrency its --max-batch-size 64 caps)
+    assert v["max_num_seqs"] > result["time"]["max_concurrent_seqs"] == 64
+    assert result["kv_cache"]["engine"] == "copt" and result["kv_cache"]["kv_concurrent_seqs"] > 64
     # N sequences of max_model_len tokens fit in the memory share next to the weights, N + 1 would not
     room = 0.9 * target.memory_bytes - weight_bytes(spec, plan.weights)
     per_seq = kv_cache_bytes(spec, plan.with_(batch=1))
@@ -33,4 +35,5 @@ def test_nothing_fits_says_so(copt):
     assert "vLLM:" in r.stdout and "will refuse to start" in r.stdout
     r = copt("advise", "--task", "infer", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--json")
     doc = json.loads(r.stdout)
-    assert doc["vllm"]["max_num_seqs"] == doc["time"]["max_concurrent_seqs"]
+    assert doc["time"]["max_concurrent_seqs"] == min(64, doc["kv_cache"]["kv_concurrent_seqs"])
+    assert doc["vllm"]["max_num_seqs"] > 64

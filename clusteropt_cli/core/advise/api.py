@@ -15,7 +15,7 @@ from clusteropt_cli.core.advise.memory import (
     MemoryEstimate,
     cpu_training_bytes,
     infer_memory,
-    max_concurrent_seqs,
+    serving_capacity,
     train_memory,
 )
 from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan, validate_infer, validate_train
@@ -105,8 +105,34 @@ def evaluate_infer(spec: ModelSpec, plan: InferPlan, target: Target) -> dict[str
     mem = _mem_dict(infer_memory(spec, plan, target))
     tm = infer_time(spec, plan, target)
     figures = dict(tm.figures)
-    figures["max_concurrent_seqs"] = max_concurrent_seqs(spec, plan, target)
-    return {"memory": mem, "time": figures, "time_assumptions": tm.assumptions, "time_notes": tm.notes}
+    capacity = serving_capacity(spec, plan, target)
+    figures["max_concurrent_seqs"] = None if capacity is None else capacity.max_concurrent_seqs
+    notes = list(tm.notes)
+    if capacity is not None:
+        notes.extend(capacity_notes(capacity, plan))
+    return {"memory": mem, "time": figures, "time_assumptions": tm.assumptions, "time_notes": notes,
+            "kv_cache": None if capacity is None else capacity.as_dict()}
+
+
+def capacity_notes(capacity: Any, plan: InferPlan) -> list[str]:
+    """What limits the plan's concurrency, in words."""
+    notes = []
+    eng = "copt serve" if capacity.engine == "copt" else capacity.engine
+    if capacity.max_model_len and capacity.seq_tokens > capacity.max_model_len:
+        notes.append(f"{eng}: a sequence of {plan.prompt_len} + {plan.gen_len} tokens exceeds its max_model_len "
+                     f"{capacity.max_model_len:,}: pass --max-model-len (copt serve recipe key max_model_len)")
+    elif capacity.kv_concurrent_seqs < plan.batch:
+        notes.append(f"{eng}: the KV cache ({capacity.budget}) holds {capacity.kv_concurrent_seqs} sequences of "
+                     f"{capacity.seq_tokens + 1} tokens, fewer than --batch {plan.batch}: the rest wait (or are "
+                     "preempted and recomputed)")
+    elif capacity.max_seqs < plan.batch:
+        notes.append(f"{eng}: at most {capacity.max_seqs} sequences run at once (max_batch_size); the rest of "
+                     f"--batch {plan.batch} wait")
+    if capacity.shared_blocks:
+        notes.append(f"prefix caching: the shared prefix's {capacity.shared_blocks} full blocks are stored once and "
+                     f"{capacity.prefix_hit_rate:.0%} of each prompt is served from the cache (all but the first "
+                     "request)")
+    return notes
 
 
 def _plan_dict(plan: TrainPlan | InferPlan) -> dict[str, Any]:
@@ -212,7 +238,10 @@ def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptom
     if task == "infer":
         from clusteropt_cli.core.advise.vllm_terms import vllm_capacity
 
-        result["vllm"] = vllm_capacity(result["workload"], base["time"].get("max_concurrent_seqs"))
+        result["kv_cache"] = base.get("kv_cache")
+        # vLLM's own sizing and paging for the same workload (whatever engine the plan runs on)
+        on_vllm = serving_capacity(spec, plan.with_(engine="vllm", continuous_batching=True), target)
+        result["vllm"] = vllm_capacity(result["workload"], None if on_vllm is None else on_vllm.kv_concurrent_seqs)
     result["prediction"] = prediction_figures(result["top_plan"]["memory"], result["top_plan"]["time"], task)
     # the command that runs the top plan as predicted (the same recipe --emit-recipe writes)
     result["top_plan"]["command"] = command_for(
@@ -355,6 +384,8 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
         prediction["assumptions"].update(batch=int(w["batch"]), concurrency=int(w["batch"]),
                                          prompt_len=int(w["prompt_len"]), gen_len=int(w["gen_len"]),
                                          temperature=float(w.get("temperature", 0.0)))
+        if w.get("shared_prefix_len"):  # the figures price a prefix every request shares
+            prediction["assumptions"]["shared_prefix_len"] = int(w["shared_prefix_len"])
         task = "serve"
         header = f"# copt serve --recipe {path.name}\n"
     validated = validate_recipe(task, data, origin="The emitted recipe")

@@ -595,6 +595,11 @@ def _prefill_working_set(spec: ModelSpec, plan: InferPlan) -> float:
 def infer_memory(spec: ModelSpec, plan: InferPlan, target: Target) -> MemoryEstimate:
     weights = weight_bytes(spec, plan.weights) / plan.tp
     kv = kv_cache_bytes(spec, plan)
+    from clusteropt_cli.core.advise.timing import prefix_hit_tokens
+
+    hit = prefix_hit_tokens(spec, plan)
+    if hit and plan.batch > 1:  # the shared prefix's blocks are stored once, not once per sequence
+        kv -= (plan.batch - 1) * kv_cache_bytes(spec, plan.with_(batch=1), hit)
     work = _prefill_working_set(spec, plan)
     layer_kv = kv / spec.num_layers  # a DynamicCache update concatenates one layer's cache into a new tensor
     decode = layer_kv + plan.batch * spec.vocab_size * 6
@@ -608,14 +613,218 @@ def infer_memory(spec: ModelSpec, plan: InferPlan, target: Target) -> MemoryEsti
 
 
 def max_concurrent_seqs(spec: ModelSpec, plan: InferPlan, target: Target) -> int | None:
-    """Sequences of prompt+gen tokens whose KV cache fits next to the weights (serving engine sizing)."""
+    """Sequences of prompt+gen tokens the serving engine runs at once: its KV cache (paged, with the plan's shared
+    prefix stored once) within --max-batch-size (serving_capacity); None when the memory is unknown."""
+    cap = serving_capacity(spec, plan, target)
+    return None if cap is None else cap.max_concurrent_seqs
+
+
+@dataclass
+class ServingCapacity:
+    """How a serving engine sizes its KV cache for a plan, and how many of the plan's sequences it then runs."""
+
+    engine: str  # "copt" or "vllm"
+    layout: str  # "paged" (a block pool) or "slots" (one max_model_len slot per sequence)
+    bytes_per_token: float  # KV bytes per token (per GPU)
+    capacity_tokens: int  # paged: num_blocks × block_size; slots: slots × slot length
+    block_size: int
+    num_blocks: int | None  # paged only
+    max_model_len: int | None  # the engine's max_model_len (copt: given or its default choice)
+    seq_tokens: int  # KV positions one sequence of the plan fills: prompt + gen - 1 (the last token is not fed)
+    shared_blocks: int  # blocks of the shared prefix stored once (prefix caching)
+    prefix_hit_rate: float  # of each prompt's tokens, served from the cache (all but the first request)
+    kv_concurrent_seqs: int  # sequences the KV cache holds at once
+    max_seqs: int  # the batch cap: copt --max-batch-size, vLLM --max-num-seqs
+    budget: str  # how the cache was sized
+
+    @property
+    def max_concurrent_seqs(self) -> int:
+        return min(self.kv_concurrent_seqs, self.max_seqs)
+
+    def as_dict(self) -> dict[str, object]:
+        from dataclasses import asdict
+
+        return {**asdict(self), "max_concurrent_seqs": self.max_concurrent_seqs}
+
+
+VLLM_MAX_NUM_SEQS = {"large": 1024, "small": 256}  # vLLM V1's default --max-num-seqs on GPUs of >= 70 GiB / less
+
+
+def default_max_seqs(plan: InferPlan, target: Target) -> int:
+    """The plan's batch cap: --max-batch-size when given, else the engine's default (copt serve's recipe default;
+    vLLM V1's max_num_seqs for an OpenAI server: 1024 on GPUs with 70 GiB or more, 256 below)."""
+    if plan.max_batch_size is not None:
+        return int(plan.max_batch_size)
+    if plan.engine == "vllm":
+        mem = target.memory_bytes or 0
+        return VLLM_MAX_NUM_SEQS["large" if mem >= 70 * cal.GiB else "small"]
+    from clusteropt_cli.recipe.schema.serve import ServeRecipe
+
+    return int(ServeRecipe.model_fields["max_batch_size"].default)
+
+
+def _engine_config(spec: ModelSpec) -> object:
+    """The model's (text) config as attributes, the way copt serve's engine reads a transformers config."""
+    from types import SimpleNamespace
+
+    cfg = spec.config or {}
+    if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg["text_config"]}
+    values = {"hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_layers,
+              "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+              "head_dim": spec.head_dim, "intermediate_size": spec.intermediate_size, "vocab_size": spec.vocab_size,
+              "max_position_embeddings": spec.max_position_embeddings, "model_type": spec.model_type}
+    values.update({k: v for k, v in cfg.items() if k.isidentifier()})
+    return SimpleNamespace(**values)
+
+
+def kv_layout(spec: ModelSpec, plan: InferPlan) -> str:
+    """How the plan's engine keeps its KV cache: "paged" (vLLM; copt's engine unless --kv-layout slots or a layer
+    keeps a sliding-window ring, or the model is served through transformers' own attention), "slots" (copt's
+    engine otherwise) or "static" (transformers' generate on a static batch)."""
+    if plan.engine == "vllm":
+        return "paged"
+    if not plan.continuous_batching:
+        return "static"
+    from clusteropt_cli.core.serve.architectures import inspect_architecture
+
+    arch = inspect_architecture(_engine_config(spec), spec.max_position_embeddings)
+    return "paged" if plan.kv_layout != "slots" and arch.native and not arch.sliding_layers else "slots"
+
+
+def serving_capacity(spec: ModelSpec, plan: InferPlan, target: Target) -> ServingCapacity | None:
+    """The KV cache of the plan's serving engine and the concurrency it allows (None: no memory to size it from).
+
+    copt's engine (continuous batching, `--engine copt`) by its own rules and functions (core/serve/kv_budget.py,
+    loading.py, kv_blocks.py): capacity in tokens = --kv-cache-memory GiB // bytes per token; under
+    --gpu-memory-utilization U: U × total − weights − activation_reserve, // bytes per token; by default 85% of the
+    memory free after loading (total − CUDA context − weights); on the CPU cpu_kv_capacity. Paged (the default
+    unless a layer keeps a sliding-window ring, or --kv-layout slots): num_blocks = capacity // block_size, and a
+    sequence of L positions owns ceil(L / block_size) blocks, less the full blocks of the shared prefix (stored once
+    with prefix caching); slots: min(--max-batch-size, capacity // max_model_len). vLLM pages the same way
+    (16-token blocks, prefix caching on by default in V1) in the memory left at --gpu-memory-utilization (0.9)
+    after the weights and a profiled forward.
+    """
+    from clusteropt_cli.core.serve.kv_blocks import cacheable_blocks
+
+    bs = int(plan.block_size)
+    seq_tokens = plan.prompt_len + plan.gen_len - 1
+    max_seqs = default_max_seqs(plan, target)
+    caching = plan.prefix_caching and plan.shared_prefix_len > 0
+    shared = cacheable_blocks(plan.prompt_len, plan.shared_prefix_len, bs) if caching else 0
+    if plan.engine == "copt" and plan.continuous_batching:
+        return _copt_capacity(spec, plan, target, seq_tokens, max_seqs, shared)
     mem = target.memory_bytes
     if mem is None:
         return None
-    usable = mem * cal.SERVING_MEMORY_UTILIZATION - weight_bytes(spec, plan.weights) / plan.tp
-    usable -= _prefill_working_set(spec, plan.with_(batch=1, chunked_prefill=plan.chunked_prefill or 8192))
-    per_seq = kv_cache_bytes(spec, plan.with_(batch=1))
-    return max(0, int(usable // per_seq))
+    shard = min(plan.tp, spec.num_kv_heads) if not spec.is_mla else 1
+    per_token = spec.kv_cache_bytes_per_token(cal.KV_BYTES[plan.kv_cache]) / shard
+    utilization = plan.gpu_memory_utilization or cal.SERVING_MEMORY_UTILIZATION
+    if plan.kv_cache_memory_gib is not None:
+        usable = plan.kv_cache_memory_gib * cal.GiB
+        why = f"--kv-cache-memory {plan.kv_cache_memory_gib:g} GiB"
+    else:
+        usable = mem * utilization - weight_bytes(spec, plan.weights) / plan.tp
+        usable -= _prefill_working_set(spec, plan.with_(batch=1, chunked_prefill=plan.chunked_prefill or 8192))
+        why = f"--gpu-memory-utilization {utilization:g} less the weights and a profiled forward"
+    num_blocks = max(0, int(usable // (bs * per_token)))
+    # a sliding-window layer keeps only its window (vLLM's hybrid KV cache manager): blocks of the average layer
+    per_seq = kv_cache_bytes(spec, plan.with_(batch=1), seq_tokens)
+    need = max(1, -(-int(per_seq) // int(bs * per_token)))
+    shared = min(shared, need - 1)
+    held = 0 if num_blocks < need else (num_blocks - shared) // (need - shared)
+    if plan.continuous_batching or plan.engine == "vllm":
+        return ServingCapacity("vllm" if plan.engine == "vllm" else "copt", "paged", per_token, num_blocks * bs, bs,
+                               num_blocks, plan.max_model_len, seq_tokens, shared,
+                               shared * bs / plan.prompt_len if shared else 0.0, held, max_seqs, why)
+    # transformers' generate on a static batch: a cache per sequence of its full length, nothing shared
+    held = max(0, int(usable // kv_cache_bytes(spec, plan.with_(batch=1))))
+    return ServingCapacity("hf-generate", "static", per_token, int(usable // per_token) if per_token else 0, 1, None,
+                           None, seq_tokens, 0, 0.0, held, held, why)
+
+
+def _copt_capacity(spec: ModelSpec, plan: InferPlan, target: Target, seq_tokens: int, max_seqs: int,
+                   shared: int) -> ServingCapacity | None:
+    """serving_capacity for copt's engine: EngineLoading.load's sizing, step by step, with its own functions."""
+    from clusteropt_cli.core.serve.kv_blocks import max_concurrent_sequences
+    from clusteropt_cli.core.serve.kv_budget import (
+        DEFAULT_GPU_MEMORY_FRACTION,
+        activation_reserve,
+        choose_max_model_len,
+        default_max_batch_tokens,
+        utilization_budget,
+    )
+    from clusteropt_cli.core.serve.loading import CPU_KV_FRACTION, CPU_KV_MAX_BYTES, cpu_kv_capacity
+    from clusteropt_cli.core.serve.runner import ModelRunner, resolve_dtype_name
+
+    mem = target.memory_bytes
+    if mem is None and plan.kv_cache_memory_gib is None and plan.kv_cache_tokens is None:
+        return None
+    config = _engine_config(spec)
+    context = spec.max_position_embeddings
+    device = target.device
+    dtype = resolve_dtype_name(plan.dtype, device, spec.config.get("dtype") or spec.torch_dtype)
+    elt = int(cal.KV_BYTES[dtype])
+    kv_elt = 1 if plan.kv_cache in ("fp8", "int8") else elt  # fp8 blocks (int8: vLLM only)
+    paged = kv_layout(spec, plan) == "paged"
+    spec_extra = plan.speculative_tokens + 1 if plan.speculative_tokens else 0
+
+    def per_token_of(length: int) -> int:
+        return ModelRunner.kv_bytes_per_token_of(config, kv_elt, None if paged else length)
+
+    weights = int(weight_bytes(spec, plan.weights))
+    batch_tokens = int(plan.chunked_prefill or default_max_batch_tokens(device))
+    reserve = activation_reserve(config, batch_tokens, max_seqs, elt) if device == "cuda" else 0
+    free_at_start = int(mem - cal.CUDA_CONTEXT_BYTES) if device == "cuda" and mem is not None else None
+    # the budget the default max_model_len is chosen for, before loading (EngineLoading._planned_kv_budget)
+    if plan.kv_cache_tokens is not None:
+        planned, planned_per_token = int(plan.kv_cache_tokens), (lambda _n: 1)
+    elif plan.kv_cache_memory_gib is not None:
+        planned, planned_per_token = int(plan.kv_cache_memory_gib * 2**30), per_token_of
+    elif device != "cuda":
+        planned, planned_per_token = min(int(mem * CPU_KV_FRACTION), CPU_KV_MAX_BYTES), per_token_of
+    elif plan.gpu_memory_utilization is not None:
+        planned = utilization_budget(mem, mem, weights, plan.gpu_memory_utilization, reserve)
+        planned_per_token = per_token_of
+    else:
+        planned, planned_per_token = int((free_at_start - weights) * DEFAULT_GPU_MEMORY_FRACTION), per_token_of
+    if plan.max_model_len:
+        max_len = int(plan.max_model_len)
+    else:
+        max_len = choose_max_model_len(context, planned_per_token, max(0, planned), 1 if paged else max_seqs,
+                                       spec_extra).max_model_len
+    cache_len = max_len + spec_extra
+    per_token = per_token_of(cache_len)
+    # the capacity once loaded (EngineLoading.load)
+    if plan.kv_cache_tokens is not None:
+        capacity, why = int(plan.kv_cache_tokens), f"--kv-cache-blocks: {plan.kv_cache_tokens:,} tokens"
+    elif plan.kv_cache_memory_gib is not None:
+        capacity = int(plan.kv_cache_memory_gib * 2**30 // per_token)
+        why = f"--kv-cache-memory {plan.kv_cache_memory_gib:g} GiB"
+    elif device == "cuda" and plan.gpu_memory_utilization is not None:
+        budget = int(mem * plan.gpu_memory_utilization) - weights - reserve
+        capacity = max(0, int(budget // per_token))
+        why = (f"--gpu-memory-utilization {plan.gpu_memory_utilization:g}: less the weights and "
+               f"{reserve / cal.GiB:.1f} GiB kept for activations")
+    elif device == "cuda":
+        capacity = int((free_at_start - weights) * DEFAULT_GPU_MEMORY_FRACTION // per_token)
+        why = f"{DEFAULT_GPU_MEMORY_FRACTION:.0%} of the memory free after loading"
+    else:
+        capacity, why = cpu_kv_capacity(per_token, cache_len, max_seqs, max(0, int(mem - weights)))
+        why = f"CPU: {why}"
+    bs = int(plan.block_size)
+    if paged:
+        num_blocks = capacity // bs
+        held = max_concurrent_sequences(num_blocks, bs, seq_tokens, 10**9, plan.prompt_len, shared * bs)
+        if seq_tokens > max_len or num_blocks < -(-cache_len // bs):
+            held = 0  # longer than max_model_len, or the engine refuses to start (not one max_model_len sequence)
+        hit = shared * bs / plan.prompt_len if shared else 0.0
+        return ServingCapacity("copt", "paged", per_token, num_blocks * bs, bs, num_blocks, max_len, seq_tokens,
+                               shared, hit, held, max_seqs, why)
+    slots = min(max_seqs, capacity // cache_len)
+    held = slots if seq_tokens <= max_len else 0
+    return ServingCapacity("copt", "slots", per_token, slots * cache_len, bs, None, max_len, seq_tokens, 0, 0.0,
+                           held, max_seqs, why)
 
 
 def _finish(peak: float, breakdown: dict[str, float], target: Target, phase: str, states: float,

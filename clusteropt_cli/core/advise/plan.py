@@ -109,6 +109,19 @@ class InferPlan:
     engine: Literal["copt", "vllm"] = "copt"  # the serving stack continuous batching runs on
     decode_autotune: bool = False  # copt serve --compile-mode max-autotune-no-cudagraphs (autotuned decode kernels)
     temperature: float = 0.0  # of the requests: 0 = greedy; > 0 = sampled (the OpenAI default is 1)
+    # leading prompt tokens every request shares (a system prompt, few-shot examples): with prefix caching their
+    # full KV blocks are stored once and not prefilled again
+    shared_prefix_len: int = 0
+    # the serving engine's KV-cache settings (copt serve's flags; None: the engine's default)
+    prefix_caching: bool = True  # --enable-prefix-caching (on by default in copt's engine and vLLM V1)
+    max_batch_size: int | None = None  # --max-batch-size (vLLM --max-num-seqs); None: 64 (copt), vLLM's default
+    block_size: int = 16  # --block-size
+    kv_cache_memory_gib: float | None = None  # --kv-cache-memory
+    kv_cache_tokens: int | None = None  # --kv-cache-blocks × --block-size
+    gpu_memory_utilization: float | None = None  # --gpu-memory-utilization
+    max_model_len: int | None = None  # --max-model-len (None: the engine's default choice)
+    kv_layout: Literal["auto", "paged", "slots"] = "auto"  # copt's engine: --kv-layout
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # --dtype of the served model (auto: fp32 on the CPU)
 
     def with_(self, **changes) -> InferPlan:
         return replace(self, **changes)
@@ -167,6 +180,9 @@ def validate_infer(spec: ModelSpec, plan: InferPlan, target: Target) -> None:
         problems.append(f"--tensor-parallel {plan.tp} does not divide the model's {spec.num_heads} attention heads")
     if plan.tp > target.world:
         problems.append(f"--tensor-parallel {plan.tp} needs {plan.tp} GPUs; --gpus × --nodes gives {target.world}")
+    if plan.shared_prefix_len < 0 or plan.shared_prefix_len > plan.prompt_len:
+        problems.append(f"--shared-prefix-len {plan.shared_prefix_len} must be between 0 and --prompt-len "
+                        f"{plan.prompt_len} (the shared prefix is part of each prompt)")
     if plan.prompt_len + plan.gen_len > 4 * spec.max_position_embeddings:
         problems.append(f"--prompt-len + --gen-len exceeds the model's context ({spec.max_position_embeddings})")
     if problems:

@@ -78,14 +78,28 @@ def serve_recipe_data(plan: InferPlan, model_arg: str, quantize_method: str | No
     data: dict[str, Any] = {"task": "serve", "model": model, "tensor_parallel": plan.tp,
                             # copt's own engine runs one GPU with a model-dtype KV cache: tensor parallelism and
                             # a quantized KV cache are served through vLLM
-                            "engine": "vllm" if plan.engine == "vllm" or plan.tp > 1
-                            or plan.kv_cache in ("fp8", "int8") else "copt",
-                            # room for the plan's concurrent requests (never below copt serve's default)
-                            "max_batch_size": max(64, int(plan.batch)),
+                            # copt's engine runs one GPU; its paged cache keeps fp8 blocks, an int8 cache is vLLM's
+                            "engine": "vllm" if plan.engine == "vllm" or plan.tp > 1 or plan.kv_cache == "int8"
+                            or (plan.kv_cache == "fp8" and plan.kv_layout == "slots") else "copt",
+                            # room for the plan's concurrent requests (never below copt serve's default), unless
+                            # the plan sets the cap
+                            "max_batch_size": int(plan.max_batch_size) if plan.max_batch_size is not None
+                            else max(64, int(plan.batch)),
                             # bf16/fp16: the model's own dtype
                             "kv_cache_dtype": {"bf16": "auto", "fp16": "auto"}.get(plan.kv_cache, plan.kv_cache)}
     if plan.chunked_prefill:
         data["max_batch_tokens"] = int(plan.chunked_prefill)
+    # the KV-cache settings the plan's capacity was sized with (defaults are left out of the printed command)
+    data.update({"block_size": int(plan.block_size), "enable_prefix_caching": bool(plan.prefix_caching),
+                 "dtype": plan.dtype})
+    for key, value in (("kv_cache_memory", plan.kv_cache_memory_gib), ("max_model_len", plan.max_model_len),
+                       ("gpu_memory_utilization", plan.gpu_memory_utilization)):
+        if value is not None:
+            data[key] = value
+    if plan.kv_cache_tokens is not None:
+        data["kv_cache_blocks"] = max(1, int(plan.kv_cache_tokens) // int(plan.block_size))
+    if data["engine"] == "copt" and plan.kv_layout != "auto":
+        data["kv_layout"] = plan.kv_layout
     if plan.decode_autotune and data["engine"] == "copt":
         data["compile_mode"] = "max-autotune-no-cudagraphs"
     if plan.speculative_tokens:
@@ -167,8 +181,9 @@ def command_for(rec_id: str, task: str, plan: TrainPlan | InferPlan, model_arg: 
     if rec_id == "distillation":
         return (f"copt distill traces --teacher {m} --prompts {PROMPTS_PLACEHOLDER} --output traces.jsonl && "
                 f"copt distill sft --student {STUDENT_PLACEHOLDER} --traces traces.jsonl --output student")
-    if rec_id == "prefix-caching":
-        return f"copt serve {m} --engine vllm  # vLLM caches shared prompt prefixes by default"
+    if rec_id == "prefix-caching" and not plan.shared_prefix_len:
+        return (f"copt advise --model {m} --task infer --prompt-len {plan.prompt_len} --shared-prefix-len N  "
+                "# price the prefix your requests share (copt serve and vLLM cache prefixes by default)")
     if rec_id == "operator-fusion":
         return f"{serve_command(plan, model_arg)} --cuda-graphs --compile"
     return serve_command(plan, model_arg, QUANTIZE_METHODS.get(rec_id))

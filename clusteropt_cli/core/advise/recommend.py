@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from clusteropt_cli.core.advise.memory import kv_layout
 from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan
 from clusteropt_cli.modelspec import ModelSpec
 
@@ -230,9 +231,19 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
             "Sarathi-Serve arXiv:2403.02310; vLLM docs: chunked prefill",
             "slightly lower prefill efficiency", p.with_(chunked_prefill=2048, continuous_batching=True),
             ["--max-batch-tokens 2048"])
-    add("prefix-caching", "Prefix caching", "shared system prompts/few-shot prefixes are recomputed per request",
-        "prefill skips the cached prefix (TTFT ∝ uncached tokens)", "vLLM automatic prefix caching",
-        "cache memory; gains only with shared prefixes", p, ["(vLLM) --enable-prefix-caching"])
+    if p.shared_prefix_len and not p.prefix_caching:
+        add("prefix-caching", "Prefix caching", f"the {p.shared_prefix_len}-token prefix every request shares is "
+            "prefilled and stored again for each one",
+            "prefill skips the cached prefix (TTFT ∝ uncached tokens); its KV blocks are stored once",
+            "vLLM automatic prefix caching; copt serve's paged KV cache", "none (on by default)",
+            p.with_(prefix_caching=True, continuous_batching=True), ["--enable-prefix-caching"])
+    elif not p.shared_prefix_len:
+        add("prefix-caching", "Prefix caching", "shared system prompts/few-shot prefixes are prefilled once and their "
+            "KV blocks stored once", "prefill skips the cached prefix (TTFT ∝ uncached tokens)",
+            "vLLM automatic prefix caching; copt serve's paged KV cache", "gains only with shared prefixes", p,
+            ["--shared-prefix-len N (copt advise)"],
+            [_check("shared-prefix", False, "this workload names no shared prefix: --shared-prefix-len N prices one "
+                    "(copt serve and vLLM cache prefixes by default)")])
     if p.speculative_tokens == 0:
         ok = p.batch <= 8
         add("speculative-decoding", "Speculative decoding (draft model or prompt lookup)",
@@ -253,12 +264,14 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
             "2× matmul peak, weights ÷2", SRC_FP8, "needs Ada/Hopper or newer", p.with_(weights="fp8"),
             ["copt quantize --method fp8"], _gpu_checks(ctx, need_fp8=True))
     if p.kv_cache in ("bf16", "fp16"):
+        fp8 = target.gpu is not None and target.gpu.supports_fp8
+        # copt's paged engine keeps fp8 KV blocks; an int8 cache (GPUs without fp8) and the slot layout go to vLLM
+        own = fp8 and p.engine == "copt" and p.continuous_batching and kv_layout(ctx.spec, p) == "paged"
         add("kv-cache-quantization", "FP8/INT8 KV cache", "the KV cache grows with batch × context",
             "KV bytes ÷2 → 2× the concurrent sequences", "vLLM docs: quantized KV cache", "small accuracy cost",
-            # copt's own engine keeps the KV cache in the model dtype: a quantized cache is served by vLLM
-            p.with_(kv_cache="fp8" if target.gpu is not None and target.gpu.supports_fp8 else "int8", engine="vllm"),
-            ["--kv-cache-dtype fp8" if target.gpu is not None and target.gpu.supports_fp8
-             else "--kv-cache-dtype int8", "--engine vllm"])
+            p.with_(kv_cache="fp8") if own else p.with_(kv_cache="fp8" if fp8 else "int8", engine="vllm"),
+            ["--kv-cache-dtype fp8"] if own else ["--kv-cache-dtype fp8" if fp8 else "--kv-cache-dtype int8",
+                                                  "--engine vllm"])
     if p.tp == 1 and target.world > 1:
         t = min(target.world, 8)
         while ctx.spec.num_heads % t:
@@ -289,7 +302,7 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
 def _max_seqs(ctx: Context, p: InferPlan) -> int:
     from clusteropt_cli.core.advise.memory import max_concurrent_seqs
 
-    return max(1, min(256, max_concurrent_seqs(ctx.spec, p, ctx.target) or p.batch))
+    return max(1, min(256, max_concurrent_seqs(ctx.spec, p.with_(continuous_batching=True), ctx.target) or p.batch))
 
 
 def _gib(n: float) -> str:

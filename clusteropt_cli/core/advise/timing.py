@@ -181,6 +181,18 @@ def train_time(spec: ModelSpec, plan: TrainPlan, target: Target) -> TimeEstimate
     return TimeEstimate(figures, assumptions)
 
 
+def prefix_hit_tokens(spec: ModelSpec, plan: InferPlan) -> int:
+    """Prompt tokens of each request served from the prefix cache: the full blocks of the shared prefix (at most
+    (prompt_len - 1) // block_size), under a paged engine with prefix caching on (copt's engine, not its slot layout;
+    vLLM). The first request computes them; every later one hits."""
+    from clusteropt_cli.core.advise.memory import kv_layout
+    from clusteropt_cli.core.serve.kv_blocks import cacheable_blocks
+
+    if not plan.prefix_caching or plan.shared_prefix_len <= 0 or kv_layout(spec, plan) != "paged":
+        return 0
+    return cacheable_blocks(plan.prompt_len, plan.shared_prefix_len, plan.block_size) * plan.block_size
+
+
 def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate:
     """TTFT from prefill FLOPs; TPOT floor from bytes read per decode step over HBM bandwidth."""
     if target.gpu is None:
@@ -195,17 +207,21 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     # batches; vllm: none measured, roofline only)
     engine_name = ("copt" if plan.continuous_batching else "hf-generate") if plan.engine == "copt" else plan.engine
     engine = cal.SERVING_ENGINES.get(engine_name)
-    flops_per_prompt_token = spec.forward_flops_per_token(plan.prompt_len // 2)
+    # prefix caching: a request's prompt tokens found in the cache (the shared prefix's full blocks, once the first
+    # request computed them) are not prefilled; the rest attend to the whole prompt
+    hit = prefix_hit_tokens(spec, plan)
+    computed = plan.prompt_len - hit
+    flops_per_prompt_token = spec.forward_flops_per_token(hit + computed // 2)
 
     def prefill_seconds(tokens: int) -> float:
         compute = max(tokens * flops_per_prompt_token / (peak * cal.PREFILL_MFU), w_bytes / bandwidth)
         if not engine:
             return compute
-        return compute + math.ceil(tokens / plan.prompt_len) * engine["prefill_request_s"]
+        return compute + math.ceil(tokens / computed) * engine["prefill_request_s"]
 
-    prefill_tokens = plan.batch * plan.prompt_len
+    prefill_tokens = plan.batch * computed
     prefill_s = prefill_seconds(prefill_tokens)
-    one_prefill = prefill_seconds(plan.prompt_len)
+    one_prefill = prefill_seconds(computed)
     if plan.continuous_batching and plan.batch > 1:
         # `batch` clients under closed-loop load: a request's first token comes after about one round of
         # everyone's prompts (what the H200 loop runs showed after "half a round" missed by +104%); the least
@@ -258,7 +274,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     figures = {"ttft_s": ttft, "tpot_s": tpot, "tpot_floor_s": floor, "itl_s": tpot, "prefill_s": prefill_s,
                "output_tokens_per_s": out_tps, "e2e_s": ttft + plan.gen_len * tpot,
                "mbu": min(1.0, floor / tpot), "decode_bytes_per_step": active_w + kv_read,
-               "speculative_speedup": spec_speedup}
+               "speculative_speedup": spec_speedup, "prefix_hit_rate": hit / plan.prompt_len}
     if target.gpu_hour_usd:
         figures["usd_per_million_tokens"] = target.gpu_hour_usd * tp / 3600 / out_tps * 1e6
     assumptions = {"prefill_mfu": cal.PREFILL_MFU, "decode_bandwidth_efficiency": cal.DECODE_BANDWIDTH_EFFICIENCY,

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from clusteropt_cli.core.serve.kv_blocks import hash_chain as hash_chain_of
+from clusteropt_cli.core.serve.kv_budget import DEFAULT_GPU_MEMORY_FRACTION
 from clusteropt_cli.core.serve.loading import EngineLoading
 from clusteropt_cli.core.serve.requests import (
     EngineDeadError,
@@ -174,7 +175,8 @@ class EngineConfig:
     # decode-step attention of the compiled layers: "sdpa" (masked SDPA), "flex" (FlexAttention) or "math" (plain
     # tensor ops the compiler fuses); "auto" resolves in resolve_decode_attention
     decode_attention: str = "auto"
-    gpu_memory_fraction: float = 0.85  # of the memory free after loading (when gpu_memory_utilization is None)
+    # of the memory free after loading (when gpu_memory_utilization is None)
+    gpu_memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION
     gpu_memory_utilization: float | None = None  # vLLM's meaning: of the device's total memory, for everything
     block_size: int = 16  # tokens per KV block (paged cache)
     enable_prefix_caching: bool = True

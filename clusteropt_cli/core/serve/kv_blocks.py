@@ -43,6 +43,33 @@ def hash_chain(tokens: list[int], block_size: int, start: list[bytes] | None = N
     return hashes
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens."""
+    return -(-int(num_tokens) // int(block_size))
+
+
+def cacheable_blocks(prompt_tokens: int, shared_tokens: int, block_size: int) -> int:
+    """Blocks of a prompt that a prefix of `shared_tokens` tokens, already cached, supplies: its full blocks, at most
+    (prompt_tokens - 1) // block_size (BlockPool.match: the last prompt token is always computed)."""
+    return max(0, min(int(shared_tokens), int(prompt_tokens) - 1)) // int(block_size)
+
+
+def max_concurrent_sequences(num_blocks: int, block_size: int, seq_tokens: int, max_seqs: int,
+                             prompt_tokens: int | None = None, shared_tokens: int = 0) -> int:
+    """Sequences of `seq_tokens` KV positions a pool of `num_blocks` holds at once, at most `max_seqs` (the batch
+    cap): each owns blocks_for(seq_tokens) blocks, less the cacheable blocks of a prefix of `shared_tokens` tokens
+    that every one shares (stored once) — (num_blocks - S) // (blocks - S). What admission by free blocks
+    (Engine._admit_blocks) reaches once the shared prefix is cached; vLLM V1's block manager follows the same rules."""
+    need = blocks_for(seq_tokens, block_size)
+    shared = cacheable_blocks(seq_tokens if prompt_tokens is None else prompt_tokens, shared_tokens, block_size)
+    shared = min(shared, need)
+    if num_blocks < need:
+        return 0
+    if need == shared:  # nothing private (cannot happen: the last prompt token always gets a block of its own)
+        return int(max_seqs)
+    return int(min(max_seqs, (num_blocks - shared) // (need - shared)))
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
@@ -82,7 +109,7 @@ class BlockPool:
         return self.num_used / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     # ---- prefix cache -----------------------------------------------------------------------------------------
     def match(self, hashes: list[bytes], num_tokens: int) -> list[int]:

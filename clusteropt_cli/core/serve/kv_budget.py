@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_MIN_LEN = 4096
+DEFAULT_GPU_MEMORY_FRACTION = 0.85  # of the GPU memory free after loading, without --gpu-memory-utilization
 SHORTEST_LEN = 128  # the shortest length chosen when the budget forces a length below DEFAULT_MIN_LEN
 
 
@@ -70,6 +71,11 @@ def choose_max_model_len(context: int, bytes_per_token: int | Callable[[int], in
             return LengthChoice(length, 1, f"not one sequence of {floor:,} tokens fits; one of {length:,} does")
         length //= 2
     return LengthChoice(floor, 0, f"not one sequence of {SHORTEST_LEN} tokens fits")
+
+
+def default_max_batch_tokens(device: str) -> int:
+    """Tokens per engine step (the chunked-prefill budget) when --max-batch-tokens is not given."""
+    return 2048 if device.startswith("cuda") else 512
 
 
 def checkpoint_weight_bytes(model_dir: str | Path, dtype_bytes: int, config: Any = None) -> int:

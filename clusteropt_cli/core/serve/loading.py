@@ -57,6 +57,7 @@ class EngineLoading:
         from clusteropt_cli.core.serve.kv_budget import (
             activation_reserve,
             choose_max_model_len,
+            default_max_batch_tokens,
             describe_choice,
             utilization_budget,
         )
@@ -98,7 +99,7 @@ class EngineLoading:
             return n
 
         cuda = device.startswith("cuda")
-        self.max_batch_tokens = int(cfg.max_batch_tokens or (2048 if cuda else 512))
+        self.max_batch_tokens = int(cfg.max_batch_tokens or default_max_batch_tokens(device))
         free_at_start = total = None
         reserve = 0
         if cuda:

@@ -265,18 +265,23 @@ def register_attention() -> None:
     AttentionInterface.register(ATTN_NAME, _slot_attention)
 
 
+def resolve_dtype_name(name: str, device: str, config_dtype: Any) -> str:
+    """The engine's dtype as "bf16", "fp16" or "fp32": 'auto' keeps the checkpoint's half precision on GPU (bf16
+    for fp32 checkpoints) and fp32 on CPU. Needs no torch (copt advise sizes the engine's KV cache with it)."""
+    if name != "auto":
+        return name
+    if device == "cpu":
+        return "fp32"
+    stored = str(config_dtype or "").removeprefix("torch.")
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(stored, "bf16")
+
+
 def resolve_dtype(name: str, device: str, config_dtype: Any):
-    """'auto' keeps the checkpoint's half precision on GPU (bf16 for fp32 checkpoints) and fp32 on CPU."""
+    """The torch dtype of resolve_dtype_name."""
     import torch
 
     table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if name != "auto":
-        return table[name]
-    if device == "cpu":
-        return torch.float32
-    if isinstance(config_dtype, str):
-        config_dtype = getattr(torch, config_dtype, None)
-    return config_dtype if config_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    return table[resolve_dtype_name(name, device, config_dtype)]
 
 
 def _length_buckets(max_len: int) -> list[int]:
