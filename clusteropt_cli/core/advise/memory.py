@@ -733,10 +733,10 @@ def serving_capacity(spec: ModelSpec, plan: InferPlan, target: Target) -> Servin
     need = max(1, -(-int(per_seq) // int(bs * per_token)))
     shared = min(shared, need - 1)
     held = 0 if num_blocks < need else (num_blocks - shared) // (need - shared)
-    if plan.continuous_batching or plan.engine == "vllm":
-        return ServingCapacity("vllm" if plan.engine == "vllm" else "copt", "paged", per_token, num_blocks * bs, bs,
-                               num_blocks, plan.max_model_len, seq_tokens, shared,
-                               shared * bs / plan.prompt_len if shared else 0.0, held, max_seqs, why)
+    if plan.engine == "vllm":
+        return ServingCapacity("vllm", "paged", per_token, num_blocks * bs, bs, num_blocks, plan.max_model_len,
+                               seq_tokens, shared, shared * bs / plan.prompt_len if shared else 0.0, held, max_seqs,
+                               why)
     # transformers' generate on a static batch: a cache per sequence of its full length, nothing shared
     held = max(0, int(usable // kv_cache_bytes(spec, plan.with_(batch=1))))
     return ServingCapacity("hf-generate", "static", per_token, int(usable // per_token) if per_token else 0, 1, None,
@@ -772,7 +772,8 @@ def _copt_capacity(spec: ModelSpec, plan: InferPlan, target: Target, seq_tokens:
     def per_token_of(length: int) -> int:
         return ModelRunner.kv_bytes_per_token_of(config, kv_elt, None if paged else length)
 
-    weights = int(weight_bytes(spec, plan.weights))
+    # unquantized weights are held in the served dtype (fp32 on the CPU)
+    weights = int(spec.num_params * elt if plan.weights in ("bf16", "fp16") else weight_bytes(spec, plan.weights))
     batch_tokens = int(plan.chunked_prefill or default_max_batch_tokens(device))
     reserve = activation_reserve(config, batch_tokens, max_seqs, elt) if device == "cuda" else 0
     free_at_start = int(mem - cal.CUDA_CONTEXT_BYTES) if device == "cuda" and mem is not None else None
