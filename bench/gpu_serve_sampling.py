@@ -8,7 +8,7 @@ Sampling settings (`--sampling`, comma-separated; default all):
   greedy   temperature 0
   t0.7     temperature 0.7
   t1.0     temperature 1.0 (OpenAI's default)
-  t1.0p95  temperature 1.0, top_p 0.95 (the sort mode: the vocabulary sorted once per step)
+  t1.0p95  temperature 1.0, top_p 0.95 (the top-p mode: Gumbel-max candidates checked against the nucleus)
   t1.0k50  temperature 1.0, top_k 50 (the top-k mode: torch.topk thresholds, no sort)
   pen      temperature 0.7, top_k 50, presence_penalty 0.5 (the penalties' graph variant)
 
@@ -18,8 +18,9 @@ Cases, each per sampling setting:
   http_c64      64 concurrent streaming requests (prompts 32–256 tokens, 128 output tokens, ignore_eos): tok/s,
                 median of --repeats runs (3)
   http_c256     the same with 256 clients
-kernels: the sampling graph alone (µs per step by batch, selection mode — plain, topk, sort — and penalties)
-against the greedy argmax.
+kernels: the sampling graph alone (µs per step by batch, selection mode — plain, topk, topp, sort — and penalties)
+against the greedy argmax; and each cheap mode's tokens against the sort's on random rows (mismatching rows: 0
+expected, a row whose nucleus boundary is within float rounding of top_p can differ).
 Also checked on the device: a seeded request gives the same tokens when repeated and alone vs. inside a batch of 64
 others (with the greedy request as the control: batched GEMMs may round differently from batch 1), and whether the
 sampling graphs were captured (`sampler_graph_error`, `sampler_compile_error`).
@@ -58,7 +59,7 @@ def bench_kernels(vocab: int, batches: list[int]) -> dict:
     and the greedy argmax for comparison: µs per step on random logits."""
     import torch
 
-    from clusteropt_cli.core.serve.device_sampling import PLAIN, SORT, TOP_K, RowSettings, SlotSampler
+    from clusteropt_cli.core.serve.device_sampling import PLAIN, SORT, TOP_K, TOP_P, RowSettings, SlotSampler
     from clusteropt_cli.core.serve.runner import greedy_tokens
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -91,13 +92,49 @@ def bench_kernels(vocab: int, batches: list[int]) -> dict:
     with torch.inference_mode():
         for b in batches:
             out[f"b{b}_greedy_argmax_us"] = timed(lambda b=b: greedy_tokens(logits[:b]))
-            for mode, label in ((PLAIN, "plain"), (TOP_K, "topk"), (SORT, "sort")):
+            for mode, label in ((PLAIN, "plain"), (TOP_K, "topk"), (TOP_P, "topp"), (SORT, "sort")):
                 for pen in (False, True):
                     key = f"b{b}_{label}{'_pen' if pen else ''}_us"
                     out[key] = timed(lambda b=b, mode=mode, pen=pen: sampler.graph_sample(logits[:b], b, mode, pen))
             row = {k: v for k, v in out.items() if k.startswith(f"b{b}_")}
             log(f"sampling kernels b{b}: " + ", ".join(f"{k}={v:.1f}" for k, v in row.items()))
+        out.update(mode_agreement(sampler, logits, dev))
     out["graph_error"], out["compile_error"] = sampler.graph_error, sampler.compile_error
+    out["nucleus_error"] = sampler.nucleus_error
+    return out
+
+
+def mode_agreement(sampler, logits, dev) -> dict:
+    """Rows whose token from the top-k / top-p mode differs from the sort's (same logits, seeds and positions),
+    over flat (random-weight-like), peaked and tied logits and a spread of top_p / top_k values. `logits`: the
+    buffer the captured graphs read (refilled here)."""
+    import torch
+
+    from clusteropt_cli.core.serve.device_sampling import SORT, TOP_K, TOP_P, RowSettings
+
+    rows, vocab = logits.shape
+    gen = torch.Generator(device=dev).manual_seed(0)
+    out: dict = {}
+    settings = {TOP_P: [RowSettings(temperature=1.0, top_p=p, seed=i, min_p=0.01 * (i % 3 == 0))
+                        for i, p in enumerate([0.95, 0.9, 0.5, 0.1, 1e-4] * (rows // 5 + 1))][:rows],
+                TOP_K: [RowSettings(temperature=1.0, top_k=k, seed=i)
+                        for i, k in enumerate([1, 20, 50, 1024, 0] * (rows // 5 + 1))][:rows]}
+    for mode, label in ((TOP_P, "topp"), (TOP_K, "topk")):
+        for slot, row in enumerate(settings[mode]):
+            sampler.assign(slot, row, [3, 4, 5])
+        bad = checked = 0
+        for kind in ("flat", "peaked", "tied"):
+            fresh = torch.randn(rows, vocab, device=dev, generator=gen) * (4.0 if kind == "peaked" else 1.0)
+            logits.copy_(torch.round(fresh * 8) / 8 if kind == "tied" else fresh)
+            for step in range(4):
+                sampler.position[:rows].fill_(100 + step)
+                cheap = sampler.graph_sample(logits, rows, mode, False).clone()
+                full = sampler.graph_sample(logits, rows, SORT, False).clone()
+                bad += int((cheap != full).sum())
+                checked += rows
+        out[f"{label}_vs_sort_mismatching_rows"] = bad
+        out[f"{label}_vs_sort_rows_checked"] = checked
+        log(f"{label} vs sort: {bad} of {checked} rows differ")
     return out
 
 
@@ -285,10 +322,13 @@ def main() -> None:
             print(f"{'':<10}{e['engine_b1_ms_per_token'] / temp - 1:>+12.1%} vs t1.0")
     kern = results.get("kernels", {})
     for b in (1, 64, 256):
-        cells = [kern.get(f"b{b}_{k}_us") for k in ("greedy_argmax", "plain", "topk", "sort")]
+        cells = [kern.get(f"b{b}_{k}_us") for k in ("greedy_argmax", "plain", "topk", "topp", "sort")]
         if all(isinstance(c, float) for c in cells):
             print(f"sampling graph b{b} µs: argmax {cells[0]:.1f}, plain {cells[1]:.1f}, topk {cells[2]:.1f}, "
-                  f"sort {cells[3]:.1f}")
+                  f"topp {cells[3]:.1f}, sort {cells[4]:.1f}")
+    for k in ("topp_vs_sort_mismatching_rows", "topk_vs_sort_mismatching_rows", "nucleus_error"):
+        if k in kern:
+            print(f"kernels {k}: {kern[k]}")
     for k in ("startup_s", "graphs", "graph_error", "compile_error", "sampler_graph_error", "sampler_compile_error",
               "sampler_graphs", "seeded_repeat_identical", "seeded_in_batch_identical", "seeded_in_batch_common_prefix",
               "greedy_repeat_identical", "greedy_in_batch_identical", "greedy_in_batch_common_prefix"):

@@ -124,6 +124,85 @@ def test_sort_mode_equals_the_previous_sort(kind):
         assert torch.equal(_both(scaled, args, True)[0], old)  # True: the sort mode
 
 
+@pytest.mark.parametrize("kind", ["continuous", "ties", "peaked", "masked", "degenerate"])
+def test_top_p_candidate_mode_equals_the_full_sort(kind):
+    """Top-p without a sort: the first Gumbel-max candidate checked against the nucleus, then the rounds over the
+    tokens ranked before it (many rows need several: small top_p on flat rows)."""
+    import torch
+
+    from clusteropt_cli.core.serve import nucleus
+    from clusteropt_cli.core.serve.device_sampling import TOP_P, choose_tokens
+
+    gen = torch.Generator().manual_seed(11 + len(kind))
+    rows, vocab = 140, 2500
+    scaled = _logits(gen, rows, vocab, kind)
+    ps = torch.tensor([1.0, 1e-6, 0.05, 0.3, 0.5, 0.9, 0.95])
+    top_p = ps[torch.arange(rows) % len(ps)]
+    calls = []
+    rounds = nucleus.rounds_torch
+
+    def counted(x, s, c, todo, *rest):
+        calls.append(int(todo.sum()))
+        return rounds(x, s, c, todo, *rest)
+
+    nucleus.rounds_torch = counted
+    try:
+        for min_p in (0.0, 0.03):
+            args = _args(gen, rows, top_p=top_p, min_p=min_p)
+            new, old = _both(scaled, args, TOP_P)
+            assert torch.equal(new, old), f"rows {torch.nonzero(new != old).flatten().tolist()} differ"
+    finally:
+        nucleus.rounds_torch = rounds
+    assert sum(calls) > 10  # the rounds ran for rows whose first candidate was outside the nucleus
+    # without the rounds (the first candidate kept) the tokens are other ones
+    args = _args(gen, rows, top_p=top_p)
+    order = ("temperature", "top_p", "top_k", "min_p", "seed_lo", "seed_hi", "position")
+    unchecked = choose_tokens(scaled, *(args[k] for k in order), TOP_P, perturb=None)
+    nucleus.rounds_torch = lambda x, s, c, *rest: c
+    try:
+        skipped = choose_tokens(scaled, *(args[k] for k in order), TOP_P)
+    finally:
+        nucleus.rounds_torch = rounds
+    assert not torch.equal(unchecked, skipped)
+
+
+def test_top_p_rounds_kernel_equals_the_torch_rounds(tmp_path):
+    """The Triton kernel of the rounds (CUDA's path), run by Triton's interpreter on the CPU, gives the torch
+    rounds' tokens."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "rounds.py"
+    script.write_text(
+        "import torch\n"
+        "from clusteropt_cli.core.serve.nucleus import rounds_torch, rounds_triton\n"
+        "from clusteropt_cli.core.serve.device_sampling import KERNELS, row_argmax\n"
+        "g = torch.Generator().manual_seed(5)\n"
+        "for vocab, quant in ((3000, False), (5000, True)):\n"
+        "    x = torch.randn(24, vocab, generator=g) * 2\n"
+        "    x = torch.round(x * 4) / 4 if quant else x\n"
+        "    x[3] = 0.25\n"
+        "    top = x.amax(-1, keepdim=True)\n"
+        "    t = torch.ones(24)\n"
+        "    seeds = torch.arange(24) * 7919\n"
+        "    x[5, :7] = float('-inf')\n"
+        "    s = KERNELS['nucleus'](x, top, torch.zeros(24), t, seeds, seeds * 0, torch.arange(24))\n"
+        "    c = row_argmax(s)\n"
+        "    p = torch.tensor([1e-6, 0.05, 0.3, 0.6] * 6)\n"
+        "    todo, total = KERNELS['todo'](x, top, c, p, t)\n"
+        "    assert int(todo.sum()) >= 6, int(todo.sum())\n"
+        "    a = rounds_torch(x, s, c, todo, top[:, 0], total, p)\n"
+        "    b = rounds_triton(x, s, c.clone(), todo, top[:, 0], total, p)\n"
+        "    assert torch.equal(a, b), (a.tolist(), b.tolist())\n"
+        "    assert not torch.equal(a, c)\n"
+        "print('ok')\n")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
 def test_plain_mode_equals_the_previous_plain_path():
     import torch
 
@@ -141,7 +220,15 @@ def test_plain_mode_equals_the_previous_plain_path():
 
 
 def test_rows_pick_the_cheapest_exact_mode():
-    from clusteropt_cli.core.serve.device_sampling import PLAIN, SORT, TOP_K, TOP_K_CAP, RowSettings
+    from clusteropt_cli.core.serve.device_sampling import (
+        PLAIN,
+        SORT,
+        TOP_K,
+        TOP_K_CAP,
+        TOP_P,
+        RowSettings,
+        selection_for,
+    )
 
     assert RowSettings(temperature=0.0, top_p=0.5, top_k=5).selection == PLAIN  # greedy: argmax
     assert RowSettings(temperature=1.0).selection == PLAIN
@@ -149,8 +236,13 @@ def test_rows_pick_the_cheapest_exact_mode():
     assert RowSettings(temperature=1.0, min_p=0.1).selection == TOP_K
     assert RowSettings(temperature=1.0, top_k=TOP_K_CAP).selection == TOP_K
     assert RowSettings(temperature=1.0, top_k=TOP_K_CAP + 1).selection == SORT
-    assert RowSettings(temperature=1.0, top_p=0.95).selection == SORT
+    assert RowSettings(temperature=1.0, top_p=0.95).selection == TOP_P
+    assert RowSettings(temperature=1.0, top_p=0.95, min_p=0.1).selection == TOP_P
     assert RowSettings(temperature=1.0, top_p=0.95, top_k=50).selection == SORT
+    top_p, top_k, min_p = (RowSettings(temperature=1.0, top_p=0.9), RowSettings(temperature=1.0, top_k=9),
+                           RowSettings(temperature=1.0, min_p=0.2))
+    assert selection_for([top_p, min_p, RowSettings()]) == TOP_P and selection_for([top_k, min_p]) == TOP_K
+    assert selection_for([top_p, top_k]) == SORT  # neither cheap mode does both
 
 
 def test_the_sampler_mixes_modes_per_step_and_keeps_the_sorted_tokens():

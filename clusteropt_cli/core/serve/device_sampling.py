@@ -12,11 +12,12 @@ noise a request sees depends on nothing but its own seed and the position of the
 the same text whatever else is batched with it (and whichever path — CUDA graph, eager, speculative — chose the
 token). Requests without a seed get one drawn from the engine's random stream.
 
-Restricted sampling takes the cheapest exact way the step's rows allow (`RowSettings.selection`): top-k (k up to
+Restricted sampling takes the cheapest exact way the step's rows allow (`selection_for`): top-k (k up to
 TOP_K_CAP) and min-p mask the vocabulary with thresholds from one torch.topk — the k-th largest score, the ties at
-it kept in token order as a stable sort ranks them — and top-p sorts the vocabulary once (its nucleus has no bound
-on its size: a flat distribution puts most of the vocabulary in a 0.95 nucleus). Every mode draws the token the
-full sort would.
+it kept in token order as a stable sort ranks them —; top-p checks the Gumbel-max winner against the nucleus and
+draws again from the tokens ranked before it when it falls outside (core/serve/nucleus.py: no sort, and no bound
+on the nucleus' size needed); a step mixing top-p and top-k rows sorts the vocabulary once. Every mode draws the
+token the full sort would.
 
 Logprobs are those of the distribution the token is sampled from before truncation: the logits after
 `logit_bias`, `min_tokens` suppression, the penalties and the temperature (1 for greedy rows), log-softmaxed;
@@ -164,6 +165,42 @@ def perturbed_top_k(scores, top, kth, need, tie_rank, limited, min_p, temperatur
                        torch.where(noisy_rows, torch.full_like(scores, float("-inf")), scores))
 
 
+def nucleus_scores(x, top, min_p, temperature, seed_lo, seed_hi, position):
+    """The TOP_P mode's perturbed scores over unsorted rows, the min-p floor applied on sampled rows; `top`
+    [B, 1] the row's largest x. Pointwise (one fused kernel compiled)."""
+    import torch
+
+    top_f = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    keep = torch.exp(x - top_f) >= min_p[:, None] * torch.exp(top - top_f)
+    ids = torch.arange(x.shape[-1], device=x.device)[None, :]
+    e = exponential_noise(seed_lo, seed_hi, position, ids)
+    noisy_rows = (temperature > 0)[:, None]
+    return torch.where(noisy_rows & keep, x - torch.log(e),
+                       torch.where(noisy_rows, torch.full_like(x, float("-inf")), x))
+
+
+def nucleus_todo(x, top, c, top_p, temperature):
+    """(Sampled rows whose first candidate c lies outside the top-p nucleus — the mass ranked before it exceeds
+    top_p × the total; never on top_p >= 1 rows — as int32 [B], the total unnormalized mass exp(x - top) [B]).
+    One fused reduction compiled."""
+    import torch
+
+    from clusteropt_cli.core.serve.nucleus import mass_before
+
+    top_f = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    before, total = mass_before(x, top_f, c)
+    return ((temperature > 0) & (top_p < 1) & (before > top_p * total)).to(torch.int32), total
+
+
+def row_max(x):
+    """The largest value of each row, [B, 1], in two stages like runner.greedy_tokens (every SM on one row)."""
+    rows, vocab = x.shape
+    chunks = next((c for c in (256, 128, 64, 32, 16) if vocab % c == 0 and vocab // c >= 64), 1)
+    if chunks == 1:
+        return x.amax(-1, keepdim=True)
+    return x.reshape(rows, chunks, vocab // chunks).amax(-1).amax(-1, keepdim=True)
+
+
 def row_argmax(scores):
     """argmax per row, first maximum (runner.greedy_tokens: two stages, so a single row uses every SM)."""
     from clusteropt_cli.core.serve.runner import greedy_tokens
@@ -174,12 +211,13 @@ def row_argmax(scores):
 # How choose_tokens restricts the sampled rows (the sampler picks one per step from the rows' settings):
 PLAIN = 0  # temperature only: Gumbel-max over the vocabulary
 TOP_K = 1  # top-k (k <= TOP_K_CAP or >= vocab) and min-p: thresholds from torch.topk, no sort of the vocabulary
-SORT = 2  # top-p (or a top-k above TOP_K_CAP): the vocabulary sorted once, the nucleus from running sums
+TOP_P = 2  # top-p and min-p (no top-k): Gumbel-max candidates checked against the nucleus (core/serve/nucleus.py)
+SORT = 3  # anything (top-p with top-k, a top-k above TOP_K_CAP): the vocabulary sorted once, running sums
 TOP_K_CAP = 1024
 
 # the pointwise pieces choose_tokens and process_logits call (SlotSampler compiles each into one fused kernel)
 KERNELS = {"plain": perturbed_scores, "sorted": perturbed_sorted, "weights": sorted_weights,
-           "top_k": perturbed_top_k, "penalties": penalized_logits}
+           "top_k": perturbed_top_k, "nucleus": nucleus_scores, "todo": nucleus_todo, "penalties": penalized_logits}
 
 
 def selection_mode(sort) -> int:
@@ -187,6 +225,20 @@ def selection_mode(sort) -> int:
     if isinstance(sort, bool):
         return SORT if sort else PLAIN
     return int(sort)
+
+
+def selection_for(rows) -> int:
+    """The cheapest mode that is exact for every one of these rows (RowSettings): PLAIN when none restricts its
+    sampling, TOP_K for top-k up to TOP_K_CAP and min-p, TOP_P for top-p and min-p, SORT otherwise (top-p and
+    top-k in one step, or a larger top-k)."""
+    restricted = [r for r in rows if r.needs_sort]
+    if not restricted:
+        return PLAIN
+    top_k = any(r.top_k > 0 for r in restricted)
+    top_p = any(r.top_p < 1.0 for r in restricted)
+    if (top_k and top_p) or any(r.top_k > TOP_K_CAP for r in restricted):
+        return SORT
+    return TOP_P if top_p else TOP_K
 
 
 def top_k_bounds(scaled, top_k):
@@ -208,8 +260,9 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
                   perturb=None, scale=None):
     """One token per row from processed logits: greedy rows (temperature 0) take the argmax, the others sample
     (Gumbel-max over the exponential noise of (seed, position)), restricted by top-k, top-p and min-p as `sort`
-    says (a mode: PLAIN, TOP_K — exact when every row's top_k is at most TOP_K_CAP or at least the vocabulary
-    and its top_p is 1 — or SORT, exact for every row; False/True: PLAIN/SORT). A row whose every logit is -inf
+    says (a mode: PLAIN; TOP_K — exact when every row's top_k is at most TOP_K_CAP or at least the vocabulary
+    and its top_p is 1; TOP_P — exact when no row has a top_k; SORT, exact for every row; False/True:
+    PLAIN/SORT; selection_for picks it). A row whose every logit is -inf
     gives a token, never NaN. `perturb`: the KERNELS, compiled or not. `scale`: per-row factors still to apply to
     `scaled` (1 / temperature, when process_logits did not divide; PLAIN only)."""
     import torch
@@ -227,6 +280,14 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
         top, kth, need, tie_rank, limited = top_k_bounds(scaled, top_k)
         return row_argmax(fns["top_k"](scaled, top, kth, need, tie_rank, limited, min_p, temperature, seed_lo,
                                        seed_hi, position))
+    if mode == TOP_P:
+        from clusteropt_cli.core.serve.nucleus import nucleus_rounds
+
+        top = row_max(scaled)
+        scores = fns["nucleus"](scaled, top, min_p, temperature, seed_lo, seed_hi, position)
+        first = row_argmax(scores)
+        todo, total = fns["todo"](scaled, top, first, top_p, temperature)
+        return nucleus_rounds(scaled, scores, first, todo, top[:, 0], total, top_p)
     if scale is None:
         scale = torch.ones_like(temperature)
     return row_argmax(fns["plain"](scaled, scale, temperature, seed_lo, seed_hi, position))
@@ -269,10 +330,8 @@ class RowSettings:
 
     @property
     def selection(self) -> int:
-        """The choose_tokens mode this row needs: PLAIN, TOP_K or SORT (top-p, or a top-k above TOP_K_CAP)."""
-        if not self.needs_sort:
-            return PLAIN
-        return SORT if self.top_p < 1.0 or self.top_k > TOP_K_CAP else TOP_K
+        """The choose_tokens mode this row needs (selection_for)."""
+        return selection_for([self])
 
     @property
     def has_penalties(self) -> bool:
@@ -325,6 +384,7 @@ class SlotSampler:
         self._graphs: dict[tuple[int, bool, bool], Any] = {}
         self.graph_error: str | None = None
         self.compile_error: str | None = None
+        self.nucleus_error: str | None = None  # why TOP_P steps sort instead (None: they do not)
 
     # ---- state -------------------------------------------------------------------------------------------
     def assign(self, slot: int, settings: RowSettings, prompt_ids: list[int]) -> None:
@@ -376,11 +436,20 @@ class SlotSampler:
                     bias_ids=self.bias_ids[index], bias_vals=self.bias_vals[index])
 
     def flags(self, slots: list[int]) -> tuple[bool, int, bool]:
-        """(plain greedy for every row, the selection mode the rows need — PLAIN, TOP_K or SORT: falsy when no row
-        restricts its sampling —, any row needs penalize)."""
+        """(plain greedy for every row, the selection mode the rows need — PLAIN, TOP_K, TOP_P or SORT: falsy when
+        no row restricts its sampling —, any row needs penalize)."""
         rows = [self.settings[s] for s in slots]
-        return (all(r.greedy_plain for r in rows), max(r.selection for r in rows),
-                any(r.penalized for r in rows))
+        return all(r.greedy_plain for r in rows), selection_for(rows), any(r.penalized for r in rows)
+
+    def mode(self, sort, device) -> int:
+        """The selection mode to run: TOP_P becomes SORT where its kernel is not available (CUDA without Triton,
+        or a failed capture: nucleus_error)."""
+        from clusteropt_cli.core.serve.nucleus import triton_error
+
+        mode = selection_mode(sort)
+        if mode == TOP_P and (self.nucleus_error or (device.type == "cuda" and triton_error())):
+            return SORT
+        return mode
 
     def count_penalties(self, slots: list[int]) -> bool:
         return any(self.settings[s].has_penalties for s in slots)
@@ -401,6 +470,7 @@ class SlotSampler:
         import torch
 
         _plain, sort, penalize = self.flags(slots)
+        sort = self.mode(sort, logits.device)
         args = self._rows(index)
         counts = prompt_mask = None
         count = penalize and self.count_penalties(slots)
@@ -442,14 +512,17 @@ class SlotSampler:
         mode (flags()). Replays a captured graph when one exists for (batch, mode, penalize); eager otherwise."""
         import torch
 
-        sort = selection_mode(sort)
+        sort = self.mode(sort, logits_rows.device)
         key = (batch, sort, penalize)
         graph = self._graphs.get(key)
         if graph is None and self.graph_error is None and logits_rows.is_cuda:
             try:
                 graph = self._capture(logits_rows, batch, sort, penalize)
-            except Exception as exc:  # noqa: BLE001 - sampling still works: uncompiled, then eagerly
+            except Exception as exc:  # noqa: BLE001 - sampling still works: sorted, uncompiled, then eagerly
                 torch.cuda.synchronize()
+                if sort == TOP_P:  # top-p rows sort their vocabulary from now on
+                    self.nucleus_error = f"{type(exc).__name__}: {exc}"
+                    return self.graph_sample(logits_rows, batch, SORT, penalize)
                 if self.perturb is not None:
                     self.compile_error = f"{type(exc).__name__}: {exc}"
                     self.perturb = None
