@@ -197,3 +197,22 @@ def test_engine_admits_what_advise_predicts(fixtures, shared):
     assert abs(peak - predicted) <= 0.1 * predicted, (peak, predicted)
     if shared:
         assert hits >= len(prompts) * shared // 16 * 16
+
+
+def test_layout_is_the_engines_choice_for_every_preset():
+    """advise reads the raw config.json; the engine the config transformers loads (which derives sliding-window
+    layer types): both choose the same KV layout for every preset."""
+    from transformers import AutoConfig
+
+    from clusteropt_cli.core.advise.memory import kv_layout
+    from clusteropt_cli.core.serve.architectures import inspect_architecture
+    from clusteropt_cli.modelspec import list_presets
+
+    plan = InferPlan(continuous_batching=True)
+    layouts = {}
+    for name in list_presets():
+        spec = load_model_spec(name)
+        arch = inspect_architecture(AutoConfig.for_model(**spec.to_hf_config()), spec.max_position_embeddings)
+        layouts[name] = kv_layout(spec, plan)
+        assert layouts[name] == ("paged" if arch.native and not arch.sliding_layers else "slots"), name
+    assert layouts["qwen2.5-7b"] == "paged" and layouts["mistral-7b"] == "slots"  # use_sliding_window false / 4096

@@ -675,6 +675,14 @@ def _engine_config(spec: ModelSpec) -> object:
               "head_dim": spec.head_dim, "intermediate_size": spec.intermediate_size, "vocab_size": spec.vocab_size,
               "max_position_embeddings": spec.max_position_embeddings, "model_type": spec.model_type}
     values.update({k: v for k, v in cfg.items() if k.isidentifier()})
+    # what transformers' config classes derive on loading (the engine reads the loaded config): Qwen2/Qwen3-style
+    # `use_sliding_window: false` turns the window off; on, it applies from layer `max_window_layers` up
+    if values.get("use_sliding_window") is False:
+        values["sliding_window"] = None
+    elif values.get("use_sliding_window") and values.get("sliding_window") and not values.get("layer_types"):
+        first = int(values.get("max_window_layers") or 0)
+        values["layer_types"] = ["sliding_attention" if i >= first else "full_attention"
+                                 for i in range(int(values["num_hidden_layers"]))]
     return SimpleNamespace(**values)
 
 
