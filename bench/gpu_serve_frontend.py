@@ -13,7 +13,7 @@ Cases:
   http_apiN     `copt serve --api-server-count N`, 256 concurrent streaming clients: output tok/s at the clients,
                 TTFT and time-per-output-token percentiles (client-side). N = 0 is the single-process server (HTTP
                 and the engine share one process); N ≥ 1 runs N API-server processes in front of an engine-core
-                process (ZeroMQ + msgpack). --api-server-counts picks the Ns (default 0,1,2,4).
+                process (ZeroMQ + msgpack). --api-server-counts picks the Ns (default 0,1,2).
 The clients run in --client-procs processes (default 4) so that the load generator is not the bottleneck.
 Printed: tok/s, the ratio HTTP / in-process engine per sampling mode, TTFT p50; the JSON has everything.
 uvloop and httptools are used by the server when installed (uvicorn's "auto"); the JSON records whether they are.
@@ -54,12 +54,14 @@ def prompts_for(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int
 
 # ---- in-process ----------------------------------------------------------------------------------------
 def bench_engine(model_dir: Path, prompts: list[list[int]], repeats: int) -> dict:
-    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
+    from clusteropt_cli.core.serve.engine import Engine, GenerationRequest
+    from clusteropt_cli.recipe.schema.serve import ServeRecipe
 
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(model=str(model_dir), max_batch_size=len(prompts),
-                                 max_model_len=CFG["max_model_len"], kv_cache_memory_gib=CFG["kv_gib"],
-                                 max_batch_tokens=CFG["max_batch_tokens"], max_queue=4096))
+    # the settings the server cases get from their command line (start_server), through the same path
+    engine = Engine.from_settings(ServeRecipe(model=str(model_dir), max_batch_size=len(prompts),
+                                              max_model_len=CFG["max_model_len"], kv_cache_memory=CFG["kv_gib"],
+                                              max_batch_tokens=CFG["max_batch_tokens"], max_queue=4096))
     engine.start()
     out: dict = {"startup_s": round(time.perf_counter() - t0, 1), "graphs": engine.stats.graphs_captured}
     try:
@@ -168,7 +170,7 @@ def bench_http(model_dir: Path, prompts: list[list[int]], api_servers: int, proc
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON results path")
-    parser.add_argument("--api-server-counts", default="0,1,2,4",
+    parser.add_argument("--api-server-counts", default="0,1,2",
                         help="comma-separated --api-server-count values to serve with (0: single process)")
     parser.add_argument("--client-procs", type=int, default=4, help="load-generator processes")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case (median reported)")
