@@ -286,21 +286,29 @@ class EngineClient:
     async def _read(self) -> None:
         flushed = time.monotonic()
         while True:
-            message = unpack(await self._pull.recv())
-            kind = message[0]
-            if kind == "out":
-                self._deliver(message[1])
+            data = await self._pull.recv()
+            try:
+                self._dispatch(unpack(data))
                 if time.monotonic() - flushed > 1.0:
                     flushed = time.monotonic()
                     flush = getattr(self.observer, "flush", None)
                     if flush is not None:
                         flush()
-            elif kind in ("ack", "stats"):
-                future = self._calls.get(message[1])
-                if future is not None and not future.done():
-                    future.set_result(message[2])
-            elif kind == "dead":
-                self._die(message[1])
+            except Exception:  # noqa: BLE001 - one bad message must not stop every stream of this process
+                import traceback
+
+                traceback.print_exc()
+
+    def _dispatch(self, message: list) -> None:
+        kind = message[0]
+        if kind == "out":
+            self._deliver(message[1])
+        elif kind in ("ack", "stats"):
+            future = self._calls.get(message[1])
+            if future is not None and not future.done():
+                future.set_result(message[2])
+        elif kind == "dead":
+            self._die(message[1])
 
     def _deliver(self, deltas: list) -> None:
         now = time.perf_counter()

@@ -143,7 +143,11 @@ class EngineCore:
                 kind = item[0]
                 if kind == "batch":
                     for entry in item[1]:
-                        delta = self._delta(entry)
+                        try:
+                            delta = self._delta(entry)
+                        except Exception:  # noqa: BLE001 - (a result that does not encode) that request alone
+                            traceback.print_exc()
+                            continue
                         if delta is not None:
                             per_client.setdefault(entry.client, []).append(delta)
                 elif kind == "msg":
@@ -164,7 +168,7 @@ class EngineCore:
                     data = pack(message)
                     for c in targets:
                         self.pushes[c].send(data, zmq.NOBLOCK)
-            except zmq.ZMQError:  # an API process went away: the supervisor handles it
+            except Exception:  # noqa: BLE001 - (an API process went away: the supervisor handles it) never stop
                 traceback.print_exc()
             if stop:
                 return
