@@ -86,8 +86,9 @@ def stats_to_wire(stats: Any) -> dict[str, Any]:
     """The engine's stats (read while the engine thread updates them: retried when a dict changes size)."""
     for _ in range(10):
         try:
-            return {f.name: (dict(v) if isinstance(v, dict) else v)
-                    for f in fields(stats) if isinstance((v := getattr(stats, f.name)), (int, float, dict))}
+            return {f.name: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, (list, tuple)) else v)
+                    for f in fields(stats)
+                    if isinstance((v := getattr(stats, f.name)), (int, float, str, dict, list, tuple, type(None)))}
         except RuntimeError:  # dictionary changed size during iteration
             continue
     return {}

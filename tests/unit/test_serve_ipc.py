@@ -1,0 +1,45 @@
+"""The split server's wire format (ipc.py): requests, results and engine stats survive msgpack unchanged."""
+
+from __future__ import annotations
+
+from clusteropt_cli.core.serve.engine import EngineStats
+from clusteropt_cli.core.serve.ipc import (
+    pack,
+    request_from_wire,
+    request_to_wire,
+    result_from_wire,
+    result_to_wire,
+    stats_from_wire,
+    stats_to_wire,
+    unpack,
+)
+from clusteropt_cli.core.serve.requests import GenerationRequest, GenerationResult
+
+
+def test_a_request_round_trips_with_int_keyed_logit_bias_and_a_grammar_spec():
+    req = GenerationRequest(prompt_ids=[1, 2, 3], max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1,
+                            presence_penalty=0.2, frequency_penalty=-0.3, repetition_penalty=1.1,
+                            logit_bias={5: -100.0, 17: 2.5}, seed=2**64 - 1, logprobs=3, prompt_logprobs=0,
+                            stop_token_ids=[9], stop=["\n\n"], ignore_eos=True, min_tokens=2, speculative=False)
+    spec = ["response_format", {"type": "json_object"}]
+    back, got_spec = request_from_wire(unpack(pack(request_to_wire(req, "0-7", spec))))
+    assert got_spec == spec
+    assert back.request_id == "0-7" and back.grammar is None
+    expected = {**vars(req), "request_id": "0-7"}
+    assert vars(back) == expected
+    assert all(isinstance(k, int) for k in back.logit_bias)
+
+
+def test_a_result_round_trips_with_logprobs_as_tuples():
+    lp = [(4, -0.5, [(4, -0.5), (8, -1.25)]), (6, -0.1, [(6, -0.1), (2, -3.0)])]
+    res = GenerationResult(request_id="0-1", prompt_ids=[1, 2], output_ids=[4, 6], finish_reason="stop", text="ab",
+                           stop_reason="\n", ttft_s=0.01, latency_s=0.2, spec_drafted=3, spec_accepted=2,
+                           logprobs=lp, prompt_logprobs=[None, (2, -2.0, [(2, -2.0)])])
+    back = result_from_wire(unpack(pack(result_to_wire(res))), "0-1", [1, 2])
+    assert back == res
+
+
+def test_engine_stats_round_trip():
+    stats = EngineStats(running=3, waiting=1, num_slots=8, kv_cache_usage=0.25, steps=10, generated_tokens=99,
+                        finished={"stop": 2, "abort": 1}, phase_s={"decode_forward": 1.5})
+    assert stats_from_wire(unpack(pack(stats_to_wire(stats)))) == stats
