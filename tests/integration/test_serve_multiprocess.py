@@ -325,3 +325,61 @@ def test_no_orphans_when_the_supervisor_is_killed(fixtures):
         proc.kill()
         proc.wait(10)
         _wait_gone([info["engine_core_pid"], *info["api_server_pids"]], timeout=15)
+
+
+def test_an_internal_error_at_admission_fails_that_request_alone(fixtures, tmp_path):
+    """The engine core answers every submit, even one that fails unexpectedly there (500, never a hang); the next
+    request is served; SIGTERM drains the API server (exit 0) and the engine core stops cleanly."""
+    import threading
+
+    import torch
+
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig
+    from clusteropt_cli.core.serve.engine_client import EngineClient
+    from clusteropt_cli.core.serve.engine_core import EngineCore, client_info
+    from clusteropt_cli.core.serve.server import run_server
+    from tests.integration.test_serve_helpers import free_port
+
+    torch.set_num_threads(1)
+    engine = Engine(EngineConfig(model=str(fixtures.teacher), max_batch_size=4, max_model_len=256)).start()
+    real_submit = engine.submit
+
+    def submit(request, share_prompt_with=None):
+        if request.max_new_tokens == 13:
+            raise RuntimeError("unexpected")
+        return real_submit(request, share_prompt_with=share_prompt_with)
+
+    engine.submit = submit
+    inp, out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out-0"
+    core = EngineCore(engine, inp, [out], grace_period=5)
+    codes: dict = {}
+    core_thread = threading.Thread(target=lambda: codes.setdefault("core", core.run(install_signals=False)),
+                                   daemon=True)
+    core_thread.start()
+    client = EngineClient(client_info(engine), 0, inp, out)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    seen: dict = {}
+
+    def load() -> None:
+        for _ in range(200):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        try:
+            seen["bad"] = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 13}, timeout=10)
+            seen["good"] = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+        finally:  # (a hang shows as a missing answer, not as a test that never ends)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    code = run_server(client, host="127.0.0.1", port=port, served_model_name="m", grace_period=5)
+    thread.join(10)
+    core.drain()
+    core_thread.join(30)
+    assert seen["bad"].status_code == 500 and "unexpected" in seen["bad"].json()["error"]["message"]
+    assert seen["good"].status_code == 200 and seen["good"].json()["usage"]["completion_tokens"] == 3
+    assert code == 0 and codes["core"] == 0

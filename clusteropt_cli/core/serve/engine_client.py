@@ -263,6 +263,8 @@ class EngineClient:
             raise EngineStoppedError(message, hint="Retry later.")
         if kind == "queue_full":
             raise QueueFullError(message, hint="Retry later or raise --max-queue.")
+        if kind == "error":  # an internal error of the engine core (the app answers 500)
+            raise RuntimeError(f"the engine core failed to admit the request: {message}")
         if param:
             raise InvalidRequestError(message, param)
         raise BadInputError(message)

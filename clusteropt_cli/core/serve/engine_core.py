@@ -200,6 +200,13 @@ class EngineCore:
             self._reply(client, ["ack", call, {"kind": kind, "message": exc.message,
                                                "param": getattr(exc, "param", None)}])
             return
+        except Exception as exc:  # noqa: BLE001 - never leave the API process waiting for its answer
+            traceback.print_exc()
+            for h in handles:
+                h.cancel()
+            self._reply(client, ["ack", call, {"kind": "error", "message": f"{type(exc).__name__}: {exc}",
+                                               "param": None}])
+            return
         for entry in entries:
             self.entries[entry.rid] = entry
             entry.handle.add_step_listener(self.step_loop, _Listener(entry, self.step_loop))
