@@ -10,6 +10,7 @@ Sampling settings (`--sampling`, comma-separated; default all):
   t1.0     temperature 1.0 (OpenAI's default)
   t1.0p95  temperature 1.0, top_p 0.95 (the top-p mode: Gumbel-max candidates checked against the nucleus)
   t1.0k50  temperature 1.0, top_k 50 (the top-k mode: torch.topk thresholds, no sort)
+  t1.0p90k50  temperature 1.0, top_p 0.9, top_k 50 (both: thresholds, then candidates)
   pen      temperature 0.7, top_k 50, presence_penalty 0.5 (the penalties' graph variant)
 
 Cases, each per sampling setting:
@@ -18,7 +19,8 @@ Cases, each per sampling setting:
   http_c64      64 concurrent streaming requests (prompts 32–256 tokens, 128 output tokens, ignore_eos): tok/s,
                 median of --repeats runs (3)
   http_c256     the same with 256 clients
-kernels: the sampling graph alone (µs per step by batch, selection mode — plain, topk, topp, sort — and penalties)
+kernels: the sampling graph alone (µs per step by batch, selection mode — plain, topk, topp, topkp, sort — and
+penalties)
 against the greedy argmax; and each cheap mode's tokens against the sort's on random rows (mismatching rows: 0
 expected, a row whose nucleus boundary is within float rounding of top_p can differ).
 Also checked on the device: a seeded request gives the same tokens when repeated and alone vs. inside a batch of 64
@@ -50,6 +52,7 @@ SAMPLING = {
     "t1.0": {"temperature": 1.0},
     "t1.0p95": {"temperature": 1.0, "top_p": 0.95},
     "t1.0k50": {"temperature": 1.0, "top_k": 50},
+    "t1.0p90k50": {"temperature": 1.0, "top_p": 0.9, "top_k": 50},
     "pen": {"temperature": 0.7, "top_k": 50, "presence_penalty": 0.5},
 }
 
@@ -59,7 +62,7 @@ def bench_kernels(vocab: int, batches: list[int]) -> dict:
     and the greedy argmax for comparison: µs per step on random logits."""
     import torch
 
-    from clusteropt_cli.core.serve.device_sampling import PLAIN, SORT, TOP_K, TOP_P, RowSettings, SlotSampler
+    from clusteropt_cli.core.serve.device_sampling import PLAIN, SORT, TOP_K, TOP_K_P, TOP_P, RowSettings, SlotSampler
     from clusteropt_cli.core.serve.runner import greedy_tokens
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -92,7 +95,8 @@ def bench_kernels(vocab: int, batches: list[int]) -> dict:
     with torch.inference_mode():
         for b in batches:
             out[f"b{b}_greedy_argmax_us"] = timed(lambda b=b: greedy_tokens(logits[:b]))
-            for mode, label in ((PLAIN, "plain"), (TOP_K, "topk"), (TOP_P, "topp"), (SORT, "sort")):
+            for mode, label in ((PLAIN, "plain"), (TOP_K, "topk"), (TOP_P, "topp"), (TOP_K_P, "topkp"),
+                                (SORT, "sort")):
                 for pen in (False, True):
                     key = f"b{b}_{label}{'_pen' if pen else ''}_us"
                     out[key] = timed(lambda b=b, mode=mode, pen=pen: sampler.graph_sample(logits[:b], b, mode, pen))
@@ -110,7 +114,7 @@ def mode_agreement(sampler, logits, dev) -> dict:
     buffer the captured graphs read (refilled here)."""
     import torch
 
-    from clusteropt_cli.core.serve.device_sampling import SORT, TOP_K, TOP_P, RowSettings
+    from clusteropt_cli.core.serve.device_sampling import SORT, TOP_K, TOP_K_P, TOP_P, RowSettings
 
     rows, vocab = logits.shape
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -118,8 +122,10 @@ def mode_agreement(sampler, logits, dev) -> dict:
     settings = {TOP_P: [RowSettings(temperature=1.0, top_p=p, seed=i, min_p=0.01 * (i % 3 == 0))
                         for i, p in enumerate([0.95, 0.9, 0.5, 0.1, 1e-4] * (rows // 5 + 1))][:rows],
                 TOP_K: [RowSettings(temperature=1.0, top_k=k, seed=i)
-                        for i, k in enumerate([1, 20, 50, 1024, 0] * (rows // 5 + 1))][:rows]}
-    for mode, label in ((TOP_P, "topp"), (TOP_K, "topk")):
+                        for i, k in enumerate([1, 20, 50, 1024, 0] * (rows // 5 + 1))][:rows],
+                TOP_K_P: [RowSettings(temperature=1.0, top_k=k, top_p=p, seed=i)
+                          for i, (k, p) in enumerate([(50, 0.9), (0, 0.5), (1024, 0.95), (20, 1.0)] * rows)][:rows]}
+    for mode, label in ((TOP_P, "topp"), (TOP_K, "topk"), (TOP_K_P, "topkp")):
         for slot, row in enumerate(settings[mode]):
             sampler.assign(slot, row, [3, 4, 5])
         bad = checked = 0
@@ -305,7 +311,7 @@ def main() -> None:
 
     eng, http = results.get("engine", {}), results.get("http", {})
     print(f"\ncopt serve sampling benchmark — {results['gpu']}, {results['date']}")
-    head = f"{'sampling':<10}{'engine b1 ms':>13}{'http b1 ms':>12}" + "".join(f"{f'c{c} tok/s':>12}"
+    head = f"{'sampling':<11}{'engine b1 ms':>13}{'http b1 ms':>12}" + "".join(f"{f'c{c} tok/s':>12}"
                                                                              for c in clients)
     print(head)
     base = eng.get("greedy", {}).get("engine_b1_ms_per_token")
@@ -314,19 +320,20 @@ def main() -> None:
         cells = [e.get("engine_b1_ms_per_token"), h.get("http_b1_ms_per_token")]
         cells += [h.get(f"http_c{c}_tok_s") for c in clients]
         fmt = [f"{v:.3f}" if isinstance(v, float) and v < 100 else f"{v:,.0f}" if v else "-" for v in cells]
-        print(f"{n:<10}{fmt[0]:>13}{fmt[1]:>12}" + "".join(f"{x:>12}" for x in fmt[2:]))
+        print(f"{n:<11}{fmt[0]:>13}{fmt[1]:>12}" + "".join(f"{x:>12}" for x in fmt[2:]))
         if base and e.get("engine_b1_ms_per_token") and n != "greedy":
-            print(f"{'':<10}{e['engine_b1_ms_per_token'] / base - 1:>+12.1%} vs greedy")
+            print(f"{'':<11}{e['engine_b1_ms_per_token'] / base - 1:>+12.1%} vs greedy")
         temp = eng.get("t1.0", {}).get("engine_b1_ms_per_token")
-        if temp and e.get("engine_b1_ms_per_token") and n in ("t1.0p95", "t1.0k50"):
-            print(f"{'':<10}{e['engine_b1_ms_per_token'] / temp - 1:>+12.1%} vs t1.0")
+        if temp and e.get("engine_b1_ms_per_token") and n in ("t1.0p95", "t1.0k50", "t1.0p90k50"):
+            print(f"{'':<11}{e['engine_b1_ms_per_token'] / temp - 1:>+12.1%} vs t1.0")
     kern = results.get("kernels", {})
     for b in (1, 64, 256):
-        cells = [kern.get(f"b{b}_{k}_us") for k in ("greedy_argmax", "plain", "topk", "topp", "sort")]
-        if all(isinstance(c, float) for c in cells):
-            print(f"sampling graph b{b} µs: argmax {cells[0]:.1f}, plain {cells[1]:.1f}, topk {cells[2]:.1f}, "
-                  f"topp {cells[3]:.1f}, sort {cells[4]:.1f}")
-    for k in ("topp_vs_sort_mismatching_rows", "topk_vs_sort_mismatching_rows", "nucleus_error"):
+        names = ("greedy_argmax", "plain", "topk", "topp", "topkp", "sort")
+        cells = {k: kern.get(f"b{b}_{k}_us") for k in names}
+        if all(isinstance(c, float) for c in cells.values()):
+            print(f"sampling graph b{b} µs: " + ", ".join(f"{k} {v:.1f}" for k, v in cells.items()))
+    for k in ("topp_vs_sort_mismatching_rows", "topk_vs_sort_mismatching_rows", "topkp_vs_sort_mismatching_rows",
+              "nucleus_error"):
         if k in kern:
             print(f"kernels {k}: {kern[k]}")
     for k in ("startup_s", "graphs", "graph_error", "compile_error", "sampler_graph_error", "sampler_compile_error",

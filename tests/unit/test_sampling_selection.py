@@ -124,20 +124,24 @@ def test_sort_mode_equals_the_previous_sort(kind):
         assert torch.equal(_both(scaled, args, True)[0], old)  # True: the sort mode
 
 
+@pytest.mark.parametrize("with_top_k", [False, True])
 @pytest.mark.parametrize("kind", ["continuous", "ties", "peaked", "masked", "degenerate"])
-def test_top_p_candidate_mode_equals_the_full_sort(kind):
+def test_top_p_candidate_mode_equals_the_full_sort(kind, with_top_k):
     """Top-p without a sort: the first Gumbel-max candidate checked against the nucleus, then the rounds over the
     tokens ranked before it (many rows need several: small top_p on flat rows)."""
     import torch
 
     from clusteropt_cli.core.serve import nucleus
-    from clusteropt_cli.core.serve.device_sampling import TOP_P, choose_tokens
+    from clusteropt_cli.core.serve.device_sampling import TOP_K_P, TOP_P, choose_tokens
 
     gen = torch.Generator().manual_seed(11 + len(kind))
     rows, vocab = 140, 2500
     scaled = _logits(gen, rows, vocab, kind)
     ps = torch.tensor([1.0, 1e-6, 0.05, 0.3, 0.5, 0.9, 0.95])
     top_p = ps[torch.arange(rows) % len(ps)]
+    ks = torch.tensor([0, 1, 3, 40, 700, 1024, vocab + 1, 0, 0], dtype=torch.long)  # 9 values: crosses the 7 p's
+    top_k = ks[torch.arange(rows) % len(ks)] if with_top_k else torch.zeros(rows, dtype=torch.long)
+    mode = TOP_K_P if with_top_k else TOP_P
     calls = []
     rounds = nucleus.rounds_torch
 
@@ -148,19 +152,19 @@ def test_top_p_candidate_mode_equals_the_full_sort(kind):
     nucleus.rounds_torch = counted
     try:
         for min_p in (0.0, 0.03):
-            args = _args(gen, rows, top_p=top_p, min_p=min_p)
-            new, old = _both(scaled, args, TOP_P)
+            args = _args(gen, rows, top_p=top_p, top_k=top_k, min_p=min_p)
+            new, old = _both(scaled, args, mode)
             assert torch.equal(new, old), f"rows {torch.nonzero(new != old).flatten().tolist()} differ"
     finally:
         nucleus.rounds_torch = rounds
     assert sum(calls) > 10  # the rounds ran for rows whose first candidate was outside the nucleus
     # without the rounds (the first candidate kept) the tokens are other ones
-    args = _args(gen, rows, top_p=top_p)
+    args = _args(gen, rows, top_p=top_p, top_k=top_k)
     order = ("temperature", "top_p", "top_k", "min_p", "seed_lo", "seed_hi", "position")
-    unchecked = choose_tokens(scaled, *(args[k] for k in order), TOP_P, perturb=None)
+    unchecked = choose_tokens(scaled, *(args[k] for k in order), mode, perturb=None)
     nucleus.rounds_torch = lambda x, s, c, *rest: c
     try:
-        skipped = choose_tokens(scaled, *(args[k] for k in order), TOP_P)
+        skipped = choose_tokens(scaled, *(args[k] for k in order), mode)
     finally:
         nucleus.rounds_torch = rounds
     assert not torch.equal(unchecked, skipped)
@@ -225,6 +229,7 @@ def test_rows_pick_the_cheapest_exact_mode():
         SORT,
         TOP_K,
         TOP_K_CAP,
+        TOP_K_P,
         TOP_P,
         RowSettings,
         selection_for,
@@ -238,43 +243,55 @@ def test_rows_pick_the_cheapest_exact_mode():
     assert RowSettings(temperature=1.0, top_k=TOP_K_CAP + 1).selection == SORT
     assert RowSettings(temperature=1.0, top_p=0.95).selection == TOP_P
     assert RowSettings(temperature=1.0, top_p=0.95, min_p=0.1).selection == TOP_P
-    assert RowSettings(temperature=1.0, top_p=0.95, top_k=50).selection == SORT
+    assert RowSettings(temperature=1.0, top_p=0.95, top_k=50).selection == TOP_K_P
+    assert RowSettings(temperature=1.0, top_p=0.95, top_k=TOP_K_CAP + 1).selection == SORT
     top_p, top_k, min_p = (RowSettings(temperature=1.0, top_p=0.9), RowSettings(temperature=1.0, top_k=9),
                            RowSettings(temperature=1.0, min_p=0.2))
     assert selection_for([top_p, min_p, RowSettings()]) == TOP_P and selection_for([top_k, min_p]) == TOP_K
-    assert selection_for([top_p, top_k]) == SORT  # neither cheap mode does both
+    assert selection_for([top_p, top_k]) == TOP_K_P
 
 
 def test_the_sampler_mixes_modes_per_step_and_keeps_the_sorted_tokens():
-    """SlotSampler: a step's mode is the most general its rows need; each row's token is the one the previous
-    full sort gave it (penalties and min_tokens suppression on), and a top-k row gives the same token whether its
-    step ran in the top-k mode or (next to a top-p row) in the sort mode."""
+    """SlotSampler: a step's mode is the cheapest its rows allow together; each row's token is the one the
+    previous full sort gave it (penalties and min_tokens suppression on), and a top-k row gives the same token
+    whether its step ran in the top-k mode, next to a top-p row (top-k + top-p mode) or in the sort mode."""
     import torch
 
-    from clusteropt_cli.core.serve.device_sampling import SORT, TOP_K, RowSettings, SlotSampler, process_logits
+    from clusteropt_cli.core.serve.device_sampling import (
+        SORT,
+        TOP_K,
+        TOP_K_P,
+        RowSettings,
+        SlotSampler,
+        process_logits,
+    )
 
     vocab = 1500
-    sampler = SlotSampler(4, vocab, torch.device("cpu"))
+    sampler = SlotSampler(5, vocab, torch.device("cpu"))
     rows = [RowSettings(temperature=0.8, top_k=40, seed=11, presence_penalty=0.4, min_tokens=3, stop_ids=(2,)),
             RowSettings(temperature=1.0, min_p=0.05, seed=12),
             RowSettings(temperature=0.0, repetition_penalty=1.3),
-            RowSettings(temperature=1.2, top_p=0.9, top_k=100, seed=13)]
+            RowSettings(temperature=1.2, top_p=0.9, top_k=100, seed=13),
+            RowSettings(temperature=1.0, top_k=2000, seed=14)]
     for slot, settings in enumerate(rows):
         sampler.assign(slot, settings, [5, 6, 7])
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, vocab, generator=gen) * 3
     positions = [4, 9, 4, 6]
-    assert sampler.flags([0, 1, 2])[1] == TOP_K and sampler.flags([0, 3])[1] == SORT
+    assert sampler.flags([0, 1, 2])[1] == TOP_K and sampler.flags([0, 3])[1] == TOP_K_P
+    assert sampler.flags([0, 3, 4])[1] == SORT  # a top-k above TOP_K_CAP
     counts = sampler.counts.clone()
     top_k_step = sampler.sample(logits[:3], [0, 1, 2], positions[:3])
     sampler.counts.copy_(counts)
-    sort_step = sampler.sample(logits, [0, 1, 2, 3], positions)
-    assert torch.equal(top_k_step, sort_step[:3])
+    sort_step = sampler.sample(torch.cat([logits, logits[:1]]), [0, 1, 2, 3, 4], positions + [5])[:4]
+    sampler.counts.copy_(counts)
+    mixed_step = sampler.sample(logits, [0, 1, 2, 3], positions)
+    assert torch.equal(top_k_step, sort_step[:3]) and torch.equal(mixed_step, sort_step)
     a = sampler._rows(torch.arange(4))
     pos = torch.tensor(positions)
     scaled = process_logits(logits, a["temperature"], pos, a["prompt_len"], a["min_tokens"], a["stop_ids"],
-                            a["bias_ids"], a["bias_vals"], a["presence"], a["frequency"], a["repetition"], counts,
-                            sampler.prompt_mask, True)
+                            a["bias_ids"], a["bias_vals"], a["presence"], a["frequency"], a["repetition"], counts[:4],
+                            sampler.prompt_mask[:4], True)
     old = _reference_choose(scaled, a["temperature"], a["top_p"], a["top_k"], a["min_p"], a["seed_lo"],
                             a["seed_hi"], pos, True)
     assert torch.equal(sort_step, old)

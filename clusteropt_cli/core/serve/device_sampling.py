@@ -16,8 +16,8 @@ Restricted sampling takes the cheapest exact way the step's rows allow (`selecti
 TOP_K_CAP) and min-p mask the vocabulary with thresholds from one torch.topk — the k-th largest score, the ties at
 it kept in token order as a stable sort ranks them —; top-p checks the Gumbel-max winner against the nucleus and
 draws again from the tokens ranked before it when it falls outside (core/serve/nucleus.py: no sort, and no bound
-on the nucleus' size needed); a step mixing top-p and top-k rows sorts the vocabulary once. Every mode draws the
-token the full sort would.
+on the nucleus' size needed); both together chain the two. Only a top-k above TOP_K_CAP sorts the vocabulary
+(and top-p where the nucleus kernel is missing). Every mode draws the token the full sort would.
 
 Logprobs are those of the distribution the token is sampled from before truncation: the logits after
 `logit_bias`, `min_tokens` suppression, the penalties and the temperature (1 for greedy rows), log-softmaxed;
@@ -212,7 +212,8 @@ def row_argmax(scores):
 PLAIN = 0  # temperature only: Gumbel-max over the vocabulary
 TOP_K = 1  # top-k (k <= TOP_K_CAP or >= vocab) and min-p: thresholds from torch.topk, no sort of the vocabulary
 TOP_P = 2  # top-p and min-p (no top-k): Gumbel-max candidates checked against the nucleus (core/serve/nucleus.py)
-SORT = 3  # anything (top-p with top-k, a top-k above TOP_K_CAP): the vocabulary sorted once, running sums
+TOP_K_P = 3  # top-k (k <= TOP_K_CAP), top-p and min-p: TOP_K's thresholds, then TOP_P's candidates
+SORT = 4  # anything (a top-k above TOP_K_CAP; top-p where the TOP_P kernel is missing): one sort of the vocabulary
 TOP_K_CAP = 1024
 
 # the pointwise pieces choose_tokens and process_logits call (SlotSampler compiles each into one fused kernel)
@@ -229,16 +230,16 @@ def selection_mode(sort) -> int:
 
 def selection_for(rows) -> int:
     """The cheapest mode that is exact for every one of these rows (RowSettings): PLAIN when none restricts its
-    sampling, TOP_K for top-k up to TOP_K_CAP and min-p, TOP_P for top-p and min-p, SORT otherwise (top-p and
-    top-k in one step, or a larger top-k)."""
+    sampling, TOP_K for top-k up to TOP_K_CAP and min-p, TOP_P for top-p and min-p, TOP_K_P for both (in one row
+    or across rows), SORT for a larger top-k."""
     restricted = [r for r in rows if r.needs_sort]
     if not restricted:
         return PLAIN
+    if any(r.top_k > TOP_K_CAP for r in restricted):
+        return SORT
     top_k = any(r.top_k > 0 for r in restricted)
     top_p = any(r.top_p < 1.0 for r in restricted)
-    if (top_k and top_p) or any(r.top_k > TOP_K_CAP for r in restricted):
-        return SORT
-    return TOP_P if top_p else TOP_K
+    return (TOP_K_P if top_k else TOP_P) if top_p else TOP_K
 
 
 def top_k_bounds(scaled, top_k):
@@ -261,10 +262,11 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
     """One token per row from processed logits: greedy rows (temperature 0) take the argmax, the others sample
     (Gumbel-max over the exponential noise of (seed, position)), restricted by top-k, top-p and min-p as `sort`
     says (a mode: PLAIN; TOP_K — exact when every row's top_k is at most TOP_K_CAP or at least the vocabulary
-    and its top_p is 1; TOP_P — exact when no row has a top_k; SORT, exact for every row; False/True:
-    PLAIN/SORT; selection_for picks it). A row whose every logit is -inf
-    gives a token, never NaN. `perturb`: the KERNELS, compiled or not. `scale`: per-row factors still to apply to
-    `scaled` (1 / temperature, when process_logits did not divide; PLAIN only)."""
+    and its top_p is 1; TOP_P — exact when no row has a top_k; TOP_K_P — exact when every row's top_k is at
+    most TOP_K_CAP or at least the vocabulary; SORT, exact for every row; False/True: PLAIN/SORT;
+    selection_for picks it). A row whose every logit is -inf gives a token, never NaN. `perturb`: the KERNELS,
+    compiled or not. `scale`: per-row factors still to apply to `scaled` (1 / temperature, when process_logits
+    did not divide; PLAIN only)."""
     import torch
 
     fns = perturb or KERNELS
@@ -276,15 +278,18 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
         pick = row_argmax(fns["sorted"](values, w, cum, top_p, top_k, min_p, temperature, seed_lo, seed_hi,
                                         position, order))
         return order.gather(-1, pick[:, None]).squeeze(-1)
-    if mode == TOP_K:
+    if mode in (TOP_K, TOP_K_P):
         top, kth, need, tie_rank, limited = top_k_bounds(scaled, top_k)
-        return row_argmax(fns["top_k"](scaled, top, kth, need, tie_rank, limited, min_p, temperature, seed_lo,
-                                       seed_hi, position))
-    if mode == TOP_P:
+        scores = fns["top_k"](scaled, top, kth, need, tie_rank, limited, min_p, temperature, seed_lo, seed_hi,
+                              position)
+    if mode == TOP_K:
+        return row_argmax(scores)
+    if mode in (TOP_P, TOP_K_P):
         from clusteropt_cli.core.serve.nucleus import nucleus_rounds
 
-        top = row_max(scaled)
-        scores = fns["nucleus"](scaled, top, min_p, temperature, seed_lo, seed_hi, position)
+        if mode == TOP_P:
+            top = row_max(scaled)
+            scores = fns["nucleus"](scaled, top, min_p, temperature, seed_lo, seed_hi, position)
         first = row_argmax(scores)
         todo, total = fns["todo"](scaled, top, first, top_p, temperature)
         return nucleus_rounds(scaled, scores, first, todo, top[:, 0], total, top_p)
@@ -436,18 +441,18 @@ class SlotSampler:
                     bias_ids=self.bias_ids[index], bias_vals=self.bias_vals[index])
 
     def flags(self, slots: list[int]) -> tuple[bool, int, bool]:
-        """(plain greedy for every row, the selection mode the rows need — PLAIN, TOP_K, TOP_P or SORT: falsy when
-        no row restricts its sampling —, any row needs penalize)."""
+        """(plain greedy for every row, the selection mode the rows need — selection_for: falsy when no row
+        restricts its sampling —, any row needs penalize)."""
         rows = [self.settings[s] for s in slots]
         return all(r.greedy_plain for r in rows), selection_for(rows), any(r.penalized for r in rows)
 
     def mode(self, sort, device) -> int:
-        """The selection mode to run: TOP_P becomes SORT where its kernel is not available (CUDA without Triton,
-        or a failed capture: nucleus_error)."""
+        """The selection mode to run: TOP_P and TOP_K_P become SORT where their kernel is not available (CUDA
+        without Triton, or a failed capture: nucleus_error)."""
         from clusteropt_cli.core.serve.nucleus import triton_error
 
         mode = selection_mode(sort)
-        if mode == TOP_P and (self.nucleus_error or (device.type == "cuda" and triton_error())):
+        if mode in (TOP_P, TOP_K_P) and (self.nucleus_error or (device.type == "cuda" and triton_error())):
             return SORT
         return mode
 
@@ -520,7 +525,7 @@ class SlotSampler:
                 graph = self._capture(logits_rows, batch, sort, penalize)
             except Exception as exc:  # noqa: BLE001 - sampling still works: sorted, uncompiled, then eagerly
                 torch.cuda.synchronize()
-                if sort == TOP_P:  # top-p rows sort their vocabulary from now on
+                if sort in (TOP_P, TOP_K_P):  # top-p rows sort their vocabulary from now on
                     self.nucleus_error = f"{type(exc).__name__}: {exc}"
                     return self.graph_sample(logits_rows, batch, SORT, penalize)
                 if self.perturb is not None:

@@ -823,15 +823,15 @@ class ModelRunner:
 
     def capture_sampling_graphs(self) -> None:
         """Capture the sampling step of every batch bucket and variant (selection mode: plain, top-k thresholds,
-        top-p candidates or the sort; penalties) up front, so the first sampled request does not pay a compile and
-        capture. Rows are inactive: nothing is counted."""
-        from clusteropt_cli.core.serve.device_sampling import PLAIN, SORT, TOP_K, TOP_P
+        top-p candidates, both, or the sort; penalties) up front, so the first sampled request does not pay a
+        compile and capture. Rows are inactive: nothing is counted."""
+        from clusteropt_cli.core.serve.device_sampling import PLAIN, SORT, TOP_K, TOP_K_P, TOP_P
 
         sampler = self.sampler
         sampler.graph_pool = self._graph_pool
         sampler.active.zero_()
         for bucket in reversed(self._batch_buckets):
-            for mode in (PLAIN, TOP_K, TOP_P, SORT):
+            for mode in (PLAIN, TOP_K, TOP_P, TOP_K_P, SORT):
                 for penalize in (False, True):
                     sampler.graph_sample(self.logits_buf[:bucket], bucket, mode, penalize)
 
