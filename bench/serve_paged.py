@@ -7,7 +7,7 @@
 Model: the Llama-3.2-1B shape in bf16 with random weights (bench/common.py). Engine defaults otherwise (CUDA graphs
 over compiled decoder layers, async scheduling); both layouts get the same KV-cache memory (--kv-gib).
 
-Cases, for kv_layout slots and paged:
+Cases, for kv_layout slots and paged (and paged with the compiled plain-ops decode attention: --standard-variants):
   standard      256 requests, prompts of 32-256 random tokens, 128 output tokens (ignore_eos), greedy and sampled
                 (temperature 1.0, top_p 0.95): output tok/s; batch 1: ms per output token of one 256-token request
   shared_prefix 256 requests: one 2,000-token system prompt + a 128-token user turn each, 128 output tokens,
@@ -134,6 +134,9 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=SYSTEM_TOKENS)
     parser.add_argument("--batch1-tokens", type=int, default=256)
     parser.add_argument("--cases", default="standard,shared_prefix,capacity")
+    parser.add_argument("--standard-variants", default="slots,paged",
+                        help="of slots, paged (default decode attention: the paged kernel on CUDA), paged_math")
+    parser.add_argument("--prefix-variants", default="slots,paged,paged_no_caching")
     parser.add_argument("--smoke", action="store_true", help="tiny model and workload (any machine)")
     args = parser.parse_args()
     if args.smoke:
@@ -156,8 +159,9 @@ def main() -> None:
         vocab = made["vocab"]
         del made
         free_gpu()
-        for name, layout, attention in (("slots", "slots", "auto"), ("paged", "paged", "auto"),
-                                        ("paged_kernel", "paged", "paged")):
+        variants = {"slots": ("slots", "auto"), "paged": ("paged", "auto"), "paged_math": ("paged", "math")}
+        for name in args.standard_variants.split(","):
+            layout, attention = variants[name]
             if "standard" in cases:
                 log(f"standard workload, {name}")
                 try:
@@ -167,8 +171,9 @@ def main() -> None:
                     results["cases"][f"standard_{name}"] = {"error": f"{type(exc).__name__}: {exc}"}
                 save()
         if "shared_prefix" in cases:
-            for name, layout, caching in (("slots", "slots", True), ("paged", "paged", True),
-                                          ("paged_no_caching", "paged", False)):
+            prefix_variants = {"slots": ("slots", True), "paged": ("paged", True), "paged_no_caching": ("paged", False)}
+            for name in args.prefix_variants.split(","):
+                layout, caching = prefix_variants[name]
                 log(f"shared prefix, {name}")
                 try:
                     results["cases"][f"shared_prefix_{name}"] = shared_prefix_case(model_dir, layout, args, vocab,
@@ -194,13 +199,13 @@ def main() -> None:
     print(f"copt engine, paged vs slot KV cache on {results['gpu']}, {results['date']}")
     for kind in ("greedy", "sampled"):
         s, p = pick("standard_slots", kind, "output_tok_s"), pick("standard_paged", kind, "output_tok_s")
-        k = pick("standard_paged_kernel", kind, "output_tok_s")
-        print(f"standard {kind:8s} output tok/s  slots {s:10,.0f}  paged {p:10,.0f} ({p / s:.3f})  paged+kernel "
-              f"{k:10,.0f} ({k / s:.3f})")
+        k = pick("standard_paged_math", kind, "output_tok_s")
+        print(f"standard {kind:8s} output tok/s  slots {s:10,.0f}  paged {p:10,.0f} ({p / s:.3f})  paged, math "
+              f"attention {k:10,.0f} ({k / s:.3f})")
     s, p = pick("standard_slots", "batch1_ms_per_token"), pick("standard_paged", "batch1_ms_per_token")
-    k = pick("standard_paged_kernel", "batch1_ms_per_token")
-    print(f"batch-1 ms/token              slots {s:10.3f}  paged {p:10.3f} ({p / s:.3f})  paged+kernel {k:10.3f} "
-          f"({k / s:.3f})")
+    k = pick("standard_paged_math", "batch1_ms_per_token")
+    print(f"batch-1 ms/token              slots {s:10.3f}  paged {p:10.3f} ({p / s:.3f})  paged, math attention "
+          f"{k:10.3f} ({k / s:.3f})")
     for name in ("slots", "paged", "paged_no_caching"):
         key = f"shared_prefix_{name}"
         print(f"shared prefix {name:17s} TTFT p50 {pick(key, 'ttft_s', 'p50'):8.3f} s  output tok/s "

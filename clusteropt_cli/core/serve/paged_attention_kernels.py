@@ -71,7 +71,9 @@ def paged_decode_stage1(
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))
+        # float32 whatever width the scale arrives in (inductor passes Python floats as fp64, which would turn the
+        # running maximum into fp64 inside the loop)
+        qk = tl.where(n_mask[None, :], (qk * qk_scale).to(tl.float32), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
