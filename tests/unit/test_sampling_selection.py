@@ -296,3 +296,33 @@ def test_the_sampler_mixes_modes_per_step_and_keeps_the_sorted_tokens():
                             a["seed_hi"], pos, True)
     assert torch.equal(sort_step, old)
     assert int(sort_step[0]) != 2  # the stop id is suppressed before min_tokens
+
+
+def test_sampling_graph_spends_no_rounds_on_inactive_rows():
+    """The sampling graph's rows outside the step (stale settings, scratch logits) take no top-p rounds."""
+    import torch
+
+    from clusteropt_cli.core.serve import nucleus
+    from clusteropt_cli.core.serve.device_sampling import TOP_P, RowSettings, SlotSampler
+
+    sampler = SlotSampler(2, 800, torch.device("cpu"))
+    for slot in range(2):
+        sampler.assign(slot, RowSettings(temperature=1.0, top_p=1e-6, seed=slot), [1])
+    logits = torch.randn(2, 800, generator=torch.Generator().manual_seed(1)) * 0.1  # flat: the rounds are needed
+    seen = []
+    rounds = nucleus.rounds_torch
+
+    def counted(x, s, c, todo, *rest):
+        seen.append(todo.tolist())
+        return rounds(x, s, c, todo, *rest)
+
+    nucleus.rounds_torch = counted
+    try:
+        sampler.active.copy_(torch.tensor([True, False]))
+        tokens = sampler.graph_sample(logits, 2, TOP_P, False).clone()
+        sampler.active.fill_(True)
+        both = sampler.graph_sample(logits, 2, TOP_P, False).clone()
+    finally:
+        nucleus.rounds_torch = rounds
+    assert seen == [[1, 0], [1, 1]]
+    assert int(tokens[0]) == int(both[0]) == int(logits[0].argmax())  # top_p 1e-6: the top token

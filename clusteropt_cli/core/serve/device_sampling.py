@@ -179,17 +179,18 @@ def nucleus_scores(x, top, min_p, temperature, seed_lo, seed_hi, position):
                        torch.where(noisy_rows, torch.full_like(x, float("-inf")), x))
 
 
-def nucleus_todo(x, top, c, top_p, temperature):
+def nucleus_todo(x, top, c, top_p, temperature, active=None):
     """(Sampled rows whose first candidate c lies outside the top-p nucleus — the mass ranked before it exceeds
-    top_p × the total; never on top_p >= 1 rows — as int32 [B], the total unnormalized mass exp(x - top) [B]).
-    One fused reduction compiled."""
+    top_p × the total; never on top_p >= 1 rows, nor on rows not `active` when given — as int32 [B], the total
+    unnormalized mass exp(x - top) [B]). One fused reduction compiled."""
     import torch
 
     from clusteropt_cli.core.serve.nucleus import mass_before
 
     top_f = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     before, total = mass_before(x, top_f, c)
-    return ((temperature > 0) & (top_p < 1) & (before > top_p * total)).to(torch.int32), total
+    todo = (temperature > 0) & (top_p < 1) & (before > top_p * total)
+    return (todo if active is None else todo & active).to(torch.int32), total
 
 
 def row_max(x):
@@ -258,7 +259,7 @@ def top_k_bounds(scaled, top_k):
 
 
 def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort,
-                  perturb=None, scale=None):
+                  perturb=None, scale=None, active=None):
     """One token per row from processed logits: greedy rows (temperature 0) take the argmax, the others sample
     (Gumbel-max over the exponential noise of (seed, position)), restricted by top-k, top-p and min-p as `sort`
     says (a mode: PLAIN; TOP_K — exact when every row's top_k is at most TOP_K_CAP or at least the vocabulary
@@ -266,7 +267,8 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
     most TOP_K_CAP or at least the vocabulary; SORT, exact for every row; False/True: PLAIN/SORT;
     selection_for picks it). A row whose every logit is -inf gives a token, never NaN. `perturb`: the KERNELS,
     compiled or not. `scale`: per-row factors still to apply to `scaled` (1 / temperature, when process_logits
-    did not divide; PLAIN only)."""
+    did not divide; PLAIN only). `active` [B] bool: rows whose token is used (the others may get any token:
+    TOP_P spends no rounds on them)."""
     import torch
 
     fns = perturb or KERNELS
@@ -291,7 +293,7 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
             top = row_max(scaled)
             scores = fns["nucleus"](scaled, top, min_p, temperature, seed_lo, seed_hi, position)
         first = row_argmax(scores)
-        todo, total = fns["todo"](scaled, top, first, top_p, temperature)
+        todo, total = fns["todo"](scaled, top, first, top_p, temperature, active)
         return nucleus_rounds(scaled, scores, first, todo, top[:, 0], total, top_p)
     if scale is None:
         scale = torch.ones_like(temperature)
@@ -300,7 +302,7 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
 
 def sample_kernel(logits, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, prompt_len, min_tokens,
                   stop_ids, bias_ids, bias_vals, presence, frequency, repetition, counts, prompt_mask,
-                  sort, penalize: bool, perturb=None, inv_temperature=None):
+                  sort, penalize: bool, perturb=None, inv_temperature=None, active=None):
     """process_logits + choose_tokens (in PLAIN mode, the temperature is applied inside the fused noise kernel)."""
     fns = perturb or KERNELS
     plain = selection_mode(sort) == PLAIN
@@ -310,7 +312,7 @@ def sample_kernel(logits, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
                             presence, frequency, repetition, counts, prompt_mask, penalize, divide=not plain,
                             penalties=fns["penalties"], inv_temperature=inv_temperature)
     return choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort, perturb,
-                         inv_temperature if plain else None)
+                         inv_temperature if plain else None, active)
 
 
 @dataclass
@@ -548,7 +550,7 @@ class SlotSampler:
         counts = self.counts[rows] if penalize else None
         prompt_mask = self.prompt_mask[rows] if penalize else None
         tokens = sample_kernel(logits_rows, position=self.position[rows], counts=counts, prompt_mask=prompt_mask,
-                               sort=sort, penalize=penalize, perturb=self.perturb, **args)
+                               sort=sort, penalize=penalize, perturb=self.perturb, active=self.active[rows], **args)
         self.out[rows].copy_(tokens)
         if penalize:
             self.counts[rows].scatter_add_(1, tokens[:, None], self.active[rows, None].to(torch.int32))

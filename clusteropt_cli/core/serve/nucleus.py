@@ -143,4 +143,9 @@ def nucleus_rounds(x, s, c, todo, top, total, top_p):
             return rounds_triton(x, s, c.contiguous(), todo, top, total, top_p)
         except Exception as exc:  # noqa: BLE001 - the kernel does not build here: the torch rounds (host reads)
             _STATE["error"] = f"{type(exc).__name__}: {exc}"
+    if x.is_cuda:
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():  # the torch rounds read the host: not inside a CUDA graph
+            raise RuntimeError(f"top-p rounds need Triton inside a CUDA graph ({_STATE.get('error')})")
     return rounds_torch(x, s, c, todo, top, total, top_p)
