@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -322,9 +324,11 @@ def test_no_orphans_when_the_supervisor_is_killed(fixtures):
     with running_server(fixtures.teacher, "--api-server-count", "2", "--max-model-len", "128", "--json") as (url,
                                                                                                          proc):
         info = _ready_info(proc)
+        assert list(Path(tempfile.gettempdir()).glob(f"copt-serve-{proc.pid}-*"))  # its sockets' folder
         proc.kill()
         proc.wait(10)
         _wait_gone([info["engine_core_pid"], *info["api_server_pids"]], timeout=15)
+        assert not list(Path(tempfile.gettempdir()).glob(f"copt-serve-{proc.pid}-*"))  # removed by the last one out
 
 
 def test_an_internal_error_at_admission_fails_that_request_alone(fixtures, tmp_path):

@@ -355,5 +355,11 @@ def run_engine_core(settings: Any, input_address: str, output_addresses: list[st
         return
     conn.close()
     code = core.run()
+    if os.getppid() != parent_pid and input_address.startswith("ipc://"):
+        # the supervisor was killed: its temporary folder (sockets, metrics) is left to the last one out
+        import shutil
+
+        time.sleep(1.0)  # the API processes notice within 0.5 s and exit
+        shutil.rmtree(os.path.dirname(input_address.removeprefix("ipc://")), ignore_errors=True)
     sys.stderr.flush()
     os._exit(code)  # the engine's daemon threads (compile workers, …) must not hold the exit

@@ -167,7 +167,7 @@ def serve_split(settings: Any, on_ready: Callable[[str, dict], None] | None = No
     ctx = mp.get_context("spawn")
     count = settings.api_server_count
     sock = listening_socket(settings.host, settings.port)
-    ipc_dir = tempfile.mkdtemp(prefix="copt-serve-")
+    ipc_dir = tempfile.mkdtemp(prefix=f"copt-serve-{os.getpid()}-")
     input_address = f"ipc://{ipc_dir}/engine-in"
     outputs = [f"ipc://{ipc_dir}/api-{i}-out" for i in range(count)]
     metrics_dir = os.path.join(ipc_dir, "metrics")
