@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """copt serve, greedy against sampled requests in the same run (H200, Llama-3.2-1B shape, random weights).
 
-Run from the repo root:  python3 bench/gpu_serve_sampling.py --out $OUT/sampling.json      (≤ 8 minutes)
+Run from the repo root:  python3 bench/gpu_serve_sampling.py --out $OUT/sampling.json      (up to ~10 minutes;
+                         --sampling, --skip http and --repeats 1 run less)
                          python3 bench/gpu_serve_sampling.py --smoke --out /tmp/s.json     (CPU: checks the script)
 
 Sampling settings (`--sampling`, comma-separated; default all):
@@ -162,6 +163,7 @@ def bench_engine(model_dir: Path, prompts: list[list[int]], names: list[str], b1
                  "graph_error": engine.runner.graph_error, "compile_error": engine.runner.compile_error,
                  "sampler_graph_error": engine.runner.sampler.graph_error,
                  "sampler_compile_error": engine.runner.sampler.compile_error,
+                 "sampler_nucleus_error": engine.runner.sampler.nucleus_error,
                  "sampler_graphs": len(engine.runner.sampler._graphs)}
     try:
         for name in names:
@@ -337,6 +339,7 @@ def main() -> None:
         if k in kern:
             print(f"kernels {k}: {kern[k]}")
     for k in ("startup_s", "graphs", "graph_error", "compile_error", "sampler_graph_error", "sampler_compile_error",
+              "sampler_nucleus_error",
               "sampler_graphs", "seeded_repeat_identical", "seeded_in_batch_identical", "seeded_in_batch_common_prefix",
               "greedy_repeat_identical", "greedy_in_batch_identical", "greedy_in_batch_common_prefix"):
         if k in eng:
