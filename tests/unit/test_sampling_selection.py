@@ -326,3 +326,18 @@ def test_sampling_graph_spends_no_rounds_on_inactive_rows():
         nucleus.rounds_torch = rounds
     assert seen == [[1, 0], [1, 1]]
     assert int(tokens[0]) == int(both[0]) == int(logits[0].argmax())  # top_p 1e-6: the top token
+
+
+def test_top_p_rounds_kernel_compiles_for_an_h100_class_gpu():
+    """The Triton kernel lowers to a cubin for sm_90 (ahead of time: no GPU needed)."""
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from clusteropt_cli.core.serve.nucleus import BLOCK, _kernel
+
+    sig = {"x_ptr": "*fp32", "s_ptr": "*fp32", "tok_ptr": "*i64", "todo_ptr": "*i32", "top_ptr": "*fp32",
+           "total_ptr": "*fp32", "p_ptr": "*fp32", "vocab": "i32", "stride": "i32", "BLOCK": "constexpr"}
+    out = compile(ASTSource(fn=_kernel(), signature=sig, constexprs={"BLOCK": BLOCK}),
+                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert len(out.asm["cubin"]) > 1000
