@@ -57,7 +57,7 @@ def bare_loop(runner, prompts: list[list[int]], out_tokens: int, budget: int) ->
             "decode_ms_per_step": 1000 * (wall - t_prefill) / max(1, out_tokens - 1)}
 
 
-def bench_http(model: str, prompts: list[list[int]], out_tokens: int, max_len: int) -> dict:
+def bench_http(model: str, prompts: list[list[int]], out_tokens: int, max_len: int, api_servers: int = 0) -> dict:
     """`copt serve` in a subprocess, every request streamed at once; client-side tok/s, TTFT, ITL + engine phases."""
     import asyncio
     import os
@@ -73,6 +73,8 @@ def bench_http(model: str, prompts: list[list[int]], out_tokens: int, max_len: i
     cmd = [sys.executable, "-m", "clusteropt_cli", "serve", model, "--port", str(port),
            "--max-batch-size", str(len(prompts)), "--max-model-len", str(max_len), "--max-batch-tokens", "4096",
            "--max-queue", str(4 * len(prompts)), "--served-model-name", "llama-1b-shape"]
+    if api_servers:  # the split server (an older tree given by SERVE_PYTHONPATH may not have the flag)
+        cmd += ["--api-server-count", str(api_servers)]
     proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(url, proc, timeout=120)
@@ -99,6 +101,8 @@ def main() -> None:
     parser.add_argument("--prompt-max", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--http", action="store_true", help="stream the requests through `copt serve` instead")
+    parser.add_argument("--api-server-count", type=int, default=0,
+                        help="with --http: serve with N API-server processes in front of an engine-core process")
     args = parser.parse_args()
 
     import torch
@@ -111,9 +115,10 @@ def main() -> None:
     prompts = workload(args.requests, 1024, args.prompt_min, args.prompt_max)
     max_len = args.prompt_max + args.out_tokens + 8
     if args.http:
-        res = bench_http(str(fx.teacher), prompts, args.out_tokens, max_len)
+        res = bench_http(str(fx.teacher), prompts, args.out_tokens, max_len, args.api_server_count)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "http_stream": res}, indent=2))
+        args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "api_server_count": args.api_server_count,
+                                        "http_stream": res}, indent=2))
         t, i = res["ttft_s"], res["itl_s"]
         print(f"http_stream: {res['output_tokens_per_s']:,.0f} tok/s, wall {res['wall_s']:.2f} s, "
               f"TTFT p50/p99 {t['p50']:.2f}/{t['p99']:.2f} s, ITL p50/p99 {1e3 * i['p50']:.1f}/{1e3 * i['p99']:.1f} ms")
