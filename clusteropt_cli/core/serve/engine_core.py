@@ -154,22 +154,19 @@ class EngineCore:
                     messages.append((item[1], item[2]))
                 elif kind == "stop":
                     stop = True
-            try:
-                if self.engine.error is not None and not self._announced:
-                    # before the failed requests' results: the API processes answer them as the engine's death
-                    self._announced = True
-                    data = pack(["dead", self._dead_reason()])
-                    for sock in self.pushes:
-                        sock.send(data, zmq.NOBLOCK)
-                for client, deltas in per_client.items():
-                    self.pushes[client].send(pack(["out", deltas]), zmq.NOBLOCK)
-                for client, message in messages:
-                    targets = range(len(self.pushes)) if client is None else [client]
-                    data = pack(message)
-                    for c in targets:
-                        self.pushes[c].send(data, zmq.NOBLOCK)
-            except Exception:  # noqa: BLE001 - (an API process went away: the supervisor handles it) never stop
-                traceback.print_exc()
+            outgoing: list[tuple[int, list]] = []
+            if self.engine.error is not None and not self._announced:
+                # before the failed requests' results: the API processes answer them as the engine's death
+                self._announced = True
+                outgoing += [(c, ["dead", self._dead_reason()]) for c in range(len(self.pushes))]
+            outgoing += [(client, ["out", deltas]) for client, deltas in per_client.items()]
+            for client, message in messages:
+                outgoing += [(c, message) for c in (range(len(self.pushes)) if client is None else [client])]
+            for client, message in outgoing:
+                try:
+                    self.pushes[client].send(pack(message), zmq.NOBLOCK)
+                except Exception:  # noqa: BLE001 - one message or one API process: never the others, never stop
+                    traceback.print_exc()
             if stop:
                 return
 
