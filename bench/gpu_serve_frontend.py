@@ -143,7 +143,10 @@ def bench_http(model_dir: Path, prompts: list[list[int]], api_servers: int, proc
     out: dict = {"api_server_count": api_servers}
     try:
         out["startup_s"] = round(wait_healthy(url, proc, timeout=300), 1)
-        with ProcessPoolExecutor(procs) as pool:
+        import multiprocessing
+
+        # spawned, not forked: this process holds a CUDA context and threads from the engine case
+        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
             http_load(url, prompts[:32], 16, {}, procs, pool)  # warm-up (and the client processes' imports)
             for mode, params in MODES.items():
                 try:
