@@ -50,7 +50,8 @@ class StepContext:
     # paged KV cache (caches are block pools [blocks + 1, block_size, KVH, D]; the last block is the scratch block)
     paged: bool = False
     block_tables: Any = None  # [rows + 1, max blocks] long: row r's logical block j is physical block [r, j]
-    write_index: Any = None  # [tokens] long: where each token of the step goes in the flattened pool
+    write_block: Any = None  # [tokens] long: the block each token of the step is written to
+    write_offset: Any = None  # [tokens] long: its place in that block
     read_blocks: list[Any] = field(default_factory=list)  # packed: per segment, the blocks it attends over
 
 
@@ -122,16 +123,16 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.transpose(1, 2), None
 
 
-def _pool_write(pool, index, values) -> None:
-    """pool.view(-1, KVH, D)[index] = values (cast to the pool's dtype; FP8 pools are written as bytes, which every
-    device's index_copy handles)."""
+def _pool_write(pool, block, offset, values) -> None:
+    """pool[block, offset] = values (cast to the pool's dtype; FP8 pools are written as bytes). An indexed
+    assignment on the pool itself, as the slot cache does: compiled, it stays an in-place scatter (an index_copy_
+    of a reshaped view was functionalized into a copy of the whole pool per layer and step)."""
     import torch
 
-    flat = pool.view(-1, pool.shape[2], pool.shape[3])
     if pool.dtype == torch.float8_e4m3fn:
-        flat.view(torch.uint8).index_copy_(0, index, values.to(pool.dtype).view(torch.uint8))
+        pool.view(torch.uint8)[block, offset] = values.to(pool.dtype).view(torch.uint8)
     else:
-        flat.index_copy_(0, index, values.to(pool.dtype))
+        pool[block, offset] = values.to(pool.dtype)
 
 
 def _pool_read(pool, blocks, dtype):
@@ -154,8 +155,8 @@ def _paged_attention(query, key, value, step: StepContext, k_pool, v_pool, scali
     block_size = k_pool.shape[1]
     if step.mode == "decode":
         batch = query.shape[0]
-        _pool_write(k_pool, step.write_index, key[:, :, 0])
-        _pool_write(v_pool, step.write_index, value[:, :, 0])
+        _pool_write(k_pool, step.write_block, step.write_offset, key[:, :, 0])
+        _pool_write(v_pool, step.write_block, step.write_offset, value[:, :, 0])
         if step.attention == "paged":  # the fused kernel reads the blocks in place (paged_attention.py)
             from clusteropt_cli.core.serve.paged_attention import paged_decode_attention
 
@@ -179,8 +180,8 @@ def _paged_attention(query, key, value, step: StepContext, k_pool, v_pool, scali
         return out.reshape(batch, num_heads, 1, head_dim).transpose(1, 2)
 
     groups = num_heads // kv_heads
-    _pool_write(k_pool, step.write_index, key[0].transpose(0, 1))
-    _pool_write(v_pool, step.write_index, value[0].transpose(0, 1))
+    _pool_write(k_pool, step.write_block, step.write_offset, key[0].transpose(0, 1))
+    _pool_write(v_pool, step.write_block, step.write_offset, value[0].transpose(0, 1))
     outs = []
     for seg, mask, blocks in zip(step.segments, step.masks, step.read_blocks, strict=True):
         end = seg.start + seg.length
@@ -631,12 +632,12 @@ class ModelRunner:
         host = tables.host
         pos = torch.tensor(positions, dtype=torch.long)
         rows = torch.cat([torch.full((seg.length,), seg.slot, dtype=torch.long) for seg in step.segments])
-        write = host[rows, pos // bs] * bs + pos % bs
         reads = [host[seg.slot, : -(-(seg.start + seg.length) // bs)] for seg in step.segments]
-        moved = torch.cat([write, *reads]).to(self.device)
+        n = len(positions)
+        moved = torch.cat([host[rows, pos // bs], pos % bs, *reads]).to(self.device)
         step.paged, step.block_tables = True, tables.device
-        step.write_index = moved[: len(positions)]
-        step.read_blocks = list(torch.split(moved[len(positions) :], [len(r) for r in reads]))
+        step.write_block, step.write_offset = moved[:n], moved[n : 2 * n]
+        step.read_blocks = list(torch.split(moved[2 * n :], [len(r) for r in reads]))
 
     def _forward_split(self, chunks: list[tuple[int, int, list[int]]], logits_for: list[list[int]]):
         """forward_packed in rounds of at most max_segment tokens per sequence (a windowed layer's ring holds
@@ -683,7 +684,7 @@ class ModelRunner:
             block = table[: input_ids.shape[0]].gather(1, column[:, None])[:, 0]
             block = torch.where(positions >= self.scratch_pos, self.tables.scratch_block, block)
             step.paged, step.block_tables = True, table
-            step.write_index = block * bs + positions % bs
+            step.write_block, step.write_offset = block, positions % bs
         if self.windows:
             from clusteropt_cli.core.serve.attention import decode_window_mask
 
