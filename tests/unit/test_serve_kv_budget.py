@@ -121,14 +121,21 @@ def test_engine_serves_the_full_context_by_default_and_says_so(fixtures, capfd):
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig
 
     engine = Engine(EngineConfig(model=str(fixtures.teacher), device="cpu", max_batch_size=2))
-    engine.load()  # the teacher's context is 1,024 tokens: two of them fit easily
+    engine.load()  # the teacher's context is 1,024 tokens: the paged pool holds it
     err = capfd.readouterr().err
-    assert engine.max_model_len == 1024 and engine.num_slots == 2
-    assert "copt serve: max_model_len 1,024 of the model's 1,024-token context, 2 concurrent sequences" in err
-    assert "2 sequences of the model's full context fit" in err and "--max-model-len sets the length" in err
-    # a budget in tokens that holds one full sequence of four: the length stays, the concurrency goes
+    assert engine.max_model_len == 1024 and engine.num_slots == 2 and engine.pool is not None
+    assert "copt serve: max_model_len 1,024 of the model's 1,024-token context; paged KV cache of 2,048 tokens" in err
+    assert "holds 2 sequences of that length, more when shorter" in err and "--max-model-len sets the length" in err
+    # paged: a budget of 1,500 tokens holds one 1,024-token sequence; the length stays and four rows share the pool
     engine = Engine(EngineConfig(model=str(fixtures.teacher), device="cpu", max_batch_size=4,
                                  kv_cache_tokens=1500))
+    engine.load()
+    err = capfd.readouterr().err
+    assert (engine.max_model_len, engine.num_slots, engine.pool.num_blocks) == (1024, 4, 93)
+    assert "holds 1 sequences of that length" in err and "--kv-cache-blocks: 1,500 tokens" in err
+    # the slot layout: one max_model_len slot per sequence, so the concurrency goes
+    engine = Engine(EngineConfig(model=str(fixtures.teacher), device="cpu", max_batch_size=4,
+                                 kv_cache_tokens=1500, kv_layout="slots"))
     engine.load()
     err = capfd.readouterr().err
     assert (engine.max_model_len, engine.num_slots) == (1024, 1)

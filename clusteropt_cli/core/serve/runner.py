@@ -444,7 +444,7 @@ class ModelRunner:
         import torch
 
         self.num_slots = int(num_slots)
-        if self.decode_attention == "paged":  # the slot layout has no block tables
+        if getattr(self, "decode_attention", None) == "paged":  # the slot layout has no block tables
             self.decode_attention = "math" if self.compiled_layers else "sdpa"
         self.scratch_pos = self.max_len  # decode rows of slots that are not decoding write this column
         # a full layer keeps max_len positions per slot, a short sliding window a ring (attention.ring_length)
