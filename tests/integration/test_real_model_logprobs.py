@@ -1,0 +1,86 @@
+"""Logprobs on real weights (SmolLM2-135M-Instruct, tests/real_model.py): the engine's prompt logprobs and sampled
+token logprobs are transformers' log_softmax of the same fp32 model, top alternatives in the same order, through
+the paged KV cache (block size 16) and through a prefix-cache hit."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+TEXTS = (
+    "The capital of France is Paris, and the capital of Germany is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Water boils at 100 degrees Celsius at sea level. At the top of a high mountain, water boils at a",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+)
+TOP_K = 5
+TOL = 2e-4  # fp32 on CPU: the paged attention and HF's sdpa differ only in summation order (measured: <2e-5)
+
+
+@pytest.fixture(scope="module")
+def smol(real_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(real_model.model).eval(), AutoTokenizer.from_pretrained(
+        real_model.model)
+
+
+def _hf_logprobs(model, ids: list[int]):
+    """HF's log_softmax at every position of `ids` (row i: the distribution of token i+1)."""
+    import torch
+
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def _assert_entries(entries, ids: list[int], reference, where: str) -> None:
+    """entries[j] = (token, logprob, top) for token ids[j+1], scored by reference row j."""
+    assert len(entries) == len(ids) - 1, where
+    for j, (tok, lp, top) in enumerate(entries):
+        row = reference[j]
+        assert tok == ids[j + 1], where
+        assert lp == pytest.approx(row[tok].item(), abs=TOL), f"{where}: token {j + 1}"
+        want_v, want_i = row.topk(TOP_K)
+        got_i = [t for t, _ in top]
+        got_v = [v for _, v in top]
+        assert len(top) == TOP_K, where
+        # the same alternatives in the same order, unless two of them tie within the tolerance
+        near_tie = any(a - b < 2 * TOL for a, b in zip(want_v.tolist(), want_v.tolist()[1:], strict=False))
+        if not near_tie:
+            assert got_i == want_i.tolist(), f"{where}: token {j + 1}"
+        assert got_v == pytest.approx(want_v.tolist(), abs=TOL), f"{where}: token {j + 1}"
+        assert got_v == sorted(got_v, reverse=True)
+
+
+def test_engine_logprobs_equal_hf_log_softmax(real_model, smol):
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
+
+    model, tok = smol
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    prompts.append(tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    n_new = 6
+    config = EngineConfig(model=str(real_model.model), device="cpu", max_batch_size=4, max_model_len=256,
+                          compile=False, kv_cache_tokens=2048)
+    with Engine(config) as engine:
+        assert engine.runner.paged and engine.config.block_size == 16
+        assert str(engine.runner.dtype) == "torch.float32"
+        # prompt logprobs (teacher-forced, bypassing the prefix cache) and sampled-token logprobs, batched
+        scored = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=n_new, prompt_logprobs=TOP_K,
+                                                    logprobs=TOP_K, ignore_eos=True) for p in prompts])
+        # the same prompts again with sampled-token logprobs only: they go through the prefix cache this time
+        hits = engine.pool.stats.hits
+        cached = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=n_new, logprobs=TOP_K,
+                                                    ignore_eos=True) for p in prompts])
+        assert engine.pool.stats.hits - hits >= sum((len(p) - 1) // 16 for p in prompts) > 0
+    for i, (prompt, first, again) in enumerate(zip(prompts, scored, cached, strict=True)):
+        full = prompt + first.output_ids
+        reference = _hf_logprobs(model, full)
+        assert first.prompt_logprobs[0] is None and len(first.prompt_logprobs) == len(prompt)
+        _assert_entries(first.prompt_logprobs[1:], prompt, reference, f"prompt {i}")
+        # greedy: each output token is HF's argmax, with HF's logprob at its position
+        assert first.output_ids == reference[len(prompt) - 1 : -1].argmax(-1).tolist()
+        _assert_entries(first.logprobs, full[len(prompt) - 1 :], reference[len(prompt) - 1 :], f"output {i}")
+        assert again.output_ids == first.output_ids and again.prompt_logprobs is None
+        _assert_entries(again.logprobs, full[len(prompt) - 1 :], reference[len(prompt) - 1 :], f"cached {i}")
