@@ -15,10 +15,12 @@ This is the public, in-process API (used by `copt serve` and by `copt distill tr
     engine.stop()
 
 How it works: one background thread runs the scheduler. Every iteration it (1) drops cancelled requests and
-frees their slots, (2) admits waiting requests into free KV-cache slots, (3) runs one decode step for every
-sequence that is generating (a CUDA graph per batch-size bucket on GPU; a speculative draft+verify step
-instead when few sequences run), and (4) spends the rest of the `max_batch_tokens` budget on prompt chunks
-(chunked prefill), so requests join and leave at every step and long prompts never stall decoding.
+frees their rows and KV blocks, (2) admits waiting requests while free blocks cover their prompt (reusing cached
+blocks of a shared prefix: kv_blocks.py), (3) runs one decode step for every sequence that is generating (a CUDA
+graph per batch-size bucket on GPU; a speculative draft+verify step instead when few sequences run), giving each
+the block its next token needs and preempting the newest requests when none is free, and (4) spends the rest of
+the `max_batch_tokens` budget on prompt chunks (chunked prefill), so requests join and leave at every step and long
+prompts never stall decoding. Models whose sliding-window layers keep a ring use a slot per sequence instead.
 
 This module holds the engine's state and scheduler; requests.py the client-facing objects (requests, results,
 handles, errors), loading.py the model load and KV-cache sizing, speculative.py the draft-and-verify step.
@@ -185,7 +187,7 @@ class EngineConfig:
 
 
 class Engine(EngineLoading, SpeculativeDecoding):
-    """Continuous-batching generation over a slot KV cache (see the module docstring for the API)."""
+    """Continuous-batching generation over a paged (or slot) KV cache (see the module docstring for the API)."""
 
     def __init__(self, config: EngineConfig, observer: EngineObserver | None = None):
         self.config = config

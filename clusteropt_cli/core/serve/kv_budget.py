@@ -1,9 +1,13 @@
 """How long a sequence copt's engine serves by default, and how much memory its KV cache may take.
 
-The engine keeps one fixed KV slot of `max_model_len` tokens per running sequence (no paging), so the length and the
-number of concurrent sequences share one budget: `slots × max_model_len × bytes per token ≤ budget`.
+With the paged KV cache (the default) sequences hold only the blocks their tokens fill, so the default
+`max_model_len` is the model's full context as soon as the budget holds one sequence of it (vLLM's rule: shorter
+sequences share the pool; `choose_max_model_len` with `max_batch_size` 1).
 
-Default `max_model_len` (`choose_max_model_len`), when --max-model-len is not given:
+The slot cache (`--kv-layout slots`, and models whose sliding-window layers keep a ring) keeps one fixed slot of
+`max_model_len` tokens per running sequence, so the length and the number of concurrent sequences share one budget:
+`slots × max_model_len × bytes per token ≤ budget`. Its default `max_model_len` (`choose_max_model_len`), when
+--max-model-len is not given:
 
 1. the model's full context, when the budget holds `--max-batch-size` sequences of it;
 2. otherwise the longest power of two below the context that still holds `--max-batch-size` sequences, as long as

@@ -1,14 +1,17 @@
-"""The model side of the engine: a transformers causal LM run with copt's own slot KV cache.
+"""The model side of the engine: a transformers causal LM run with copt's own KV cache (paged or slots).
 
 The model code is transformers' own; only attention is ours. We register an attention function
 (`copt_slots`) in transformers' `AttentionInterface`, so every layer hands us its rotated query/key/value
-and we (1) write key/value into a per-slot static cache and (2) attend over the slot's cached prefix:
+and we (1) write key/value into the cache and (2) attend over the sequence's cached prefix. The paged cache
+(`allocate_paged`) is one pool of blocks per layer plus a block table per row (BlockTables); the slot cache
+(`allocate`) one `max_len` slot per row. Either way:
 
 * packed steps: the tokens of several sequences (prefill chunks, speculative verification windows) are
   concatenated into one `[1, T]` row; each segment attends causally to its own slot only;
-* decode steps: `[B, 1]` with row i = slot i for slots 0..B-1 (slots not decoding write a scratch column and are
-  ignored), so attention reads the cache in place; static shapes, so that on CUDA a step is captured once per
-  slot-count (and context-length) bucket and replayed as a CUDA graph. Slots are handed out lowest first.
+* decode steps: `[B, 1]` with row i = slot i for slots 0..B-1 (slots not decoding write a scratch column, or the
+  scratch block, and are ignored), so attention reads the cache in place (paged: a Triton kernel follows the block
+  tables); static shapes, so that on CUDA a step is captured once per slot-count (and context-length) bucket and
+  replayed as a CUDA graph. Slots are handed out lowest first.
 """
 
 from __future__ import annotations
@@ -346,7 +349,8 @@ class BlockTables:
 
 
 class ModelRunner:
-    """One model, its slot KV cache (`num_slots` × `max_len` tokens) and its forward passes."""
+    """One model, its KV cache (a block pool with block tables, or `num_slots` × `max_len` slots) and its forward
+    passes. Rows of a decode step are the engine's rows ("slots") in both layouts."""
 
     def __init__(self, model_path: str, *, device: str, dtype: str = "auto", num_slots: int | None, max_len: int | None,
                  cuda_graphs: bool = False, compile_decode: bool = False, compile_mode: str = "default",
