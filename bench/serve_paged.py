@@ -12,8 +12,9 @@ Cases, for kv_layout slots and paged (and paged with the compiled plain-ops deco
                 (temperature 1.0, top_p 0.95): output tok/s; batch 1: ms per output token of one 256-token request
   shared_prefix 256 requests: one 2,000-token system prompt + a 128-token user turn each, 128 output tokens,
                 greedy: TTFT p50/p90 and output tok/s (paged with and without prefix caching)
-  capacity      sequences each layout holds at 32k tokens of context with the same memory, from the engine's own
-                sizing (slots: one max_model_len slot each; paged: blocks), for this shape and the Llama-3.1-8B shape
+  capacity      sequences of 32k tokens each layout holds in the same memory, from the engine's own sizing code (no
+                run): slots with copt's default max_model_len, with --max-model-len 32768 and with the full 131,072
+                context; paged (full context served); this shape (--kv-gib) and Llama-3.1-8B's in 100 GiB
 """
 
 from __future__ import annotations
@@ -69,10 +70,12 @@ def batch1(engine, vocab: int, tokens: int) -> float:
 def standard_case(model_dir: str, layout: str, args, vocab: int, decode_attention: str = "auto") -> dict:
     from clusteropt_cli.core.serve.engine import GenerationRequest
 
-    prompts = workload(vocab, args.requests)
+    # three disjoint prompt sets: the paged cache must not find the warm-up's or the greedy run's prompts cached
+    prompts, sampled_prompts = workload(vocab, args.requests), workload(vocab, args.requests, seed=1)
     engine = engine_for(model_dir, layout, args.kv_gib, 512, decode_attention=decode_attention)
     try:
-        warm = [GenerationRequest(prompt_ids=p, max_new_tokens=8, ignore_eos=True) for p in prompts[:32]]
+        warm = [GenerationRequest(prompt_ids=p, max_new_tokens=8, ignore_eos=True)
+                for p in workload(vocab, 32, seed=2)]
         engine.generate(warm)
         out = {"kv_blocks": engine.stats.kv_blocks, "sequences": engine.num_slots,
                "decode_attention": engine.runner.decode_attention, "graphs": engine.stats.graphs_captured}
@@ -80,7 +83,7 @@ def standard_case(model_dir: str, layout: str, args, vocab: int, decode_attentio
                                                                 ignore_eos=True) for p in prompts])
         out["sampled"] = run_requests(engine, [GenerationRequest(prompt_ids=p, max_new_tokens=args.out_tokens,
                                                                  ignore_eos=True, temperature=1.0, top_p=0.95,
-                                                                 seed=i) for i, p in enumerate(prompts)])
+                                                                 seed=i) for i, p in enumerate(sampled_prompts)])
         out["batch1_ms_per_token"] = batch1(engine, vocab, args.batch1_tokens)
         return out
     finally:
@@ -114,15 +117,31 @@ def shared_prefix_case(model_dir: str, layout: str, args, vocab: int, caching: b
         free_gpu()
 
 
-def capacity_case(shape: dict, kv_gib: float, context: int, block_size: int = 16) -> dict:
-    """Sequences of `context` tokens a KV budget holds: a slot each (max_model_len = context) or blocks."""
+def capacity_case(shape: dict, kv_gib: float, context: int, block_size: int = 16, max_batch_size: int = 256,
+                  model_context: int = 131072) -> dict:
+    """Sequences of `context` tokens a KV budget of `kv_gib` holds, from the engine's own sizing code (not a run):
+    the slot cache with its default max_model_len (the one `copt serve` picks for --max-batch-size sequences), with
+    --max-model-len context, and with the model's full context; the paged cache (full context by default)."""
+    from clusteropt_cli.core.serve.kv_blocks import max_concurrent_sequences
+    from clusteropt_cli.core.serve.kv_budget import choose_max_model_len
+
     per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * 2  # bf16
-    budget_tokens = int(kv_gib * 2**30 // per_token)
-    slots = budget_tokens // context
-    blocks = budget_tokens // block_size
-    paged = blocks // -(-context // block_size)
-    return {"kv_gib": kv_gib, "context": context, "kv_bytes_per_token": per_token, "slot_sequences": slots,
-            "paged_sequences": paged, "paged_sequences_at_half_context": blocks // -(-(context // 2) // block_size)}
+    budget = int(kv_gib * 2**30)
+    slot_default = choose_max_model_len(model_context, per_token, budget, max_batch_size).max_model_len
+
+    def slots_at(length: int) -> int:
+        return min(max_batch_size, budget // (length * per_token))
+
+    blocks = budget // per_token // block_size
+    return {"kv_gib": kv_gib, "context": context, "kv_bytes_per_token": per_token, "max_batch_size": max_batch_size,
+            "slot_default_max_model_len": slot_default,
+            "slot_sequences_default": slots_at(slot_default) if slot_default >= context else 0,
+            "slot_sequences_max_model_len_context": slots_at(context),
+            "slot_sequences_full_context": slots_at(model_context),
+            "paged_blocks": blocks,
+            "paged_sequences": max_concurrent_sequences(blocks, block_size, context, max_batch_size),
+            "paged_sequences_at_quarter_context": max_concurrent_sequences(blocks, block_size, context // 4,
+                                                                            max_batch_size)}
 
 
 def main() -> None:
@@ -185,8 +204,8 @@ def main() -> None:
     if "capacity" in cases:
         from common import LLAMA_1B_SHAPE
 
-        results["cases"]["capacity_1b"] = capacity_case(LLAMA_1B_SHAPE, args.kv_gib, 32768)
-        results["cases"]["capacity_8b"] = capacity_case(LLAMA_8B_KV, 100.0, 32768)
+        results["cases"]["capacity_1b"] = capacity_case(LLAMA_1B_SHAPE, args.kv_gib, 32768, max_batch_size=64)
+        results["cases"]["capacity_8b"] = capacity_case(LLAMA_8B_KV, 100.0, 32768, max_batch_size=64)
     save()
     c = results["cases"]
 
