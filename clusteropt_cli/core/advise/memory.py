@@ -694,10 +694,10 @@ def kv_layout(spec: ModelSpec, plan: InferPlan) -> str:
         return "paged"
     if not plan.continuous_batching:
         return "static"
-    from clusteropt_cli.core.serve.architectures import inspect_architecture
+    from clusteropt_cli.core.serve.architectures import inspect_architecture, pages_kv_cache
 
     arch = inspect_architecture(_engine_config(spec), spec.max_position_embeddings)
-    return "paged" if plan.kv_layout != "slots" and arch.native and not arch.sliding_layers else "slots"
+    return "paged" if pages_kv_cache(arch, plan.kv_layout) else "slots"
 
 
 def serving_capacity(spec: ModelSpec, plan: InferPlan, target: Target) -> ServingCapacity | None:

@@ -163,6 +163,12 @@ def fallback_notice(model_path: str, reason: str) -> str:
             "--engine vllm serves it batched.")
 
 
+def pages_kv_cache(arch: Architecture, kv_layout: str = "auto") -> bool:
+    """Whether copt's engine keeps this model's KV cache paged: a native architecture without sliding-window layers,
+    unless --kv-layout slots. The one rule the engine (loading.py) and advise (memory.kv_layout) share."""
+    return kv_layout != "slots" and arch.native and not arch.sliding_layers
+
+
 def make_runner(model_path: str, *, device: str, max_len: int | None, trust_remote_code: bool = False,
                 **kwargs: Any) -> Any:
     """The engine's model runner: copt's slot-attention ModelRunner for a native architecture, otherwise

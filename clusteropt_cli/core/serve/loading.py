@@ -80,11 +80,11 @@ class EngineLoading:
         spec_extra = cfg.num_speculative_tokens + 1 if (cfg.draft_model or cfg.prompt_lookup) else 0
         dtype = resolve_dtype(cfg.dtype, device, getattr(hf_config, "dtype", None))
         elt = torch.empty((), dtype=dtype).element_size()
-        from clusteropt_cli.core.serve.architectures import inspect_architecture
+        from clusteropt_cli.core.serve.architectures import inspect_architecture, pages_kv_cache
 
-        # a paged cache unless asked for slots or a layer keeps a sliding-window ring (the runner decides finally)
-        arch = inspect_architecture(text_config, ctx)
-        plan_paged = cfg.kv_layout != "slots" and not (arch.native and arch.sliding_layers)
+        # a paged cache unless asked for slots, a layer keeps a sliding-window ring or the model is served through
+        # transformers' own attention (the runner decides finally)
+        plan_paged = pages_kv_cache(inspect_architecture(text_config, ctx), cfg.kv_layout)
         if cfg.kv_cache_dtype == "fp8":
             if cfg.kv_layout == "slots" or not plan_paged:
                 raise BadInputError("--kv-cache-dtype fp8 needs the paged KV cache (models without sliding-window "
