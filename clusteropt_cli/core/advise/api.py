@@ -102,16 +102,37 @@ def _cpu_breakdown(spec: ModelSpec, plan: TrainPlan, cpu: dict[str, float]) -> d
 
 
 def evaluate_infer(spec: ModelSpec, plan: InferPlan, target: Target) -> dict[str, Any]:
+    if plan.serving_engine == "vllm":  # priced on the engine copt serve runs it on (vLLM batches continuously)
+        plan = plan.with_(engine="vllm", continuous_batching=True)
     mem = _mem_dict(infer_memory(spec, plan, target))
     tm = infer_time(spec, plan, target)
     figures = dict(tm.figures)
     capacity = serving_capacity(spec, plan, target)
     figures["max_concurrent_seqs"] = None if capacity is None else capacity.max_concurrent_seqs
     notes = list(tm.notes)
+    if plan.served_weights != plan.weights:
+        notes.append(dequantized_note(plan))
     if capacity is not None:
         notes.extend(capacity_notes(capacity, plan))
     return {"memory": mem, "time": figures, "time_assumptions": tm.assumptions, "time_notes": notes,
             "kv_cache": None if capacity is None else capacity.as_dict()}
+
+
+def dequantized_note(plan: InferPlan) -> str:
+    """Why an int4/int8 plan on copt's engine is priced at the model dtype."""
+    return (f"copt's engine dequantizes {plan.weights} checkpoints to {plan.served_weights} at load (no integer GEMM "
+            f"kernel; it says so on stderr): priced at {plan.served_weights} memory and decode speed. --engine vllm "
+            "serves them packed (Marlin/Machete kernels)")
+
+
+def one_gpu_engine_note(plan: InferPlan, given: InferPlan) -> str | None:
+    """Why the plan as given is priced on vLLM although it names copt's engine (None: it is not)."""
+    if given.engine == plan.engine:
+        return None
+    why = (f"--tensor-parallel {given.tp}" if given.tp > 1 else f"a {given.kv_cache} KV cache"
+           + (" in the slot layout" if given.kv_cache == "fp8" else ""))
+    return (f"copt's engine runs one GPU with a model-dtype or paged fp8 KV cache: {why} is served by vLLM "
+            "(--engine vllm)")
 
 
 def capacity_notes(capacity: Any, plan: InferPlan) -> list[str]:
@@ -146,16 +167,20 @@ def _rec_dict(rec: Recommendation, rank: int | None, model_arg: str, task: str) 
             "command": rec.command}
 
 
-# Not stacked into the emitted plan: an allocator setting, and tensor parallelism, which copt train does not run
-# (a recipe could not carry it, so its prediction would not describe what runs).
+# Not stacked into the emitted plan: an allocator setting, and tensor parallelism in training, which copt train does
+# not run (a recipe could not carry it, so its prediction would not describe what runs); copt serve runs it (vLLM).
 _NOT_STACKED = {"expandable-segments", "tensor-parallel"}
+_NOT_STACKED_INFER = {"expandable-segments"}
 
 
-def _top_plan(ctx: Context, ranked: list[Recommendation], symptoms: list[str]) -> tuple[Any, list[str]]:
-    """The plan to emit: for OOM, greedily stack the best memory savers until it fits; else the top one."""
-    if not ranked or (not symptoms and ctx.base["memory"]["fits"] is not False):
+def _top_plan(ctx: Context, ranked: list[Recommendation], symptoms: list[str],
+              steps: list[Recommendation] | None = None) -> tuple[Any, list[str]]:
+    """The plan to emit: for OOM, greedily stack the best memory savers (and `steps`, savers not applicable alone)
+    until it fits; else the top one."""
+    oom = "oom" in symptoms or ctx.base["memory"]["fits"] is False
+    if not (ranked or (oom and steps)) or (not symptoms and ctx.base["memory"]["fits"] is not False):
         return ctx.plan, []  # nothing to fix: the plan as given
-    if "oom" in symptoms or ctx.base["memory"]["fits"] is False:
+    if oom:
         plan, applied = ctx.plan, []
         current = ctx.base
         for _ in range(5):
@@ -164,8 +189,8 @@ def _top_plan(ctx: Context, ranked: list[Recommendation], symptoms: list[str]) -
             # the best-ranked step that makes the plan fit (the ranking already weighs speed); failing that,
             # the step that saves the most memory, and go on stacking
             best, best_req = None, current["memory"]["required_bytes"]
-            for rec in ranked:
-                if rec.id in applied or rec.id in _NOT_STACKED:
+            for rec in [*ranked, *(steps or [])]:
+                if rec.id in applied or rec.id in (_NOT_STACKED if ctx.train else _NOT_STACKED_INFER):
                     continue
                 candidate = _merge(plan, rec.plan, ctx.plan)
                 result = ctx.evaluate(candidate)
@@ -202,6 +227,12 @@ def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptom
             return evaluate_train(spec, p, target)
     else:
         validate_infer(spec, plan, target)  # type: ignore[arg-type]
+        given = plan
+        if plan.serving_engine == "vllm":  # type: ignore[union-attr]
+            plan = plan.with_(engine="vllm", continuous_batching=True)  # type: ignore[union-attr]
+        engine_note = one_gpu_engine_note(plan, given)  # type: ignore[arg-type]
+        if engine_note:
+            notes = [*(notes or []), engine_note]
 
         def evaluate(p: Any) -> dict[str, Any]:
             return evaluate_infer(spec, p, target)
@@ -211,7 +242,10 @@ def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptom
     ranked, rejected = recommend(ctx, symptoms)
     for rec in ranked + rejected:
         rec.command = command_for(rec.id, task, rec.plan, model_arg, target, data)
-    top, applied = _top_plan(ctx, ranked, symptoms)
+    # steps that do not fit one GPU alone on copt's engine may still be stacked into a plan that does
+    top, applied = _top_plan(ctx, ranked, symptoms, [r for r in rejected if r.stack_only])
+    if task == "infer" and top.serving_engine == "vllm":
+        top = top.with_(engine="vllm", continuous_batching=True)
     top_result = evaluate(top)
     result: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,

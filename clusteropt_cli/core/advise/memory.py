@@ -593,7 +593,8 @@ def _prefill_working_set(spec: ModelSpec, plan: InferPlan) -> float:
 
 
 def infer_memory(spec: ModelSpec, plan: InferPlan, target: Target) -> MemoryEstimate:
-    weights = weight_bytes(spec, plan.weights) / plan.tp
+    # as the engine holds them: copt's engine dequantizes int4/int8 checkpoints to the model dtype at load
+    weights = weight_bytes(spec, plan.served_weights) / plan.tp
     kv = kv_cache_bytes(spec, plan)
     from clusteropt_cli.core.advise.timing import prefix_hit_tokens
 
@@ -732,7 +733,7 @@ def serving_capacity(spec: ModelSpec, plan: InferPlan, target: Target) -> Servin
         usable = plan.kv_cache_memory_gib * cal.GiB
         why = f"--kv-cache-memory {plan.kv_cache_memory_gib:g} GiB"
     else:
-        usable = mem * utilization - weight_bytes(spec, plan.weights) / plan.tp
+        usable = mem * utilization - weight_bytes(spec, plan.served_weights) / plan.tp
         usable -= _prefill_working_set(spec, plan.with_(batch=1, chunked_prefill=plan.chunked_prefill or 8192))
         why = f"--gpu-memory-utilization {utilization:g} less the weights and a profiled forward"
     num_blocks = max(0, int(usable // (bs * per_token)))
@@ -780,8 +781,10 @@ def _copt_capacity(spec: ModelSpec, plan: InferPlan, target: Target, seq_tokens:
     def per_token_of(length: int) -> int:
         return ModelRunner.kv_bytes_per_token_of(config, kv_elt, None if paged else length)
 
-    # unquantized weights are held in the served dtype (fp32 on the CPU)
-    weights = int(spec.num_params * elt if plan.weights in ("bf16", "fp16") else weight_bytes(spec, plan.weights))
+    # unquantized weights are held in the served dtype (fp32 on the CPU), and so are int4/int8 checkpoints, which
+    # copt's engine dequantizes at load (core/serve/quantized.py); FP8 stays FP8
+    weights = int(spec.num_params * elt if plan.served_weights in ("bf16", "fp16", "fp32")
+                  else weight_bytes(spec, plan.served_weights))
     batch_tokens = int(plan.chunked_prefill or default_max_batch_tokens(device))
     reserve = activation_reserve(config, batch_tokens, max_seqs, elt) if device == "cuda" else 0
     free_at_start = int(mem - cal.CUDA_CONTEXT_BYTES) if device == "cuda" and mem is not None else None

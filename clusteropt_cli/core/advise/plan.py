@@ -123,6 +123,25 @@ class InferPlan:
     kv_layout: Literal["auto", "paged", "slots"] = "auto"  # copt's engine: --kv-layout
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # --dtype of the served model (auto: fp32 on the CPU)
 
+    @property
+    def serving_engine(self) -> str:
+        """The engine `copt serve` runs this plan on. copt's engine serves one GPU with a model-dtype or (paged) fp8
+        KV cache; tensor parallelism, an int8 KV cache and an fp8 cache in the slot layout are served by vLLM."""
+        if self.engine == "vllm" or self.tp > 1 or self.kv_cache == "int8" or (self.kv_cache == "fp8"
+                                                                            and self.kv_layout == "slots"):
+            return "vllm"
+        return "copt"
+
+    @property
+    def served_weights(self) -> str:
+        """The format the serving engine holds the weights in. copt's engine dequantizes packed int4 (AWQ/GPTQ/RTN)
+        and int8 checkpoints to the model dtype at load (core/serve/quantized.py: no integer GEMM kernel), so they
+        take the model dtype's memory and decode at its speed; FP8 runs natively (Fp8Linear). vLLM keeps them packed
+        (Marlin/Machete int4, int8 kernels)."""
+        if self.serving_engine == "copt" and self.weights in ("int4", "int8"):
+            return {"fp16": "fp16", "fp32": "fp32"}.get(self.dtype, "bf16")
+        return self.weights
+
     def with_(self, **changes) -> InferPlan:
         return replace(self, **changes)
 

@@ -76,11 +76,8 @@ def serve_recipe_data(plan: InferPlan, model_arg: str, quantize_method: str | No
         model = quantized_path(model_arg, quantize_method or {"int4": "awq", "int8": "int8", "fp8": "fp8"}
                                [plan.weights])
     data: dict[str, Any] = {"task": "serve", "model": model, "tensor_parallel": plan.tp,
-                            # copt's own engine runs one GPU with a model-dtype KV cache: tensor parallelism and
-                            # a quantized KV cache are served through vLLM
                             # copt's engine runs one GPU; its paged cache keeps fp8 blocks, an int8 cache is vLLM's
-                            "engine": "vllm" if plan.engine == "vllm" or plan.tp > 1 or plan.kv_cache == "int8"
-                            or (plan.kv_cache == "fp8" and plan.kv_layout == "slots") else "copt",
+                            "engine": plan.serving_engine,
                             # room for the plan's concurrent requests (never below copt serve's default), unless
                             # the plan sets the cap
                             "max_batch_size": int(plan.max_batch_size) if plan.max_batch_size is not None

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from clusteropt_cli.core.advise import calibration as cal
 from clusteropt_cli.core.advise.memory import kv_layout
 from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan
 from clusteropt_cli.modelspec import ModelSpec
@@ -31,12 +32,12 @@ SRC_FP8_H200 = f"{SRC_FP8}; {BENCH}#h200-baselines"
 MATRIX: dict[str, list[str]] = {
     "oom": ["zero-3", "cpu-offload", "activation-checkpointing", "zero-2", "zero-1", "nvme-offload",
             "gradient-accumulation", "flash-attention", "8bit-optimizer", "tensor-parallel", "pipeline-parallel",
-            "awq", "gptq", "kv-cache-quantization", "fp8-w8a8", "expandable-segments"],
+            "awq", "gptq", "quantized-kernels", "kv-cache-quantization", "fp8-w8a8", "expandable-segments"],
     "high-ttft": ["chunked-prefill", "prefix-caching", "tensor-parallel", "fp8-w8a8", "operator-fusion"],
-    "slow-tpot": ["speculative-decoding", "awq", "gptq", "fp8-w8a8", "kv-cache-quantization", "operator-fusion",
-                  "tensor-parallel", "distillation", "autotuned-decode"],
-    "low-throughput": ["continuous-batching", "kv-cache-quantization", "awq", "fp8-w8a8", "gptq", "chunked-prefill",
-                       "operator-fusion", "larger-micro-batch", "fp8"],
+    "slow-tpot": ["speculative-decoding", "awq", "gptq", "quantized-kernels", "fp8-w8a8", "kv-cache-quantization",
+                  "operator-fusion", "tensor-parallel", "distillation", "autotuned-decode"],
+    "low-throughput": ["continuous-batching", "kv-cache-quantization", "awq", "quantized-kernels", "fp8-w8a8", "gptq",
+                       "chunked-prefill", "operator-fusion", "larger-micro-batch", "fp8"],
     "comm-bound": ["gradient-accumulation", "gradient-compression", "zero-1", "tensor-parallel", "pipeline-parallel"],
     "low-mfu": ["larger-micro-batch", "operator-fusion", "flash-attention", "bf16", "fp8", "gradient-accumulation"],
 }
@@ -58,6 +59,8 @@ class Recommendation:
     score: float = 0.0
     symptoms: list[str] = field(default_factory=list)
     plan: Any = field(default=None, repr=False)
+    # not applicable alone (its copt-engine plan does not fit one GPU) but a step the OOM plan may stack
+    stack_only: bool = False
 
 
 @dataclass
@@ -216,6 +219,8 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
 
     def add(rid: str, title: str, why: str, gain: str, source: str, cost: str, new: InferPlan, flags: list[str],
             checks: list[dict[str, Any]] | None = None) -> None:
+        if new.serving_engine == "vllm":  # the engine copt serve runs it on (its prices are for it): vLLM batches
+            new = new.with_(engine="vllm", continuous_batching=True)  # continuously
         if new == p and rid not in ("prefix-caching", "distillation"):
             return
         recs.append(Recommendation(rid, title, why, gain, source, cost, checks or [], plan=new, flags=flags))
@@ -253,16 +258,30 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
             p.with_(speculative_tokens=4), ["--draft-model DRAFT_DIR", "--num-speculative-tokens 4"],
             [_check("low-batch", ok, f"pays at low batch (≤ 8 concurrent sequences; here {p.batch})")])
     if p.weights in ("bf16", "fp16"):
-        add("awq", "AWQ 4-bit weights", "decode time is weight bytes over bandwidth",
+        # copt's engine dequantizes packed int4 checkpoints to the model dtype at load (no int4 GEMM kernel): the
+        # smaller weights and faster decode are vLLM's (Marlin/Machete W4A16 kernels), so 4-bit plans are served there
+        via = "" if p.engine == "vllm" else (
+            "; served by vLLM (Marlin/Machete int4 kernels): copt's engine dequantizes 4-bit checkpoints to "
+            f"{p.with_(weights='int4', engine='copt').served_weights} at load, with no memory or speed gain")
+        engine_flags = [] if p.engine == "vllm" else ["--engine vllm"]
+        add("awq", "AWQ 4-bit weights", "decode time is weight bytes over bandwidth" + via,
             "weights ~3.5× smaller; near-lossless 4-bit", "AWQ arXiv:2306.00978",
-            "calibration run; int4 GEMM kernels lose at large batch", p.with_(weights="int4"),
-            ["copt quantize --method awq"], _gpu_checks(ctx))
-        add("gptq", "GPTQ 4-bit weights", "decode time is weight bytes over bandwidth",
-            "weights ~3.5× smaller", "GPTQ arXiv:2210.17323", "calibration run; outlier-sensitive",
-            p.with_(weights="int4"), ["copt quantize --method gptq"], _gpu_checks(ctx))
+            "calibration run; int4 GEMM kernels lose at large batch" + ("" if p.engine == "vllm" else "; vLLM"),
+            p.with_(weights="int4", engine="vllm"), ["copt quantize --method awq", *engine_flags], _gpu_checks(ctx))
+        add("gptq", "GPTQ 4-bit weights", "decode time is weight bytes over bandwidth" + via,
+            "weights ~3.5× smaller", "GPTQ arXiv:2210.17323",
+            "calibration run; outlier-sensitive" + ("" if p.engine == "vllm" else "; vLLM"),
+            p.with_(weights="int4", engine="vllm"), ["copt quantize --method gptq", *engine_flags], _gpu_checks(ctx))
         add("fp8-w8a8", "FP8 weights and activations (W8A8)", "native FP8 tensor cores, half the weight bytes",
             "2× matmul peak, weights ÷2", SRC_FP8, "needs Ada/Hopper or newer", p.with_(weights="fp8"),
             ["copt quantize --method fp8"], _gpu_checks(ctx, need_fp8=True))
+    elif p.weights in ("int4", "int8") and p.engine == "copt":
+        add("quantized-kernels", f"Serve the {p.weights} checkpoint on vLLM's packed kernels",
+            f"copt's engine dequantizes {p.weights} checkpoints to {p.served_weights} at load (no integer GEMM "
+            "kernel): the quantization saves no memory and no decode time there",
+            f"weights stay {p.weights} in memory and in every decode step's reads",
+            "vLLM docs: quantization (Marlin/Machete kernels)", "a vLLM install", p.with_(engine="vllm"),
+            ["--engine vllm"], _gpu_checks(ctx))
     if p.kv_cache in ("bf16", "fp16"):
         fp8 = target.gpu is not None and target.gpu.supports_fp8
         # copt's paged engine keeps fp8 KV blocks; an int8 cache (GPUs without fp8) and the slot layout go to vLLM
@@ -291,11 +310,12 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
     add("distillation", "Distill into a smaller student", "every decode step reads all weights",
         "a 1.5–32B student inherits reasoning from trace SFT", SRC_R1, "a training run (copt distill)", p,
         ["copt distill sft"])
-    recs.append(Recommendation("operator-fusion", "CUDA graphs / torch.compile for decode",
-                               "HF eager decode is launch-bound (43.5 ms/token vs a 0.58 ms floor on the H200)",
-                               "1.80 ms/token compiled vs 43.5 eager (24×) measured on the 1B shape",
-                               f"{BENCH}#h200-baselines", "compile time; static shapes", plan=p,
-                               flags=["--cuda-graphs"]))
+    if p.engine == "copt":  # vLLM compiles and captures CUDA graphs by default
+        recs.append(Recommendation("operator-fusion", "CUDA graphs / torch.compile for decode",
+                                   "HF eager decode is launch-bound (43.5 ms/token vs a 0.58 ms floor on the H200)",
+                                   "1.80 ms/token compiled vs 43.5 eager (24×) measured on the 1B shape",
+                                   f"{BENCH}#h200-baselines", "compile time; static shapes", plan=p,
+                                   flags=["--cuda-graphs"]))
     return recs
 
 
@@ -363,6 +383,12 @@ def recommend(ctx: Context, symptoms: list[str]) -> tuple[list[Recommendation], 
             rejected.append(rec)
             continue
         after = ctx.evaluate(rec.plan)
+        if not ctx.train:
+            after = _fit_serving(ctx, rec, after)
+            if not all(c["ok"] for c in rec.checks):
+                rec.applicable, rec.stack_only = False, True
+                rejected.append(rec)
+                continue
         rec.predicted = _summary(after)
         score = 0.0
         for symptom in wanted:
@@ -385,6 +411,64 @@ def recommend(ctx: Context, symptoms: list[str]) -> tuple[list[Recommendation], 
     applicable = [r for r in applicable if r.score > 0 or (not wanted and r.score >= 0)]
     applicable.sort(key=lambda r: (-r.score, r.id))
     return applicable, rejected
+
+
+# infer recommendations whose command is not a `copt serve` of the changed plan
+_NOT_SERVED = {"distillation"}
+# copt-engine techniques vLLM runs as well (an FP8 checkpoint, an fp8 KV cache, prompt-lookup speculation, chunked
+# prefill): moved to vLLM with tensor parallelism when the plan does not fit one GPU
+_VLLM_PORTABLE = {"fp8-w8a8", "kv-cache-quantization", "speculative-decoding", "chunked-prefill"}
+
+
+def _tp_sizes(ctx: Context, above: int) -> list[int]:
+    """Tensor-parallel sizes above `above` this target and model allow (powers of two up to one 8-GPU host)."""
+    sizes, t = [], 2
+    while t <= min(8, ctx.target.world):
+        if t > above and ctx.spec.num_heads % t == 0:
+            sizes.append(t)
+        t *= 2
+    return sizes
+
+
+def _fit_serving(ctx: Context, rec: Recommendation, after: dict[str, Any]) -> dict[str, Any]:
+    """A serve plan that does not fit one GPU of the target is served the way that makes it fit, or not at all.
+
+    copt's engine runs one GPU (no tensor parallelism): a technique vLLM runs as well (FP8 checkpoints, an fp8 KV
+    cache, prompt-lookup speculation, chunked prefill) is rewritten for vLLM with tensor parallelism over as few GPUs
+    as make it fit; anything else is not applicable, with the reason (a failing `one-gpu` check). A vLLM plan gets
+    more tensor parallelism the same way. Returns the evaluation of the plan the recommendation now prints."""
+    mem = after["memory"]
+    if rec.id in _NOT_SERVED or mem["fits"] is not False:
+        return after
+    plan: InferPlan = rec.plan
+    budget = mem["budget_bytes"]
+    weights = mem["breakdown"]["weights"]
+    if weights * (1 + cal.ALLOCATOR_FRAGMENTATION) + cal.CUDA_CONTEXT_BYTES >= budget:
+        what = (f"the {plan.served_weights} weights alone ({_gib(weights * plan.tp)}) exceed "
+                + (f"{plan.tp} × " if plan.tp > 1 else "one ") + f"{ctx.target.name} ({_gib(budget)} each)")
+    else:
+        what = (f"{plan.batch} concurrent sequences need {_gib(mem['required_bytes'])} per GPU, one "
+                f"{ctx.target.name} has {_gib(budget)}")
+    if plan.engine == "vllm" or rec.id in _VLLM_PORTABLE:
+        for t in _tp_sizes(ctx, plan.tp):
+            candidate = plan.with_(tp=t, engine="vllm", continuous_batching=True)
+            result = ctx.evaluate(candidate)
+            if not result["memory"]["fits"]:
+                continue
+            rec.flags = [f for f in rec.flags if not f.startswith(("--tensor-parallel", "--engine"))] + [
+                f"--tensor-parallel {t}", "--engine vllm"]
+            via = "" if plan.engine == "vllm" else "served by vLLM (copt's engine runs one GPU) "
+            rec.why += f"; {via}over {t} GPUs with tensor parallelism: {what}"
+            rec.plan = candidate
+            return result
+        if plan.engine == "vllm":
+            return after  # the largest tensor-parallel layout does not fit either: ranked as not fitting
+    if ctx.target.world > 1 and _tp_sizes(ctx, 1):
+        instead = "serve the model through vLLM with tensor parallelism (tensor-parallel), or quantize it first"
+    else:
+        instead = "quantize it first, or plan more GPUs (--gpus N) for vLLM's tensor parallelism"
+    rec.checks.append(_check("one-gpu", False, f"copt's engine serves on one GPU and {what}; {instead}"))
+    return after
 
 
 def _summary(result: dict[str, Any]) -> dict[str, Any]:

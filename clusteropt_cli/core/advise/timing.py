@@ -202,7 +202,9 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     compute_dtype = "fp8" if plan.weights == "fp8" and gpu.supports_fp8 else "bf16"
     peak = gpu.peak_flops(compute_dtype) * tp
     bandwidth = gpu.hbm_bandwidth * tp
-    w_bytes = weight_bytes(spec, plan.weights)
+    # the bytes a decode step reads: copt's engine dequantizes int4/int8 checkpoints at load and runs them as the
+    # model dtype (no integer GEMM kernel); vLLM reads them packed
+    w_bytes = weight_bytes(spec, plan.served_weights)
     # the serving stack's measured overheads (copt: its own engine under continuous batching, HF generate on static
     # batches; vllm: none measured, roofline only)
     engine_name = ("copt" if plan.continuous_batching else "hf-generate") if plan.engine == "copt" else plan.engine
