@@ -7,8 +7,22 @@ import sys
 from typing import Annotated
 
 import typer
+from typer.core import TyperGroup
 
 from clusteropt_cli import __version__
+
+
+class Group(TyperGroup):
+    """A command group whose unset --help is False, not None: typer coerces a None flag through a pydantic
+    TypeAdapter, and importing pydantic for that was a third of `copt advise --help`'s start-up (every group a
+    command line passes through processes its own --help)."""
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None and option.default is None:
+            option.default = False
+        return option
+
 
 APP_SETTINGS: dict = dict(
     name="copt",
@@ -17,6 +31,10 @@ APP_SETTINGS: dict = dict(
     pretty_exceptions_enable=False,
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
+    cls=Group,
+    # click's plain help: typer's rich help imports rich.markdown, rich.traceback and pygments (~100 ms) and
+    # reads help text as rich markup, dropping the "[train]"/"[infer]" tags of advise's flags
+    rich_markup_mode=None,
 )
 
 
@@ -63,7 +81,7 @@ def build_app(only: str | None = None) -> typer.Typer:
             continue
         target = getattr(importlib.import_module(f"clusteropt_cli.commands.{module}"), attribute)
         if group:
-            built.add_typer(target, name=name)
+            built.add_typer(target, name=name, cls=Group)
         else:
             built.command(name)(target)
     return built
@@ -127,6 +145,8 @@ def _render_error(message: str, hint: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run copt; known errors become one message + hint on stderr and an exit code (see errors.py)."""
+    from typer._click.exceptions import NoArgsIsHelpError
+
     from clusteropt_cli.errors import map_exception
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -145,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
         _render_error("aborted", None)
         code = 130
     except typer.Exit as exc:
+        code = exc.exit_code
+    except NoArgsIsHelpError as exc:  # `copt` or a group without a subcommand: its help, and a usage exit code
+        sys.stdout.write(exc.format_message() + "\n")
         code = exc.exit_code
     except typer.TyperException as exc:  # click's usage errors: unknown command/option, bad value
         if debug:

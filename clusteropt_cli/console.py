@@ -10,13 +10,29 @@ import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
-out = Console(soft_wrap=True)  # results
-err = Console(stderr=True, soft_wrap=True)  # logs, progress, errors
+out: Console  # results
+err: Console  # logs, progress, errors
+
+
+def __getattr__(name: str) -> Any:
+    """`out` and `err`, made on first use: rich.console stays out of `copt ... --help`."""
+    if name in ("out", "err"):
+        from rich.console import Console
+
+        globals()["out"] = Console(soft_wrap=True)
+        globals()["err"] = Console(stderr=True, soft_wrap=True)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _err() -> Console:
+    return globals()["err"] if "err" in globals() else __getattr__("err")
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -44,6 +60,8 @@ def print_json(obj: Any) -> None:
 
 def kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
     """A two-column key/value table."""
+    from rich.table import Table
+
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
@@ -54,6 +72,8 @@ def kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
 
 def grid(title: str, headers: list[str], rows: list[list[Any]]) -> Table:
     """A table with a header row."""
+    from rich.table import Table
+
     table = Table(title=title, title_justify="left")
     for h in headers:
         table.add_column(h)
@@ -64,11 +84,11 @@ def grid(title: str, headers: list[str], rows: list[list[Any]]) -> Table:
 
 def log(message: str) -> None:
     """A progress/log line on stderr."""
-    err.print(message, highlight=False)
+    _err().print(message, highlight=False)
 
 
 def warn(message: str) -> None:
-    err.print(f"[yellow]warning:[/yellow] {message}", highlight=False)
+    _err().print(f"[yellow]warning:[/yellow] {message}", highlight=False)
 
 
 @contextmanager
@@ -78,7 +98,7 @@ def progress_bar(description: str, total: int | None):
 
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[info]}")]
-    with Progress(*columns, console=err, transient=False) as progress:
+    with Progress(*columns, console=_err(), transient=False) as progress:
         task = progress.add_task(description, total=total, info="")
 
         def advance(n: int = 1, info: str = "") -> None:

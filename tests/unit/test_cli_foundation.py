@@ -29,6 +29,13 @@ def test_version(capsys):
     assert code == 0 and out.strip() == f"copt {__version__}"
 
 
+@pytest.mark.parametrize("argv", [[], ["distill"], ["profile"]], ids=lambda a: " ".join(["copt", *a]))
+def test_a_group_without_a_subcommand_prints_its_help(capsys, argv):
+    code, out, err = run_main(argv, capsys)
+    assert code == 2 and err == ""
+    assert out.startswith(f"Usage: {' '.join(['copt', *argv])} [OPTIONS] COMMAND") and "Commands:" in out
+
+
 def test_unknown_command_is_one_clear_line(copt):
     result = copt("nosuchcommand")
     assert result.returncode == 2
