@@ -69,22 +69,33 @@ COMMANDS: dict[str, tuple[str, str, bool]] = {
 }
 
 
-def build_app(only: str | None = None) -> typer.Typer:
+def build_app(only: str | None = None, outline: bool = False) -> typer.Typer:
     """The typer app with every command, or with only `only` (what main() runs: `copt advise --help` then imports
-    and builds one command module instead of all eight)."""
+    and builds one command module instead of all eight). `outline`: each command as its name and summary without
+    its options, all that `copt --help` shows (typer building the options of all eight took half its start-up)."""
     import importlib
+    import inspect
 
     built = typer.Typer(**APP_SETTINGS)
     built.callback()(root)
+    outlined: dict[str, tuple[str | None, bool]] = {}
     for name, (module, attribute, group) in COMMANDS.items():
         if only is not None and name != only:
             continue
         target = getattr(importlib.import_module(f"clusteropt_cli.commands.{module}"), attribute)
-        if group:
+        if outline:
+            outlined[name] = (target.info.help if group else inspect.getdoc(target)), group
+        elif group:
             built.add_typer(target, name=name, cls=Group)
         else:
             built.command(name)(target)
+    for name, (summary, _) in sorted(outlined.items(), key=lambda item: item[1][1]):  # as typer lists them:
+        built.command(name, help=summary)(_outlined)  # commands, then groups
     return built
+
+
+def _outlined() -> None:
+    """A command of the outline (never run: main() builds the outline only when argv names no command)."""
 
 
 def __getattr__(name: str):
@@ -155,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     if not debug:
         _quiet_libraries()
     try:
-        command = typer.main.get_command(build_app(_invoked(argv)))
+        invoked = _invoked(argv)
+        command = typer.main.get_command(build_app(invoked) if invoked else build_app(outline=True))
         result = command.main(args=argv, prog_name="copt", standalone_mode=False)
         code = result if isinstance(result, int) else 0
     except KeyboardInterrupt:

@@ -81,6 +81,21 @@ def test_help_starts_fast():
     assert best < 0.4, f"copt advise --help took {best:.2f} s at best"
 
 
+def test_the_outline_lists_what_the_whole_app_lists(capsys):
+    """`copt --help` is built from the commands' names and summaries only; it shows what the full tree shows."""
+    import typer
+
+    from clusteropt_cli.app import app, main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    outline = capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        typer.main.get_command(app).main(args=["--help"], prog_name="copt", standalone_mode=True)
+    full = capsys.readouterr().out
+    assert outline == full and "Commands:" in outline and "recipes" in outline
+
+
 def test_help_keeps_bracketed_text():
     """Help is plain text, not rich markup: advise's "[train]"/"[infer]" tags reach the user."""
     out = subprocess.run([sys.executable, "-m", "clusteropt_cli", "advise", "--help"], capture_output=True,
