@@ -160,3 +160,33 @@ def test_from_profile_third_party_reports(cli, name) -> None:
     result = _advise_json(cli, "--from-profile", str(path), "--model", "llama-3.2-1b", "--gpu", "h200")
     assert result["task"] == "infer"
     assert {row["metric"] for row in result["measured"]} >= {"ttft_s", "tpot_s", "output_tokens_per_s"}
+
+
+def test_plans_beyond_one_gpu_print_vllm_commands_that_run(cli, fixtures, substitutions, tmp_path, monkeypatch) -> None:
+    """A budget just below what the fixture needs on copt's engine: what vLLM runs as well is printed with
+    --tensor-parallel N --engine vllm (and runs), the rest is not applicable; a copt-engine command is printed only
+    for a plan predicted to fit one GPU (FP8 weights, an fp8 KV cache)."""
+    from clusteropt_cli.core.advise.api import evaluate_infer, resolve_target
+    from clusteropt_cli.core.advise.plan import InferPlan
+    from clusteropt_cli.modelspec import load_model_spec
+
+    monkeypatch.chdir(tmp_path)
+    model = str(fixtures.teacher)
+    target, _ = resolve_target("h200", gpus=4)
+    plan = InferPlan(batch=4, prompt_len=64, gen_len=32, continuous_batching=True)
+    required = evaluate_infer(load_model_spec(model), plan, target)["memory"]["required_bytes"]
+    budget = f"{(required - 2048) / 1024**3:.12f}"
+    result = _advise_json(cli, "--model", model, "--task", "infer", "--gpu", "h200", "--gpus", "4",
+                          "--memory-budget", budget, "--batch", "4", "--prompt-len", "64", "--gen-len", "32",
+                          "--symptom", "slow-tpot")
+    assert result["memory"]["fits"] is False
+    commands = _commands(result)
+    for rec in result["recommendations"]:
+        assert "--engine copt" not in rec["command"] or rec["predicted"]["fits"] is True, rec
+    assert any("--tensor-parallel 2 --engine vllm --prompt-lookup 3" in c for c in commands), commands
+    assert "operator-fusion" in {n["id"] for n in result["not_applicable"]}
+    for command in commands:
+        for i, argv in enumerate(_steps(command, substitutions)):
+            if i and argv[0] == "serve":
+                argv = [argv[0], model, *argv[2:]]  # quantize's dry run wrote no checkpoint
+            _run_step(cli, argv, command)

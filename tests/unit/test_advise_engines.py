@@ -171,3 +171,12 @@ def test_vllm_plan_that_does_not_fit_gets_tensor_parallelism() -> None:
 @pytest.mark.parametrize("symptom", ["low-throughput", "slow-tpot", "high-ttft", "oom"])
 def test_no_copt_engine_command_that_does_not_fit(model: str, gpu: str, gpus: int, batch: int, symptom: str) -> None:
     _assert_engines_honest(_infer(model, gpu, gpus, [symptom], batch=batch, prompt_len=2048))
+
+
+def test_no_run_it_command_when_copts_engine_cannot_load_the_weights() -> None:
+    target, _ = resolve_target("h200", memory_budget_gib=4)
+    result = advise(load_model_spec("llama-3.1-8b"), target, InferPlan(weights="fp8", continuous_batching=True),
+                    ["oom"], model_arg="llama-3.1-8b")
+    assert result["top_plan"]["memory"]["fits"] is False
+    assert result["top_plan"]["command"] is None
+    assert any("no plan fits" in n for n in result["notes"])

@@ -20,7 +20,7 @@ from clusteropt_cli.core.advise.memory import (
 )
 from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan, validate_infer, validate_train
 from clusteropt_cli.core.advise.recipes import command_for, serve_recipe_data, train_recipe_data
-from clusteropt_cli.core.advise.recommend import Context, Recommendation, recommend
+from clusteropt_cli.core.advise.recommend import Context, Recommendation, recommend, weights_exceed_gpu
 from clusteropt_cli.core.advise.timing import infer_time, train_time
 from clusteropt_cli.errors import BadInputError, CheckFailedError
 from clusteropt_cli.hardware import get_gpu
@@ -280,6 +280,12 @@ def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptom
     # the command that runs the top plan as predicted (the same recipe --emit-recipe writes)
     result["top_plan"]["command"] = command_for(
         "+".join(applied) or "plan", task, top, model_arg, target, data) if task == "infer" or top.tp == 1 else None
+    if task == "infer" and top.engine == "copt" and weights_exceed_gpu(top_result["memory"]):
+        # copt's engine (one GPU) cannot even load these weights: no command to run
+        result["top_plan"]["command"] = None
+        result["notes"].append(f"no plan fits: the {top.served_weights} weights alone exceed one {target.name} on "
+                               "copt's engine (one GPU); quantize the model or plan more GPUs (--gpus N) for vLLM's "
+                               "tensor parallelism")
     if data:
         result["data"] = data
     if measured:

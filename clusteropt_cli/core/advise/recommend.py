@@ -430,6 +430,14 @@ def _tp_sizes(ctx: Context, above: int) -> list[int]:
     return sizes
 
 
+def weights_exceed_gpu(mem: dict[str, Any]) -> bool:
+    """Whether a serve plan's weights per GPU (with the allocator's slack and the CUDA context) leave no room at all:
+    the engine cannot start, whatever its batch."""
+    budget = mem.get("budget_bytes")
+    return budget is not None and mem["breakdown"]["weights"] * (1 + cal.ALLOCATOR_FRAGMENTATION) + \
+        cal.CUDA_CONTEXT_BYTES >= budget
+
+
 def _fit_serving(ctx: Context, rec: Recommendation, after: dict[str, Any]) -> dict[str, Any]:
     """A serve plan that does not fit one GPU of the target is served the way that makes it fit, or not at all.
 
@@ -443,8 +451,8 @@ def _fit_serving(ctx: Context, rec: Recommendation, after: dict[str, Any]) -> di
     plan: InferPlan = rec.plan
     budget = mem["budget_bytes"]
     weights = mem["breakdown"]["weights"]
-    if weights * (1 + cal.ALLOCATOR_FRAGMENTATION) + cal.CUDA_CONTEXT_BYTES >= budget:
-        what = (f"the {plan.served_weights} weights alone ({_gib(weights * plan.tp)}) exceed "
+    if weights_exceed_gpu(mem):
+        what = (f"the {plan.served_weights} weights ({_gib(weights)} per GPU, with the CUDA context) exceed "
                 + (f"{plan.tp} × " if plan.tp > 1 else "one ") + f"{ctx.target.name} ({_gib(budget)} each)")
     else:
         what = (f"{plan.batch} concurrent sequences need {_gib(mem['required_bytes'])} per GPU, one "
