@@ -223,3 +223,15 @@ def test_paged_decode_op_matches_hf(fixtures):
         results = engine.generate(_requests(prompts, lengths))
         _assert_no_leak(engine)
     assert [r.output_ids for r in results] == expected
+
+
+def test_fp8_kv_blocks_are_refused_without_fp8_hardware(fixtures, monkeypatch):
+    import torch
+
+    from clusteropt_cli.errors import BadInputError
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    engine = _engine(fixtures, device="cuda", kv_cache_dtype="fp8")
+    with pytest.raises(BadInputError, match="compute capability 8.9"):
+        engine.load()  # refused before anything touches the (absent) GPU

@@ -135,3 +135,14 @@ def test_every_source_is_a_paper_vendor_doc_or_a_benchmarks_anchor() -> None:
         assert not re.search(r"\.\./|\.txt\b|bench/results|shared", source), source
         for anchor in re.findall(r"docs/benchmarks\.md#([\w-]+)", source):
             assert anchor in anchors, (source, sorted(anchors))
+
+
+def test_kv_cache_quantization_only_where_fp8_exists() -> None:
+    """No INT8 KV cache is offered: neither copt serve nor vLLM's command line takes one (an A100 has no FP8)."""
+    plan = InferPlan(batch=32, prompt_len=2048, continuous_batching=True)
+    a100, _ = resolve_target("a100-80g")
+    h100, _ = resolve_target("h100-sxm")
+    assert "kv-cache-quantization" not in _ids(advise(load_model_spec("llama-3.1-8b"), a100, plan,
+                                                      ["low-throughput"]))
+    on_h100 = advise(load_model_spec("llama-3.1-8b"), h100, plan, ["low-throughput"])
+    assert "kv-cache-quantization" in _ids(on_h100)

@@ -282,15 +282,14 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
             f"weights stay {p.weights} in memory and in every decode step's reads",
             "vLLM docs: quantization (Marlin/Machete kernels)", "a vLLM install", p.with_(engine="vllm"),
             ["--engine vllm"], _gpu_checks(ctx))
-    if p.kv_cache in ("bf16", "fp16"):
-        fp8 = target.gpu is not None and target.gpu.supports_fp8
-        # copt's paged engine keeps fp8 KV blocks; an int8 cache (GPUs without fp8) and the slot layout go to vLLM
-        own = fp8 and p.engine == "copt" and p.continuous_batching and kv_layout(ctx.spec, p) == "paged"
-        add("kv-cache-quantization", "FP8/INT8 KV cache", "the KV cache grows with batch × context",
+    if p.kv_cache in ("bf16", "fp16") and target.gpu is not None and target.gpu.supports_fp8:
+        # FP8 KV blocks: copt's paged engine keeps them (its kernel needs FP8 hardware, compute capability 8.9+);
+        # the slot layout goes to vLLM. No INT8 cache: neither copt serve nor vLLM's command line takes one
+        own = p.engine == "copt" and p.continuous_batching and kv_layout(ctx.spec, p) == "paged"
+        add("kv-cache-quantization", "FP8 KV cache", "the KV cache grows with batch × context",
             "KV bytes ÷2 → 2× the concurrent sequences", "vLLM docs: quantized KV cache", "small accuracy cost",
-            p.with_(kv_cache="fp8") if own else p.with_(kv_cache="fp8" if fp8 else "int8", engine="vllm"),
-            ["--kv-cache-dtype fp8"] if own else ["--kv-cache-dtype fp8" if fp8 else "--kv-cache-dtype int8",
-                                                  "--engine vllm"])
+            p.with_(kv_cache="fp8") if own else p.with_(kv_cache="fp8", engine="vllm"),
+            ["--kv-cache-dtype fp8"] if own else ["--kv-cache-dtype fp8", "--engine vllm"])
     if p.tp == 1 and target.world > 1:
         t = min(target.world, 8)
         while ctx.spec.num_heads % t:

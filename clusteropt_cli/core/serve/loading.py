@@ -89,6 +89,10 @@ class EngineLoading:
             if cfg.kv_layout == "slots" or not plan_paged:
                 raise BadInputError("--kv-cache-dtype fp8 needs the paged KV cache (models without sliding-window "
                                     "layers).", hint="Drop --kv-cache-dtype or --kv-layout slots.")
+            if device.startswith("cuda") and torch.cuda.get_device_capability(torch.device(device)) < (8, 9):
+                name = torch.cuda.get_device_name(torch.device(device))
+                raise BadInputError(f"--kv-cache-dtype fp8 needs FP8 hardware (compute capability 8.9 or later: Ada, "
+                                    f"Hopper, Blackwell); {name} has none.", hint="Drop --kv-cache-dtype fp8.")
         kv_elt = 1 if cfg.kv_cache_dtype == "fp8" else elt  # KV bytes per element (the model keeps its dtype)
         draft_text = None
         if cfg.draft_model:
