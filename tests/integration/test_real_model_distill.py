@@ -1,5 +1,6 @@
 """copt distill on real weights (SmolLM2-135M-Instruct, tests/real_model.py): soft-label KL distillation into a
-smaller student sharing the tokenizer lowers the student's KL to the teacher on held-out text."""
+smaller student sharing the tokenizer lowers the student's KL to the teacher on held-out text; `distill traces
+--verify` on simple arithmetic keeps the teacher's right answers and only those."""
 
 from __future__ import annotations
 
@@ -67,3 +68,58 @@ def test_kl_distillation_lowers_the_students_kl_to_the_teacher(real_model, stude
     saved = json.loads((out / "config.json").read_text())
     assert saved["num_hidden_layers"] == len(STUDENT_LAYERS) and saved["vocab_size"] == 49152
     assert (out / "tokenizer.json").exists()
+
+
+ARITHMETIC = ((2, "+", 3), (7, "+", 1), (9, "-", 6), (4, "+", 4), (387, "+", 945), (58, "*", 67))
+
+
+def _last_int(text: str) -> int | None:
+    import re
+
+    found = re.findall(r"-?\d+", text.replace(",", ""))
+    return int(found[-1]) if found else None
+
+
+def test_traces_with_verify_keep_only_correct_answers(real_model, tmp_path, copt):
+    """`distill traces --verify` on the instruct model with simple arithmetic: the answers it gets right are kept,
+    the wrong ones are dropped (checked here independently: the last number of HF's own greedy answer), and the
+    written data set holds verified traces only, each HF's greedy completion."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ops = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__}
+    questions = {f"What is {a} {op} {b}? Answer with the number.": ops[op](a, b) for a, op, b in ARITHMETIC}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q, "answer": str(v)}) + "\n" for q, v in questions.items()))
+    out = tmp_path / "traces.jsonl"
+    done = copt("distill", "traces", "--teacher", str(real_model.model), "--prompts", str(prompts), "-o", str(out),
+                "--samples", "1", "--max-new-tokens", "24", "--temperature", "0", "--verify", "--json",
+                env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stats = json.loads(done.stdout)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert stats["samples_total"] == len(questions)
+    assert stats["samples_kept"] == stats["verified_correct"] == len(rows)
+    kept = {r["prompt"]: r for r in rows}
+    assert len(kept) == len(rows) and 0 < len(rows) < len(questions), stats  # some right, some wrong
+    for row in rows:  # only verified traces, and really correct
+        assert row["verified"] is True and row["match"] == "numeric"
+        assert _last_int(row["completion"]) == questions[row["prompt"]], row
+
+    model = AutoModelForCausalLM.from_pretrained(real_model.model).eval()
+    tok = AutoTokenizer.from_pretrained(real_model.model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for question, value in questions.items():
+            chat = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                           return_dict=True, return_tensors="pt")
+            with torch.inference_mode():
+                ids = model.generate(**chat, max_new_tokens=24, do_sample=False)[0, chat["input_ids"].shape[1]:]
+            answer = tok.decode(ids, skip_special_tokens=True)
+            if question in kept:
+                assert kept[question]["completion"].strip() == answer.strip()
+            else:  # dropped: the teacher's answer is wrong
+                assert _last_int(answer) != value, (question, answer)
+    finally:
+        torch.set_num_threads(threads)
