@@ -235,3 +235,17 @@ def test_fp8_kv_blocks_are_refused_without_fp8_hardware(fixtures, monkeypatch):
     engine = _engine(fixtures, device="cuda", kv_cache_dtype="fp8")
     with pytest.raises(BadInputError, match="compute capability 8.9"):
         engine.load()  # refused before anything touches the (absent) GPU
+
+
+def test_a_length_planned_too_long_is_shortened_to_the_measured_pool(fixtures, monkeypatch, capfd):
+    """The default length is planned before loading; when the memory measured after loading holds less (a quantized
+    checkpoint dequantized at load), the engine serves the longest power of two that fits instead of failing."""
+    from clusteropt_cli.core.serve.loading import EngineLoading
+
+    monkeypatch.setattr(EngineLoading, "_planned_kv_budget", lambda self, *a: (10**9, 1, "planned"))
+    prompt = eval_prompts(fixtures, 1, seed=18)[0]
+    with _engine(fixtures, max_model_len=None, kv_cache_tokens=300) as engine:
+        assert engine.max_model_len == 256 and engine.pool.num_blocks == 75
+        result = engine.generate(_requests([prompt], [6]))[0]
+    assert result.output_ids == hf_greedy(fixtures.teacher, [prompt], 6)[0]
+    assert "shortened to what the memory measured after loading holds" in capfd.readouterr().err

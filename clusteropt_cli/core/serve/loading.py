@@ -175,6 +175,17 @@ class EngineLoading:
             raise BadInputError("This model cannot use the paged KV cache (a sliding-window layer or a model served "
                                 "through transformers' own attention).", hint="Drop --kv-layout paged.")
         if paged:
+            spare = cache_len - max_len
+            if not cfg.max_model_len and capacity < cache_len:
+                # the length planned before loading does not fit the memory measured after it (a quantized
+                # checkpoint dequantized at load, another process): the longest power of two that does
+                fitted = 1 << max(0, (capacity - spare).bit_length() - 1)
+                if fitted >= 128:
+                    max_len, cache_len = fitted, fitted + spare
+                    self.runner.max_len = cache_len
+                    if self.draft_runner is not None:
+                        self.draft_runner.max_len = cache_len
+                    self.length_budget_why += "; shortened to what the memory measured after loading holds"
             self._allocate_paged(capacity, cache_len, device)
         else:
             slots = min(cfg.max_batch_size, capacity // cache_len)
