@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import random
 import socket
 import subprocess
@@ -18,6 +19,7 @@ COPY_BW = 4.26e12  # measured device-to-device copy bandwidth of the H200 (docs/
 # serving workload of the serve benchmarks: prompts of PROMPT_MIN..PROMPT_MAX random tokens
 PROMPT_MIN, PROMPT_MAX = 32, 256
 NUM_REQUESTS, OUT_TOKENS = 256, 128  # requests and output tokens per request
+MAX_MODEL_LEN, KV_GIB = 512, 16.0  # the server of the serve benchmarks: context length, KV cache GiB
 
 # the Llama-3.2-1B architecture (random weights in the benchmarks)
 LLAMA_1B_SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -83,6 +85,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_server(model_dir: Path, port: int, *, max_batch_size: int = NUM_REQUESTS,
+                 max_model_len: int = MAX_MODEL_LEN, kv_gib: float = KV_GIB, extra_args: list[str] | tuple = ()
+                 ) -> subprocess.Popen:
+    """`copt serve` of the repo's copt on the benchmark model (served as "llama-1b-shape"), in a subprocess whose
+    stdout and stderr are pipes (wait_healthy reads the stderr of one that exits)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
+    cmd = [sys.executable, "-m", "clusteropt_cli", "serve", str(model_dir), "--port", str(port),
+           "--max-batch-size", str(max_batch_size), "--max-model-len", str(max_model_len), "--kv-cache-memory",
+           str(kv_gib), "--max-batch-tokens", "4096", "--served-model-name", "llama-1b-shape",
+           "--max-queue", "4096", *extra_args]
+    log("starting: " + " ".join(cmd))
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -36,8 +35,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import common  # noqa: E402
 from common import (  # noqa: E402
     COPY_BW,
+    KV_GIB,
+    MAX_MODEL_LEN,
     NUM_REQUESTS,
     OUT_TOKENS,
     PROMPT_MAX,
@@ -52,8 +54,6 @@ from common import (  # noqa: E402
     workload,
 )
 
-MAX_MODEL_LEN = 512
-KV_GIB = 16.0
 COMPILE_MODE = "default"  # copt serve --compile-mode (--compile-mode flag of this script)
 DECODE_ATTENTION = "auto"  # copt serve --decode-attention (engine and server cases)
 ASYNC_SCHEDULING = True  # copt serve's async scheduling (on by default; --no-async-scheduling of this script)
@@ -215,15 +215,12 @@ def bench_engine(model_dir: Path, prompts: list[list[int]], reference: list[list
 
 # ---- through HTTP --------------------------------------------------------------------------------------
 def start_server(model_dir: Path, port: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
-    cmd = [sys.executable, "-m", "clusteropt_cli", "serve", str(model_dir), "--port", str(port),
-           "--max-batch-size", str(NUM_REQUESTS), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory",
-           str(KV_GIB), "--max-batch-tokens", "4096", "--served-model-name", "llama-1b-shape",
-           "--max-queue", "4096"] + (["--compile-mode", COMPILE_MODE] if COMPILE_MODE != "default" else []) \
-        + (["--async-scheduling"] if ASYNC_SCHEDULING else ["--no-async-scheduling"]) \
-        + ["--decode-attention", DECODE_ATTENTION]
-    log("starting: " + " ".join(cmd))
-    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """common.start_server with this run's sizes and engine settings."""
+    return common.start_server(
+        model_dir, port, max_batch_size=NUM_REQUESTS, max_model_len=MAX_MODEL_LEN, kv_gib=KV_GIB,
+        extra_args=(["--compile-mode", COMPILE_MODE] if COMPILE_MODE != "default" else [])
+        + (["--async-scheduling"] if ASYNC_SCHEDULING else ["--no-async-scheduling"])
+        + ["--decode-attention", DECODE_ATTENTION])
 
 
 def bench_http(model_dir: Path, prompts: list[list[int]]) -> dict:

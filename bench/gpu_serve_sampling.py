@@ -43,9 +43,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
-from common import http_request  # noqa: E402
+from common import (  # noqa: E402
+    KV_GIB,
+    MAX_MODEL_LEN,
+    NUM_REQUESTS,
+    OUT_TOKENS,
+    free_gpu,
+    free_port,
+    http_request,
+    log,
+    make_model_dir,
+    start_server,
+    wait_healthy,
+    workload,
+)
 
 SAMPLING = {
     "greedy": {"temperature": 0.0},
@@ -145,19 +157,12 @@ def mode_agreement(sampler, logits, dev) -> dict:
     return out
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def bench_engine(model_dir: Path, prompts: list[list[int]], names: list[str], b1_tokens: int) -> dict:
-    import gpu_serve
-
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
 
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(model=str(model_dir), max_batch_size=gpu_serve.NUM_REQUESTS,
-                                 max_model_len=gpu_serve.MAX_MODEL_LEN, kv_cache_memory_gib=gpu_serve.KV_GIB,
-                                 max_batch_tokens=4096))
+    engine = Engine(EngineConfig(model=str(model_dir), max_batch_size=NUM_REQUESTS, max_model_len=MAX_MODEL_LEN,
+                                 kv_cache_memory_gib=KV_GIB, max_batch_tokens=4096))
     engine.start()
     out: dict = {"startup_s": round(time.perf_counter() - t0, 1), "graphs": engine.stats.graphs_captured,
                  "graph_error": engine.runner.graph_error, "compile_error": engine.runner.compile_error,
@@ -201,7 +206,7 @@ def bench_engine(model_dir: Path, prompts: list[list[int]], names: list[str], b1
     finally:
         engine.stop()
         del engine
-        gpu_serve.free_gpu()
+        free_gpu()
     return out
 
 
@@ -221,14 +226,12 @@ async def _load(url: str, prompts: list[list[int]], max_tokens: int, params: dic
 
 def bench_http(model_dir: Path, prompts: list[list[int]], names: list[str], b1_tokens: int,
                clients: list[int], repeats: int = 3) -> dict:
-    import gpu_serve
-
-    port = gpu_serve.free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = gpu_serve.start_server(model_dir, port)
+    proc = start_server(model_dir, port, max_batch_size=NUM_REQUESTS, max_model_len=MAX_MODEL_LEN, kv_gib=KV_GIB)
     out: dict = {}
     try:
-        out["startup_s"] = round(gpu_serve.wait_healthy(url, proc, timeout=300), 1)
+        out["startup_s"] = round(wait_healthy(url, proc, timeout=300), 1)
         asyncio.run(_load(url, prompts[:16], 16, {}))
         for name in names:
             params = SAMPLING[name]
@@ -238,7 +241,7 @@ def bench_http(model_dir: Path, prompts: list[list[int]], names: list[str], b1_t
                         for i in range(3)]
                 row["http_b1_ms_per_token"] = sorted(r["tpot_ms_p50"] for r in runs)[1]
                 for c in clients:  # median of `repeats` runs (one run of a few seconds is noisy)
-                    runs = sorted((asyncio.run(_load(url, prompts[:c], gpu_serve.OUT_TOKENS, params))
+                    runs = sorted((asyncio.run(_load(url, prompts[:c], OUT_TOKENS, params))
                                    for _ in range(repeats)), key=lambda r: r["output_tokens_per_s"])
                     res = runs[len(runs) // 2]
                     row[f"http_c{c}_tok_s"] = res["output_tokens_per_s"]
@@ -275,29 +278,29 @@ def main() -> None:
         parser.error(f"unknown --sampling {unknown}; choose from {list(SAMPLING)}")
     clients = [int(c) for c in args.clients.split(",") if c]
     skip = set(filter(None, args.skip.split(",")))
-    import gpu_serve
     import torch
 
+    global NUM_REQUESTS, OUT_TOKENS, KV_GIB
     b1_tokens = 256
     if args.smoke:
-        gpu_serve.NUM_REQUESTS, gpu_serve.OUT_TOKENS, gpu_serve.KV_GIB = 16, 8, 0.05
+        NUM_REQUESTS, OUT_TOKENS, KV_GIB = 16, 8, 0.05
         clients, b1_tokens = sorted({min(c, 8) for c in clients}), 16
     results: dict = {"bench": "gpu_serve_sampling", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                      "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                      "sampling": {n: SAMPLING[n] for n in names}, "clients": clients}
     tmp = Path(tempfile.mkdtemp(prefix="copt-sampling-bench-"))
     model_dir = tmp / "llama-1b-shape"
-    made = gpu_serve.make_model_dir(model_dir, small=args.smoke)
+    made = make_model_dir(model_dir, small=args.smoke)
     vocab = made["vocab"]
     del made
-    gpu_serve.free_gpu()
-    prompts = gpu_serve.workload(vocab, max([*clients, 66]))
+    free_gpu()
+    prompts = workload(vocab, max([*clients, 66]))
     if "kernels" not in skip:
         try:
             results["kernels"] = bench_kernels(vocab, [1, 64, 256] if not args.smoke else [1, 8])
         except Exception as exc:  # noqa: BLE001
             results["kernels"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        gpu_serve.free_gpu()
+        free_gpu()
     if "engine" not in skip:
         try:
             results["engine"] = bench_engine(model_dir, prompts, names, b1_tokens)
