@@ -7,9 +7,13 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from clusteropt_cli.core.serve.engine import Engine
+from clusteropt_cli.core.serve.openai_extras import TokenText, chat_logprobs, completion_logprobs, echo_entries
+from clusteropt_cli.core.serve.protocol import ChatBody, ChatMessage, CompletionBody, openai_error, unsupported_field
 from clusteropt_cli.core.serve.requests import (
     EngineDeadError,
     EngineStoppedError,
@@ -22,6 +26,13 @@ from clusteropt_cli.core.serve.requests import (
 )
 from clusteropt_cli.core.serve.server import ServerLimits
 from clusteropt_cli.errors import BadInputError
+
+if TYPE_CHECKING:
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+# No `from __future__ import annotations`: FastAPI resolves the annotations of the route functions (`Request`) in
+# the module they are defined in, and fastapi is imported only in add_openai_routes.
 
 # names apply_chat_template gives meaning to itself: never taken from a request's chat_template_kwargs
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -46,6 +57,7 @@ def template_variables(tokenizer: Any) -> frozenset[str]:
         return frozenset()
     return frozenset(names - _RESERVED_TEMPLATE_KWARGS)
 
+
 class _ClientGone(Exception):
     pass
 
@@ -63,42 +75,210 @@ def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limits: ServerLimits,
-                      off_loop: Callable, error: Callable, invalid: Callable, engine_dead: Callable) -> None:
-    """Register the OpenAI endpoints on `app` (build_app calls it with its error and off-loop helpers)."""
-    from fastapi import Request
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from pydantic import ValidationError
+def _is_reply(value: Any) -> bool:
+    """A helper answered with an error response instead of its value."""
+    from fastapi.responses import JSONResponse
 
-    from clusteropt_cli.core.serve.openai_extras import (
-        TokenText,
-        chat_logprobs,
-        completion_logprobs,
-        echo_entries,
-    )
-    from clusteropt_cli.core.serve.protocol import (
-        ChatBody,
-        ChatMessage,
-        CompletionBody,
-        openai_error,
-        unsupported_field,
-    )
+    return isinstance(value, JSONResponse)
 
-    max_prompt_chars = limits.prompt_chars(engine.max_model_len)
-    tokenizer = engine.tokenizer
-    template_kwargs = template_variables(tokenizer)
-    created = int(time.time())
 
-    grammars: list[Any] = []  # the structured.GrammarCompiler, built on the first constrained request
+def usage(results: list[GenerationResult]) -> dict[str, int]:
+    prompt = sum(r.num_prompt_tokens for r in results)
+    completion = sum(r.num_output_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def compile_grammar(build: Callable, *args: Any) -> Any:
+
+def token_ids(body: Any, result: GenerationResult) -> dict[str, Any]:
+    """vLLM's `return_token_ids` extra: the prompt and output token ids next to the text."""
+    if not (body.model_extra or {}).get("return_token_ids"):
+        return {}
+    return {"prompt_token_ids": result.prompt_ids, "token_ids": result.output_ids}
+
+
+def finish_reason(result: GenerationResult) -> str:
+    return result.finish_reason if result.finish_reason in ("stop", "length") else "abort"
+
+
+def _cancel_unfinished(handles: list[RequestHandle]) -> None:
+    for h in handles:
+        if not h.done:
+            h.cancel()
+
+
+async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, list[int] | None]]:
+    """Token chunks of several handles as (index, ids); (index, None) when one finishes."""
+    if len(handles) == 1:
+        async for ids in handles[0]:
+            yield 0, ids
+        yield 0, None
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, h: RequestHandle) -> None:
+        async for ids in h:
+            await queue.put((i, ids))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        remaining = len(handles)
+        while remaining:
+            item = await queue.get()
+            if item[1] is None:
+                remaining -= 1
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class TokenStream:
+    """The server-sent events of one streamed completion or chat completion: each choice's text as it is
+    detokenized (with its logprobs and the running usage when asked), its finish reason, the usage, [DONE]."""
+
+    def __init__(self, handles: list[RequestHandle], body: Any, kind: str, *, logprobs: bool, tokenizer: Any,
+                 text_of: TokenText, served_model_name: str):
+        self.handles, self.body, self.kind, self.logprobs = handles, body, kind, logprobs
+        self.text_of, self.served_model_name = text_of, served_model_name
+        self.rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self.now = int(time.time())
+        self.streams = [TextStream(tokenizer, body.stop_list()) for _ in handles]
+        # the per-token event, pre-rendered around the JSON-escaped text (the same document json.dumps of
+        # chunk(index, text, None) gives, without building and encoding the dicts for every token)
+        self.head = json.dumps({"id": self.rid, "object": self.obj, "created": self.now, "model": served_model_name},
+                               separators=(",", ":"))[:-1] + ',"choices":[{"index":'
+        self.field = ',"delta":{"content":' if kind == "chat" else ',"text":'
+        self.tail = '},"logprobs":null,"finish_reason":null}]}\n\n' if kind == "chat" else (
+            ',"logprobs":null,"finish_reason":null}]}\n\n')
+        self.continuous = body.continuous_usage()
+        self.sent = [0] * len(handles)  # tokens streamed per choice (the logprob entries' keys)
+
+    def chunk(self, index: int, text: str | None, reason: str | None, role: bool = False) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
+                {"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return {"id": self.rid, "object": self.obj, "created": self.now, "model": self.served_model_name,
+                "choices": [choice]}
+
+    def token_event(self, index: int, text: str) -> str:
+        return f"data: {self.head}{index}{self.field}{json.dumps(text)}{self.tail}"
+
+    def rich_event(self, index: int, ids: list[int], delta: str) -> str:
+        """A token event with logprobs and/or running usage (the slower, dict-built path)."""
+        payload = self.chunk(index, delta, None)
+        if self.logprobs:
+            handle = self.handles[index]
+            entries = [handle.logprobs.get(self.sent[index] + i) for i in range(len(ids))]
+            entries = [e for e in entries if e is not None]
+            payload["choices"][0]["logprobs"] = (chat_logprobs(self.text_of, entries) if self.kind == "chat"
+                                                 else completion_logprobs(self.text_of, entries))
+        if self.continuous:
+            prompt = sum(len(h.request.prompt_ids) for h in self.handles)
+            done = sum(self.sent) + len(ids)
+            payload["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        return _sse(payload)
+
+    async def events(self) -> AsyncIterator[str]:
+        handles = self.handles
+        try:
+            if self.kind == "chat":
+                for i in range(len(handles)):
+                    yield _sse(self.chunk(i, None, None, role=True))
+            async for index, ids in merged(handles):
+                if ids is not None:
+                    delta = self.streams[index].push(ids)
+                    if self.logprobs or self.continuous:
+                        event = self.rich_event(index, ids, delta)
+                        self.sent[index] += len(ids)
+                        yield event
+                    elif delta:
+                        yield self.token_event(index, delta)
+                    continue
+                result = handles[index].result()
+                if result.finish_reason == "error":  # the status line is sent: an error event, as vLLM does
+                    yield _sse(openai_error(f"The request failed in the engine: {result.error}", 500))
+                    yield _sse("[DONE]")
+                    return
+                tail = self.streams[index].finish(result.text)
+                yield _sse(self.chunk(index, tail, finish_reason(result)))
+            if self.body.include_usage():
+                payload = {"id": self.rid, "object": self.obj, "created": self.now, "model": self.served_model_name,
+                           "choices": [], "usage": usage([h.result() for h in handles])}
+                yield _sse(payload)
+            yield _sse("[DONE]")
+        finally:
+            _cancel_unfinished(handles)
+
+
+class OpenAIRoutes:
+    """The OpenAI endpoints over one engine, and what they share: the served model name, the limits, the
+    tokenizer and the variables of its chat template, the model's sampling defaults and the grammar compiler.
+    `error` and `invalid` build error responses; `off_loop` runs CPU work on the front end's worker threads."""
+
+    def __init__(self, app: Any, engine: Engine, *, served_model_name: str, limits: ServerLimits,
+                 off_loop: Callable, error: Callable, invalid: Callable):
+        self.app, self.engine, self.served_model_name, self.limits = app, engine, served_model_name, limits
+        self.off_loop, self.error, self.invalid = off_loop, error, invalid
+        self.max_prompt_chars = limits.prompt_chars(engine.max_model_len)
+        self.tokenizer = engine.tokenizer
+        self.template_kwargs = template_variables(self.tokenizer)
+        self.created = int(time.time())
+        self.grammar_compiler: Any = None  # the structured.GrammarCompiler, built on the first constrained request
+        self.defaults = getattr(engine, "sampling_defaults", None) or {}  # generation_config.json, as vLLM does
+        self.text_of = TokenText(self.tokenizer)
+        self.submit_many = getattr(engine, "submit_many", None)  # the split server's EngineClient: one message
+
+    # ---- request parsing and checks --------------------------------------------------------------------------
+
+    async def json_body(self, request: "Request") -> Any:
+        """The body as plain JSON, parsed on a worker thread (lone surrogates are invalid JSON here: 400)."""
+        import pydantic_core
+
+        try:
+            return await self.off_loop(pydantic_core.from_json, await request.body())
+        except ValueError as exc:
+            return self.error(400, f"The request body is not valid JSON (UTF-8 text without lone surrogates): {exc}.")
+
+    async def parse(self, request: "Request", model: type) -> Any:
+        """The body as `model`, parsed on a worker thread; an error response when it is malformed."""
+        raw = await request.body()
+        try:
+            body = await self.off_loop(model.model_validate_json, raw)
+        except ValidationError as exc:
+            return self.invalid(list(exc.errors()))
+        bad = self.check_model(body.model)
+        if bad is not None:
+            return bad
+        field_ = unsupported_field(body)
+        if field_ is not None:
+            return self.error(400, f"'{field_}' is not supported by this server (copt serve); remove it from the "
+                                   "request.", param=field_, code="unsupported_parameter")
+        return body
+
+    def check_model(self, name: str | None) -> "JSONResponse | None":
+        if name and name not in (self.served_model_name, self.engine.model_name):
+            return self.error(404, f"The model '{name}' does not exist; this server serves "
+                                   f"'{self.served_model_name}'.",
+                              err_type="not_found_error", param="model", code="model_not_found")
+        return None
+
+    def too_long_prompt(self, chars: int, param: str) -> "JSONResponse":
+        return self.error(413, f"The prompt has {chars} characters; this server accepts at most "
+                               f"{self.max_prompt_chars} (--max-prompt-chars).", param=param, code="prompt_too_long")
+
+    def compile_grammar(self, build: Callable, *args: Any) -> Any:
         from clusteropt_cli.core.serve.structured import GrammarCompiler
 
-        if not grammars:
-            grammars.append(GrammarCompiler(tokenizer, engine.runner.vocab_size, engine.eos_ids))
-        return build(*args, grammars[0])
+        if self.grammar_compiler is None:
+            self.grammar_compiler = GrammarCompiler(self.tokenizer, self.engine.runner.vocab_size,
+                                                    self.engine.eos_ids)
+        return build(*args, self.grammar_compiler)
 
-    async def structured(body: Any, functions: list[dict[str, Any]] | None = None,
+    async def structured(self, body: Any, functions: list[dict[str, Any]] | None = None,
                          mode: str | None = None) -> Any:
         """The request's grammar (None: unconstrained), or a 400 naming the field the grammar library refuses."""
         from clusteropt_cli.core.serve.structured import (
@@ -111,63 +291,28 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
             if mode not in (None, "auto"):
                 parallel = (body.model_extra or {}).get("parallel_tool_calls") is not False
                 spec: list = ["tools", functions, mode, parallel]
-                grammar = await off_loop(compile_grammar, lambda *a: tool_grammar(*a, parallel=parallel), functions,
-                                         mode)
+                grammar = await self.off_loop(self.compile_grammar, lambda *a: tool_grammar(*a, parallel=parallel),
+                                              functions, mode)
             else:
                 fmt = (body.model_extra or {}).get("response_format")
                 if fmt is None or fmt == {"type": "text"}:
                     return None
                 spec = ["response_format", fmt]
-                grammar = await off_loop(compile_grammar, response_format_grammar, fmt)
+                grammar = await self.off_loop(self.compile_grammar, response_format_grammar, fmt)
         except StructuredOutputError as exc:
-            return error(400, exc.message, param=exc.param)
-        if grammar is not None and getattr(engine, "remote", False):  # the engine core compiles it from its spec
+            return self.error(400, exc.message, param=exc.param)
+        if grammar is not None and getattr(self.engine, "remote", False):  # the engine core compiles its spec
             from clusteropt_cli.core.serve.engine_client import WireGrammar
 
             return WireGrammar(spec, grammar)
         return grammar
 
-    async def json_body(request: Request) -> Any:
-        """The body as plain JSON, parsed on a worker thread (lone surrogates are invalid JSON here: 400)."""
-        import pydantic_core
+    # ---- the engine: requests, submission, results -----------------------------------------------------------
 
-        try:
-            return await off_loop(pydantic_core.from_json, await request.body())
-        except ValueError as exc:
-            return error(400, f"The request body is not valid JSON (UTF-8 text without lone surrogates): {exc}.")
-
-    async def parse(request: Request, model: type) -> Any:
-        """The body as `model`, parsed on a worker thread; an error response when it is malformed."""
-        raw = await request.body()
-        try:
-            body = await off_loop(model.model_validate_json, raw)
-        except ValidationError as exc:
-            return invalid(list(exc.errors()))
-        bad = check_model(body.model)
-        if bad is not None:
-            return bad
-        field_ = unsupported_field(body)
-        if field_ is not None:
-            return error(400, f"'{field_}' is not supported by this server (copt serve); remove it from the "
-                              "request.", param=field_, code="unsupported_parameter")
-        return body
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
-                                            "owned_by": "copt", "max_model_len": engine.max_model_len}]}
-
-    def check_model(name: str | None) -> JSONResponse | None:
-        if name and name not in (served_model_name, engine.model_name):
-            return error(404, f"The model '{name}' does not exist; this server serves '{served_model_name}'.",
-                         err_type="not_found_error", param="model", code="model_not_found")
-        return None
-
-    defaults = getattr(engine, "sampling_defaults", None) or {}  # generation_config.json, as vLLM applies it
-
-    def to_request(body: Any, prompt_ids: list[int], max_tokens: int | None, *, choice: int = 0,
+    def to_request(self, body: Any, prompt_ids: list[int], max_tokens: int | None, *, choice: int = 0,
                    logprobs: int | None = None, prompt_logprobs: int | None = None,
                    grammar: Any = None) -> GenerationRequest:
+        defaults = self.defaults
         top_k = defaults.get("top_k", 0) if body.top_k is None else body.top_k
 
         def given(key: str) -> float:  # the request's value, else the model's default, else the protocol's
@@ -189,42 +334,31 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
             grammar=grammar)
 
-    text_of = TokenText(tokenizer)
-
-    submit_many = getattr(engine, "submit_many", None)  # the split server's EngineClient: one message, awaited
-
-    async def submit_all(requests: list[GenerationRequest]) -> list[RequestHandle] | JSONResponse:
-        if app.state.draining:
-            return error(503, "The server is shutting down.")
+    async def submit_all(self, requests: list[GenerationRequest]) -> "list[RequestHandle] | JSONResponse":
+        if self.app.state.draining:
+            return self.error(503, "The server is shutting down.")
         handles: list[RequestHandle] = []
         try:
-            if submit_many is not None:
-                handles = await submit_many(requests)
+            if self.submit_many is not None:
+                handles = await self.submit_many(requests)
             else:
                 first: dict[tuple[int, ...], RequestHandle] = {}  # n > 1: the choices share their prompt's prefill
                 for req in requests:
                     key = tuple(req.prompt_ids)
-                    handles.append(engine.submit(req, share_prompt_with=first.get(key)))
+                    handles.append(self.engine.submit(req, share_prompt_with=first.get(key)))
                     first.setdefault(key, handles[-1])
         except (BadInputError, QueueFullError, EngineStoppedError) as exc:
             for h in handles:
                 h.cancel()
             if isinstance(exc, EngineDeadError):
-                return error(500, exc.message, err_type="server_error", code="engine_dead")
+                return self.error(500, exc.message, err_type="server_error", code="engine_dead")
             status = 400 if isinstance(exc, BadInputError) else 429 if isinstance(exc, QueueFullError) else 503
             param = exc.param if isinstance(exc, InvalidRequestError) else "prompt" if status == 400 else None
-            return error(status, exc.message, param=param)
+            return self.error(status, exc.message, param=param)
         return handles
 
-    def failed(results: list[GenerationResult]) -> JSONResponse | None:
-        """A 500 for a request the engine failed (its own fault in a step, or a dead engine)."""
-        for r in results:
-            if r.finish_reason == "error":
-                return error(500, f"The request failed in the engine: {r.error}", err_type="server_error",
-                             code="engine_dead" if engine.error is not None else "request_failed")
-        return None
-
-    async def await_results(request: Request, handles: list[RequestHandle]) -> list[GenerationResult]:
+    async def await_results(self, request: "Request", handles: list[RequestHandle]) -> list[GenerationResult]:
+        """The results of every handle; _ClientGone (the handles cancelled) when the client disconnects."""
         tasks = [asyncio.ensure_future(h.wait()) for h in handles]
         try:
             while True:
@@ -234,146 +368,53 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
                 if await request.is_disconnected():
                     raise _ClientGone()
         finally:
-            for h in handles:
-                if not h.done:
-                    h.cancel()
+            _cancel_unfinished(handles)
             for t in tasks:
                 t.cancel()
 
-    def usage(results: list[GenerationResult]) -> dict[str, int]:
-        prompt = sum(r.num_prompt_tokens for r in results)
-        completion = sum(r.num_output_tokens for r in results)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def token_ids(body: Any, result: GenerationResult) -> dict[str, Any]:
-        """vLLM's `return_token_ids` extra: the prompt and output token ids next to the text."""
-        if not (body.model_extra or {}).get("return_token_ids"):
-            return {}
-        return {"prompt_token_ids": result.prompt_ids, "token_ids": result.output_ids}
-
-    def finish_reason(result: GenerationResult) -> str:
-        return result.finish_reason if result.finish_reason in ("stop", "length") else "abort"
-
-    def too_long_prompt(chars: int, param: str) -> JSONResponse:
-        return error(413, f"The prompt has {chars} characters; this server accepts at most {max_prompt_chars} "
-                          "(--max-prompt-chars).", param=param, code="prompt_too_long")
-
-    async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, list[int] | None]]:
-        """Token chunks of several handles as (index, ids); (index, None) when one finishes."""
-        if len(handles) == 1:
-            async for ids in handles[0]:
-                yield 0, ids
-            yield 0, None
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, h: RequestHandle) -> None:
-            async for ids in h:
-                await queue.put((i, ids))
-            await queue.put((i, None))
-
-        tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    async def results_or_error(self, request: "Request",
+                               handles: list[RequestHandle]) -> "list[GenerationResult] | JSONResponse":
+        """The results, or a 499 for a client gone, or a 500 for a request the engine failed (its own fault in a
+        step, or a dead engine)."""
         try:
-            remaining = len(handles)
-            while remaining:
-                item = await queue.get()
-                if item[1] is None:
-                    remaining -= 1
-                yield item
-        finally:
-            for t in tasks:
-                t.cancel()
+            results = await self.await_results(request, handles)
+        except _ClientGone:
+            return self.error(499, "Client disconnected.")
+        for r in results:
+            if r.finish_reason == "error":
+                return self.error(500, f"The request failed in the engine: {r.error}", err_type="server_error",
+                                  code="engine_dead" if self.engine.error is not None else "request_failed")
+        return results
 
-    def stream_response(handles: list[RequestHandle], body: Any, kind: str,
-                        logprobs: bool = False) -> StreamingResponse:
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        now = int(time.time())
-        streams = [TextStream(tokenizer, body.stop_list()) for _ in handles]
+    # ---- tokenization -----------------------------------------------------------------------------------------
 
-        def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> dict[str, Any]:
-            if kind == "chat":
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
-                    {"content": text} if text else {})
-                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-            else:
-                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
-            return {"id": rid, "object": obj, "created": now, "model": served_model_name, "choices": [choice]}
+    def encode_all(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        return [self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
 
-        # the per-token event, pre-rendered around the JSON-escaped text (the same document json.dumps of
-        # chunk(index, text, None) gives, without building and encoding the dicts for every token)
-        head = json.dumps({"id": rid, "object": obj, "created": now, "model": served_model_name},
-                          separators=(",", ":"))[:-1] + ',"choices":[{"index":'
-        field_ = ',"delta":{"content":' if kind == "chat" else ',"text":'
-        tail = '},"logprobs":null,"finish_reason":null}]}\n\n' if kind == "chat" else (
-            ',"logprobs":null,"finish_reason":null}]}\n\n')
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool, kwargs: dict[str, Any],
+                    add_special_tokens: bool = False) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-        def token_event(index: int, text: str) -> str:
-            return f"data: {head}{index}{field_}{json.dumps(text)}{tail}"
+    # ---- streaming --------------------------------------------------------------------------------------------
 
-        continuous = body.continuous_usage()
-        sent = [0] * len(handles)  # tokens streamed per choice (the logprob entries' keys)
+    def stream_response(self, handles: list[RequestHandle], body: Any, kind: str,
+                        logprobs: bool = False) -> "StreamingResponse":
+        stream = TokenStream(handles, body, kind, logprobs=logprobs, tokenizer=self.tokenizer, text_of=self.text_of,
+                             served_model_name=self.served_model_name)
+        return _event_stream(stream.events())
 
-        def rich_event(index: int, ids: list[int], delta: str) -> str:
-            """A token event with logprobs and/or running usage (the slower, dict-built path)."""
-            payload = chunk(index, delta, None)
-            if logprobs:
-                handle = handles[index]
-                entries = [handle.logprobs.get(sent[index] + i) for i in range(len(ids))]
-                entries = [e for e in entries if e is not None]
-                payload["choices"][0]["logprobs"] = (chat_logprobs(text_of, entries) if kind == "chat"
-                                                     else completion_logprobs(text_of, entries))
-            if continuous:
-                prompt = sum(len(h.request.prompt_ids) for h in handles)
-                done = sum(sent) + len(ids)
-                payload["usage"] = {"prompt_tokens": prompt, "completion_tokens": done,
-                                    "total_tokens": prompt + done}
-            return _sse(payload)
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                if kind == "chat":
-                    for i in range(len(handles)):
-                        yield _sse(chunk(i, None, None, role=True))
-                async for index, ids in merged(handles):
-                    if ids is not None:
-                        delta = streams[index].push(ids)
-                        if logprobs or continuous:
-                            event = rich_event(index, ids, delta)
-                            sent[index] += len(ids)
-                            yield event
-                        elif delta:
-                            yield token_event(index, delta)
-                        continue
-                    result = handles[index].result()
-                    if result.finish_reason == "error":  # the status line is sent: an error event, as vLLM does
-                        yield _sse(openai_error(f"The request failed in the engine: {result.error}", 500))
-                        yield _sse("[DONE]")
-                        return
-                    tail = streams[index].finish(result.text)
-                    yield _sse(chunk(index, tail, finish_reason(result)))
-                if body.include_usage():
-                    payload = {"id": rid, "object": obj, "created": now, "model": served_model_name, "choices": [],
-                               "usage": usage([h.result() for h in handles])}
-                    yield _sse(payload)
-                yield _sse("[DONE]")
-            finally:
-                for h in handles:
-                    if not h.done:
-                        h.cancel()
-
-        return _event_stream(events())
-
-    def tool_stream(handles: list[RequestHandle], body: Any, mode: str, names: set[str],
-                    logprobs: bool) -> StreamingResponse:
+    def tool_stream(self, handles: list[RequestHandle], body: Any, mode: str, names: set[str],
+                    logprobs: bool) -> "StreamingResponse":
         """A streamed chat completion with tools: each choice's text is parsed for tool calls once it is complete,
         then sent as one delta (`tool_calls` with their index, id, name and whole arguments, or `content`)."""
         from clusteropt_cli.core.serve.structured import parse_tool_calls
 
-        rid, now = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
+        rid, now, model = "chatcmpl-" + uuid.uuid4().hex, int(time.time()), self.served_model_name
 
         def chunk(index: int, delta: dict[str, Any], reason: str | None, lp: Any = None) -> str:
-            return _sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": served_model_name,
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model,
                          "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
 
         async def events() -> AsyncIterator[str]:
@@ -387,7 +428,7 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
                         yield _sse("[DONE]")
                         return
                     content, calls = parse_tool_calls(result.text or "", mode, names)
-                    lp = (chat_logprobs(text_of, [e for e in (result.logprobs or []) if e is not None])
+                    lp = (chat_logprobs(self.text_of, [e for e in (result.logprobs or []) if e is not None])
                           if logprobs else None)
                     if content:
                         yield chunk(i, {"content": content}, None, lp)
@@ -397,64 +438,73 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
                     reason = finish_reason(result)
                     yield chunk(i, {}, "tool_calls" if calls and reason == "stop" else reason)
                 if body.include_usage():
-                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": now,
-                                "model": served_model_name, "choices": [],
-                                "usage": usage([h.result() for h in handles])})
+                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model,
+                                "choices": [], "usage": usage([h.result() for h in handles])})
                 yield _sse("[DONE]")
             finally:
-                for h in handles:
-                    if not h.done:
-                        h.cancel()
+                _cancel_unfinished(handles)
 
         return _event_stream(events())
 
-    def encode_all(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-        return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+    # ---- GET /v1/models ---------------------------------------------------------------------------------------
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await parse(request, CompletionBody)
-        if isinstance(body, JSONResponse):
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.served_model_name, "object": "model", "created": self.created,
+                                            "owned_by": "copt", "max_model_len": self.engine.max_model_len}]}
+
+    # ---- POST /v1/completions ---------------------------------------------------------------------------------
+
+    async def completions(self, request: "Request") -> Any:
+        body = await self.parse(request, CompletionBody)
+        if _is_reply(body):
             return body
+        prompts = await self.completion_prompts(body)
+        if _is_reply(prompts):
+            return prompts
+        if body.max_tokens == 0 and not body.echo:
+            return self.error(400, "max_tokens 0 is only for echo (prompt logprobs); ask for at least 1 token.",
+                              param="max_tokens")
+        # echo + logprobs: the prompt's logprobs too (lm-evaluation-harness' loglikelihood requests)
+        prompt_lp = body.logprobs if (body.echo and body.logprobs is not None) else None
+        grammar = await self.structured(body)
+        if _is_reply(grammar):
+            return grammar
+        handles = await self.submit_all([self.to_request(body, p, body.max_tokens, choice=j, logprobs=body.logprobs,
+                                                         prompt_logprobs=prompt_lp, grammar=grammar)
+                                         for p in prompts for j in range(body.n)])
+        if not isinstance(handles, list):
+            return handles
+        if body.stream:
+            return self.stream_response(handles, body, "completion", logprobs=body.logprobs is not None)
+        results = await self.results_or_error(request, handles)
+        if not isinstance(results, list):
+            return results
+        return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
+                "model": self.served_model_name, "choices": await self.completion_choices(body, results),
+                "usage": usage(results)}
+
+    async def completion_prompts(self, body: Any) -> "list[list[int]] | JSONResponse":
+        """The prompts' token ids: text (one or a list, tokenized on a worker thread), ids, or lists of ids."""
         prompt = body.prompt
         if isinstance(prompt, str) or (prompt and all(isinstance(p, str) for p in prompt)):
             texts = [prompt] if isinstance(prompt, str) else list(prompt)
             chars = sum(len(t) for t in texts)
-            if chars > max_prompt_chars:
-                return too_long_prompt(chars, "prompt")
-            prompts = await off_loop(encode_all, texts, body.add_special_tokens)
+            if chars > self.max_prompt_chars:
+                return self.too_long_prompt(chars, "prompt")
+            prompts = await self.off_loop(self.encode_all, texts, body.add_special_tokens)
         elif prompt and all(isinstance(p, int) for p in prompt):
             prompts = [list(prompt)]
         elif prompt and all(isinstance(p, list) for p in prompt):
             prompts = [list(p) for p in prompt]
         else:
-            return error(400, "The prompt is empty.", param="prompt")
+            return self.error(400, "The prompt is empty.", param="prompt")
         if any(not p for p in prompts):
-            return error(400, "The prompt is empty.", param="prompt")
-        if body.max_tokens == 0 and not body.echo:
-            return error(400, "max_tokens 0 is only for echo (prompt logprobs); ask for at least 1 token.",
-                         param="max_tokens")
-        # echo + logprobs: the prompt's logprobs too (lm-evaluation-harness' loglikelihood requests)
-        prompt_lp = body.logprobs if (body.echo and body.logprobs is not None) else None
-        grammar = await structured(body)
-        if isinstance(grammar, JSONResponse):
-            return grammar
-        handles = await submit_all([to_request(body, p, body.max_tokens, choice=j, logprobs=body.logprobs,
-                                               prompt_logprobs=prompt_lp, grammar=grammar)
-                                    for p in prompts for j in range(body.n)])
-        if not isinstance(handles, list):
-            return handles
-        if body.stream:
-            return stream_response(handles, body, "completion", logprobs=body.logprobs is not None)
-        try:
-            results = await await_results(request, handles)
-        except _ClientGone:
-            return error(499, "Client disconnected.")
-        bad = failed(results)
-        if bad is not None:
-            return bad
-        echoed = (await off_loop(lambda: [tokenizer.decode(r.prompt_ids, skip_special_tokens=True)
-                                          for r in results])) if body.echo else None
+            return self.error(400, "The prompt is empty.", param="prompt")
+        return prompts
+
+    async def completion_choices(self, body: Any, results: list[GenerationResult]) -> list[dict[str, Any]]:
+        echoed = (await self.off_loop(lambda: [self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True)
+                                               for r in results])) if body.echo else None
         choices = []
         for i, r in enumerate(results):
             text = r.text or ""
@@ -465,80 +515,86 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
                 entries = [e for e in (r.logprobs or []) if e is not None]
                 if body.echo:
                     entries = echo_entries(r.prompt_ids, r.prompt_logprobs) + entries
-                lp = completion_logprobs(text_of, entries)
+                lp = completion_logprobs(self.text_of, entries)
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason(r),
                             "stop_reason": r.stop_reason, **token_ids(body, r)})
-        return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
-                "model": served_model_name, "choices": choices, "usage": usage(results)}
+        return choices
 
-    def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool, kwargs: dict[str, Any],
-                    add_special_tokens: bool = False) -> list[int]:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **kwargs)
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    # ---- POST /v1/chat/completions ----------------------------------------------------------------------------
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await parse(request, ChatBody)
-        if isinstance(body, JSONResponse):
+    async def chat(self, request: "Request") -> Any:
+        body = await self.parse(request, ChatBody)
+        if _is_reply(body):
             return body
-        from clusteropt_cli.core.serve.structured import StructuredOutputError, check_tools, parse_tool_calls
+        from clusteropt_cli.core.serve.structured import StructuredOutputError, check_tools
 
         extra = body.model_extra or {}
         try:
             functions, tool_mode = check_tools(extra.get("tools"), extra.get("tool_choice"))
         except StructuredOutputError as exc:
-            return error(400, exc.message, param=exc.param)
+            return self.error(400, exc.message, param=exc.param)
+        prompt_ids = await self.chat_prompt(body, functions)
+        if _is_reply(prompt_ids):
+            return prompt_ids
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        grammar = await self.structured(body, functions, tool_mode)
+        if _is_reply(grammar):
+            return grammar
+        handles = await self.submit_all([self.to_request(body, prompt_ids, max_tokens, choice=j, logprobs=top,
+                                                         grammar=grammar) for j in range(body.n)])
+        if not isinstance(handles, list):
+            return handles
+        names = {f["name"] for f in functions}
+        if body.stream and tool_mode is not None:
+            return self.tool_stream(handles, body, tool_mode, names, top is not None)
+        if body.stream:
+            return self.stream_response(handles, body, "chat", logprobs=top is not None)
+        results = await self.results_or_error(request, handles)
+        if not isinstance(results, list):
+            return results
+        return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
+                "model": self.served_model_name,
+                "choices": self.chat_choices(body, results, tool_mode, names, logprobs=top is not None),
+                "usage": usage(results)}
+
+    async def chat_prompt(self, body: Any, functions: list[dict[str, Any]]) -> "list[int] | JSONResponse":
+        """The messages rendered by the chat template (the model's own, or the request's when the server trusts
+        them) with the template variables the request may set, tokenized on a worker thread."""
         messages = [{"role": m.role, "content": m.text(),
                      **{k: v for k, v in (m.model_extra or {}).items() if k in ("tool_calls", "tool_call_id", "name")}}
                     for m in body.messages]
         chars = sum(len(m["content"]) for m in messages)
-        if chars > max_prompt_chars:
-            return too_long_prompt(chars, "messages")
+        if chars > self.max_prompt_chars:
+            return self.too_long_prompt(chars, "messages")
         requested = dict(body.chat_template_kwargs or {})
         request_template = requested.pop("chat_template", None)
         where = "chat_template_kwargs.chat_template"
         if request_template is None and (body.model_extra or {}).get("chat_template") is not None:
             request_template, where = body.model_extra["chat_template"], "chat_template"  # vLLM's top-level field
-        if request_template is not None and not limits.trust_request_chat_template:
-            return error(400, "A chat template sent with the request is refused; the server uses the model's own "
-                              "(start it with --trust-request-chat-template to allow them).",
-                         param=where, code="unsupported_parameter")
-        kwargs = {k: v for k, v in requested.items() if k in template_kwargs}
+        if request_template is not None and not self.limits.trust_request_chat_template:
+            return self.error(400, "A chat template sent with the request is refused; the server uses the model's "
+                                   "own (start it with --trust-request-chat-template to allow them).",
+                              param=where, code="unsupported_parameter")
+        kwargs = {k: v for k, v in requested.items() if k in self.template_kwargs}
         if request_template is not None:
-            if not isinstance(request_template, str) or len(request_template) > max_prompt_chars:
-                return error(400, "chat_template must be a string of a reasonable size.", param=where)
+            if not isinstance(request_template, str) or len(request_template) > self.max_prompt_chars:
+                return self.error(400, "chat_template must be a string of a reasonable size.", param=where)
             kwargs["chat_template"] = request_template
         if functions:  # rendered by the model's chat template (transformers' `tools` argument)
             kwargs["tools"] = [{"type": "function", "function": f} for f in functions]
         try:
-            prompt_ids = await off_loop(render_chat, messages, body.add_generation_prompt, kwargs,
-                                        body.add_special_tokens)
+            return await self.off_loop(self.render_chat, messages, body.add_generation_prompt, kwargs,
+                                       body.add_special_tokens)
         except Exception as exc:  # noqa: BLE001 - template errors are the client's
-            return error(400, f"Cannot apply the chat template: {exc}", param="messages")
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, engine.max_model_len - len(prompt_ids))
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        grammar = await structured(body, functions, tool_mode)
-        if isinstance(grammar, JSONResponse):
-            return grammar
-        handles = await submit_all([to_request(body, prompt_ids, max_tokens, choice=j, logprobs=top,
-                                               grammar=grammar) for j in range(body.n)])
-        if not isinstance(handles, list):
-            return handles
-        names = {f["name"] for f in functions}
-        if body.stream and tool_mode is not None:
-            return tool_stream(handles, body, tool_mode, names, top is not None)
-        if body.stream:
-            return stream_response(handles, body, "chat", logprobs=top is not None)
-        try:
-            results = await await_results(request, handles)
-        except _ClientGone:
-            return error(499, "Client disconnected.")
-        bad = failed(results)
-        if bad is not None:
-            return bad
+            return self.error(400, f"Cannot apply the chat template: {exc}", param="messages")
+
+    def chat_choices(self, body: Any, results: list[GenerationResult], tool_mode: str | None, names: set[str], *,
+                     logprobs: bool) -> list[dict[str, Any]]:
+        from clusteropt_cli.core.serve.structured import parse_tool_calls
+
         choices = []
         for i, r in enumerate(results):
             message: dict[str, Any] = {"role": "assistant", "content": r.text or ""}
@@ -549,21 +605,21 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     reason = "tool_calls" if reason == "stop" else reason
             choices.append({"index": i, "message": message,
-                            "logprobs": (chat_logprobs(text_of, [e for e in (r.logprobs or []) if e is not None])
-                                         if top is not None else None),
+                            "logprobs": (chat_logprobs(self.text_of, [e for e in (r.logprobs or []) if e is not None])
+                                         if logprobs else None),
                             "finish_reason": reason, "stop_reason": r.stop_reason, **token_ids(body, r)})
-        return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
-                "model": served_model_name, "choices": choices, "usage": usage(results)}
+        return choices
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
+    # ---- POST /tokenize, POST /detokenize (vLLM's) -------------------------------------------------------------
+
+    async def tokenize(self, request: "Request") -> Any:
         """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} → {"count", "max_model_len", "tokens"}."""
-        body = await json_body(request)
-        if isinstance(body, JSONResponse):
+        body = await self.json_body(request)
+        if _is_reply(body):
             return body
         if not isinstance(body, dict):
-            return error(400, "The request body must be a JSON object.")
-        bad = check_model(body.get("model"))
+            return self.error(400, "The request body must be a JSON object.")
+        bad = self.check_model(body.get("model"))
         if bad is not None:
             return bad
         special = body.get("add_special_tokens", True)
@@ -571,45 +627,73 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
             try:
                 messages = [ChatMessage.model_validate(m) for m in body["messages"]]
                 chars = sum(len(m.text()) for m in messages)
-                if chars > max_prompt_chars:
-                    return too_long_prompt(chars, "messages")
-                ids = await off_loop(render_chat, [{"role": m.role, "content": m.text()} for m in messages],
-                                     bool(body.get("add_generation_prompt", True)), {})
+                if chars > self.max_prompt_chars:
+                    return self.too_long_prompt(chars, "messages")
+                ids = await self.off_loop(self.render_chat, [{"role": m.role, "content": m.text()} for m in messages],
+                                          bool(body.get("add_generation_prompt", True)), {})
             except Exception as exc:  # noqa: BLE001 - the client's messages or template
-                return error(400, f"Cannot apply the chat template: {exc}", param="messages")
+                return self.error(400, f"Cannot apply the chat template: {exc}", param="messages")
         elif isinstance(body.get("prompt"), str):
-            if len(body["prompt"]) > max_prompt_chars:
-                return too_long_prompt(len(body["prompt"]), "prompt")
-            ids = await off_loop(tokenizer.encode, body["prompt"], add_special_tokens=bool(special))
+            if len(body["prompt"]) > self.max_prompt_chars:
+                return self.too_long_prompt(len(body["prompt"]), "prompt")
+            ids = await self.off_loop(self.tokenizer.encode, body["prompt"], add_special_tokens=bool(special))
         else:
-            return error(400, "Send 'prompt' (a string) or 'messages'.", param="prompt")
-        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
+            return self.error(400, "Send 'prompt' (a string) or 'messages'.", param="prompt")
+        out = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": None}
         if body.get("return_token_strs"):
-            out["token_strs"] = await off_loop(tokenizer.convert_ids_to_tokens, ids)
+            out["token_strs"] = await self.off_loop(self.tokenizer.convert_ids_to_tokens, ids)
         return out
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
+    async def detokenize(self, request: "Request") -> Any:
         """vLLM's /detokenize: {"tokens": [ids]} → {"prompt": text}."""
-        body = await json_body(request)
-        if isinstance(body, JSONResponse):
+        body = await self.json_body(request)
+        if _is_reply(body):
             return body
         tokens = body.get("tokens") if isinstance(body, dict) else None
-        vocab = engine.runner.vocab_size
+        vocab = self.engine.runner.vocab_size
 
-        most = 4 * engine.max_model_len  # decoding holds the GIL: a bounded list keeps the event loop responsive
+        most = 4 * self.engine.max_model_len  # decoding holds the GIL: a bounded list keeps the event loop responsive
 
         def checked_decode() -> str | None:  # on a worker thread: the ids may be many
             if not isinstance(tokens, list) or len(tokens) > most or not all(
                     type(t) is int and 0 <= t < vocab for t in tokens):
                 return None
-            return tokenizer.decode(tokens)
+            return self.tokenizer.decode(tokens)
 
-        bad = check_model(body.get("model")) if isinstance(body, dict) else None
+        bad = self.check_model(body.get("model")) if isinstance(body, dict) else None
         if bad is not None:
             return bad
-        text = await off_loop(checked_decode)
+        text = await self.off_loop(checked_decode)
         if text is None:
-            return error(400, f"'tokens' must be a list of at most {most} token ids in [0, {vocab}).",
-                         param="tokens")
+            return self.error(400, f"'tokens' must be a list of at most {most} token ids in [0, {vocab}).",
+                              param="tokens")
         return {"prompt": text}
+
+
+def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limits: ServerLimits,
+                      off_loop: Callable, error: Callable, invalid: Callable, engine_dead: Callable) -> None:
+    """Register the OpenAI endpoints on `app` (build_app calls it with its error and off-loop helpers)."""
+    from fastapi import Request
+
+    routes = OpenAIRoutes(app, engine, served_model_name=served_model_name, limits=limits, off_loop=off_loop,
+                          error=error, invalid=invalid)
+
+    @app.get("/v1/models")
+    async def models():
+        return routes.models()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await routes.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await routes.chat(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await routes.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await routes.detokenize(request)
