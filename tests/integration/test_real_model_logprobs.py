@@ -1,6 +1,7 @@
 """Logprobs on real weights (SmolLM2-135M-Instruct, tests/real_model.py): the engine's prompt logprobs and sampled
 token logprobs are transformers' log_softmax of the same fp32 model, top alternatives in the same order, through
-the paged KV cache (block size 16) and through a prefix-cache hit."""
+the paged KV cache (block size 16) and through a prefix-cache hit; in-process and through `copt serve`'s
+OpenAI routes (completions with echo, chat top_logprobs)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,57 @@ def test_engine_logprobs_equal_hf_log_softmax(real_model, smol):
         _assert_entries(first.logprobs, full[len(prompt) - 1 :], reference[len(prompt) - 1 :], f"output {i}")
         assert again.output_ids == first.output_ids and again.prompt_logprobs is None
         _assert_entries(again.logprobs, full[len(prompt) - 1 :], reference[len(prompt) - 1 :], f"cached {i}")
+
+
+def test_served_logprobs_equal_hf_log_softmax(real_model, smol):
+    """The same through `copt serve`'s OpenAI surface: /v1/completions with echo (prompt logprobs, lm-eval's
+    loglikelihood shape) and again from the prefix cache, and /v1/chat/completions' top_logprobs — HF's values, the
+    top alternatives in HF's order, as token texts."""
+    import httpx
+
+    from tests.integration.test_serve_helpers import metric, running_server
+
+    model, tok = smol
+    text = TEXTS[2]
+    question = [{"role": "user", "content": "Name the largest planet in the solar system."}]
+    body = {"prompt": text, "max_tokens": 5, "temperature": 0, "logprobs": 3, "ignore_eos": True,
+            "return_token_ids": True}
+    with running_server(real_model.model, "--max-model-len", "256", "--kv-cache-memory", "0.1", "--metrics-public",
+                        "--served-model-name", "smol", startup_timeout=180) as (url, _proc):
+        echoed = httpx.post(url + "/v1/completions", json={**body, "echo": True}, timeout=120).json()["choices"][0]
+        cached = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+        hits = metric(url, "vllm:prefix_cache_hits_total", 'model_name="smol"')
+        chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "messages": question, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+            "return_token_ids": True}).json()["choices"][0]
+    prompt = tok(text)["input_ids"]
+    assert echoed["prompt_token_ids"] == prompt and cached["token_ids"] == echoed["token_ids"]
+    assert hits == (len(prompt) - 1) // 16 * 16 > 0  # the second request's full prompt blocks came from the cache
+    full = prompt + echoed["token_ids"]
+    reference = _hf_logprobs(model, full)
+    lp = echoed["logprobs"]
+    assert len(lp["token_logprobs"]) == len(full) and lp["token_logprobs"][0] is None
+    decode = lambda i: tok.decode([i])  # noqa: E731 - the server's token texts: each token decoded alone
+
+    def check(value, top, position, token):
+        row = reference[position]
+        assert value == pytest.approx(row[token].item(), abs=TOL)
+        want_v, want_i = row.topk(3)
+        assert list(top)[:3] == [decode(i) for i in want_i.tolist()]
+        assert list(top.values())[:3] == pytest.approx(want_v.tolist(), abs=TOL)
+
+    for j in range(1, len(full)):  # prompt tokens (echo) and the generated ones
+        check(lp["token_logprobs"][j], lp["top_logprobs"][j], j - 1, full[j])
+    for j, token in enumerate(cached["token_ids"]):  # through the prefix cache
+        check(cached["logprobs"]["token_logprobs"][j], cached["logprobs"]["top_logprobs"][j],
+              len(prompt) - 1 + j, token)
+    chat_prompt = tok.apply_chat_template(question, add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)["input_ids"]
+    chat_full = chat_prompt + chat["token_ids"]
+    reference = _hf_logprobs(model, chat_full)
+    entries = chat["logprobs"]["content"]
+    assert len(entries) == len(chat["token_ids"]) > 0
+    for j, (entry, token) in enumerate(zip(entries, chat["token_ids"], strict=True)):
+        check(entry["logprob"], {e["token"]: e["logprob"] for e in entry["top_logprobs"]}, len(chat_prompt) - 1 + j,
+              token)
+        assert entry["token"] == decode(token) == entry["top_logprobs"][0]["token"]  # greedy: the most likely
