@@ -30,7 +30,7 @@ APP_SETTINGS: dict = dict(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120},  # up to the terminal's width
     cls=Group,
     # click's plain help: typer's rich help imports rich.markdown, rich.traceback and pygments (~100 ms) and
     # reads help text as rich markup, dropping the "[train]"/"[infer]" tags of advise's flags
