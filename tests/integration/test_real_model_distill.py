@@ -1,5 +1,6 @@
 """copt distill on real weights (SmolLM2-135M-Instruct, tests/real_model.py): soft-label KL distillation into a
-smaller student sharing the tokenizer lowers the student's KL to the teacher on held-out text; `distill traces
+smaller student sharing the tokenizer lowers the student's KL to the teacher on held-out text, more than
+cross-entropy alone at the same budget; `distill traces
 --verify` on simple arithmetic keeps the teacher's right answers and only those."""
 
 from __future__ import annotations
@@ -65,6 +66,23 @@ def test_kl_distillation_lowers_the_students_kl_to_the_teacher(real_model, stude
     assert before > 5.0, result
     assert after < 0.8 * before, result
     assert result["train"]["final_loss"] < result["train"]["first_loss"]
+    # cross-entropy alone on the same data, steps and learning rate moves the student less towards the teacher
+    import torch
+
+    from clusteropt_cli.core.distill.logits import distill_logits
+    from clusteropt_cli.recipe.schema.distill import DistillRecipe
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ce = distill_logits(DistillRecipe(mode="logits", teacher=str(real_model.model), student=str(student),
+                                          data=str(real_model.calib_text), alpha=0.0, temperature=1.0, max_steps=8,
+                                          seq_len=32, micro_batch=4, lr=5e-4, precision="fp32"),
+                            output_dir=tmp_path / "ce", eval_text=real_model.eval_text)
+    finally:
+        torch.set_num_threads(threads)
+    assert ce.eval_kl_before == pytest.approx(before, rel=1e-4)  # the same student, the same held-out blocks
+    assert after < ce.eval_kl_after - 0.2, (after, ce.eval_kl_after)  # measured 9.35 vs 9.80
     saved = json.loads((out / "config.json").read_text())
     assert saved["num_hidden_layers"] == len(STUDENT_LAYERS) and saved["vocab_size"] == 49152
     assert (out / "tokenizer.json").exists()
