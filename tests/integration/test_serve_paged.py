@@ -99,6 +99,31 @@ def test_preemption_recomputes_and_keeps_greedy_and_seeded_outputs(fixtures):
     assert [r.output_ids for r in sampled] == [r.output_ids for r in reference]
 
 
+def test_prompt_logprobs_survive_preemption_during_prefill(fixtures):
+    """A sequence preempted in the middle of its chunked prefill computes its prompt again: its prompt logprobs
+    are those of a roomy engine, one per prompt token (not the recomputed positions twice), with their ranks."""
+    prompts = eval_prompts(fixtures, 6, min_len=60, max_len=90, seed=7)
+
+    def requests():
+        return _requests(prompts, [20] * len(prompts), prompt_logprobs=2)
+
+    with _engine(fixtures, max_model_len=128, kv_cache_tokens=144, max_batch_tokens=16) as engine:
+        tight = engine.generate(requests())
+        assert engine.stats.preemptions > 0
+        _assert_no_leak(engine)
+    with _engine(fixtures, max_model_len=128) as roomy:
+        reference = roomy.generate(requests())
+        assert roomy.stats.preemptions == 0
+    for prompt, got, want in zip(prompts, tight, reference, strict=True):
+        assert got.output_ids == want.output_ids
+        assert len(got.prompt_logprobs) == len(got.prompt_ranks) == len(prompt)
+        assert got.prompt_ranks == want.prompt_ranks and got.prompt_ranks[0] is None
+        for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+            assert a[0] == b[0] and a[1] == pytest.approx(b[1], abs=1e-4)
+        for (tok, _lp, top), rank in zip(got.prompt_logprobs[1:], got.prompt_ranks[1:], strict=True):
+            assert rank >= 1 and (rank == 1) == (tok == top[0][0])  # rank 1: the most likely token
+
+
 def _peak_running(engine, requests) -> tuple[int, list]:
     """Run the requests; the most sequences the scheduler had running at the end of a step."""
     seen = [0]

@@ -106,8 +106,8 @@ class _Seq:
 
     __slots__ = ("req", "handle", "rid", "prompt", "out", "num_computed", "slot", "draft_computed", "settings",
                  "temperature", "top_p", "stop_ids", "max_new", "t_arrival", "t_first", "t_last", "drafted",
-                 "accepted", "finish_reason", "stop_reason", "text", "prompt_lp", "fault", "detok", "leader",
-                 "matcher", "blocks", "hashes", "registered")
+                 "accepted", "finish_reason", "stop_reason", "text", "prompt_lp", "prompt_rank", "fault", "detok",
+                 "leader", "matcher", "blocks", "hashes", "registered")
 
     def __init__(self, req: GenerationRequest, handle: RequestHandle, stop_ids: set[int], max_new: int,
                  settings: RowSettings):
@@ -120,6 +120,7 @@ class _Seq:
         self.settings = settings
         self.temperature, self.top_p = float(req.temperature), float(req.top_p)
         self.prompt_lp: list[Any] | None = [None] if req.prompt_logprobs is not None else None
+        self.prompt_rank: list[int | None] | None = [None] if req.prompt_logprobs is not None else None
         self.leader: _Seq | None = None  # shares the prompt's KV cache of this sequence (n > 1)
         self.stop_ids, self.max_new = stop_ids, max_new
         self.t_arrival = time.perf_counter()
@@ -852,17 +853,23 @@ class Engine(EngineLoading, SpeculativeDecoding):
             seq.handle.logprobs[len(seq.out)] = (chosen[j], values[j], top)
 
     def _record_prompt_logprobs(self, seq: _Seq, logits, start: int) -> None:
-        """Logprobs (of the model's raw distribution) of prompt tokens start+1 .. from the chunk's rows."""
+        """Logprobs (of the model's raw distribution) of prompt tokens start+1 .. from the chunk's rows. A sequence
+        preempted during its prefill computes its prompt again from the start: positions already recorded are
+        skipped, not appended twice."""
         import torch
 
         from clusteropt_cli.core.serve.device_sampling import LOGPROB_FLOOR
 
-        targets = seq.prompt[start + 1 : start + 1 + logits.shape[0]]
+        skip = len(seq.prompt_lp) - 1 - start  # prompt_lp holds tokens 0 .. len-1 (token 0: None)
+        targets = seq.prompt[start + 1 + max(skip, 0) : start + 1 + logits.shape[0]]
         if not targets:
             return
+        logits = logits[max(skip, 0) :]
         lp = torch.log_softmax(logits[: len(targets)].float(), -1).clamp_min(LOGPROB_FLOOR)
         t = torch.tensor(targets, dtype=torch.long, device=lp.device)
-        values = lp.gather(1, t[:, None])[:, 0].tolist()
+        chosen = lp.gather(1, t[:, None])
+        values = chosen[:, 0].tolist()
+        seq.prompt_rank.extend(((lp > chosen).sum(-1) + 1).tolist())  # vLLM's rank: 1 + the tokens more likely
         k = seq.req.prompt_logprobs
         top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
         for tok, v, ti, tv in zip(targets, values, top_i.tolist(), top_v.tolist(), strict=True):
@@ -973,7 +980,7 @@ class Engine(EngineLoading, SpeculativeDecoding):
             latency_s=now - seq.t_arrival, spec_drafted=seq.drafted, spec_accepted=seq.accepted, error=error,
             logprobs=([seq.handle.logprobs.get(i) for i in range(len(seq.out))]
                       if seq.req.logprobs is not None else None),
-            prompt_logprobs=seq.prompt_lp)
+            prompt_logprobs=seq.prompt_lp, prompt_ranks=seq.prompt_rank)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         seq.handle._push(pushed or [], result, wakes=self._wakes)
         try:

@@ -63,7 +63,8 @@ def result_to_wire(result: GenerationResult) -> dict[str, Any]:
     return {"finish_reason": result.finish_reason, "text": result.text, "stop_reason": result.stop_reason,
             "ttft_s": result.ttft_s, "latency_s": result.latency_s, "spec_drafted": result.spec_drafted,
             "spec_accepted": result.spec_accepted, "error": result.error, "output_ids": result.output_ids,
-            "logprobs": result.logprobs, "prompt_logprobs": result.prompt_logprobs}
+            "logprobs": result.logprobs, "prompt_logprobs": result.prompt_logprobs,
+            "prompt_ranks": result.prompt_ranks}
 
 
 def result_from_wire(wire: dict[str, Any], request_id: str, prompt_ids: list[int]) -> GenerationResult:
@@ -75,7 +76,8 @@ def result_from_wire(wire: dict[str, Any], request_id: str, prompt_ids: list[int
         ttft_s=wire.get("ttft_s"), latency_s=wire.get("latency_s") or 0.0, spec_drafted=wire.get("spec_drafted", 0),
         spec_accepted=wire.get("spec_accepted", 0), error=wire.get("error"),
         logprobs=[_entry(e) for e in logprobs] if logprobs is not None else None,
-        prompt_logprobs=[_entry(e) for e in prompt_lp] if prompt_lp is not None else None)
+        prompt_logprobs=[_entry(e) for e in prompt_lp] if prompt_lp is not None else None,
+        prompt_ranks=wire.get("prompt_ranks"))
 
 
 def logprob_entry(e: Any) -> Any:

@@ -95,6 +95,8 @@ class GenerationResult:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     # with request.prompt_logprobs: None for the first prompt token, then as above
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]] | None] | None = None
+    # with request.prompt_logprobs: each prompt token's rank in its distribution (1: the most likely; None first)
+    prompt_ranks: list[int | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
