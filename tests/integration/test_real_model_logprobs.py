@@ -105,6 +105,11 @@ def test_served_logprobs_equal_hf_log_softmax(real_model, smol):
         echoed = httpx.post(url + "/v1/completions", json={**body, "echo": True}, timeout=120).json()["choices"][0]
         cached = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
         hits = metric(url, "vllm:prefix_cache_hits_total", 'model_name="smol"')
+        # vLLM's prompt_logprobs field: on completions (per choice) and chat (per response)
+        vllm_prompt = httpx.post(url + "/v1/completions", timeout=120, json={
+            **body, "logprobs": None, "prompt_logprobs": 3}).json()["choices"][0]
+        vllm_chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "messages": question, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}).json()
         chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "messages": question, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 3,
             "return_token_ids": True}).json()["choices"][0]
@@ -129,10 +134,32 @@ def test_served_logprobs_equal_hf_log_softmax(real_model, smol):
     for j, token in enumerate(cached["token_ids"]):  # through the prefix cache
         check(cached["logprobs"]["token_logprobs"][j], cached["logprobs"]["top_logprobs"][j],
               len(prompt) - 1 + j, token)
+
+    def check_vllm(positions, ids, reference, k):
+        """vLLM's shape: None first, then token id → {logprob, rank, decoded_token}: the prompt token, the top k."""
+        assert len(positions) == len(ids) and positions[0] is None
+        for j in range(1, len(ids)):
+            row, token, got = reference[j - 1], ids[j], positions[j]
+            first = next(iter(got))
+            assert int(first) == token and got[first]["decoded_token"] == decode(token)
+            value = row[token].item()
+            assert got[first]["logprob"] == pytest.approx(value, abs=TOL)
+            # its rank: 1 + the tokens more likely (within the tolerance, for near-ties)
+            assert (row > value + TOL).sum() + 1 <= got[first]["rank"] <= (row > value - TOL).sum() + 1
+            want_v, want_i = row.topk(k)
+            want_i, want_v = want_i.tolist(), want_v.tolist()
+            assert len(got) == k + (token not in want_i)
+            near_tie = any(a - b < 2 * TOL for a, b in zip(want_v, want_v[1:], strict=False))
+            for r, (tid, v) in enumerate(zip(want_i, want_v, strict=True), start=1):
+                assert got[str(tid)]["logprob"] == pytest.approx(v, abs=TOL)
+                assert got[str(tid)]["rank"] == r or near_tie
+
+    check_vllm(vllm_prompt["prompt_logprobs"], prompt, reference, 3)
     chat_prompt = tok.apply_chat_template(question, add_generation_prompt=True, tokenize=True,
                                           return_dict=True)["input_ids"]
     chat_full = chat_prompt + chat["token_ids"]
     reference = _hf_logprobs(model, chat_full)
+    check_vllm(vllm_chat["prompt_logprobs"], chat_prompt, reference, 2)
     entries = chat["logprobs"]["content"]
     assert len(entries) == len(chat["token_ids"]) > 0
     for j, (entry, token) in enumerate(zip(entries, chat["token_ids"], strict=True)):

@@ -140,6 +140,16 @@ def test_logprobs_and_n_choices_cross_the_process_boundary(split):
     assert len(choices) == 2 and choices[0]["text"] == choices[1]["text"]
     lp = choices[0]["logprobs"]
     assert len(lp["token_logprobs"]) == len(lp["tokens"]) > 0 and all(len(t) >= 1 for t in lp["top_logprobs"])
+    # vLLM's prompt_logprobs (values, ranks) come back from the engine core too
+    r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=60, json={
+        "prompt": "def add(a, b):", "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    positions, ids = choice["prompt_logprobs"], choice["prompt_token_ids"]
+    assert len(positions) == len(ids) > 1 and positions[0] is None
+    for token, position in zip(ids[1:], positions[1:], strict=True):
+        entry = position[str(token)]
+        assert entry["rank"] >= 1 and entry["logprob"] <= 0 and (entry["rank"] == 1) == (len(position) == 1)
 
 
 def test_structured_output_is_compiled_in_the_engine_core(split):

@@ -60,6 +60,25 @@ def echo_entries(prompt_ids: list[int], prompt_lp: list[Entry | None] | None) ->
     return out
 
 
+def vllm_prompt_logprobs(text_of: TokenText, entries: list[Entry | None], ranks: list[int | None] | None,
+                         k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` response field: None for the first prompt token, then per token a dict token id (a
+    string in JSON) → {logprob, rank, decoded_token}: the prompt token itself (its rank in the distribution) first,
+    then the k most likely tokens (ranks 1..k)."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for i, entry in enumerate(entries):
+        if entry is None:
+            out.append(None)
+            continue
+        token, value, alternatives = entry
+        rank = ranks[i] if ranks is not None and i < len(ranks) else None
+        position = {str(token): {"logprob": value, "rank": rank, "decoded_token": text_of(token)}}
+        for j, (tid, lp) in enumerate(alternatives[:k]):
+            position.setdefault(str(tid), {"logprob": lp, "rank": j + 1, "decoded_token": text_of(tid)})
+        out.append(position)
+    return out
+
+
 def chat_logprobs(text_of: TokenText, entries: list[Entry | None]) -> dict[str, Any]:
     """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
     content = []

@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from clusteropt_cli.core.serve.engine import Engine
-from clusteropt_cli.core.serve.openai_extras import TokenText, chat_logprobs, completion_logprobs, echo_entries
+from clusteropt_cli.core.serve.openai_extras import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    echo_entries,
+    vllm_prompt_logprobs,
+)
 from clusteropt_cli.core.serve.protocol import ChatBody, ChatMessage, CompletionBody, openai_error, unsupported_field
 from clusteropt_cli.core.serve.requests import (
     EngineDeadError,
@@ -464,8 +470,10 @@ class OpenAIRoutes:
         if body.max_tokens == 0 and not body.echo:
             return self.error(400, "max_tokens 0 is only for echo (prompt logprobs); ask for at least 1 token.",
                               param="max_tokens")
-        # echo + logprobs: the prompt's logprobs too (lm-evaluation-harness' loglikelihood requests)
-        prompt_lp = body.logprobs if (body.echo and body.logprobs is not None) else None
+        # echo + logprobs: the prompt's logprobs too (lm-evaluation-harness' loglikelihood requests); vLLM's
+        # prompt_logprobs field asks for them on its own (the more alternatives of the two are computed)
+        wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        prompt_lp = max(wanted) if wanted else None
         grammar = await self.structured(body)
         if _is_reply(grammar):
             return grammar
@@ -514,10 +522,16 @@ class OpenAIRoutes:
             if body.logprobs is not None:
                 entries = [e for e in (r.logprobs or []) if e is not None]
                 if body.echo:
-                    entries = echo_entries(r.prompt_ids, r.prompt_logprobs) + entries
+                    echoed_lp = [e if e is None else (e[0], e[1], e[2][: body.logprobs])
+                                 for e in (r.prompt_logprobs or [])]
+                    entries = echo_entries(r.prompt_ids, echoed_lp) + entries
                 lp = completion_logprobs(self.text_of, entries)
-            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason(r),
-                            "stop_reason": r.stop_reason, **token_ids(body, r)})
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason(r),
+                      "stop_reason": r.stop_reason, **token_ids(body, r)}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(self.text_of, r.prompt_logprobs or [],
+                                                                 r.prompt_ranks, body.prompt_logprobs)
+            choices.append(choice)
         return choices
 
     # ---- POST /v1/chat/completions ----------------------------------------------------------------------------
@@ -555,10 +569,14 @@ class OpenAIRoutes:
         results = await self.results_or_error(request, handles)
         if not isinstance(results, list):
             return results
-        return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
-                "model": self.served_model_name,
-                "choices": self.chat_choices(body, results, tool_mode, names, logprobs=top is not None),
-                "usage": usage(results)}
+        response = {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
+                    "model": self.served_model_name,
+                    "choices": self.chat_choices(body, results, tool_mode, names, logprobs=top is not None),
+                    "usage": usage(results)}
+        if body.prompt_logprobs is not None:  # vLLM: one list for the request's (shared) prompt
+            response["prompt_logprobs"] = vllm_prompt_logprobs(self.text_of, results[0].prompt_logprobs or [],
+                                                               results[0].prompt_ranks, body.prompt_logprobs)
+        return response
 
     async def chat_prompt(self, body: Any, functions: list[dict[str, Any]]) -> "list[int] | JSONResponse":
         """The messages rendered by the chat template (the model's own, or the request's when the server trusts
