@@ -117,6 +117,7 @@ def test_poison_request_is_refused_while_six_others_stream(server):
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "echo": True, "stream": True}, "echo"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "top_k": -2}, "top_k"),

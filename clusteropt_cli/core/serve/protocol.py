@@ -131,6 +131,7 @@ def _unset(*defaults: Any) -> Callable[[Any, Any], bool]:
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any, Any], bool]] = {
     "best_of": lambda v, b: v is None or v == b.n,  # best_of > n would rank choices: not implemented
     "echo": lambda v, b: not v or not b.stream,  # echo works without streaming
+    "prompt_logprobs": lambda v, b: v is None or not b.stream,  # answered in non-streamed responses
     "suffix": lambda v, b: not v,
     "tools": lambda v, b: not v or isinstance(b, ChatBody),  # tools with tool_choice: chat completions only
     "tool_choice": lambda v, b: v is None or v in ("none", "auto") or isinstance(b, ChatBody),
