@@ -34,7 +34,7 @@ def test_a_result_round_trips_with_logprobs_as_tuples():
     lp = [(4, -0.5, [(4, -0.5), (8, -1.25)]), (6, -0.1, [(6, -0.1), (2, -3.0)])]
     res = GenerationResult(request_id="0-1", prompt_ids=[1, 2], output_ids=[4, 6], finish_reason="stop", text="ab",
                            stop_reason="\n", ttft_s=0.01, latency_s=0.2, spec_drafted=3, spec_accepted=2,
-                           logprobs=lp, prompt_logprobs=[None, (2, -2.0, [(2, -2.0)])])
+                           logprobs=lp, prompt_logprobs=[None, (2, -2.0, [(2, -2.0)])], prompt_ranks=[None, 1])
     back = result_from_wire(unpack(pack(result_to_wire(res))), "0-1", [1, 2])
     assert back == res
 
