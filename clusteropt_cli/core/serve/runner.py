@@ -62,7 +62,6 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
                     **kwargs):
     """transformers attention interface: query [B, H, T, D], key/value [B, KVH, T, D] → ([B, T, H, D], None)."""
     import torch
-    import torch.nn.functional as F
 
     step: StepContext = copt_step
     if step is None:
@@ -82,8 +81,7 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
         return windowed_slot_attention(module, query, key, value, step, k_cache, v_cache, scaling), None
     if step.paged:
         return _paged_attention(query, key, value, step, k_cache, v_cache, scaling), None
-    num_heads, head_dim = query.shape[1], query.shape[-1]
-    kv_heads = key.shape[1]
+    num_heads, kv_heads = query.shape[1], key.shape[1]
     if step.mode == "decode":
         # slot-major: row i is slot i, so the cache is attended in place (a view, no per-step gather of K/V)
         batch = query.shape[0]
@@ -91,18 +89,7 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
         v_cache[step.slot_ids, :, step.positions] = value[:, :, 0]
         keys = k_cache[:batch, :, : step.kv_len]
         values = v_cache[:batch, :, : step.kv_len]
-        if step.attention == "flex":
-            return _flex_decode(query, keys, values, step.positions, scaling), None
-        # one query per sequence: fold the GQA group into the query-length axis (no K/V repeat needed)
-        q = query.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
-        if step.attention == "math":
-            scale = scaling if scaling is not None else head_dim**-0.5
-            scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
-            probs = scores.masked_fill(~step.mask, float("-inf")).softmax(dim=-1).to(values.dtype)
-            out = torch.matmul(probs, values)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, scale=scaling)
-        return out.reshape(batch, num_heads, 1, head_dim).transpose(1, 2), None
+        return _decode_attend(query, keys, values, step, scaling), None
 
     groups = num_heads // kv_heads
     outs = []
@@ -113,17 +100,44 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
         v_cache[seg.slot, :, seg.start : end] = value[0, :, sl]
         keys = k_cache[seg.slot : seg.slot + 1, :, :end]
         values = v_cache[seg.slot : seg.slot + 1, :, :end]
-        if groups > 1:
-            keys = keys.repeat_interleave(groups, dim=1)
-            values = values.repeat_interleave(groups, dim=1)
-        q = query[:, :, sl]
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-        outs.append(out)
+        outs.append(_segment_attend(query[:, :, sl], keys, values, mask, groups, scaling))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2), None
+
+
+def _decode_attend(query, keys, values, step: StepContext, scaling):
+    """One query per sequence over its context bucket: query [B, H, 1, D], keys/values [B, KVH, L, D] (any strides)
+    → [B, 1, H, D], by the step's decode attention (flex, math or masked SDPA)."""
+    import torch
+    import torch.nn.functional as F
+
+    if step.attention == "flex":
+        return _flex_decode(query, keys, values, step.positions, scaling)
+    batch, num_heads, head_dim = query.shape[0], query.shape[1], query.shape[-1]
+    kv_heads = keys.shape[1]
+    # fold the GQA group into the query-length axis (no K/V repeat needed)
+    q = query.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
+    if step.attention == "math":
+        scale = scaling if scaling is not None else head_dim**-0.5
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
+        probs = scores.masked_fill(~step.mask, float("-inf")).softmax(dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, scale=scaling)
+    return out.reshape(batch, num_heads, 1, head_dim).transpose(1, 2)
+
+
+def _segment_attend(q, keys, values, mask, groups: int, scaling):
+    """A packed segment's queries [1, H, T, D] over its sequence's keys/values [1, KVH, L, D]: causal (mask None, a
+    segment starting at position 0) or under its mask."""
+    import torch.nn.functional as F
+
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
 
 
 def _pool_write(pool, block, offset, values) -> None:
@@ -151,7 +165,6 @@ def _paged_attention(query, key, value, step: StepContext, k_pool, v_pool, scali
     """Attention over a paged cache: write this step's keys/values where the block tables say, then attend each
     sequence over its own blocks. query [B, H, T, D], key/value [B, KVH, T, D] → [B, T, H, D]."""
     import torch
-    import torch.nn.functional as F
 
     num_heads, head_dim = query.shape[1], query.shape[-1]
     kv_heads = key.shape[1]
@@ -170,17 +183,7 @@ def _paged_attention(query, key, value, step: StepContext, k_pool, v_pool, scali
         blocks = step.block_tables[:batch, : step.kv_len // block_size]
         keys = _pool_read(k_pool, blocks, query.dtype).view(batch, step.kv_len, kv_heads, head_dim).transpose(1, 2)
         values = _pool_read(v_pool, blocks, query.dtype).view(batch, step.kv_len, kv_heads, head_dim).transpose(1, 2)
-        if step.attention == "flex":
-            return _flex_decode(query, keys, values, step.positions, scaling)
-        q = query.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
-        if step.attention == "math":
-            scale = scaling if scaling is not None else head_dim**-0.5
-            scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
-            probs = scores.masked_fill(~step.mask, float("-inf")).softmax(dim=-1).to(values.dtype)
-            out = torch.matmul(probs, values)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, scale=scaling)
-        return out.reshape(batch, num_heads, 1, head_dim).transpose(1, 2)
+        return _decode_attend(query, keys, values, step, scaling)
 
     groups = num_heads // kv_heads
     _pool_write(k_pool, step.write_block, step.write_offset, key[0].transpose(0, 1))
@@ -191,15 +194,8 @@ def _paged_attention(query, key, value, step: StepContext, k_pool, v_pool, scali
         span = blocks.shape[0] * block_size
         keys = _pool_read(k_pool, blocks, query.dtype).view(span, kv_heads, head_dim)[:end].transpose(0, 1)[None]
         values = _pool_read(v_pool, blocks, query.dtype).view(span, kv_heads, head_dim)[:end].transpose(0, 1)[None]
-        if groups > 1:
-            keys = keys.repeat_interleave(groups, dim=1)
-            values = values.repeat_interleave(groups, dim=1)
         q = query[:, :, seg.offset : seg.offset + seg.length]
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-        outs.append(out)
+        outs.append(_segment_attend(q, keys, values, mask, groups, scaling))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2)
 
