@@ -40,6 +40,44 @@ def free_gpu() -> None:
         torch.cuda.empty_cache()
 
 
+def time_graph(fn, device: str, iters: int, warmup: int = 3) -> tuple[float, str]:
+    """Seconds per call of fn, replayed as a CUDA graph (timed eagerly where capture fails, or on a CPU), and how it
+    was timed."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    if device != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) / iters, "eager-cpu"
+    torch.cuda.synchronize()
+    mode = "cuda-graph"
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    except Exception as exc:  # noqa: BLE001 - time it eagerly instead
+        mode, run = f"eager ({type(exc).__name__}: {str(exc)[:80]})", fn
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters, mode
+
+
 def percentiles(values: list[float], ps=(50, 90, 99)) -> dict[str, float | None]:
     if not values:
         return {f"p{p}": None for p in ps}

@@ -30,7 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-COPY_BW = 4.26e12
+from common import COPY_BW, time_graph  # noqa: E402
+
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 8192, 16, 32, 8, 64, 128256
 
 
@@ -43,42 +44,6 @@ def shapes(smoke: bool, fused: bool = False) -> list[tuple[int, int]]:
     if fused:
         per_layer = [((heads + 2 * kv) * hd, h), (h, heads * hd), (2 * i, h), (h, i)]
     return per_layer * layers + [(vocab, h)]
-
-
-def time_graph(fn, device: str, iters: int = 50) -> tuple[float, str]:
-    """ms per call of fn, replayed as a CUDA graph (eager timing where capture fails or on CPU)."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    if device != "cuda":
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return 1e3 * (time.perf_counter() - start) / iters, "eager-cpu"
-    torch.cuda.synchronize()
-    mode = "cuda-graph"
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        run = graph.replay
-    except Exception as exc:  # noqa: BLE001 - time it eagerly instead
-        mode, run = f"eager ({type(exc).__name__})", fn
-    run()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters, mode
 
 
 def run_case(name: str, weights: list, scales: list | None, rows: int, device: str) -> dict:
@@ -121,7 +86,8 @@ def run_case(name: str, weights: list, scales: list | None, rows: int, device: s
 
     t0 = time.perf_counter()
     with torch.no_grad():
-        ms, mode = time_graph(step, device)
+        seconds, mode = time_graph(step, device, iters=50)
+        ms = 1e3 * seconds
         # correctness against the bf16 matmul of the same (dequantized) weights, on the LM head
         w, x = weights[-1], xs[weights[-1].shape[1]]
         ref = F.linear(x.float(), (w.float() * scales[-1][:, None]) if scales is not None else w.float())

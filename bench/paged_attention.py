@@ -27,55 +27,20 @@ import argparse
 import json
 import logging
 import sys
-import time
 import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-COPY_BW = 4.26e12  # the H200's measured device-to-device copy bandwidth (bench/common.py)
+from common import COPY_BW, log, time_graph  # noqa: E402
+
 SHAPES = {"1b": dict(heads=32, kv_heads=8, dim=64), "8b": dict(heads=32, kv_heads=8, dim=128)}
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def time_call(fn, device: str, iters: int) -> tuple[float, str]:
-    """µs per call of fn: a CUDA graph replayed iters times (eager where capture fails, or on CPU)."""
-    import torch
-
-    for _ in range(2):
-        fn()
-    if device != "cuda":
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return 1e6 * (time.perf_counter() - start) / iters, "eager-cpu"
-    torch.cuda.synchronize()
-    mode = "cuda-graph"
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        run = graph.replay
-    except Exception as exc:  # noqa: BLE001 - time it eagerly instead
-        mode, run = f"eager ({type(exc).__name__}: {str(exc)[:80]})", fn
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / iters, mode
+    """µs per call of fn (bench/common.py's CUDA-graph timer)."""
+    seconds, mode = time_graph(fn, device, iters)
+    return 1e6 * seconds, mode
 
 
 def free_bytes(device: str) -> int:
