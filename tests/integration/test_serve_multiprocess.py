@@ -248,8 +248,6 @@ def test_a_device_error_in_the_engine_core_reaches_the_api_process(fixtures, tmp
     import torch
 
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig
-    from clusteropt_cli.core.serve.engine_client import EngineClient
-    from clusteropt_cli.core.serve.engine_core import EngineCore, client_info
     from clusteropt_cli.core.serve.server import ENGINE_DEAD_EXIT, run_server
     from tests.integration.test_serve_helpers import free_port
 
@@ -264,24 +262,13 @@ def test_a_device_error_in_the_engine_core_reaches_the_api_process(fixtures, tmp
         return real()
 
     engine._step = step
-    inp, out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out-0"
-    core = EngineCore(engine, inp, [out], grace_period=5, dead_linger_s=0.5)
-    codes: dict = {}
-    core_thread = threading.Thread(target=lambda: codes.setdefault("core", core.run(install_signals=False)),
-                                   daemon=True)
-    core_thread.start()
-    client = EngineClient(client_info(engine), 0, inp, out)
+    core, core_thread, codes, client = _core_in_a_thread(engine, tmp_path, dead_linger_s=0.5)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     seen: dict = {}
 
     def load() -> None:
-        for _ in range(200):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
+        _wait_healthy(url)
         pool = ThreadPoolExecutor(2)
         streamed = pool.submit(_stream_any, url, {"prompt": "x", "max_tokens": 400, "ignore_eos": True})
         plain = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "y", "max_tokens": 400,
@@ -304,6 +291,31 @@ def test_a_device_error_in_the_engine_core_reaches_the_api_process(fixtures, tmp
     assert seen["stream"]["error"] is not None and "device-side assert" in seen["stream"]["error"]["message"]
     assert seen["plain"] == 500 and seen["health"] == 503
     assert seen["new"].status_code == 500 and seen["new"].json()["error"]["code"] == "engine_dead"
+
+
+def _core_in_a_thread(engine, tmp_path, **core_options):
+    """An EngineCore over `engine` on a thread of this process and an EngineClient of it (API process 0): (core,
+    its thread, {"core": exit code} once it returns, client)."""
+    import threading
+
+    from clusteropt_cli.core.serve.engine_client import EngineClient
+    from clusteropt_cli.core.serve.engine_core import EngineCore, client_info
+
+    inp, out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out-0"
+    core = EngineCore(engine, inp, [out], grace_period=5, **core_options)
+    codes: dict = {}
+    thread = threading.Thread(target=lambda: codes.setdefault("core", core.run(install_signals=False)), daemon=True)
+    thread.start()
+    return core, thread, codes, EngineClient(client_info(engine), 0, inp, out)
+
+
+def _wait_healthy(url: str) -> None:
+    for _ in range(200):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.05)
 
 
 def _stream_any(url: str, body: dict) -> dict:
@@ -349,8 +361,6 @@ def test_an_internal_error_at_admission_fails_that_request_alone(fixtures, tmp_p
     import torch
 
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig
-    from clusteropt_cli.core.serve.engine_client import EngineClient
-    from clusteropt_cli.core.serve.engine_core import EngineCore, client_info
     from clusteropt_cli.core.serve.server import run_server
     from tests.integration.test_serve_helpers import free_port
 
@@ -364,24 +374,13 @@ def test_an_internal_error_at_admission_fails_that_request_alone(fixtures, tmp_p
         return real_submit(request, share_prompt_with=share_prompt_with)
 
     engine.submit = submit
-    inp, out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out-0"
-    core = EngineCore(engine, inp, [out], grace_period=5)
-    codes: dict = {}
-    core_thread = threading.Thread(target=lambda: codes.setdefault("core", core.run(install_signals=False)),
-                                   daemon=True)
-    core_thread.start()
-    client = EngineClient(client_info(engine), 0, inp, out)
+    core, core_thread, codes, client = _core_in_a_thread(engine, tmp_path)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     seen: dict = {}
 
     def load() -> None:
-        for _ in range(200):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
+        _wait_healthy(url)
         try:
             seen["bad"] = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 13}, timeout=10)
             seen["good"] = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
