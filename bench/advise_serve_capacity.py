@@ -19,7 +19,6 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -89,25 +88,6 @@ def sizing_case(model_dir: str, device: str, target, name: str, engine_kw: dict,
             "contexts": rows}
 
 
-def _peak_running(engine, requests) -> int:
-    seen = [0]
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            seen.append(engine.stats.running)
-            time.sleep(0.0005)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        engine.generate(requests)
-    finally:
-        done.set()
-        watcher.join()
-    return max(seen)
-
-
 def admission_case(model_dir: str, device: str, target, vocab: int, kv_gib: float, prompt: int, shared: int) -> dict:
     import random
 
@@ -132,7 +112,8 @@ def admission_case(model_dir: str, device: str, target, vocab: int, kv_gib: floa
         requests = [GenerationRequest(prompt_ids=one(), max_new_tokens=8, ignore_eos=True)
                     for _ in range(max(8, 2 * predicted))]
         t0 = time.perf_counter()
-        peak = _peak_running(engine, requests)
+        engine.generate(requests)
+        peak = engine.stats.peak_running
         wall = time.perf_counter() - t0
         hit_rate = (engine.stats.prefix_cache_hits / engine.stats.prefix_cache_queries
                     if engine.stats.prefix_cache_queries else None)

@@ -5,7 +5,6 @@ under cancellation; FP8 KV blocks with their quality cost measured."""
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import pytest
@@ -124,26 +123,6 @@ def test_prompt_logprobs_survive_preemption_during_prefill(fixtures):
             assert rank >= 1 and (rank == 1) == (tok == top[0][0])  # rank 1: the most likely token
 
 
-def _peak_running(engine, requests) -> tuple[int, list]:
-    """Run the requests; the most sequences the scheduler had running at the end of a step."""
-    seen = [0]
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            seen.append(engine.stats.running)
-            time.sleep(0.001)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        results = engine.generate(requests)
-    finally:
-        done.set()
-        watcher.join()
-    return max(seen), results
-
-
 @pytest.mark.parametrize("caching", [True, False])
 def test_admission_by_free_blocks(fixtures, caching):
     from clusteropt_cli.core.serve.engine import GenerationRequest
@@ -153,7 +132,8 @@ def test_admission_by_free_blocks(fixtures, caching):
     # 40 blocks: 10 private copies of the prompt at once; with the first 3 blocks shared, 20 (one block each)
     with _engine(fixtures, max_batch_size=32, max_model_len=64, kv_cache_tokens=160,
                  enable_prefix_caching=caching) as engine:
-        peak, results = _peak_running(engine, requests)
+        results = engine.generate(requests)
+        peak = engine.stats.peak_running
         _assert_no_leak(engine)
     assert all(r.finish_reason == "length" for r in results)
     if caching:

@@ -5,8 +5,6 @@ checked against the engine itself on the CPU fixture model."""
 from __future__ import annotations
 
 import random
-import threading
-import time
 
 import pytest
 
@@ -38,27 +36,6 @@ def _engine(fixtures, **kw):
                     max_batch_size=16, compile=False)
     settings.update(kw)
     return Engine(EngineConfig(**settings))
-
-
-def _peak_running(engine, requests) -> int:
-    """Run the requests; the most sequences the scheduler had running at the end of a step."""
-    seen = [0]
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            seen.append(engine.stats.running)
-            time.sleep(0.0005)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        results = engine.generate(requests, timeout=300)
-    finally:
-        done.set()
-        watcher.join()
-    assert all(r.finish_reason == "length" for r in results)
-    return max(seen)
 
 
 def _prompts(n: int, length: int, seed: int, prefix: list[int] | None = None) -> list[list[int]]:
@@ -191,9 +168,11 @@ def test_engine_admits_what_advise_predicts(fixtures, shared):
     with _engine(fixtures) as engine:
         if shared:  # one request computes the prefix (the first request of a real workload does)
             engine.generate([GenerationRequest(prompt_ids=_prompts(1, 100, 3, prefix)[0], max_new_tokens=1)])
-        peak = _peak_running(engine, [GenerationRequest(prompt_ids=p, max_new_tokens=8, ignore_eos=True)
-                                      for p in prompts])
+        results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=8, ignore_eos=True)
+                                   for p in prompts], timeout=300)
+        peak = engine.stats.peak_running
         hits = engine.pool.stats.hits
+    assert all(r.finish_reason == "length" for r in results)
     assert abs(peak - predicted) <= 0.1 * predicted, (peak, predicted)
     if shared:
         assert hits >= len(prompts) * shared // 16 * 16

@@ -90,6 +90,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     preemptions: int = 0
+    peak_running: int = 0  # most sequences admitted at once (holding a row and their KV) since start
     # wall seconds the engine thread spent per phase of its steps (where the time goes)
     phase_s: dict[str, float] = field(default_factory=dict)
 
@@ -493,6 +494,7 @@ class Engine(EngineLoading, SpeculativeDecoding):
                     self.runner.sampler.restore_counts(seq.slot, seq.out)
             except Exception as exc:  # noqa: BLE001 - this request's fault alone (finished after the step)
                 self._fault(seq, exc)
+        stats.peak_running = max(stats.peak_running, len(self._running))
         # 3. decode (or speculate) for generating sequences
         decoding = [s for s in self._running if s.out and s.finish_reason is None and s.num_computed == s.length - 1]
         if decoding and self.pool is not None:
