@@ -288,6 +288,11 @@ def main() -> None:
     results: dict = {"bench": "gpu_serve_sampling", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                      "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                      "sampling": {n: SAMPLING[n] for n in names}, "clients": clients}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every stage: a run cut short keeps what it measured
+        args.out.write_text(json.dumps(results, indent=2, default=str))
+
     tmp = Path(tempfile.mkdtemp(prefix="copt-sampling-bench-"))
     model_dir = tmp / "llama-1b-shape"
     made = make_model_dir(model_dir, small=args.smoke)
@@ -300,19 +305,21 @@ def main() -> None:
             results["kernels"] = bench_kernels(vocab, [1, 64, 256] if not args.smoke else [1, 8])
         except Exception as exc:  # noqa: BLE001
             results["kernels"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        save()
         free_gpu()
     if "engine" not in skip:
         try:
             results["engine"] = bench_engine(model_dir, prompts, names, b1_tokens)
         except Exception as exc:  # noqa: BLE001
             results["engine"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        save()
     if "http" not in skip:
         try:
             results["http"] = bench_http(model_dir, prompts, names, b1_tokens, clients, args.repeats)
         except Exception as exc:  # noqa: BLE001
             results["http"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str))
+        save()
+    save()
 
     eng, http = results.get("engine", {}), results.get("http", {})
     print(f"\ncopt serve sampling benchmark — {results['gpu']}, {results['date']}")
