@@ -1,0 +1,807 @@
+#!/usr/bin/env python3
+"""copt serve on real model sizes, same run: the 1B and 8B Llama shapes against transformers serve and a third-party
+load tester, with copt advise's serve predictions next to every measured figure (random bf16 weights).
+
+Run from the repo root (one H200, ~9 minutes; start with the wheel-install line of the GPU machine's notes, wheel
+sets `serve guidellm`):
+    python3 bench/gpu_serve_models.py --shapes 8b,1b --out $OUT/models.json
+    python3 bench/gpu_serve_models.py --smoke --out /tmp/models.json          # any machine: tiny model, few minutes
+
+Workload: prompts of 256 random word tokens (sent as text, so every server tokenizes the same 256 tokens), 128
+output tokens, streaming /v1/completions; greedy (temperature 0) and sampled (temperature 1.0, top_p 0.95). N
+streaming clients = N requests sent at once, from --client-procs load-generator processes.
+
+Per shape, in --shapes order (cases run most important first; each starts only when --budget-s leaves it time):
+  copt        `copt serve DIR` with copt's defaults (no tuning flags), start-up time to /health, then:
+    b1          batch-1 decode ms/token of one streaming request (median of 3), greedy and sampled, against the
+                weights-over-bandwidth floor (weight bytes / 4.26e12 B/s, the H200's measured device-copy ceiling)
+    loads       64 and 256 streaming clients, greedy and sampled: output tok/s, TTFT and TPOT percentiles
+    guidellm    guidellm 0.8 (`python3 -m guidellm run`, synthetic English prompts of 256 tokens, 128 output
+                tokens, sampled: the server's default temperature) at 64 and 256 streams; its JSON report read by
+                copt's own reader (clusteropt_cli/core/profile/external.py). 1B only unless --guidellm-shapes.
+    profile     `copt profile endpoint` (copt's tester) at concurrency 1, 64, 256 (sampled, --duration-bounded
+                levels), the command a user runs against the server
+  tserve      `transformers serve DIR --continuous-batching` on the same directory with the same clients (it
+                rejects ignore_eos: the tokens it actually returns are counted, and early stops recorded); each load
+                is bounded by --tserve-window seconds, tokens streamed by then count
+  engine      copt's Engine in-process with the same defaults (64 and 256 requests at once): the ceiling
+  advise      `copt advise -m DIR --task infer --batch N --prompt-len 256 --gen-len 128 --temperature T --json` for
+              the detected GPU (N = 1, 64, 256): predicted TPOT, TTFT, output tok/s, each next to the measured
+              figures with predicted ÷ measured
+Order: for each shape, copt (b1, loads, guidellm, profile) then tserve; then advise; then the engines (1B first).
+JSON is rewritten after every case (a timeout keeps what finished); a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from common import COPY_BW, LLAMA_1B_SHAPE, free_gpu, free_port, log, percentiles  # noqa: E402
+
+# Llama-3.1-8B's architecture (random weights)
+LLAMA_8B_SHAPE = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+                      rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
+                      pad_token_id=128004)
+SMOKE_SHAPE = dict(LLAMA_1B_SHAPE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, intermediate_size=128, vocab_size=8192, max_position_embeddings=2048,
+                   bos_token_id=8189, eos_token_id=8190, pad_token_id=8191)
+SHAPES = {"1b": LLAMA_1B_SHAPE, "8b": LLAMA_8B_SHAPE}
+MODES = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0, "top_p": 0.95}}
+CFG = {"prompt_len": 256, "out_tokens": 128, "loads": [64, 256], "b1_requests": 3}
+CASES = ("copt", "b1", "loads", "guidellm", "profile", "tserve", "engine", "advise")
+# numbers as words, so the unique prefix guidellm puts in front of each prompt gives distinct tokens
+NUMBER_WORDS = 4096
+FILLER_FROM = 6000  # token ids from here up are the words "t<id>": the benchmark's prompts use only these
+
+
+class Budget:
+    """Seconds left of --budget-s; a case starts only when at least its minimum is left."""
+
+    def __init__(self, total: float):
+        self.t0, self.total = time.perf_counter(), total
+
+    def left(self) -> float:
+        return self.total - (time.perf_counter() - self.t0)
+
+    def allows(self, need: float) -> bool:
+        return self.left() >= need
+
+
+# ---- the model directory ---------------------------------------------------------------------------------
+def english_words() -> list[str]:
+    """The words guidellm's synthetic prompts are made of (Faker's en_US lorem list, lower and capitalized);
+    empty where Faker is not installed (then guidellm is not either)."""
+    try:
+        from faker.providers.lorem.en_US import Provider
+    except ImportError:
+        return []
+    words = sorted({w for w in Provider.word_list if w.isalpha()})
+    return words + [w.capitalize() for w in words if w.capitalize() not in words]
+
+
+def make_tokenizer(path: Path, shape: dict) -> dict:
+    """A word-level tokenizer over the whole vocabulary: specials at the config's ids, English words and numbers
+    (so guidellm's synthetic text gives distinct prompts, not one unknown token repeated), punctuation, and the
+    word "t<id>" for every other id (the benchmark's own prompts, and what the random model generates)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_size = shape["vocab_size"]
+    specials = {shape["bos_token_id"]: "<|begin_of_text|>", shape["eos_token_id"]: "<|end_of_text|>",
+                shape["pad_token_id"]: "<|pad|>"}
+    known = ["<unk>"] + list(".,;:!?'\"-()") + [str(i) for i in range(NUMBER_WORDS)] + english_words()
+    known = known[:FILLER_FROM]
+    vocab: dict[str, int] = {}
+    for i in range(vocab_size):
+        word = specials.get(i) or (known[i] if i < len(known) else f"t{i}")
+        vocab.setdefault(word, i)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # words and punctuation apart, as English text needs
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token=specials[shape["bos_token_id"]],
+                                   eos_token=specials[shape["eos_token_id"]], pad_token=specials[shape["pad_token_id"]])
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(path)
+    return {"english_words": len(english_words()), "vocab": vocab_size}
+
+
+def make_model_dir(path: Path, shape: dict) -> dict:
+    """Random-weight bf16 Llama of `shape`, built on the GPU in bf16 (no fp32 copy), saved as safetensors shards."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    t0 = time.perf_counter()
+    config = LlamaConfig(**shape)
+    config.dtype = torch.bfloat16
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    build_s = time.perf_counter() - t0
+    model.save_pretrained(path, max_shard_size="5GB")
+    del model
+    free_gpu()
+    tok = make_tokenizer(path, shape)
+    return {"weight_bytes": weight_bytes, "params": weight_bytes // 2, "build_s": round(build_s, 1),
+            "build_and_save_s": round(time.perf_counter() - t0, 1), **tok}
+
+
+def prompts_text(n: int, length: int, vocab: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    top = min(vocab, 128000) - 10
+    return [" ".join(f"t{rng.randrange(FILLER_FROM, top)}" for _ in range(length)) for _ in range(n)]
+
+
+# ---- streaming clients -----------------------------------------------------------------------------------
+async def _stream_one(client, url: str, body: dict, rec: dict) -> None:  # noqa: ANN001
+    t0 = time.perf_counter()
+    rec.update(start=time.time(), times=[], words=0, usage=None, finish=None)
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line.strip() == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj and not obj.get("choices"):
+                rec["error"] = str(obj["error"])[:300]
+                return
+            if obj.get("usage"):
+                rec["usage"] = obj["usage"].get("completion_tokens")
+            for choice in obj.get("choices") or []:
+                text = choice.get("text") or ""
+                if text:
+                    rec["times"].append(time.perf_counter() - t0)
+                    rec["words"] += len(text.split())
+                if choice.get("finish_reason"):
+                    rec["finish"] = choice["finish_reason"]
+    rec["latency"] = time.perf_counter() - t0
+    rec["done"] = True
+
+
+def _client_proc(url: str, bodies: list[dict], start_at: float, window: float) -> dict:
+    """One load-generator process: its share of the clients, started at the same wall-clock time; whatever has not
+    finished `window` seconds later is cancelled (the tokens it streamed by then still count)."""
+    import httpx
+
+    async def run() -> dict:
+        n = len(bodies) + 8
+        async with httpx.AsyncClient(timeout=httpx.Timeout(window + 60), limits=httpx.Limits(
+                max_connections=n, max_keepalive_connections=n)) as client:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            t0 = time.time()
+            recs: list[dict] = [{} for _ in bodies]
+            tasks = [asyncio.create_task(_stream_one(client, url, b, rec)) for b, rec in zip(bodies, recs, strict=True)]
+            done, pending = await asyncio.wait(tasks, timeout=window)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            end = time.time()
+            for task, rec in zip(tasks, recs, strict=True):
+                if task in done and task.exception() is not None:
+                    rec["error"] = f"{type(task.exception()).__name__}: {task.exception()}"[:300]
+            return {"start": t0, "end": end, "recs": recs, "cut": len(pending)}
+
+    return asyncio.run(run())
+
+
+def request_tokens(rec: dict) -> int:
+    """Output tokens of one request: the server's usage count, else the words it streamed (one word a token under
+    the benchmark's word-level tokenizer)."""
+    return rec["usage"] if rec.get("done") and rec.get("usage") is not None else rec.get("words", 0)
+
+
+def load_run(url: str, bodies: list[dict], procs: int, pool: ProcessPoolExecutor, window: float) -> dict:
+    procs = max(1, min(procs, len(bodies)))
+    shares = [bodies[i::procs] for i in range(procs)]
+    start_at = time.time() + 1.0
+    parts = list(pool.map(_client_proc, [url] * procs, shares, [start_at] * procs, [window] * procs))
+    start, end = min(p["start"] for p in parts), max(p["end"] for p in parts)
+    # the wall ends when the last request ends (or at the window's cut)
+    last = max((r["start"] + r["latency"] for p in parts for r in p["recs"] if r.get("done")), default=end)
+    cut = sum(p["cut"] for p in parts)
+    wall = (end if cut else min(end, last)) - start
+    recs = [r for p in parts for r in p["recs"]]
+    tokens = sum(request_tokens(r) for r in recs)
+    errors = [r["error"] for r in recs if r.get("error")]
+    done = [r for r in recs if r.get("done")]
+    short = [r for r in done if request_tokens(r) < bodies[0]["max_tokens"]]
+    return {"requests": len(recs), "completed": len(done), "cut_at_window": cut, "errors": len(errors),
+            "first_errors": errors[:3], "output_tokens": tokens, "wall_s": round(wall, 3),
+            "output_tokens_per_s": tokens / wall if wall > 0 else None,
+            "ended_early": len(short), "finish_reasons": sorted({str(r.get("finish")) for r in done}),
+            "ttft_s": percentiles([r["times"][0] for r in recs if r.get("times")]),
+            "tpot_s": percentiles([(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in done
+                                   if len(r.get("times", [])) > 1])}
+
+
+def bodies_for(model: str, prompts: list[str], mode: str, ignore_eos: bool, seeded: bool,
+               max_tokens: int | None = None) -> list[dict]:
+    out = []
+    for i, p in enumerate(prompts):
+        body = {"model": model, "prompt": p, "max_tokens": max_tokens or CFG["out_tokens"], "stream": True,
+                **MODES[mode]}
+        if ignore_eos:
+            body["ignore_eos"] = True
+            body["stream_options"] = {"include_usage": True}
+        if seeded and MODES[mode]["temperature"]:
+            body["seed"] = 7 + i
+        out.append(body)
+    return out
+
+
+def batch1(url: str, model: str, prompts: list[str], mode: str, ignore_eos: bool, timeout: float,
+           max_tokens: int | None = None) -> dict:
+    """One streaming request at a time: decode ms/token = (last − first token) / (tokens − 1), median."""
+    import httpx
+
+    async def run() -> list[dict]:
+        recs = []
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            for body in bodies_for(model, prompts, mode, ignore_eos, seeded=ignore_eos, max_tokens=max_tokens):
+                rec: dict = {}
+                await _stream_one(client, url, body, rec)
+                recs.append(rec)
+        return recs
+
+    recs = asyncio.run(run())
+    ms = sorted(1e3 * (r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in recs
+                if len(r.get("times", [])) > 1)
+    return {"ms_per_token": ms[len(ms) // 2] if ms else None, "runs_ms": [round(x, 3) for x in ms],
+            "ttft_s": sorted(r["times"][0] for r in recs if r.get("times"))[len(recs) // 2] if recs else None,
+            "tokens": [request_tokens(r) for r in recs], "errors": [r["error"] for r in recs if r.get("error")]}
+
+
+# ---- servers ---------------------------------------------------------------------------------------------
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
+
+
+def start(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    log("starting: " + " ".join(cmd))
+    handle = open(log_path, "w")  # noqa: SIM115 - closed by stop()
+    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    proc.log_handle = handle  # type: ignore[attr-defined]
+    proc.log_path = log_path  # type: ignore[attr-defined]
+    return proc
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, path: str = "/health") -> float:
+    import httpx
+
+    t0 = time.perf_counter()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode} before it was healthy: {tail(proc)}")
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        if time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"server not healthy within {timeout:.0f} s: {tail(proc)}")
+        time.sleep(0.25)
+
+
+def tail(proc: subprocess.Popen, n: int = 3000) -> str:
+    handle = proc.log_handle  # type: ignore[attr-defined]
+    if not handle.closed:
+        handle.flush()
+    try:
+        return Path(proc.log_path).read_text(errors="replace")[-n:]  # type: ignore[attr-defined]
+    except OSError:
+        return ""
+
+
+def stop(proc: subprocess.Popen, grace: float = 60) -> object:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        status: object = proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        status = "killed"
+    proc.log_handle.close()  # type: ignore[attr-defined]
+    return status
+
+
+def run_loads(url: str, model: str, prompts: list[str], ignore_eos: bool, args, pool, window: float,
+              budget: Budget, out: dict, save) -> None:  # noqa: ANN001
+    for n in CFG["loads"]:
+        for mode in MODES:
+            key = f"c{n}_{mode}"
+            if not budget.allows(min(window, 20) + 5):
+                out[key] = {"skipped": "time budget"}
+                continue
+            try:
+                out[key] = load_run(url, bodies_for(model, prompts[:n], mode, ignore_eos, seeded=ignore_eos),
+                                    args.client_procs, pool, window)
+                r = out[key]
+                log(f"  {n} clients {mode}: {r['output_tokens_per_s'] or 0:,.0f} tok/s, TTFT p50 "
+                    f"{r['ttft_s']['p50']}, completed {r['completed']}/{r['requests']}, errors {r['errors']}")
+            except Exception as exc:  # noqa: BLE001 - recorded, the next load runs
+                out[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            save()
+
+
+def case_copt(shape: str, model_dir: Path, made: dict, prompts: list[str], args, skip: set, budget: Budget,
+              results: dict, save, work: Path) -> None:  # noqa: ANN001
+    out: dict = results.setdefault("copt", {}).setdefault(shape, {})
+    out["command"] = f"copt serve {model_dir} --port P  (copt's defaults)"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    model = str(model_dir)
+    proc = start([sys.executable, "-m", "clusteropt_cli", "serve", model, "--port", str(port)],
+                 work / f"copt-serve-{shape}.log")
+    try:
+        out["startup_s"] = round(wait_healthy(url, proc, timeout=min(args.startup_timeout, budget.left())), 1)
+        log(f"copt serve {shape}: healthy after {out['startup_s']} s")
+        save()
+        if "b1" not in skip:
+            floor_ms = 1e3 * made["weight_bytes"] / COPY_BW
+            b1: dict = {"floor_ms": round(floor_ms, 3), "weight_bytes": made["weight_bytes"]}
+            batch1(url, model, prompts[:1], "greedy", True, timeout=120, max_tokens=16)  # warm-up, not counted
+            for mode in MODES:
+                r = batch1(url, model, prompts[:CFG["b1_requests"]], mode, True, timeout=120)
+                r["x_floor"] = round(r["ms_per_token"] / floor_ms, 2) if r["ms_per_token"] else None
+                b1[mode] = r
+                log(f"  batch-1 {mode}: {r['ms_per_token']} ms/token (floor {floor_ms:.2f} ms)")
+            out["b1"] = b1
+            save()
+        if "loads" not in skip:
+            with ProcessPoolExecutor(args.client_procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+                load_run(url, bodies_for(model, prompts[:16], "greedy", True, False), args.client_procs, pool,
+                         60)  # warm-up (and the client processes' imports)
+                run_loads(url, model, prompts, True, args, pool, args.load_window, budget, out, save)
+        if "guidellm" not in skip and shape in args.guidellm_shapes:
+            results.setdefault("guidellm", {})[shape] = case_guidellm(url, model_dir, args, budget, work, shape)
+            save()
+        if "profile" not in skip:
+            results.setdefault("profile_endpoint", {})[shape] = case_profile(url, model_dir, args, budget, work,
+                                                                              shape)
+            save()
+    finally:
+        out["exit_status"] = stop(proc)
+        if out["exit_status"] != 0:
+            out["log_tail"] = tail(proc)
+        save()
+
+
+def case_guidellm(url: str, model_dir: Path, args, budget: Budget, work: Path, shape: str) -> dict:  # noqa: ANN001
+    import importlib.util
+
+    if importlib.util.find_spec("guidellm") is None:
+        return {"skipped": "not installed (python3 -m guidellm)"}
+    from clusteropt_cli.core.profile.external import external_report
+
+    out: dict = {}
+    for n in CFG["loads"]:
+        key = f"c{n}"
+        if not budget.allows(30):
+            out[key] = {"skipped": "time budget"}
+            continue
+        report = work / f"guidellm-{shape}-c{n}.json"
+        cmd = [sys.executable, "-m", "guidellm", "run", "--backend",
+               f"kind=openai_http,target={url},model={model_dir},request_format=/v1/completions",
+               "--profile", f"kind=concurrent,streams={n}", "--constraint",
+               f"kind=max_requests,count={args.guidellm_requests_per_stream * n}",
+               "--tokenizer", f"kind=huggingface_auto,model={model_dir}", "--data",
+               f"kind=synthetic_text,prompt_tokens={CFG['prompt_len']},output_tokens={CFG['out_tokens']}",
+               "--output", f"kind=json,path={report}", "--disable-console-interactive"]
+        log("running: " + " ".join(cmd))
+        t0 = time.perf_counter()
+        try:
+            done = subprocess.run(cmd, env=_env(), cwd=work, capture_output=True, text=True,
+                                  timeout=min(args.guidellm_timeout, max(10.0, budget.left() - 5)))
+        except subprocess.TimeoutExpired as exc:
+            out[key] = {"error": f"timed out after {exc.timeout:.0f} s", "command": cmd}
+            continue
+        entry: dict = {"command": " ".join(cmd), "exit_status": done.returncode,
+                       "wall_s": round(time.perf_counter() - t0, 1)}
+        if done.returncode != 0 or not report.exists():
+            entry["error"] = (done.stderr or done.stdout)[-3000:]
+        else:
+            try:
+                data = json.loads(report.read_text())
+                prof = external_report(data, "guidellm")
+                lv = prof.levels[-1]
+                entry.update(concurrency=lv.concurrency, requests=lv.requests, completed=lv.completed,
+                             errors=lv.errors, duration_s=lv.duration_s, output_tokens_per_s=lv.output_tokens_per_s,
+                             ttft_s=lv.ttft_s, tpot_s=lv.tpot_s, e2e_s=lv.e2e_s, workload=prof.workload)
+                log(f"  guidellm {n} streams: {lv.output_tokens_per_s:,.0f} tok/s, TTFT p50 {lv.ttft_s.get('p50')}")
+            except Exception as exc:  # noqa: BLE001
+                entry["error"] = f"report not read: {type(exc).__name__}: {exc}"
+            entry["report_file"] = report.name
+            try:
+                entry["report"] = json.loads(report.read_text()) if args.keep_reports else None
+            except ValueError:
+                pass
+        out[key] = entry
+    return out
+
+
+def case_profile(url: str, model_dir: Path, args, budget: Budget, work: Path, shape: str) -> dict:  # noqa: ANN001
+    """`copt profile endpoint` against the running server, sampled (temperature 1.0), levels bounded in time."""
+    levels = ",".join(str(c) for c in args.profile_levels)
+    if not budget.allows(15):
+        return {"skipped": "time budget"}
+    report = work / f"profile-endpoint-{shape}.json"
+    cmd = [sys.executable, "-m", "clusteropt_cli", "profile", "endpoint", "--url", url, "--model", str(model_dir),
+           "--concurrency", levels, "--duration", str(args.profile_duration), "--prompt-len", str(CFG["prompt_len"]),
+           "--gen-len", str(CFG["out_tokens"]), "--temperature", "1.0", "--tokenizer", str(model_dir),
+           "--report", str(report), "--overwrite"]
+    log("running: " + " ".join(cmd))
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True,
+                              timeout=max(10.0, min(args.profile_duration * len(args.profile_levels) + 120,
+                                                    budget.left() - 5)))
+    except subprocess.TimeoutExpired as exc:
+        return {"error": f"timed out after {exc.timeout:.0f} s", "command": " ".join(cmd)}
+    out: dict = {"command": " ".join(cmd), "exit_status": done.returncode, "wall_s": round(time.perf_counter() - t0, 1),
+                 "temperature": 1.0}
+    if not report.exists():
+        out["error"] = (done.stderr or done.stdout)[-3000:]
+        return out
+    data = json.loads(report.read_text())
+    for lv in data.get("levels", []):
+        out[f"c{lv.get('concurrency')}"] = {k: lv.get(k) for k in ("requests", "completed", "errors", "duration_s",
+                                                                  "output_tokens_per_s", "ttft_s", "tpot_s")}
+    out["length_control"] = (data.get("workload") or {}).get("length_control")
+    return out
+
+
+def case_tserve(shape: str, model_dir: Path, prompts: list[str], args, budget: Budget, results: dict, save,
+                work: Path) -> None:  # noqa: ANN001
+    import importlib.util
+
+    out: dict = results.setdefault("tserve", {}).setdefault(shape, {})
+    missing = [m for m in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(m) is None]
+    if missing:
+        out["skipped"] = f"not installed: {', '.join(missing)} (transformers serve needs them)"
+        return
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    model = str(model_dir)
+    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", model, "--continuous-batching",
+           "--host", "127.0.0.1", "--port", str(port), *args.tserve_args.split()]
+    out["command"] = "transformers serve " + " ".join(cmd[4:])
+    proc = start(cmd, work / f"transformers-serve-{shape}.log")
+    try:
+        out["startup_s"] = round(wait_healthy(url, proc, timeout=min(args.startup_timeout, budget.left())), 1)
+        log(f"transformers serve {shape}: healthy after {out['startup_s']} s")
+        save()
+        # the model loads at start (it is pinned); the first request also builds the continuous-batching manager
+        t0 = time.perf_counter()
+        first = batch1(url, model, prompts[:1], "greedy", False, timeout=max(30.0, min(300, budget.left())),
+                       max_tokens=16)
+        out["first_request_s"] = round(time.perf_counter() - t0, 1)
+        if first["errors"]:
+            out["error"] = f"first request: {first['errors'][0]}"
+            return
+        if "b1" not in args.skip_set:
+            out["b1"] = {mode: batch1(url, model, prompts[:1], mode, False, timeout=120) for mode in MODES}
+            log(f"  transformers serve batch-1: {out['b1']['greedy']['ms_per_token']} ms/token greedy")
+            save()
+        with ProcessPoolExecutor(args.client_procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            run_loads(url, model, prompts, False, args, pool, args.tserve_window, budget, out, save)
+    except Exception as exc:  # noqa: BLE001
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc()
+    finally:
+        out["exit_status"] = stop(proc, grace=20)
+        if out["exit_status"] not in (0, -signal.SIGTERM):  # uvicorn under transformers exits by the signal
+            out["log_tail"] = tail(proc)
+        save()
+
+
+def case_engine(shape: str, model_dir: Path, prompts: list[str], budget: Budget, results: dict, save) -> None:
+    """copt's Engine in-process, built from the same ServeRecipe defaults as `copt serve DIR`."""
+    from transformers import AutoTokenizer
+
+    from clusteropt_cli.core.serve.engine import Engine, GenerationRequest
+    from clusteropt_cli.recipe.schema.serve import ServeRecipe
+
+    out: dict = results.setdefault("engine", {}).setdefault(shape, {})
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    out["prompt_tokens"] = sorted({len(x) for x in ids})
+    t0 = time.perf_counter()
+    engine = Engine.from_settings(ServeRecipe(model=str(model_dir)))
+    engine.start()
+    out["startup_s"] = round(time.perf_counter() - t0, 1)
+    try:
+        engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=8, ignore_eos=True) for p in ids[:16]])
+        for n in CFG["loads"]:
+            for mode, params in MODES.items():
+                if not budget.allows(10):
+                    out[f"c{n}_{mode}"] = {"skipped": "time budget"}
+                    continue
+                seeded = bool(params.get("temperature"))
+                reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=CFG["out_tokens"], ignore_eos=True, **params,
+                                          **({"seed": 7 + i} if seeded else {})) for i, p in enumerate(ids[:n])]
+                t = time.perf_counter()
+                res = engine.generate(reqs)
+                wall = time.perf_counter() - t
+                tokens = sum(x.num_output_tokens for x in res)
+                out[f"c{n}_{mode}"] = {"output_tokens": tokens, "wall_s": round(wall, 3),
+                                       "output_tokens_per_s": tokens / wall,
+                                       "ttft_s": percentiles([x.ttft_s for x in res if x.ttft_s is not None])}
+                log(f"  engine {shape} {n} requests {mode}: {tokens / wall:,.0f} tok/s")
+                save()
+    finally:
+        engine.stop()
+        del engine
+        free_gpu()
+
+
+def advise_predictions(model_dir: Path, gpu_flag: list[str]) -> dict:
+    """`copt advise --task infer --json` for batch 1, 64 and 256, greedy and sampled (6 at a time)."""
+    def one(batch: int, mode: str) -> tuple[str, dict]:
+        cmd = [sys.executable, "-m", "clusteropt_cli", "advise", "-m", str(model_dir), "--task", "infer", "--batch",
+               str(batch), "--prompt-len", str(CFG["prompt_len"]), "--gen-len", str(CFG["out_tokens"]),
+               "--temperature", str(MODES[mode]["temperature"]), "--json", *gpu_flag]
+        done = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+        key = f"c{batch}_{mode}"
+        if done.returncode != 0:
+            return key, {"error": done.stderr[-2000:], "command": " ".join(cmd[2:])}
+        data = json.loads(done.stdout)
+        t = data.get("time") or {}
+        return key, {"command": "copt " + " ".join(cmd[3:]), "gpu": (data.get("hardware") or {}).get("gpu"),
+                     **{k: t.get(k) for k in ("tpot_s", "tpot_floor_s", "ttft_s", "output_tokens_per_s",
+                                              "max_concurrent_seqs")},
+                     "max_batch_size": (data.get("workload") or {}).get("max_batch_size")}
+
+    jobs = [(b, m) for b in [1, *CFG["loads"]] for m in MODES]
+    with ThreadPoolExecutor(6) as ex:
+        return dict(ex.map(lambda job: one(*job), jobs))
+
+
+def ratio(pred: float | None, meas: float | None) -> float | None:
+    return round(pred / meas, 3) if pred and meas else None
+
+
+def comparisons(results: dict, shape: str) -> dict:
+    """advise's prediction ÷ each measurement of the same figure (1.00 = exact; the issue's bar: 0.85–1.15)."""
+    adv = (results.get("advise") or {}).get(shape) or {}
+    copt = (results.get("copt") or {}).get(shape) or {}
+    prof = (results.get("profile_endpoint") or {}).get(shape) or {}
+    gl = (results.get("guidellm") or {}).get(shape) or {}
+    rows = {}
+    for mode in MODES:
+        p = adv.get(f"c1_{mode}") or {}
+        m = ((copt.get("b1") or {}).get(mode) or {})
+        row = {"predicted_tpot_ms": p.get("tpot_s") and 1e3 * p["tpot_s"], "copt_client_tpot_ms": m.get("ms_per_token")}
+        row["pred_over_copt_client"] = ratio(row["predicted_tpot_ms"], row["copt_client_tpot_ms"])
+        if mode == "sampled" and prof.get("c1"):
+            row["profile_endpoint_tpot_ms"] = (prof["c1"].get("tpot_s") or {}).get("p50") and \
+                1e3 * prof["c1"]["tpot_s"]["p50"]
+            row["pred_over_profile_endpoint"] = ratio(row["predicted_tpot_ms"], row["profile_endpoint_tpot_ms"])
+        rows[f"b1_{mode}"] = row
+        for n in CFG["loads"]:
+            p = adv.get(f"c{n}_{mode}") or {}
+            m = copt.get(f"c{n}_{mode}") or {}
+            row = {}
+            for fig, mkey in (("output_tokens_per_s", None), ("ttft_s", "p50"), ("tpot_s", "p50")):
+                meas = m.get(fig) if mkey is None else (m.get(fig) or {}).get(mkey)
+                row[f"predicted_{fig}"] = p.get(fig)
+                row[f"copt_client_{fig}"] = meas
+                row[f"pred_over_copt_client_{fig}"] = ratio(p.get(fig), meas)
+                for name, src in (("profile_endpoint", prof if mode == "sampled" else {}),
+                                  ("guidellm", gl if mode == "sampled" else {})):
+                    lv = src.get(f"c{n}") or {}
+                    val = lv.get(fig) if mkey is None else (lv.get(fig) or {}).get(mkey)
+                    if val:
+                        row[f"{name}_{fig}"] = val
+                        row[f"pred_over_{name}_{fig}"] = ratio(p.get(fig), val)
+            rows[f"c{n}_{mode}"] = row
+    return rows
+
+
+# ---- main ------------------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="JSON results path (rewritten after every case)")
+    parser.add_argument("--shapes", default="1b", help="comma-separated, run in this order: 1b, 8b (default 1b)")
+    parser.add_argument("--skip", default="", help="comma-separated cases to leave out: " + ", ".join(CASES))
+    parser.add_argument("--budget-s", type=float, default=540, help="seconds for the whole run; a case that "
+                        "would not fit in what is left is recorded as skipped (default 540)")
+    parser.add_argument("--client-procs", type=int, default=4, help="load-generator processes")
+    parser.add_argument("--load-window", type=float, default=60, help="seconds a copt serve load may take at most")
+    parser.add_argument("--tserve-window", type=float, default=12,
+                        help="seconds per transformers serve load (tokens streamed by then count)")
+    parser.add_argument("--tserve-args", default="", help="extra flags for transformers serve, e.g. "
+                        "'--cb-use-cuda-graph'")
+    parser.add_argument("--startup-timeout", type=float, default=240, help="seconds a server may take to start")
+    parser.add_argument("--guidellm-shapes", default="1b", help="shapes guidellm runs on (default 1b)")
+    parser.add_argument("--guidellm-requests-per-stream", type=int, default=2)
+    parser.add_argument("--guidellm-timeout", type=float, default=120, help="seconds per guidellm run at most")
+    parser.add_argument("--profile-levels", default="1,64,256", help="copt profile endpoint concurrencies")
+    parser.add_argument("--profile-duration", type=float, default=5, help="copt profile endpoint seconds per level")
+    parser.add_argument("--keep-reports", action="store_true", help="embed guidellm's whole reports in the JSON")
+    parser.add_argument("--work-dir", type=Path, default=None, help="model directories and logs (default: a "
+                        "temporary folder, removed at the end)")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, few clients (checks the script on a CPU)")
+    args = parser.parse_args()
+    shapes = [s.strip().lower() for s in args.shapes.split(",") if s.strip()]
+    bad = [s for s in shapes if s not in SHAPES]
+    skip = set(filter(None, (s.strip() for s in args.skip.split(","))))
+    unknown = skip - set(CASES)
+    if bad or unknown:
+        parser.error(f"unknown shapes {bad} / cases {sorted(unknown)}; shapes: 1b, 8b; cases: {', '.join(CASES)}")
+    args.skip_set = skip
+    args.guidellm_shapes = {s.strip().lower() for s in args.guidellm_shapes.split(",") if s.strip()}
+    args.profile_levels = [int(c) for c in args.profile_levels.split(",") if c.strip()]
+    if args.smoke:
+        CFG.update(prompt_len=16, out_tokens=8, loads=[4, 8], b1_requests=2)
+        args.profile_levels = [1, 4]
+        args.profile_duration = min(args.profile_duration, 2)
+        args.client_procs = min(args.client_procs, 2)
+        args.guidellm_shapes = set(shapes)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    budget = Budget(args.budget_s)
+    results: dict = {"bench": "gpu_serve_models", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                     "gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "config": dict(CFG), "modes": MODES,
+                     "shapes": shapes, "skip": sorted(skip), "smoke": args.smoke, "budget_s": args.budget_s,
+                     "models": {}, "case_seconds": {}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    lock = threading.Lock()
+
+    def save() -> None:
+        with lock:
+            results["elapsed_s"] = round(budget.total - budget.left(), 1)
+            tmp_out = args.out.with_suffix(args.out.suffix + ".tmp")
+            tmp_out.write_text(json.dumps(results, indent=2, default=str))
+            os.replace(tmp_out, args.out)
+
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="copt-models-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    def timed(name: str, fn, *a) -> None:  # noqa: ANN001
+        t0 = time.perf_counter()
+        try:
+            fn(*a)
+        except Exception as exc:  # noqa: BLE001 - recorded, the next case runs
+            results.setdefault("errors", {})[name] = {"error": f"{type(exc).__name__}: {exc}",
+                                                      "traceback": traceback.format_exc()}
+            log(f"{name} failed: {exc}")
+        results["case_seconds"][name] = round(time.perf_counter() - t0, 1)
+        save()
+
+    dirs: dict[str, Path] = {}
+    made_by: dict[str, dict] = {}
+    prompts: dict[str, list[str]] = {}
+
+    def build(shape: str) -> None:
+        spec = SMOKE_SHAPE if args.smoke else SHAPES[shape]
+        dirs[shape] = work / f"llama-{shape}-shape"
+        made_by[shape] = make_model_dir(dirs[shape], spec)
+        results["models"][shape] = {**made_by[shape], "shape": spec}
+        prompts[shape] = prompts_text(max(CFG["loads"]), CFG["prompt_len"], spec["vocab_size"])
+        log(f"model {shape}: {made_by[shape]['weight_bytes'] / 1e9:.2f} GB of weights, built and saved in "
+            f"{made_by[shape]['build_and_save_s']} s")
+    # the order (most important first): per shape, copt serve (batch-1, 64/256 clients, guidellm, copt profile
+    # endpoint) then transformers serve on the same directory; then advise; the in-process engines last
+    for shape in shapes:
+        timed(f"build_{shape}", build, shape)
+        if shape not in dirs:
+            continue
+        if "copt" not in skip:
+            if budget.allows(90 if shape == "8b" else 45):
+                timed(f"copt_{shape}", case_copt, shape, dirs[shape], made_by[shape], prompts[shape], args, skip,
+                      budget, results, save, work)
+            else:
+                results.setdefault("copt", {})[shape] = {"skipped": "time budget"}
+        if "tserve" not in skip:
+            if budget.allows(60 if shape == "8b" else 40):
+                timed(f"tserve_{shape}", case_tserve, shape, dirs[shape], prompts[shape], args, budget, results,
+                      save, work)
+            else:
+                results.setdefault("tserve", {})[shape] = {"skipped": "time budget"}
+    if "advise" not in skip and dirs:
+        def adv() -> None:
+            for shape in dirs:
+                results.setdefault("advise", {})[shape] = advise_predictions(dirs[shape], [] if cuda else
+                                                                             ["--gpu", "h200"])
+            if not cuda:
+                results["advise_note"] = "no GPU here: predictions for --gpu h200 (checks the plumbing only)"
+            results["comparison"] = {shape: comparisons(results, shape) for shape in dirs}
+
+        timed("advise", adv)
+    for shape in sorted(dirs, key=lambda x: x != "1b"):  # the 1B engine first: cheaper
+        if "engine" not in skip:
+            if budget.allows(70 if shape == "8b" else 30):
+                timed(f"engine_{shape}", case_engine, shape, dirs[shape], prompts[shape], budget, results, save)
+            else:
+                results.setdefault("engine", {})[shape] = {"skipped": "time budget"}
+    results["comparison"] = {shape: comparisons(results, shape) for shape in dirs}
+    save()
+    print_table(results, shapes)
+    print(f"results: {args.out}")
+    if args.work_dir is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+
+def print_table(results: dict, shapes: list[str]) -> None:
+    print(f"\ncopt serve on real model sizes — {results['gpu']}, {results['date']}, prompts {CFG['prompt_len']}, "
+          f"{CFG['out_tokens']} output tokens; tok/s (TTFT p50 s); pred = copt advise ÷ measured")
+    for shape in shapes:
+        copt = (results.get("copt") or {}).get(shape) or {}
+        ts = (results.get("tserve") or {}).get(shape) or {}
+        eng = (results.get("engine") or {}).get(shape) or {}
+        gl = (results.get("guidellm") or {}).get(shape) or {}
+        prof = (results.get("profile_endpoint") or {}).get(shape) or {}
+        cmp_ = (results.get("comparison") or {}).get(shape) or {}
+        b1 = copt.get("b1") or {}
+        print(f"[{shape}] start-up: copt serve {_f(copt.get('startup_s'), '.1f')} s, transformers serve "
+              f"{_f(ts.get('startup_s'), '.1f')} s, engine {_f(eng.get('startup_s'), '.1f')} s; batch-1 ms/token "
+              f"greedy {_f((b1.get('greedy') or {}).get('ms_per_token'), '.2f')}, sampled "
+              f"{_f((b1.get('sampled') or {}).get('ms_per_token'), '.2f')} (floor {_f(b1.get('floor_ms'), '.2f')}; "
+              f"pred {_f((cmp_.get('b1_greedy') or {}).get('pred_over_copt_client'), '.2f')} / "
+              f"{_f((cmp_.get('b1_sampled') or {}).get('pred_over_copt_client'), '.2f')})")
+        print(f"  {'load':<14}{'engine':>10}{'copt serve':>20}{'transformers':>20}{'copt÷tf':>9}"
+              f"{'guidellm':>20}{'profile ep':>20}{'pred tok/s':>11}{'pred TTFT':>10}")
+        for n in CFG["loads"]:
+            for mode in MODES:
+                key = f"c{n}_{mode}"
+
+                def cell(r: dict) -> str:
+                    tok = r.get("output_tokens_per_s")
+                    ttft = (r.get("ttft_s") or {}).get("p50")
+                    return f"{_f(tok, ',.0f')} ({_f(ttft, '.2f')})" if tok else r.get("skipped", "-")[:18]
+
+                c, t = copt.get(key) or {}, ts.get(key) or {}
+                gl_r = (gl.get(f"c{n}") or {}) if mode == "sampled" else {}
+                pr_r = (prof.get(f"c{n}") or {}) if mode == "sampled" else {}
+                x = ratio(c.get("output_tokens_per_s"), t.get("output_tokens_per_s"))
+                row = cmp_.get(key) or {}
+                print(f"  {str(n) + ' ' + mode:<14}{_f((eng.get(key) or {}).get('output_tokens_per_s'), ',.0f'):>10}"
+                      f"{cell(c):>20}{cell(t):>20}{_f(x, '.2f'):>9}{cell(gl_r) if gl_r else '-':>20}"
+                      f"{cell(pr_r) if pr_r else '-':>20}"
+                      f"{_f(row.get('pred_over_copt_client_output_tokens_per_s'), '.2f'):>11}"
+                      f"{_f(row.get('pred_over_copt_client_ttft_s'), '.2f'):>10}")
+        for name, src in (("copt serve", copt), ("transformers serve", ts), ("guidellm", gl),
+                          ("profile endpoint", prof)):
+            if src.get("skipped") or src.get("error"):
+                print(f"  {name}: {src.get('skipped') or str(src.get('error'))[:200]}")
+    for name, err in (results.get("errors") or {}).items():
+        print(f"error in {name}: {err['error'][:300]}")
+
+
+if __name__ == "__main__":
+    main()
