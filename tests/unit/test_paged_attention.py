@@ -104,7 +104,8 @@ def test_the_op_is_registered_and_reads_only_the_bucket():
 
 def test_split_choice_fills_the_gpu_at_batch_one_and_does_not_split_a_full_batch():
     assert pa.choose_splits(1, 8, 32768, 132) == 33  # 264 programs for 132 SMs
-    assert pa.choose_splits(1, 8, 512, 132) == 2  # short bucket: no split under MIN_SPLIT_TOKENS keys
+    assert pa.choose_splits(1, 8, 512, 132) == 8  # short bucket: no split under MIN_SPLIT_TOKENS keys
+    assert pa.choose_splits(1, 8, 100, 132) == 2 and pa.choose_splits(1, 8, 16, 132) == 1
     assert pa.choose_splits(1, 1, 10**6, 132) == pa.MAX_SPLITS
     assert pa.choose_splits(64, 8, 32768, 132) == 1
     assert pa.choose_splits(256, 8, 32768, 132) == 1
