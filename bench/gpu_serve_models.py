@@ -30,6 +30,24 @@ Per shape, in --shapes order (cases run most important first; each starts only w
               figures with predicted ÷ measured
 Order: for each shape, copt (b1, loads, guidellm, profile) then tserve; then advise; then the engines (1B first).
 JSON is rewritten after every case (a timeout keeps what finished); a short table is printed last.
+
+JSON (`--out`), per shape key "1b"/"8b" under each case; tok/s are output tokens per second at the clients:
+  models.<shape>            weight_bytes, params, build_and_save_s, the config used (shape), tokenizer vocabulary
+  copt.<shape>              startup_s (Popen → /health 200); b1.{greedy,sampled}.ms_per_token (median), runs_ms,
+                            ttft_s, x_floor (÷ b1.floor_ms = weight_bytes / 4.26e12 B/s); c<N>_<mode> per load:
+                            output_tokens_per_s, wall_s, ttft_s/tpot_s percentiles (p50/p90/p99, seconds),
+                            completed, errors, ended_early (fewer than 128 tokens), cut_at_window; exit_status
+  tserve.<shape>            the same for transformers serve, plus first_request_s (its batching manager starts on the
+                            first request) and finish_reasons; a load cut at --tserve-window counts what streamed
+  guidellm.<shape>.c<N>     guidellm's report read by copt: output_tokens_per_s, ttft_s, tpot_s (its inter-token
+                            latency), e2e_s, completed/errors, the command and its exit status
+  profile_endpoint.<shape>  `copt profile endpoint` per level c1/c64/c256 (sampled): the same figures
+  engine.<shape>.c<N>_<mode> the in-process engine's tok/s and TTFT percentiles; startup_s
+  advise.<shape>.c<N>_<mode> copt advise's tpot_s, tpot_floor_s, ttft_s, output_tokens_per_s, the command
+  comparison.<shape>        b1_<mode> and c<N>_<mode>: predicted_<figure>, <tester>_<figure> and
+                            pred_over_<tester>_<figure> (predicted ÷ measured; testers copt_client, profile_endpoint,
+                            guidellm — the last two sampled only)
+  case_seconds, elapsed_s, errors: time per case, total, and any case that failed (with its traceback)
 """
 
 from __future__ import annotations
@@ -602,6 +620,8 @@ def comparisons(results: dict, shape: str) -> dict:
         m = ((copt.get("b1") or {}).get(mode) or {})
         row = {"predicted_tpot_ms": p.get("tpot_s") and 1e3 * p["tpot_s"], "copt_client_tpot_ms": m.get("ms_per_token")}
         row["pred_over_copt_client"] = ratio(row["predicted_tpot_ms"], row["copt_client_tpot_ms"])
+        row["predicted_ttft_s"], row["copt_client_ttft_s"] = p.get("ttft_s"), m.get("ttft_s")
+        row["pred_over_copt_client_ttft_s"] = ratio(p.get("ttft_s"), m.get("ttft_s"))
         if mode == "sampled" and prof.get("c1"):
             row["profile_endpoint_tpot_ms"] = (prof["c1"].get("tpot_s") or {}).get("p50") and \
                 1e3 * prof["c1"]["tpot_s"]["p50"]
