@@ -64,7 +64,10 @@ def measure(root: Path, model_dir: Path, prompts: list[list[int]], out_tokens: i
             smoke: bool) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # the side's checkout first; the rest of PYTHONPATH stays (packages installed to a --target directory)
+    path = [str(root), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                         if p and Path(p).resolve() != REPO)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.Popen(serve_cmd(model_dir, port, smoke), cwd=root, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
