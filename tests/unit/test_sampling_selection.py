@@ -251,6 +251,24 @@ def test_rows_pick_the_cheapest_exact_mode():
     assert selection_for([top_p, top_k]) == TOP_K_P
 
 
+def test_a_single_row_sorts_for_top_k_on_cuda_only():
+    """On CUDA one row's top-k runs as the sort (cheaper there for one row); more rows, or a CPU, keep TOP_K.
+    Both modes draw the same token (test_top_k_threshold_mode_equals_the_full_sort)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from clusteropt_cli.core.serve.device_sampling import PLAIN, SORT, SORT_ROWS, TOP_K, TOP_P, SlotSampler
+
+    sampler = SlotSampler(4, 32, torch.device("cpu"))
+    cuda, cpu = SimpleNamespace(type="cuda"), torch.device("cpu")
+    assert sampler.mode(TOP_K, cuda, SORT_ROWS) == SORT
+    assert sampler.mode(TOP_K, cuda, SORT_ROWS + 1) == TOP_K
+    assert sampler.mode(TOP_K, cpu, 1) == TOP_K and sampler.mode(TOP_K, cuda) == TOP_K
+    assert sampler.mode(PLAIN, cuda, 1) == PLAIN
+    assert sampler.mode(TOP_P, cpu, 1) == TOP_P
+
+
 def test_the_sampler_mixes_modes_per_step_and_keeps_the_sorted_tokens():
     """SlotSampler: a step's mode is the cheapest its rows allow together; each row's token is the one the
     previous full sort gave it (penalties and min_tokens suppression on), and a top-k row gives the same token
