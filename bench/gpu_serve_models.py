@@ -238,6 +238,13 @@ def request_tokens(rec: dict) -> int:
     return rec["usage"] if rec.get("done") and rec.get("usage") is not None else rec.get("words", 0)
 
 
+def tpot(rec: dict) -> float | None:
+    """Seconds per output token after the first: (last − first text chunk) / (tokens − 1), tokens as the server
+    counted them (a chunk may carry several)."""
+    times, n = rec.get("times") or [], request_tokens(rec)
+    return (times[-1] - times[0]) / (n - 1) if len(times) > 1 and n > 1 else None
+
+
 def load_run(url: str, bodies: list[dict], procs: int, pool: ProcessPoolExecutor, window: float) -> dict:
     procs = max(1, min(procs, len(bodies)))
     shares = [bodies[i::procs] for i in range(procs)]
@@ -258,8 +265,7 @@ def load_run(url: str, bodies: list[dict], procs: int, pool: ProcessPoolExecutor
             "output_tokens_per_s": tokens / wall if wall > 0 else None,
             "ended_early": len(short), "finish_reasons": sorted({str(r.get("finish")) for r in done}),
             "ttft_s": percentiles([r["times"][0] for r in recs if r.get("times")]),
-            "tpot_s": percentiles([(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in done
-                                   if len(r.get("times", [])) > 1])}
+            "tpot_s": percentiles([tpot(r) for r in done if tpot(r) is not None])}
 
 
 def bodies_for(model: str, prompts: list[str], mode: str, ignore_eos: bool, seeded: bool,
@@ -287,8 +293,8 @@ def batch1(url: str, model: str, prompts: list[str], mode: str, ignore_eos: bool
         async with httpx.AsyncClient(timeout=timeout) as client:
             for body in bodies_for(model, prompts, mode, ignore_eos, seeded=ignore_eos, max_tokens=max_tokens):
                 rec: dict = {}
-                try:
-                    await _stream_one(client, url, body, rec)
+                try:  # `timeout` bounds the whole request, not only each read
+                    await asyncio.wait_for(_stream_one(client, url, body, rec), timeout)
                 except Exception as exc:  # noqa: BLE001 - recorded with the request
                     rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 recs.append(rec)
@@ -296,7 +302,7 @@ def batch1(url: str, model: str, prompts: list[str], mode: str, ignore_eos: bool
 
     recs = asyncio.run(run())
     done = [r for r in recs if r.get("done")]
-    ms = sorted(1e3 * (r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in done if len(r["times"]) > 1)
+    ms = sorted(1e3 * tpot(r) for r in done if tpot(r) is not None)
     ttft = sorted(r["times"][0] for r in done if r["times"])
     return {"ms_per_token": ms[len(ms) // 2] if ms else None, "runs_ms": [round(x, 3) for x in ms],
             "ttft_s": ttft[len(ttft) // 2] if ttft else None,
@@ -532,10 +538,13 @@ def case_tserve(shape: str, model_dir: Path, prompts: list[str], args, budget: B
         # the model loads at start (it is pinned); the first request also builds the continuous-batching manager
         # (seen once on a CPU: the first stream closed early; retried, at most 3 tries)
         t0 = time.perf_counter()
-        failures = []
+        failures: list[str] = []
+        first: dict = {"errors": ["not sent"]}
         for _ in range(3):
+            if failures and not budget.allows(60):
+                break
             try:
-                first = batch1(url, model, prompts[:1], "greedy", False, timeout=max(30.0, min(300, budget.left())),
+                first = batch1(url, model, prompts[:1], "greedy", False, timeout=max(30.0, min(180, budget.left())),
                                max_tokens=16)
                 if not first["errors"]:
                     break
@@ -547,7 +556,7 @@ def case_tserve(shape: str, model_dir: Path, prompts: list[str], args, budget: B
         out["first_request_s"] = round(time.perf_counter() - t0, 1)
         if failures:
             out["first_request_failures"] = failures
-        if len(failures) == 3 or proc.poll() is not None:
+        if first.get("errors") or proc.poll() is not None:
             out["error"] = f"first request: {failures[-1] if failures else 'server exited'}"
             return
         out["first_request"] = first  # 16 tokens, greedy, alone: a rough batch-1 figure
