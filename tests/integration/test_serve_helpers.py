@@ -21,28 +21,19 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(model: Path, *args: str, startup_timeout: float = 90):
-    """Start `copt serve MODEL ARGS --port P` and yield (base_url, process); SIGTERM it afterwards."""
-    import httpx
+def running_server(model: Path, *args: str, startup_timeout: float = 90, wait: bool = True):
+    """Start `copt serve MODEL ARGS --port P` and yield (base_url, process); SIGTERM it afterwards.
 
+    wait=False yields as soon as the process is started: the caller does its own work while the server loads and
+    then calls wait_healthy(url, proc, startup_timeout)."""
     port = free_port()
     env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "clusteropt_cli", "serve", str(model), "--port", str(port), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + startup_timeout
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"copt serve exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("copt serve did not come up in time")
-            time.sleep(0.2)
+        if wait:
+            wait_healthy(url, proc, startup_timeout)
         yield url, proc
     finally:
         if proc.poll() is None:
@@ -52,6 +43,24 @@ def running_server(model: Path, *args: str, startup_timeout: float = 90):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Until the server at url answers /health with 200 (an error if the process exits first or time runs out)."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"copt serve exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            raise RuntimeError("copt serve did not come up in time")
+        time.sleep(0.2)
 
 
 def metric(url: str, name: str, labels: str = "") -> float:
