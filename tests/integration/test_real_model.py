@@ -307,16 +307,4 @@ def test_distill_traces_thinks_only_the_way_the_teacher_knows(real_model, fixtur
         assert generator.format_prompt("2+2?").endswith("assistant\n" if on else "<think>\n\n</think>\n\n")
 
 
-@pytest.mark.slow
-def test_distill_traces_on_the_instruct_model_forces_no_think(real_model, tmp_path, copt):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}? Answer with the number.",
-                                           "answer": str(a + b)}) + "\n" for a, b in ((2, 3), (10, 5), (7, 1))))
-    out = tmp_path / "traces.jsonl"
-    done = copt("distill", "traces", "--teacher", str(real_model.model), "--prompts", str(prompts), "-o", str(out),
-                "--samples", "1", "--max-new-tokens", "24", "--temperature", "0", "--json", timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    stats = json.loads(done.stdout)
-    assert stats["thinking"].startswith("no thinking format") and stats["samples_total"] == 3
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert rows and not any(r["completion"].startswith("<think>") for r in rows)
+# `copt distill traces` on the instruct model forcing nothing: test_real_model_distill.py's --verify run
