@@ -9,9 +9,14 @@ recommendation with a prediction block, `copt train --recipe` applies the recipe
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import yaml
+
+from tests.conftest import REPO
 
 BUDGET_GIB = "0.03"
 
@@ -42,17 +47,28 @@ def test_closed_loop_train_on_cpu(fixtures, tmp_path, copt):
     predicted_peak = plan["prediction"]["figures"]["peak_mem_bytes"]
     assert predicted_peak < float(BUDGET_GIB) * 1024**3 < before["metrics"]["peak_mem_bytes"]
 
-    # 3. apply: copt train runs the recipe as written (a few steps) and saves a loadable model
+    # the gate fails when the prediction is wrong: the recipe with its prediction halved must exit 6
+    wrong_plan = {**plan, "prediction": {**plan["prediction"], "figures": {"peak_mem_bytes": predicted_peak / 2}}}
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(yaml.safe_dump(wrong_plan))
+
+    # 3. apply, 4. verify and the failing gate read only the recipes: three independent commands, run side by side
     out = tmp_path / "trained"
-    result = copt("train", "--recipe", str(recipe), "--data", str(fixtures.train_text), "--output", str(out),
-                  "max_steps=3", "--json")
+    train, verify, gate = (_start(*args) for args in (
+        ("train", "--recipe", str(recipe), "--data", str(fixtures.train_text), "--output", str(out), "max_steps=3",
+         "--json"),
+        ("profile", "model", "--expect", str(recipe), "--warmup", "0", "--repeats", "1", "--json"),
+        ("profile", "model", "--expect", str(wrong), "--warmup", "0", "--repeats", "1")))
+
+    # 3. apply: copt train runs the recipe as written (a few steps) and saves a loadable model
+    result = _finish(train)
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(r["loss"] > 0 for r in rows)
     assert (out / "config.json").is_file()
 
     # 4. verify: measure again against the recipe's prediction
-    result = copt("profile", "model", "--expect", str(recipe), "--warmup", "0", "--repeats", "1", "--json")
+    result = _finish(verify)
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     figures = {f["name"]: f for f in doc["check"]["figures"]}
@@ -61,9 +77,17 @@ def test_closed_loop_train_on_cpu(fixtures, tmp_path, copt):
     assert peak["measured"] < float(BUDGET_GIB) * 1024**3
     assert peak["status"] == "pass" and abs(peak["rel_error"]) <= 0.10, peak
 
-    # the gate fails when the prediction is wrong: halve it and expect exit 6
-    plan["prediction"]["figures"] = {"peak_mem_bytes": predicted_peak / 2}
-    wrong = tmp_path / "wrong.yaml"
-    wrong.write_text(yaml.safe_dump(plan))
-    result = copt("profile", "model", "--expect", str(wrong), "--warmup", "0", "--repeats", "1")
+    result = _finish(gate)
     assert result.returncode == 6, result.stderr
+
+
+def _start(*args: str) -> subprocess.Popen:
+    """`copt ARGS` started in the background (one OpenMP thread; it measures its own tensors, not the machine)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "clusteropt_cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
