@@ -1,14 +1,18 @@
 """copt train on real weights (SmolLM2-135M-Instruct, tests/real_model.py): fine-tuning lowers the loss from the
-first step, a checkpoint resumes onto the uninterrupted run's loss curve and step count."""
+first step, a run killed after a checkpoint resumes onto the uninterrupted run's loss curve and step count."""
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from clusteropt_cli.core.io import OUTPUT_MARKER
+from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slow]
 
@@ -46,11 +50,36 @@ def _run(copt, args) -> dict:
     return json.loads(done.stdout)
 
 
+def _start(args) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "clusteropt_cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
 def test_train_resume_continues_the_same_curve(real_model, tmp_path, copt):
     data = tmp_path / "train.txt"
     _train_text(real_model, data)
-    out = tmp_path / "run"
-    full = _run(copt, _args(real_model, data, out))
+    out, cut = tmp_path / "run", tmp_path / "cut"
+    # the uninterrupted run and the same run killed (-9) after its step-2 checkpoint, side by side
+    full_run, killed = _start(_args(real_model, data, out)), _start(_args(real_model, data, cut))
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and killed.poll() is None:
+            if (cut / "checkpoints" / "step-2" / "meta.json").exists():
+                break
+            time.sleep(0.02)
+        assert killed.poll() is None, "the run finished before it could be killed: " + killed.communicate()[1][-3000:]
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.communicate()
+        assert not (cut / "model.safetensors").exists()  # nothing final was written
+        resumed = _run(copt, _args(real_model, data, cut, "--resume"))
+    finally:
+        stdout, stderr = full_run.communicate(timeout=300)
+        if killed.poll() is None:
+            killed.kill()
+            killed.communicate()
+    assert full_run.returncode == 0, stderr[-3000:]
+    full = json.loads(stdout)
     assert full["steps"] == STEPS and full["resumed_from"] is None and full["tokens"] == STEPS * BLOCKS * SEQ_LEN
     losses = full["losses"]
     # a trained model on English prose: the loss of a language model, not of random weights (~ln 49152 = 10.8)
@@ -59,13 +88,7 @@ def test_train_resume_continues_the_same_curve(real_model, tmp_path, copt):
     assert losses[-1] < losses[0] - 0.5, losses
     assert (out / "checkpoints" / "step-2" / "meta.json").exists()
 
-    # an interrupted run: its output as it was after the step-2 checkpoint (no final model, history up to step 2)
-    cut = tmp_path / "cut"
-    shutil.copytree(out / "checkpoints", cut / "checkpoints")
-    shutil.copy(out / OUTPUT_MARKER, cut / OUTPUT_MARKER)
-    rows = (out / "metrics.jsonl").read_text().splitlines()
-    (cut / "metrics.jsonl").write_text("\n".join(rows[:2]) + "\n")
-    resumed = _run(copt, _args(real_model, data, cut, "--resume"))
+    # the killed run resumed from its step-2 checkpoint onto the uninterrupted run's curve
     assert resumed["resumed_from"] == 2 and resumed["start_step"] == 2 and resumed["steps"] == 1
     assert resumed["losses"] == pytest.approx(losses[2:], abs=1e-4)
     history = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines() if line.strip()]
