@@ -90,7 +90,7 @@ def _complete(url: str, prompt, max_tokens: int = 16, **extra) -> dict:
 
 
 @pytest.mark.slow
-def test_serve_adds_the_tokenizers_bos_and_sizes_its_cpu_kv_cache(bos_model):
+def test_serve_adds_the_tokenizers_bos_and_sizes_its_cpu_kv_cache(bos_model, one_torch_thread):
     """/v1/completions encodes text like HF's tokenizer(...) and vLLM (add_special_tokens=True: the BOS where the
     tokenizer adds one), `add_special_tokens: false` per request leaves it out, chat prompts are the template's
     own tokens; greedy output equals HF's. On CPU the KV cache is sized from the model and the machine, and said."""
@@ -98,11 +98,21 @@ def test_serve_adds_the_tokenizers_bos_and_sizes_its_cpu_kv_cache(bos_model):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.integration.test_serve_helpers import running_server
+    from tests.integration.test_serve_helpers import running_server, wait_healthy
 
     tok = AutoTokenizer.from_pretrained(bos_model)
     text = "The three primary colours are"
-    with running_server(bos_model, "--served-model-name", "smol", startup_timeout=180) as (url, proc):
+    with running_server(bos_model, "--served-model-name", "smol", startup_timeout=180, wait=False) as (url, proc):
+        # HF's greedy tokens while the server loads
+        model = AutoModelForCausalLM.from_pretrained(bos_model).eval()
+        eos = model.generation_config.eos_token_id
+        wanted = []
+        with torch.inference_mode():
+            for prompt in (tok(text)["input_ids"], tok(text, add_special_tokens=False)["input_ids"]):
+                want = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):]
+                want = want.tolist()
+                wanted.append(want[: want.index(eos)] if eos in want else want)
+        wait_healthy(url, proc, 180)
         default = _complete(url, text)
         without = _complete(url, text, add_special_tokens=False)
         chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
@@ -114,12 +124,7 @@ def test_serve_adds_the_tokenizers_bos_and_sizes_its_cpu_kv_cache(bos_model):
     chat_ids = tok.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True,
                                        tokenize=True, return_dict=True)["input_ids"]
     assert chat["prompt_token_ids"] == chat_ids  # no second BOS before the template's own <|im_start|>
-    model = AutoModelForCausalLM.from_pretrained(bos_model).eval()
-    eos = model.generation_config.eos_token_id
-    with torch.inference_mode():
-        for prompt, got in ((default["prompt_token_ids"], default), (without["prompt_token_ids"], without)):
-            want = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-            assert got["token_ids"] == (want[: want.index(eos)] if eos in want else want)
+    assert [default["token_ids"], without["token_ids"]] == wanted
     # 64 sequences × 4096 tokens would be 11.25 GiB for this 30-layer fp32 model; the engine sizes it and says so
     line = next(x for x in stderr.splitlines() if "KV cache on cpu" in x)
     gib = float(line.split(" = ")[1].split(" GiB")[0])
