@@ -151,11 +151,12 @@ QUANTIZE_TO_SERVE = {
 LOGPROB_TOL = 2e-3  # dequantized weights in fp32: the engine and HF differ in summation order only
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def quantized(request, real_model, tmp_path_factory):
     """The checkpoints of the selected cases, quantized one after another (`copt quantize`, one OpenMP thread) in a
-    background thread in the order the tests run: the next case quantizes while a test serves and checks the one
-    before. Returns case → (checkpoint directory, CompletedProcess), waiting for that case's run."""
+    background thread from the module's first test on, in the order the tests run: the next case quantizes while a
+    test serves and checks the one before. Returns case → (checkpoint directory, CompletedProcess), waiting for that
+    case's run."""
     import subprocess
     import sys
     import threading
