@@ -359,3 +359,64 @@ def test_top_p_rounds_kernel_compiles_for_an_h100_class_gpu():
     out = compile(ASTSource(fn=_kernel(), signature=sig, constexprs={"BLOCK": BLOCK}),
                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     assert len(out.asm["cubin"]) > 1000
+
+
+def _kind(value):
+    """What torch.compile guards on for one argument: None or not, a tensor's rank, dtype, whether its first
+    dimension is 1 (specialised) and whether it is a view of another tensor, or the Python type."""
+    import torch
+
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dim(), value.dtype, value.dim() > 0 and value.shape[0] == 1, value._base is not None)
+    return type(value).__name__
+
+
+def test_start_up_warms_every_variant_the_eager_sampling_path_calls():
+    """The compiled sampling kernels the prefill rows call (eager, one or several rows, every selection mode and
+    penalty) are all called at start-up — by the graph captures or by warm_eager — with the same argument kinds,
+    so the first sampled requests never wait for a compile while the engine holds every running request."""
+    import torch
+
+    from clusteropt_cli.core.serve.device_sampling import (
+        KERNELS,
+        PLAIN,
+        SORT,
+        TOP_K,
+        TOP_K_P,
+        TOP_P,
+        RowSettings,
+        SlotSampler,
+    )
+
+    seen: set = set()
+
+    def recording(name, fn):
+        def call(*args, **kwargs):
+            seen.add((name, tuple(_kind(a) for a in args), tuple(sorted((k, _kind(v)) for k, v in kwargs.items()))))
+            return fn(*args, **kwargs)
+        return call
+
+    vocab = 50
+    sampler = SlotSampler(8, vocab, torch.device("cpu"))
+    sampler.perturb = {name: recording(name, fn) for name, fn in KERNELS.items()}
+    buf = torch.randn(8, vocab)
+    for bucket in (8, 4, 2, 1):  # what runner.capture_sampling_graphs does (eager on a CPU)
+        for mode in (PLAIN, TOP_K, TOP_P, TOP_K_P, SORT):
+            for penalize in (False, True):
+                sampler.graph_sample(buf[:bucket], bucket, mode, penalize)
+    assert sampler.warm_eager(buf) == 30
+    warmed, seen = set(seen), seen
+    seen.clear()
+    requests = [RowSettings(temperature=1.0), RowSettings(temperature=0.8, top_k=20),
+                RowSettings(temperature=1.0, top_p=0.9), RowSettings(temperature=1.0, top_p=0.9, top_k=5),
+                RowSettings(temperature=1.0, min_p=0.1), RowSettings(temperature=0.7, presence_penalty=0.5),
+                RowSettings(temperature=0.7, logit_bias={3: 2.0}), RowSettings(temperature=0.7, min_tokens=2,
+                                                                                stop_ids=(4,))]
+    for settings in requests:
+        for slot in range(8):
+            sampler.assign(slot, RowSettings(**{**settings.__dict__, "seed": slot}), [1, 2, 3])
+        for rows in (1, 3, 8):
+            sampler.sample(torch.randn(rows, vocab), list(range(rows)), [5] * rows)
+    assert seen and seen <= warmed, sorted(seen - warmed, key=str)

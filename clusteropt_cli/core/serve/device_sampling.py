@@ -507,6 +507,32 @@ class SlotSampler:
             self.counts.index_put_((index, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
         return (tokens, lp) if logprobs else tokens
 
+    def warm_eager(self, logits_rows) -> int:
+        """Run the eager sampling path (prefill rows, steps without a graph) once per selection mode and penalty
+        variant, at one row and at two: torch.compile specialises a batch of one and compiles the batch dimension
+        at its first larger call, and the captured graphs pass their arguments differently. Without this the first
+        sampled requests after start-up wait seconds for compilation, and with them every running request.
+        Returns the calls made; sampler state is unchanged."""
+        import torch
+
+        if self.perturb is None:
+            return 0
+        calls = 0
+        for rows in (1, 2):
+            logits = logits_rows[:rows].float().clone()  # as the forward hands them over: no view of a buffer
+            index = torch.arange(rows, device=self.device)
+            pos = torch.zeros(rows, dtype=torch.long, device=self.device)
+            args = self._rows(index)
+            counted = self.counts.index_select(0, index), self.prompt_mask.index_select(0, index)
+            for selection in (PLAIN, TOP_K, TOP_P, TOP_K_P, SORT):
+                mode = self.mode(selection, logits_rows.device, rows)
+                for penalize, (counts, prompt_mask) in ((False, (None, None)), (True, (None, None)),
+                                                        (True, counted)):
+                    sample_kernel(logits, position=pos, counts=counts, prompt_mask=prompt_mask,
+                                  sort=mode, penalize=penalize, perturb=self.perturb, **args)
+                    calls += 1
+        return calls
+
     def processed(self, logits, slots: list[int], positions: list[int]):
         """Processed logits (temperature applied) of rows [n, V] — the speculative path's distributions."""
         import torch

@@ -826,6 +826,8 @@ class ModelRunner:
         """Capture the sampling step of every batch bucket and variant (selection mode: plain, top-k thresholds,
         top-p candidates, both, or the sort; penalties) up front, so the first sampled request does not pay a
         compile and capture. Rows are inactive: nothing is counted."""
+        import warnings
+
         from clusteropt_cli.core.serve.device_sampling import PLAIN, SORT, TOP_K, TOP_K_P, TOP_P
 
         sampler = self.sampler
@@ -835,6 +837,10 @@ class ModelRunner:
             for mode in (PLAIN, TOP_K, TOP_P, TOP_K_P, SORT):
                 for penalize in (False, True):
                     sampler.graph_sample(self.logits_buf[:bucket], bucket, mode, penalize)
+        try:  # and the eager path the prefill rows take, so the first sampled requests do not compile either
+            sampler.warm_eager(self.logits_buf)
+        except Exception as exc:  # noqa: BLE001 - the requests would meet the same error: let them report it
+            warnings.warn(f"warming the eager sampling path failed ({type(exc).__name__}: {exc})", stacklevel=2)
 
     compile_error: str | None = None
 
