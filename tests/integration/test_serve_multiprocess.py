@@ -219,11 +219,14 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(fixtures):
                         "--grace-period", "20", "--json") as (url, proc):
         info = _ready_info(proc)
         pool = ThreadPoolExecutor(2)
-        streams = [pool.submit(_stream, url, {"prompt": f"def f{i}(x):", "max_tokens": 60, "ignore_eos": True,
+        # long enough (~1 s on the fixture) to be caught in flight: 60 tokens were often done before a /metrics
+        # scrape saw both running, and the test then waited out its deadline and signalled an idle server
+        streams = [pool.submit(_stream, url, {"prompt": f"def f{i}(x):", "max_tokens": 400, "ignore_eos": True,
                                               "temperature": 0}) for i in range(2)]
         deadline = time.time() + 15
         while metric_auth(url, "copt_num_requests_running") < 2 and time.time() < deadline:
             time.sleep(0.02)
+        assert not any(s.done() for s in streams), "the requests finished before the signal"
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         try:
