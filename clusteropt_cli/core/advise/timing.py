@@ -221,7 +221,16 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
             return compute
         return compute + math.ceil(tokens / computed) * engine["prefill_request_s"]
 
-    prefill_tokens = plan.batch * computed
+    # continuous batching runs at most the engine's concurrency (--max-batch-size, or what its KV cache holds);
+    # clients beyond it wait for a running request to finish: they add rounds to TTFT, not rows to a decode step
+    running = plan.batch
+    if plan.continuous_batching and plan.batch > 1:
+        from clusteropt_cli.core.advise.memory import max_concurrent_seqs
+
+        limit = max_concurrent_seqs(spec, plan, target)
+        if limit is not None:
+            running = max(1, min(plan.batch, limit))
+    prefill_tokens = running * computed
     prefill_s = prefill_seconds(prefill_tokens)
     one_prefill = prefill_seconds(computed)
     if plan.continuous_batching and plan.batch > 1:
@@ -237,27 +246,27 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     else:
         ttft = prefill_s  # static batch: every prompt of the batch is prefilled before the first token
     ctx = plan.prompt_len + plan.gen_len / 2
-    kv_read = kv_cache_bytes(spec, plan, ctx)
+    kv_read = kv_cache_bytes(spec, plan.with_(batch=running) if running != plan.batch else plan, ctx)
     # MoE decode reads only the experts the batch routes to: the active parameters (k experts per layer) plus the
     # other experts some token of the batch picks — E·(1 - (1 - k/E)^B) distinct experts under uniform routing
     if spec.is_moe:
         k, experts = spec.experts_per_token, spec.num_experts
-        distinct = experts * (1.0 - (1.0 - k / experts) ** plan.batch)
+        distinct = experts * (1.0 - (1.0 - k / experts) ** running)
         expert_share = min(1.0, max(0.0, (distinct - k) / max(1, experts - k)))
         active_w = w_bytes * (spec.num_active_params + (spec.num_params - spec.num_active_params) * expert_share) \
             / spec.num_params
     else:
         active_w = w_bytes
     floor = (active_w + kv_read) / bandwidth
-    decode_compute = plan.batch * spec.forward_flops_per_token(int(ctx)) / (peak * cal.PREFILL_MFU)
+    decode_compute = running * spec.forward_flops_per_token(int(ctx)) / (peak * cal.PREFILL_MFU)
     tpot = max(floor / cal.DECODE_BANDWIDTH_EFFICIENCY, decode_compute)
     if engine:
-        tpot += engine["step_fixed_s"] + engine["step_per_seq_s"] * plan.batch
+        tpot += engine["step_fixed_s"] + engine["step_per_seq_s"] * running
         if plan.decode_autotune and engine_name == "copt":
             tpot = max(tpot - cal.AUTOTUNED_DECODE_STEP_S, floor)
         if plan.temperature > 0 and engine_name == "copt":
             # sampled requests: one more [batch, vocabulary] pass on the device than the greedy argmax
-            tpot += cal.SAMPLED_DECODE_STEP_S + cal.SAMPLED_DECODE_PER_SEQ_S * plan.batch
+            tpot += cal.SAMPLED_DECODE_STEP_S + cal.SAMPLED_DECODE_PER_SEQ_S * running
     spec_speedup = 1.0
     if plan.speculative_tokens:
         a, k = plan.speculative_acceptance, plan.speculative_tokens
@@ -270,13 +279,16 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     if plan.continuous_batching or engine:
         # `batch` clients each sending their next request when one ends (or one static batch after another): every
         # round prefills all prompts once, then decodes
-        out_tps = plan.batch * plan.gen_len / (prefill_s + plan.gen_len * tpot)
+        out_tps = running * plan.gen_len / (prefill_s + plan.gen_len * tpot)
+        if running < plan.batch:  # a client waits (batch - running) / running rounds for a free place first
+            ttft += (plan.batch - running) / running * (prefill_s + plan.gen_len * tpot)
     else:
         out_tps = plan.batch / tpot * cal.STATIC_BATCH_EFFICIENCY
     figures = {"ttft_s": ttft, "tpot_s": tpot, "tpot_floor_s": floor, "itl_s": tpot, "prefill_s": prefill_s,
                "output_tokens_per_s": out_tps, "e2e_s": ttft + plan.gen_len * tpot,
                "mbu": min(1.0, floor / tpot), "decode_bytes_per_step": active_w + kv_read,
-               "speculative_speedup": spec_speedup, "prefix_hit_rate": hit / plan.prompt_len}
+               "speculative_speedup": spec_speedup, "prefix_hit_rate": hit / plan.prompt_len,
+               "running_seqs": running}
     if target.gpu_hour_usd:
         figures["usd_per_million_tokens"] = target.gpu_hour_usd * tp / 3600 / out_tps * 1e6
     assumptions = {"prefill_mfu": cal.PREFILL_MFU, "decode_bandwidth_efficiency": cal.DECODE_BANDWIDTH_EFFICIENCY,
