@@ -217,8 +217,12 @@ def serve(
         else:
             console.out.print(f"Serving {info['model']} at {url}/v1 (OpenAI-compatible; Ctrl-C or SIGTERM stops)",
                               highlight=False, markup=False)
-            console.log(f"engine: {info['device']}, {info['kv_cache_slots']} slots × {info['max_model_len']} tokens "
-                        f"KV cache ({console.human_bytes(info['kv_cache_bytes'])}), "
+            cache = (f"paged KV cache of {info['kv_cache_blocks']:,} blocks × {info['kv_block_size']} tokens "
+                     f"({console.human_bytes(info['kv_cache_bytes'])}), up to {info['kv_cache_slots']} sequences of "
+                     f"≤ {info['max_model_len']:,} tokens" if info.get("kv_layout") == "paged" else
+                     f"{info['kv_cache_slots']} slots × {info['max_model_len']} tokens KV cache "
+                     f"({console.human_bytes(info['kv_cache_bytes'])})")
+            console.log(f"engine: {info['device']}, {cache}, "
                         f"{info['cuda_graphs']} CUDA graphs, {info.get('merged_projections', 0)} merged projection "
                         f"groups (q/k/v, gate/up), decode attention {info.get('decode_attention', 'sdpa')}, "
                         f"speculation: {info['speculation']}")

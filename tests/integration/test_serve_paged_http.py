@@ -46,10 +46,14 @@ def test_a_tiny_pool_preempts_instead_of_refusing(fixtures):
     expected = hf_greedy(fixtures.teacher, prompts, 40)
     # 12 blocks of 16 tokens: one 128-token sequence fits; six of up to 90 tokens do not fit together
     with running_server(fixtures.teacher, "--served-model-name", "m", "--metrics-public", "--max-model-len", "128",
-                        "--kv-cache-blocks", "12", "--max-batch-size", "6") as (url, _):
+                        "--kv-cache-blocks", "12", "--max-batch-size", "6") as (url, proc):
         with ThreadPoolExecutor(6) as pool:
             outs = list(pool.map(lambda p: _complete(url, p, 40), prompts))
         preemptions = metric(url, "vllm:num_preemptions_total", LABEL)
     assert [o["token_ids"] for o in outs] == expected
     assert preemptions > 0
+    # the start-up lines describe the pool that runs, not slots of max_model_len
+    stderr = proc.stderr.read()
+    assert "paged KV cache of 12 blocks × 16 tokens" in stderr and "up to 6 sequences of ≤ 128 tokens" in stderr
+    assert "attention: copt paged attention" in stderr
 

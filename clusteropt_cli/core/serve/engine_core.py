@@ -309,7 +309,11 @@ def engine_info(engine: Any, settings: Any) -> dict[str, Any]:
                    f"prompt lookup (n ≤ {settings.prompt_lookup})" if settings.prompt_lookup else "off")
     if settings.draft_model or settings.prompt_lookup:
         speculation += f", k={settings.num_speculative_tokens}, while ≤ {settings.speculative_max_batch} run"
+    pool = getattr(engine, "pool", None)
     return {"model": name, "device": engine.device, "kv_cache_slots": engine.num_slots,
+            "kv_layout": "paged" if pool is not None else "slots",
+            "kv_cache_blocks": None if pool is None else pool.num_blocks,
+            "kv_block_size": None if pool is None else pool.block_size,
             "max_model_len": engine.max_model_len, "kv_cache_bytes": engine.kv_cache_bytes,
             "max_batch_tokens": engine.max_batch_tokens, "cuda_graphs": engine.stats.graphs_captured,
             "speculation": speculation,

@@ -847,7 +847,8 @@ class ModelRunner:
     @property
     def attention_path(self) -> str:
         """What serves attention, for the start-up info."""
-        return f"copt slot attention ({self.architecture.describe()})"
+        cache = "paged" if self.tables is not None else "slot"
+        return f"copt {cache} attention ({self.architecture.describe()})"
 
     graph_error: str | None = None
 
