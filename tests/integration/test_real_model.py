@@ -93,16 +93,19 @@ def _complete(url: str, prompt, max_tokens: int = 16, **extra) -> dict:
 def test_serve_adds_the_tokenizers_bos_and_sizes_its_cpu_kv_cache(bos_model, one_torch_thread):
     """/v1/completions encodes text like HF's tokenizer(...) and vLLM (add_special_tokens=True: the BOS where the
     tokenizer adds one), `add_special_tokens: false` per request leaves it out, chat prompts are the template's
-    own tokens; greedy output equals HF's. On CPU the KV cache is sized from the model and the machine, and said."""
+    own tokens; greedy output equals HF's. On CPU the KV cache is sized from the model and the machine, and said.
+    The same server answers test_real_model_logprobs.py's served-logprobs checks first (one start-up for both)."""
     import httpx
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tests.integration.test_real_model_logprobs import assert_served_logprobs_equal_hf
     from tests.integration.test_serve_helpers import running_server, wait_healthy
 
     tok = AutoTokenizer.from_pretrained(bos_model)
     text = "The three primary colours are"
-    with running_server(bos_model, "--served-model-name", "smol", startup_timeout=180, wait=False) as (url, proc):
+    with running_server(bos_model, "--served-model-name", "smol", "--metrics-public", startup_timeout=180,
+                        wait=False) as (url, proc):
         # HF's greedy tokens while the server loads
         model = AutoModelForCausalLM.from_pretrained(bos_model).eval()
         eos = model.generation_config.eos_token_id
@@ -113,6 +116,7 @@ def test_serve_adds_the_tokenizers_bos_and_sizes_its_cpu_kv_cache(bos_model, one
                 want = want.tolist()
                 wanted.append(want[: want.index(eos)] if eos in want else want)
         wait_healthy(url, proc, 180)
+        assert_served_logprobs_equal_hf(url, model, tok)
         default = _complete(url, text)
         without = _complete(url, text, add_special_tokens=False)
         chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={

@@ -1,7 +1,8 @@
 """Logprobs on real weights (SmolLM2-135M-Instruct, tests/real_model.py): the engine's prompt logprobs and sampled
 token logprobs are transformers' log_softmax of the same fp32 model, top alternatives in the same order, through
-the paged KV cache (block size 16) and through a prefix-cache hit; in-process and through `copt serve`'s
-OpenAI routes (completions with echo, chat top_logprobs)."""
+the paged KV cache (block size 16) and through a prefix-cache hit; in-process, and through `copt serve`'s
+OpenAI routes (completions with echo, chat top_logprobs: assert_served_logprobs_equal_hf, run on the server of
+test_real_model.py's serve test)."""
 
 from __future__ import annotations
 
@@ -87,32 +88,32 @@ def test_engine_logprobs_equal_hf_log_softmax(real_model, smol):
         _assert_entries(again.logprobs, full[len(prompt) - 1 :], reference[len(prompt) - 1 :], f"cached {i}")
 
 
-def test_served_logprobs_equal_hf_log_softmax(real_model, smol):
+def assert_served_logprobs_equal_hf(url: str, model, tok) -> None:
     """The same through `copt serve`'s OpenAI surface: /v1/completions with echo (prompt logprobs, lm-eval's
     loglikelihood shape) and again from the prefix cache, and /v1/chat/completions' top_logprobs — HF's values, the
-    top alternatives in HF's order, as token texts."""
+    top alternatives in HF's order, as token texts. `url`: a fresh server of this model (--served-model-name smol
+    --metrics-public; no request before these: the prefix-cache hit count is checked), `model`/`tok` its HF model
+    and tokenizer. Run by test_real_model.py's serve test, whose server (SmolLM2 with a BOS-adding tokenizer)
+    answers these and its own requests."""
     import httpx
 
-    from tests.integration.test_serve_helpers import metric, running_server
+    from tests.integration.test_serve_helpers import metric
 
-    model, tok = smol
     text = TEXTS[2]
     question = [{"role": "user", "content": "Name the largest planet in the solar system."}]
     body = {"prompt": text, "max_tokens": 5, "temperature": 0, "logprobs": 3, "ignore_eos": True,
             "return_token_ids": True}
-    with running_server(real_model.model, "--max-model-len", "256", "--kv-cache-memory", "0.1", "--metrics-public",
-                        "--served-model-name", "smol", startup_timeout=180) as (url, _proc):
-        echoed = httpx.post(url + "/v1/completions", json={**body, "echo": True}, timeout=120).json()["choices"][0]
-        cached = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
-        hits = metric(url, "vllm:prefix_cache_hits_total", 'model_name="smol"')
-        # vLLM's prompt_logprobs field: on completions (per choice) and chat (per response)
-        vllm_prompt = httpx.post(url + "/v1/completions", timeout=120, json={
-            **body, "logprobs": None, "prompt_logprobs": 3}).json()["choices"][0]
-        vllm_chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-            "messages": question, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}).json()
-        chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-            "messages": question, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 3,
-            "return_token_ids": True}).json()["choices"][0]
+    echoed = httpx.post(url + "/v1/completions", json={**body, "echo": True}, timeout=120).json()["choices"][0]
+    cached = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    hits = metric(url, "vllm:prefix_cache_hits_total", 'model_name="smol"')
+    # vLLM's prompt_logprobs field: on completions (per choice) and chat (per response)
+    vllm_prompt = httpx.post(url + "/v1/completions", timeout=120, json={
+        **body, "logprobs": None, "prompt_logprobs": 3}).json()["choices"][0]
+    vllm_chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "messages": question, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}).json()
+    chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "messages": question, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+        "return_token_ids": True}).json()["choices"][0]
     prompt = tok(text)["input_ids"]
     assert echoed["prompt_token_ids"] == prompt and cached["token_ids"] == echoed["token_ids"]
     assert hits == (len(prompt) - 1) // 16 * 16 > 0  # the second request's full prompt blocks came from the cache
