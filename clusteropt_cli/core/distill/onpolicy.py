@@ -87,10 +87,11 @@ def check_onpolicy_inputs(settings: DistillRecipe) -> list[str]:
     if unsupported:
         raise BadInputError(f"distill onpolicy runs TRL's trainer in one process: {', '.join(unsupported)} "
                             "not supported.", hint="Drop those options (bf16 or fp32, one device).")
-    check_vocab_compatible(Path(settings.teacher), Path(settings.student))
     if not settings.prompts:
         raise BadInputError("--prompts is required.", hint="Pass prompts the student should learn to continue.")
-    return read_prompt_texts(settings.prompts)
+    prompts = read_prompt_texts(settings.prompts)
+    check_vocab_compatible(Path(settings.teacher), Path(settings.student))  # loads both tokenizers: the last check
+    return prompts
 
 
 def _generate(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, seed: int) -> list[Any]:
