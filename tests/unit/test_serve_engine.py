@@ -51,6 +51,36 @@ def test_text_stream_never_leaks_a_stop_string(fixtures):
     assert stream.finish("return self.value") == ""
 
 
+def test_plain_decoder_gives_the_tokenizers_text(fixtures):
+    """The streams' detokenizer skips transformers' decode wrapper only where the text is the same."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from clusteropt_cli.core.serve.requests import plain_decoder
+
+    tok = AutoTokenizer.from_pretrained(fixtures.tokenizer)
+    decode = plain_decoder(tok)
+    assert decode.func == tok._tokenizer.decode  # the backend itself
+    rng = random.Random(0)
+    specials = list(tok.all_special_ids)
+    for _ in range(300):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok))
+               for _ in range(rng.randint(0, 6))]
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=True)
+
+    class Custom(type(tok)):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return "custom"
+
+    tok.__class__ = Custom
+    assert plain_decoder(tok)([5, 6]) == "custom"  # a tokenizer with its own decode keeps it
+    tok.__class__ = Custom.__mro__[1]
+    tok.clean_up_tokenization_spaces = True
+    tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    assert plain_decoder(tok).func == tok.decode  # clean-up asked for: transformers' decode
+
+
 def test_prompt_lookup_gives_identical_greedy_output(fixtures, engine):
     from tests.integration.test_serve_helpers import eval_prompts, hf_greedy
 

@@ -29,6 +29,7 @@ from clusteropt_cli.core.serve.requests import (
     QueueFullError,
     RequestHandle,
     TextStream,
+    plain_decoder,
 )
 from clusteropt_cli.core.serve.server import ServerLimits
 from clusteropt_cli.errors import BadInputError
@@ -143,13 +144,14 @@ class TokenStream:
     detokenized (with its logprobs and the running usage when asked), its finish reason, the usage, [DONE]."""
 
     def __init__(self, handles: list[RequestHandle], body: Any, kind: str, *, logprobs: bool, tokenizer: Any,
-                 text_of: TokenText, served_model_name: str):
+                 text_of: TokenText, served_model_name: str, decode: Any = None):
         self.handles, self.body, self.kind, self.logprobs = handles, body, kind, logprobs
         self.text_of, self.served_model_name = text_of, served_model_name
         self.rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self.now = int(time.time())
-        self.streams = [TextStream(tokenizer, body.stop_list()) for _ in handles]
+        decode = decode if decode is not None else plain_decoder(tokenizer)
+        self.streams = [TextStream(tokenizer, body.stop_list(), decode) for _ in handles]
         # the per-token event, pre-rendered around the JSON-escaped text (the same document json.dumps of
         # chunk(index, text, None) gives, without building and encoding the dicts for every token)
         self.head = json.dumps({"id": self.rid, "object": self.obj, "created": self.now, "model": served_model_name},
@@ -236,6 +238,7 @@ class OpenAIRoutes:
         self.grammar_compiler: Any = None  # the structured.GrammarCompiler, built on the first constrained request
         self.defaults = getattr(engine, "sampling_defaults", None) or {}  # generation_config.json, as vLLM does
         self.text_of = TokenText(self.tokenizer)
+        self.decode = plain_decoder(self.tokenizer)  # the streams' detokenizer (tokenizer.decode, skipping specials)
         self.submit_many = getattr(engine, "submit_many", None)  # the split server's EngineClient: one message
 
     # ---- request parsing and checks --------------------------------------------------------------------------
@@ -408,7 +411,7 @@ class OpenAIRoutes:
     def stream_response(self, handles: list[RequestHandle], body: Any, kind: str,
                         logprobs: bool = False) -> "StreamingResponse":
         stream = TokenStream(handles, body, kind, logprobs=logprobs, tokenizer=self.tokenizer, text_of=self.text_of,
-                             served_model_name=self.served_model_name)
+                             served_model_name=self.served_model_name, decode=self.decode)
         return _event_stream(stream.events())
 
     def tool_stream(self, handles: list[RequestHandle], body: Any, mode: str, names: set[str],

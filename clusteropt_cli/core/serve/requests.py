@@ -9,6 +9,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from clusteropt_cli.errors import BadInputError, CoptError
@@ -242,11 +243,40 @@ def _wake_all(wakes: dict[Any, list[Any]]) -> None:
             pass
 
 
+def plain_decoder(tokenizer: Any) -> Any:
+    """`tokenizer.decode(ids, skip_special_tokens=True)` as a cheaper callable with the same result where that is
+    certain: a fast (tokenizers-backed) transformers tokenizer whose decode is transformers' own and adds nothing to
+    the backend's text (no clean-up of tokenization spaces, which transformers also skips for BPE models). There
+    the wrapper's own work (argument conversion, kwargs, the clean-up check) costs several times the backend's
+    decode of a few streamed tokens. Any other tokenizer: its bound `decode`."""
+    slow = partial(tokenizer.decode, skip_special_tokens=True)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    base = sys.modules.get("transformers.tokenization_utils_base")  # loaded wherever a transformers tokenizer is
+    fast = sys.modules.get("transformers.tokenization_utils_tokenizers")
+    PreTrainedTokenizerBase = getattr(base, "PreTrainedTokenizerBase", None)  # noqa: N806
+    TokenizersBackend = getattr(fast, "TokenizersBackend", None)  # noqa: N806
+    if PreTrainedTokenizerBase is None or TokenizersBackend is None:
+        return slow
+    cls = type(tokenizer)
+    if (backend is None or not isinstance(tokenizer, TokenizersBackend)
+            or cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not TokenizersBackend._decode):
+        return slow
+    if tokenizer.clean_up_tokenization_spaces and not (
+            type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
+            and not getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+                            False)):
+        return slow
+    return partial(backend.decode, skip_special_tokens=True)
+
+
 class TextStream:
     """Incremental detokenization for streaming: yields text deltas, never a partial stop string or UTF-8 char."""
 
-    def __init__(self, tokenizer: Any, stop: list[str] | None = None):
+    def __init__(self, tokenizer: Any, stop: list[str] | None = None, decode: Any = None):
         self.tokenizer = tokenizer
+        # `decode(ids)` → text, as tokenizer.decode(ids, skip_special_tokens=True) (plain_decoder, made once by the
+        # caller for many streams)
+        self._decode = decode if decode is not None else plain_decoder(tokenizer)
         self.stop = [s for s in (stop or []) if s]
         self.ids: list[int] = []
         self.sent = 0
@@ -255,9 +285,6 @@ class TextStream:
         self.text = ""
         self.prefix = 0
         self.read = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _text(self) -> str:
         window = self.ids[self.prefix :]
