@@ -77,6 +77,9 @@ def _event_stream(events: Any) -> Any:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+_json_str = json.encoder.encode_basestring_ascii  # json.dumps(text) for a str, without dumps' dispatch
+
+
 def _sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n"
@@ -173,7 +176,7 @@ class TokenStream:
                 "choices": [choice]}
 
     def token_event(self, index: int, text: str) -> str:
-        return f"data: {self.head}{index}{self.field}{json.dumps(text)}{self.tail}"
+        return f"data: {self.head}{index}{self.field}{_json_str(text)}{self.tail}"
 
     def rich_event(self, index: int, ids: list[int], delta: str) -> str:
         """A token event with logprobs and/or running usage (the slower, dict-built path)."""
@@ -190,29 +193,49 @@ class TokenStream:
             payload["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         return _sse(payload)
 
+    def closing(self, index: int) -> tuple[list[str], bool]:
+        """The events that end choice `index` once its handle is done, and whether they end the whole stream (the
+        request failed in the engine)."""
+        result = self.handles[index].result()
+        if result.finish_reason == "error":  # the status line is sent: an error event, as vLLM does
+            return [_sse(openai_error(f"The request failed in the engine: {result.error}", 500)), _sse("[DONE]")], True
+        tail = self.streams[index].finish(result.text)
+        return [_sse(self.chunk(index, tail, finish_reason(result)))], False
+
     async def events(self) -> AsyncIterator[str]:
         handles = self.handles
         try:
             if self.kind == "chat":
                 for i in range(len(handles)):
                     yield _sse(self.chunk(i, None, None, role=True))
-            async for index, ids in merged(handles):
-                if ids is not None:
-                    delta = self.streams[index].push(ids)
-                    if self.logprobs or self.continuous:
-                        event = self.rich_event(index, ids, delta)
-                        self.sent[index] += len(ids)
-                        yield event
-                    elif delta:
-                        yield self.token_event(index, delta)
-                    continue
-                result = handles[index].result()
-                if result.finish_reason == "error":  # the status line is sent: an error event, as vLLM does
-                    yield _sse(openai_error(f"The request failed in the engine: {result.error}", 500))
-                    yield _sse("[DONE]")
+            if len(handles) == 1 and not (self.logprobs or self.continuous):
+                # the common stream (one choice, plain text events): the handle's chunks without merged()'s layer
+                push, render = self.streams[0].push, self.token_event
+                async for ids in handles[0]:
+                    delta = push(ids)
+                    if delta:
+                        yield render(0, delta)
+                events, failed = self.closing(0)
+                for event in events:
+                    yield event
+                if failed:
                     return
-                tail = self.streams[index].finish(result.text)
-                yield _sse(self.chunk(index, tail, finish_reason(result)))
+            else:
+                async for index, ids in merged(handles):
+                    if ids is not None:
+                        delta = self.streams[index].push(ids)
+                        if self.logprobs or self.continuous:
+                            event = self.rich_event(index, ids, delta)
+                            self.sent[index] += len(ids)
+                            yield event
+                        elif delta:
+                            yield self.token_event(index, delta)
+                        continue
+                    events, failed = self.closing(index)
+                    for event in events:
+                        yield event
+                    if failed:
+                        return
             if self.body.include_usage():
                 payload = {"id": self.rid, "object": self.obj, "created": self.now, "model": self.served_model_name,
                            "choices": [], "usage": usage([h.result() for h in handles])}

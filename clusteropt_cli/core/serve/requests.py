@@ -213,17 +213,16 @@ class RequestHandle:
             self._waiters.append((loop, event, False))
         try:
             while True:
-                event.clear()
+                event.clear()  # before the take: a push after it sets the event again
                 with self._cond:
                     chunks = list(self._chunks)
                     self._chunks.clear()
                     finished = self._result is not None
                 if chunks:  # everything that arrived since the last wake-up as one chunk (fewer events when behind)
                     yield chunks[0] if len(chunks) == 1 else [t for c in chunks for t in c]
-                if finished and not chunks:
+                if finished:  # the result comes with (or after) the last tokens: nothing more can arrive
                     return
-                if not chunks:
-                    await event.wait()
+                await event.wait()  # at once when tokens came while the consumer had the last ones
         finally:
             with self._cond:
                 self._waiters = [w for w in self._waiters if w[1] is not event]
