@@ -81,6 +81,32 @@ def test_plain_decoder_gives_the_tokenizers_text(fixtures):
     assert plain_decoder(tok).func == tok.decode  # clean-up asked for: transformers' decode
 
 
+
+def test_frozen_startup_heap_keeps_startup_objects_out_of_collections():
+    import gc
+    import weakref
+
+    from clusteropt_cli.core.serve.requests import frozen_startup_heap
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.self = cycle
+    gone = weakref.ref(cycle)
+    del cycle
+    assert gc.get_freeze_count() == 0
+    with frozen_startup_heap():
+        assert gone() is None  # start-up's cyclic garbage is collected before the freeze
+        assert gc.get_freeze_count() > 1000  # everything alive now is left out of the collections
+        late = Node()
+        late.self = late
+        late_ref = weakref.ref(late)
+        del late
+        gc.collect()
+        assert late_ref() is None  # what serving makes is still collected
+    assert gc.get_freeze_count() == 0
+
 def test_prompt_lookup_gives_identical_greedy_output(fixtures, engine):
     from tests.integration.test_serve_helpers import eval_prompts, hf_greedy
 

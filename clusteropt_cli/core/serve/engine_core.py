@@ -34,6 +34,7 @@ from clusteropt_cli.core.serve.requests import (
     EngineDeadError,
     EngineStoppedError,
     QueueFullError,
+    frozen_startup_heap,
 )
 from clusteropt_cli.errors import BadInputError, CoptError
 
@@ -355,7 +356,8 @@ def run_engine_core(settings: Any, input_address: str, output_addresses: list[st
         conn.close()
         return
     conn.close()
-    code = core.run()
+    with frozen_startup_heap():
+        code = core.run()
     if os.getppid() != parent_pid and input_address.startswith("ipc://"):
         # the supervisor was killed: its temporary folder (sockets, metrics) is left to the last one out
         import shutil

@@ -29,6 +29,7 @@ from clusteropt_cli.core.serve.engine import Engine
 from clusteropt_cli.core.serve.requests import (
     EngineObserver,
     GenerationResult,
+    frozen_startup_heap,
 )
 
 ENGINE_DEAD_EXIT = 1  # the engine died of a device error: non-zero so that a supervisor restarts the server
@@ -567,7 +568,8 @@ def run_server(engine: Engine, *, host: str, port: int, served_model_name: str, 
 
     server = _Server(config)
     try:
-        server.run(sockets=sockets)
+        with frozen_startup_heap():
+            server.run(sockets=sockets)
     finally:
         deadline = time.time() + grace_period
         # (an EngineClient's requests cannot progress once the event loop is gone: uvicorn's graceful shutdown
