@@ -139,23 +139,29 @@ def start_server(model_dir: Path, port: int, *, max_batch_size: int = NUM_REQUES
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
-    """Poll GET /health until 200; seconds it took. Raises when the server exits or the timeout passes."""
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, path: str = "/health",
+                 log_tail=None) -> float:
+    """Poll GET `path` until 200; seconds it took. Raises when the server exits or the timeout passes, with the end
+    of its log: `log_tail(proc)` when given (a server logging to a file), else its stderr pipe."""
     import httpx
+
+    def ending() -> str:
+        if log_tail is not None:
+            return log_tail(proc)
+        return proc.stderr.read()[-4000:] if proc.stderr and proc.poll() is not None else ""
 
     t0 = time.perf_counter()
     while True:
         if proc.poll() is not None:
-            err = proc.stderr.read()[-4000:] if proc.stderr else ""
-            raise RuntimeError(f"copt serve exited {proc.returncode} before it was healthy: {err}")
+            raise RuntimeError(f"server exited {proc.returncode} before it was healthy: {ending()}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url + path, timeout=2).status_code == 200:
                 return time.perf_counter() - t0
         except httpx.HTTPError:
             pass
         if time.perf_counter() - t0 > timeout:
-            raise RuntimeError(f"copt serve did not come up within {timeout:.0f} s")
-        time.sleep(0.3)
+            raise RuntimeError(f"server not healthy within {timeout:.0f} s: {ending()}")
+        time.sleep(0.25)
 
 
 async def http_request(client, url: str, prompt: list[int], max_tokens: int, stream: bool,

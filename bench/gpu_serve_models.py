@@ -75,7 +75,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import COPY_BW, LLAMA_1B_SHAPE, free_gpu, free_port, log, percentiles  # noqa: E402
+from common import COPY_BW, LLAMA_1B_SHAPE, free_gpu, free_port, log, percentiles, wait_healthy  # noqa: E402
 
 # Llama-3.1-8B's architecture (random weights)
 LLAMA_8B_SHAPE = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -329,23 +329,6 @@ def start(cmd: list[str], log_path: Path) -> subprocess.Popen:
     return proc
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, path: str = "/health") -> float:
-    import httpx
-
-    t0 = time.perf_counter()
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode} before it was healthy: {tail(proc)}")
-        try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        if time.perf_counter() - t0 > timeout:
-            raise RuntimeError(f"server not healthy within {timeout:.0f} s: {tail(proc)}")
-        time.sleep(0.25)
-
-
 def tail(proc: subprocess.Popen, n: int = 3000) -> str:
     handle = proc.log_handle  # type: ignore[attr-defined]
     if not handle.closed:
@@ -398,7 +381,8 @@ def case_copt(shape: str, model_dir: Path, made: dict, prompts: list[str], args,
     proc = start([sys.executable, "-m", "clusteropt_cli", "serve", model, "--port", str(port)],
                  work / f"copt-serve-{shape}.log")
     try:
-        out["startup_s"] = round(wait_healthy(url, proc, timeout=min(args.startup_timeout, budget.left())), 1)
+        waited = wait_healthy(url, proc, timeout=min(args.startup_timeout, budget.left()), log_tail=tail)
+        out["startup_s"] = round(waited, 1)
         log(f"copt serve {shape}: healthy after {out['startup_s']} s")
         save()
         if "b1" not in skip:
@@ -532,7 +516,8 @@ def case_tserve(shape: str, model_dir: Path, prompts: list[str], args, budget: B
     out["command"] = "transformers serve " + " ".join(cmd[4:])
     proc = start(cmd, work / f"transformers-serve-{shape}.log")
     try:
-        out["startup_s"] = round(wait_healthy(url, proc, timeout=min(args.startup_timeout, budget.left())), 1)
+        waited = wait_healthy(url, proc, timeout=min(args.startup_timeout, budget.left()), log_tail=tail)
+        out["startup_s"] = round(waited, 1)
         log(f"transformers serve {shape}: healthy after {out['startup_s']} s")
         save()
         # the model loads at start (it is pinned); the first request also builds the continuous-batching manager
