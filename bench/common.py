@@ -139,9 +139,8 @@ def start_server(model_dir: Path, port: int, *, max_batch_size: int = NUM_REQUES
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, path: str = "/health",
-                 log_tail=None) -> float:
-    """Poll GET `path` until 200; seconds it took. Raises when the server exits or the timeout passes, with the end
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_tail=None) -> float:
+    """Poll GET /health until 200; seconds it took. Raises when the server exits or the timeout passes, with the end
     of its log: `log_tail(proc)` when given (a server logging to a file), else its stderr pipe."""
     import httpx
 
@@ -155,7 +154,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, path: str = "
         if proc.poll() is not None:
             raise RuntimeError(f"server exited {proc.returncode} before it was healthy: {ending()}")
         try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return time.perf_counter() - t0
         except httpx.HTTPError:
             pass
