@@ -61,6 +61,8 @@ async def one_pass(tokenizer, n: int, steps: int, stop: list[str], kind: str) ->
                                                 output_ids=tokens[i], finish_reason="length",
                                                 text=tokenizer.decode(tokens[i], skip_special_tokens=True)),
                         wakes=wakes)
+            elif hasattr(h, "_push_token"):  # what Engine._emit_one_each calls (an older tree: _push)
+                h._push_token(tok, wakes)
             else:
                 h._push([tok], wakes=wakes)
         _wake_all(wakes)

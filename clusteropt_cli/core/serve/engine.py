@@ -893,7 +893,7 @@ class Engine(EngineLoading, SpeculativeDecoding):
             plain += 1
             on_tokens(now - seq.t_last, 1)
             seq.t_last = now
-            seq.handle._push([tok], wakes=wakes)
+            seq.handle._push_token(tok, wakes)
         self.stats.generated_tokens += plain
 
     def _emit(self, seq: _Seq, tokens: list[int], now: float | None = None) -> None:

@@ -120,6 +120,7 @@ class RequestHandle:
         self._result: GenerationResult | None = None
         self._cancelled = False
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event, bool]] = []
+        self._blocked = 0  # threads waiting on _cond (result(), sync iteration): the only ones notify_all wakes
         # output index → (token id, logprob, top alternatives), filled before the token is pushed (streaming reads it)
         self.logprobs: dict[int, tuple[int, float, list[tuple[int, float]]]] = {}
 
@@ -133,7 +134,8 @@ class RequestHandle:
                 self._chunks.append(list(token_ids))
             if result is not None:
                 self._result = result
-            self._cond.notify_all()
+            if self._blocked:
+                self._cond.notify_all()
             # streaming consumers wake per chunk; result-only waiters (wait()) wake once, at the end
             waiters = [(loop, ev) for loop, ev, final in self._waiters if result is not None or not final]
         for loop, event in waiters:
@@ -146,6 +148,17 @@ class RequestHandle:
                 loop.call_soon_threadsafe(event.set)
             except RuntimeError:  # the loop is closed
                 pass
+
+    def _push_token(self, token: int, wakes: dict[Any, list[Any]]) -> None:
+        """`_push([token], wakes=wakes)`, kept lean: a decode step calls it once per running sequence on the engine
+        thread."""
+        with self._cond:
+            self._chunks.append([token])
+            if self._blocked:
+                self._cond.notify_all()
+            for loop, event, final in self._waiters:
+                if not final and not event.is_set():
+                    wakes.setdefault(loop, []).append(event)
 
     # another process's consumer (the engine-core process of the split server, engine_core.py)
     def add_step_listener(self, loop: Any, event: Any) -> None:
@@ -176,7 +189,12 @@ class RequestHandle:
     def result(self, timeout: float | None = None) -> GenerationResult:
         """Block until the request finished and return its result."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._result is not None, timeout=timeout):
+            self._blocked += 1
+            try:
+                finished = self._cond.wait_for(lambda: self._result is not None, timeout=timeout)
+            finally:
+                self._blocked -= 1
+            if not finished:
                 raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
             return self._result
 
@@ -200,7 +218,11 @@ class RequestHandle:
     def __iter__(self) -> Iterator[list[int]]:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._chunks or self._result is not None)
+                self._blocked += 1
+                try:
+                    self._cond.wait_for(lambda: self._chunks or self._result is not None)
+                finally:
+                    self._blocked -= 1
                 if self._chunks:
                     chunk = self._chunks.popleft()
                 else:
