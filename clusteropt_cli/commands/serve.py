@@ -223,7 +223,8 @@ def serve(
                      f"{info['kv_cache_slots']} slots × {info['max_model_len']} tokens KV cache "
                      f"({console.human_bytes(info['kv_cache_bytes'])})")
             console.log(f"engine: {info['device']}, {cache}, "
-                        f"{info['cuda_graphs']} CUDA graphs, {info.get('merged_projections', 0)} merged projection "
+                        f"{info['cuda_graphs']} decode and {info.get('prefill_graphs', 0)} prefill CUDA graphs, "
+                        f"{info.get('merged_projections', 0)} merged projection "
                         f"groups (q/k/v, gate/up), decode attention {info.get('decode_attention', 'sdpa')}, "
                         f"speculation: {info['speculation']}")
             if info.get("api_server_count"):

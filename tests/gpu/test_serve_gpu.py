@@ -1,6 +1,7 @@
 """copt serve's engine on a CUDA GPU: decode steps as CUDA graphs over compiled decoder layers with merged
-q/k/v and gate/up projections, in fp32, give transformers' greedy tokens, also with async scheduling (greedy
-steps fed on the device through the graphs); the CPU tests check the same paths without graphs."""
+q/k/v and gate/up projections, and prompts through the captured prefill steps, in fp32, give transformers' greedy
+tokens, also with async scheduling (greedy steps fed on the device through the graphs); the CPU tests check the same
+paths without graphs."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def engine_greedy_matches_hf(fixtures, device: str, async_scheduling: bool = Fal
         alone = engine.generate([GenerationRequest(prompt_ids=prompts[1], max_new_tokens=16, ignore_eos=True)])
     assert [r.output_ids for r in results] == expected
     assert alone[0].output_ids == expected[1]  # the batch-1 graph too
+    if on_gpu:  # the prompts were prefilled by captured prefill steps (several segments, then one)
+        assert engine.stats.prefill_graphs > 0 and engine.runner.prefill_graph_error is None
+        assert engine.runner.prefill_graph_steps >= 2
     if async_scheduling:
         assert engine.stats.chained_steps > 0  # decode steps fed on the device, through the captured graphs
     if on_gpu and decode_attention != "sdpa":

@@ -83,6 +83,7 @@ class EngineStats:
     spec_accepted: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     graphs_captured: int = 0
+    prefill_graphs: int = 0  # captured prefill steps (token buckets) for prompts that start a sequence
     chained_steps: int = 0  # decode steps launched ahead by async scheduling
     # paged KV cache: blocks, automatic prefix caching (tokens looked up / found), preemptions (recomputed later)
     kv_blocks: int = 0

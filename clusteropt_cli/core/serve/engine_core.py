@@ -317,6 +317,7 @@ def engine_info(engine: Any, settings: Any) -> dict[str, Any]:
             "kv_block_size": None if pool is None else pool.block_size,
             "max_model_len": engine.max_model_len, "kv_cache_bytes": engine.kv_cache_bytes,
             "max_batch_tokens": engine.max_batch_tokens, "cuda_graphs": engine.stats.graphs_captured,
+            "prefill_graphs": engine.stats.prefill_graphs,
             "speculation": speculation,
             "fp8_linears": {"count": engine.runner.fp8_linears,
                             "kernel": "scaled_mm" if engine.runner.fp8_kernels else "emulated"},

@@ -222,6 +222,7 @@ class EngineLoading:
                 print(describe_choice(self.length_choice, ctx, slots, self.kv_cache_bytes, self.length_budget_why),
                       file=sys.stderr, flush=True)
         self.stats.graphs_captured = self.runner.capture_graphs(slots)
+        self.stats.prefill_graphs = self.runner.capture_prefill_graphs(self.max_batch_tokens)
         self.eos_ids = self._eos_ids()
         from clusteropt_cli.core.serve.sampling import generation_defaults
 

@@ -38,12 +38,12 @@ class StepContext:
     """What the attention function needs for one forward: the caches and the layout of the step."""
 
     caches: list[tuple[Any, Any]]
-    mode: str  # "packed" or "decode"
+    mode: str  # "packed", "decode" or "fresh" (a captured prefill of segments starting at 0: PrefillGraph)
     segments: list[Segment] = field(default_factory=list)
     masks: list[Any] = field(default_factory=list)  # packed: per-segment bool mask or None (pure causal)
     slot_ids: Any = None  # decode: [B] long, arange(B) (row i is slot i)
     positions: Any = None  # decode: [B] long (the scratch column for rows whose slot is not decoding)
-    mask: Any = None  # decode: [B, 1, 1, L] bool (None with flex decode attention)
+    mask: Any = None  # decode: [B, 1, 1, L] bool (None with flex decode attention); fresh: [1, 1, T, T] bool
     kv_len: int = 0  # decode: L, the context bucket
     # decode: "sdpa" (masked SDPA), "flex" (FlexAttention over the bucket) or "math" (plain tensor ops: two small
     # matmuls around a masked softmax that inductor fuses)
@@ -79,6 +79,8 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
         from clusteropt_cli.core.serve.attention import windowed_slot_attention
 
         return windowed_slot_attention(module, query, key, value, step, k_cache, v_cache, scaling), None
+    if step.mode == "fresh":
+        return _fresh_attention(query, key, value, step, k_cache, v_cache, scaling), None
     if step.paged:
         return _paged_attention(query, key, value, step, k_cache, v_cache, scaling), None
     num_heads, kv_heads = query.shape[1], key.shape[1]
@@ -198,6 +200,23 @@ def _paged_attention(query, key, value, step: StepContext, k_pool, v_pool, scali
         outs.append(_segment_attend(q, keys, values, mask, groups, scaling))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2)
+
+
+def _fresh_attention(query, key, value, step: StepContext, k_pool, v_pool, scaling):
+    """A captured prefill step (PrefillGraph): segments that all start at position 0 attend only to this step's own
+    keys/values, so nothing is read from the pool. The keys/values are written to their blocks (padding tokens to
+    the scratch block) and every query attends under step.mask [1, 1, T, T] (causal within its segment)."""
+    import torch.nn.functional as F
+
+    _pool_write(k_pool, step.write_block, step.write_offset, key[0].transpose(0, 1))
+    _pool_write(v_pool, step.write_block, step.write_offset, value[0].transpose(0, 1))
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    if step.mask is None:  # one segment (its padding after it: causal attention leaves the real tokens alone)
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling).transpose(1, 2)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=step.mask, scale=scaling).transpose(1, 2)
 
 
 def _flex_decode(query, keys, values, positions, scaling):
@@ -425,6 +444,9 @@ class ModelRunner:
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._graph_pool = None
+        self._prefill_graphs: list[PrefillGraph] = []  # by token bucket, smallest first (capture_prefill_graphs)
+        self.prefill_graph_error: str | None = None
+        self.prefill_graph_steps = 0  # packed steps replayed from a prefill graph
         self._eager_forwards: list[tuple[Any, Any]] = []
         self.compile_mode = compile_mode
         if decode_attention not in ("sdpa", "flex", "math", "paged"):
@@ -593,6 +615,10 @@ class ModelRunner:
 
         if self.max_segment and any(len(tokens) > self.max_segment for _, _, tokens in chunks):
             return self._forward_split(chunks, logits_for)
+        graph = self._prefill_graph_for(chunks, logits_for)
+        if graph is not None:
+            self.prefill_graph_steps += 1
+            return graph.run(chunks, logits_for)
         segments, masks, ids, pos, rows = [], [], [], [], []
         offset = 0
         for (slot, start, tokens), wanted in zip(chunks, logits_for, strict=True):
@@ -620,6 +646,50 @@ class ModelRunner:
                 return torch.empty(0, self.vocab_size, device=self.device)
             picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
             return self._logits(picked)
+
+    def _prefill_graph_for(self, chunks: list[tuple[int, int, list[int]]], logits_for: list[list[int]]):
+        """The captured prefill graph that can run this packed step, or None (eager): every segment starts at
+        position 0 (no cached keys to read: a new prompt, no prefix-cache hit), wants at most its last token's
+        logits, at most PREFILL_GRAPH_SEGMENTS segments and the smallest token bucket that holds them all."""
+        if not self._prefill_graphs or len(chunks) > PREFILL_GRAPH_SEGMENTS:
+            return None
+        total = 0
+        for (_slot, start, tokens), wanted in zip(chunks, logits_for, strict=True):
+            if start or (wanted and wanted != [len(tokens) - 1]):
+                return None
+            total += len(tokens)
+        single = len(chunks) == 1
+        return next((g for g in self._prefill_graphs if g.single == single and g.tokens >= total), None)
+
+    def capture_prefill_graphs(self, max_tokens: int) -> int:
+        """Capture prefill graphs for token buckets up to `max_tokens` (at most PREFILL_GRAPH_MAX_TOKENS): a short
+        prompt's prefill is a few ms of GPU work under tens of ms of Python and kernel launches (about 25 ms for 32
+        tokens on the 1B shape on an H200 host), so the time to first token is the host's. Needs the paged cache in
+        the model's dtype, attention without sliding windows and CUDA graphs; returns how many (0: eager prefill)."""
+        import torch
+
+        self._prefill_graphs = []
+        if not (self.use_graphs and self.paged and self.tables is not None and not self.windows
+                and not self.max_segment and self.kv_dtype == self.dtype):
+            return 0
+        pool = torch.cuda.graph_pool_handle()  # their own: a decode graph's temporaries never meet a prefill's
+        graphs = []
+        try:
+            with torch.inference_mode():
+                for single, cap in ((True, PREFILL_GRAPH_MAX_TOKENS), (False, PREFILL_GRAPH_MAX_PACKED)):
+                    for tokens in reversed([b for b in PREFILL_GRAPH_BUCKETS if b <= min(max_tokens, cap)]):
+                        graphs.append(PrefillGraph(self, tokens, pool, single=single))
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - the eager prefill still serves
+            import warnings
+
+            torch.cuda.synchronize()
+            self.prefill_graph_error = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"capturing the prefill graphs failed ({self.prefill_graph_error}); prefill runs eagerly",
+                          stacklevel=2)
+            return 0
+        self._prefill_graphs = sorted(graphs, key=lambda g: (g.tokens, g.single))
+        return len(graphs)
 
     def _page_packed(self, step: StepContext, positions: list[int]) -> None:
         """A packed step's places in the paged cache: where each token is written (one index for the step) and
@@ -895,6 +965,110 @@ class _DecodeGraph:
         self.positions.copy_(host[1], non_blocking=True)
         self.graph.replay()
         return self.logits
+
+
+# captured prefill steps (ModelRunner.capture_prefill_graphs): token buckets; one segment (causal attention) up to
+# PREFILL_GRAPH_MAX_TOKENS, several up to PREFILL_GRAPH_MAX_PACKED (under a block-diagonal mask: slower attention than
+# the causal kernel, a loss past ~1k tokens on the 8B shape, where an eager step's GPU time exceeds its host time);
+# how many segments one step packs
+PREFILL_GRAPH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+PREFILL_GRAPH_MAX_TOKENS = 2048
+PREFILL_GRAPH_MAX_PACKED = 1024
+PREFILL_GRAPH_SEGMENTS = 8
+
+
+class PrefillGraph:
+    """One captured packed prefill of up to `tokens` tokens in one segment (`single`: causal attention) or at most
+    PREFILL_GRAPH_SEGMENTS segments (a block-diagonal causal mask), all starting at position 0 (paged cache). Per step
+    the host fills one staging row — token ids, positions, segment ids, block and offset of every token, the rows
+    whose logits are wanted — copied to the device in one transfer; padding tokens form one-token segments of their
+    own written to the scratch block. The mask is built in the graph."""
+
+    def __init__(self, runner: ModelRunner, tokens: int, pool: Any, capture: bool = True, single: bool = False):
+        import torch
+
+        self.runner, self.tokens, self.single = runner, tokens, single
+        rows = PREFILL_GRAPH_SEGMENTS
+        dev = runner.device
+        self.width = 5 * tokens + rows
+        self.host = torch.zeros(self.width, dtype=torch.long)
+        self.staged = torch.zeros(self.width, dtype=torch.long, device=dev)
+        self.logits = torch.zeros(rows, runner.vocab_size, dtype=torch.float32, device=dev)
+        self.graph = self.copied = None
+        if not capture:  # the same step layout and body, run eagerly (the CPU tests check it against forward_packed)
+            return
+        self.host = self.host.pin_memory()
+        self.copied = torch.cuda.Event()  # the last staging copy: the pinned row is not refilled before it is done
+        self._fill([], [])
+        self.staged.copy_(self.host)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels / allocator outside the capture
+                self._body()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self._body()
+
+    def _body(self) -> None:
+        t = self.tokens
+        ids, pos, seg, block, offset = (self.staged[i * t : (i + 1) * t] for i in range(5))
+        wanted = self.staged[5 * t :]
+        mask = None if self.single else ((seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None]))[None, None]
+        step = StepContext(caches=self.runner.caches, mode="fresh", mask=mask, paged=True,
+                           block_tables=self.runner.tables.device, write_block=block, write_offset=offset)
+        hidden = self.runner._hidden(ids[None], pos[None], step)[0]
+        self.runner._logits(hidden.index_select(0, wanted), out=self.logits)
+
+    def _fill(self, chunks: list[tuple[int, int, list[int]]], logits_for: list[list[int]]) -> int:
+        """Write the step's layout into the pinned staging row; returns how many logits rows it asks for."""
+        import torch
+
+        t, runner = self.tokens, self.runner
+        host = self.host
+        bs = runner.block_size
+        tables = runner.tables.host
+        ids, pos, seg = host[:t], host[t : 2 * t], host[2 * t : 3 * t]
+        block, offset, wanted = host[3 * t : 4 * t], host[4 * t : 5 * t], host[5 * t :]
+        ids.zero_()
+        pos.zero_()
+        seg.copy_(torch.arange(-1, -t - 1, -1))  # padding: a segment of its own per token
+        block.fill_(runner.tables.scratch_block)
+        offset.zero_()
+        wanted.zero_()
+        at, n_rows = 0, 0
+        for i, ((slot, _start, tokens), rows) in enumerate(zip(chunks, logits_for, strict=True)):
+            n = len(tokens)
+            span = torch.arange(n)
+            ids[at : at + n] = torch.tensor(tokens, dtype=torch.long)
+            pos[at : at + n] = span
+            seg[at : at + n] = i
+            block[at : at + n] = tables[slot, span // bs]
+            offset[at : at + n] = span % bs
+            for r in rows:
+                wanted[n_rows] = at + r
+                n_rows += 1
+            at += n
+        return n_rows
+
+    def run(self, chunks: list[tuple[int, int, list[int]]], logits_for: list[list[int]]):
+        """Replay for this step (the caller checked it fits: ModelRunner._prefill_graph_for); returns float32
+        logits [rows asked, V], a copy (the next replay reuses the buffer)."""
+        import torch
+
+        self.runner.tables.flush()
+        if self.copied is not None:
+            self.copied.synchronize()
+        n_rows = self._fill(chunks, logits_for)
+        with torch.inference_mode():
+            self.staged.copy_(self.host, non_blocking=self.graph is not None)
+            if self.graph is None:
+                self._body()
+            else:
+                self.copied.record()
+                self.graph.replay()
+            return self.logits[:n_rows].clone()
 
 
 def greedy_tokens(logits: Any) -> Any:
