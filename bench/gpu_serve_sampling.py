@@ -10,7 +10,7 @@ Sampling settings (`--sampling`, comma-separated; default all):
   t0.7     temperature 0.7
   t1.0     temperature 1.0 (OpenAI's default)
   t1.0p95  temperature 1.0, top_p 0.95 (the top-p mode: Gumbel-max candidates checked against the nucleus)
-  t1.0k50  temperature 1.0, top_k 50 (the top-k mode: torch.topk thresholds, no sort)
+  t1.0k50  temperature 1.0, top_k 50 (the top-k mode: thresholds from a Triton top-64, no sort)
   t1.0p90k50  temperature 1.0, top_p 0.9, top_k 50 (both: thresholds, then candidates)
   pen      temperature 0.7, top_k 50, presence_penalty 0.5 (the penalties' graph variant)
 
@@ -20,8 +20,8 @@ Cases, each per sampling setting:
   http_c64      64 concurrent streaming requests (prompts 32–256 tokens, 128 output tokens, ignore_eos): tok/s,
                 median of --repeats runs (3)
   http_c256     the same with 256 clients
-kernels: the sampling graph alone (µs per step by batch, selection mode — plain, topk, topp, topkp, sort — and
-penalties)
+kernels: the sampling graph alone (µs per step by batch, selection mode — plain, topk, topp, topkp, topkwide,
+topkpwide, sort — and penalties)
 against the greedy argmax; and each cheap mode's tokens against the sort's on random rows (mismatching rows: 0
 expected, a row whose nucleus boundary is within float rounding of top_p can differ).
 Also checked on the device: a seeded request gives the same tokens when repeated and alone vs. inside a batch of 64
@@ -75,7 +75,17 @@ def bench_kernels(vocab: int, batches: list[int]) -> dict:
     and the greedy argmax for comparison: µs per step on random logits."""
     import torch
 
-    from clusteropt_cli.core.serve.device_sampling import PLAIN, SORT, TOP_K, TOP_K_P, TOP_P, RowSettings, SlotSampler
+    from clusteropt_cli.core.serve.device_sampling import (
+        PLAIN,
+        SORT,
+        TOP_K,
+        TOP_K_P,
+        TOP_K_WIDE,
+        TOP_K_WIDE_P,
+        TOP_P,
+        RowSettings,
+        SlotSampler,
+    )
     from clusteropt_cli.core.serve.runner import greedy_tokens
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -109,7 +119,7 @@ def bench_kernels(vocab: int, batches: list[int]) -> dict:
         for b in batches:
             out[f"b{b}_greedy_argmax_us"] = timed(lambda b=b: greedy_tokens(logits[:b]))
             for mode, label in ((PLAIN, "plain"), (TOP_K, "topk"), (TOP_P, "topp"), (TOP_K_P, "topkp"),
-                                (SORT, "sort")):
+                                (TOP_K_WIDE, "topkwide"), (TOP_K_WIDE_P, "topkpwide"), (SORT, "sort")):
                 for pen in (False, True):
                     key = f"b{b}_{label}{'_pen' if pen else ''}_us"
                     out[key] = timed(lambda b=b, mode=mode, pen=pen: sampler.graph_sample(logits[:b], b, mode, pen))
@@ -127,7 +137,15 @@ def mode_agreement(sampler, logits, dev) -> dict:
     buffer the captured graphs read (refilled here)."""
     import torch
 
-    from clusteropt_cli.core.serve.device_sampling import SORT, TOP_K, TOP_K_P, TOP_P, RowSettings
+    from clusteropt_cli.core.serve.device_sampling import (
+        SORT,
+        TOP_K,
+        TOP_K_P,
+        TOP_K_WIDE,
+        TOP_K_WIDE_P,
+        TOP_P,
+        RowSettings,
+    )
 
     rows, vocab = logits.shape
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -135,10 +153,15 @@ def mode_agreement(sampler, logits, dev) -> dict:
     settings = {TOP_P: [RowSettings(temperature=1.0, top_p=p, seed=i, min_p=0.01 * (i % 3 == 0))
                         for i, p in enumerate([0.95, 0.9, 0.5, 0.1, 1e-4] * (rows // 5 + 1))][:rows],
                 TOP_K: [RowSettings(temperature=1.0, top_k=k, seed=i)
-                        for i, k in enumerate([1, 20, 50, 1024, 0] * (rows // 5 + 1))][:rows],
+                        for i, k in enumerate([1, 20, 50, 64, 0] * (rows // 5 + 1))][:rows],
                 TOP_K_P: [RowSettings(temperature=1.0, top_k=k, top_p=p, seed=i)
-                          for i, (k, p) in enumerate([(50, 0.9), (0, 0.5), (1024, 0.95), (20, 1.0)] * rows)][:rows]}
-    for mode, label in ((TOP_P, "topp"), (TOP_K, "topk"), (TOP_K_P, "topkp")):
+                          for i, (k, p) in enumerate([(50, 0.9), (0, 0.5), (64, 0.95), (20, 1.0)] * rows)][:rows],
+                TOP_K_WIDE: [RowSettings(temperature=1.0, top_k=k, seed=i)
+                             for i, k in enumerate([1, 20, 50, 1024, 0] * (rows // 5 + 1))][:rows],
+                TOP_K_WIDE_P: [RowSettings(temperature=1.0, top_k=k, top_p=p, seed=i) for i, (k, p)
+                               in enumerate([(50, 0.9), (0, 0.5), (1024, 0.95), (20, 1.0)] * rows)][:rows]}
+    for mode, label in ((TOP_P, "topp"), (TOP_K, "topk"), (TOP_K_P, "topkp"), (TOP_K_WIDE, "topkwide"),
+                        (TOP_K_WIDE_P, "topkpwide")):
         for slot, row in enumerate(settings[mode]):
             sampler.assign(slot, row, [3, 4, 5])
         bad = checked = 0

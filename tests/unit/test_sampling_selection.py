@@ -76,17 +76,20 @@ def _both(scaled, args, mode):
     return new, old
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("kind", ["continuous", "ties", "peaked", "masked", "degenerate"])
 @pytest.mark.parametrize("vocab", [3000, 600])
-def test_top_k_threshold_mode_equals_the_full_sort(kind, vocab):
+def test_top_k_threshold_mode_equals_the_full_sort(kind, vocab, wide):
+    """TOP_K (every k up to TOP_K_SMALL, or at least the vocabulary) and TOP_K_WIDE (up to TOP_K_CAP)."""
     import torch
 
-    from clusteropt_cli.core.serve.device_sampling import TOP_K, TOP_K_CAP
+    from clusteropt_cli.core.serve.device_sampling import TOP_K, TOP_K_CAP, TOP_K_SMALL, TOP_K_WIDE
 
     gen = torch.Generator().manual_seed(vocab + len(kind))
     rows = 96
     scaled = _logits(gen, rows, vocab, kind)
-    cap = min(TOP_K_CAP, vocab)
+    cap = min(TOP_K_CAP if wide else TOP_K_SMALL, vocab)
+    TOP_K = TOP_K_WIDE if wide else TOP_K  # noqa: N806 - the mode under test
     ks = torch.tensor([0, 1, 2, 50, cap, vocab, vocab + 7, -1], dtype=torch.long)
     top_k = ks[torch.arange(rows) % len(ks)]
     top_k[5::len(ks)] = torch.randint(1, cap + 1, (len(top_k[5::len(ks)]),), generator=gen)
@@ -132,7 +135,7 @@ def test_top_p_candidate_mode_equals_the_full_sort(kind, with_top_k):
     import torch
 
     from clusteropt_cli.core.serve import nucleus
-    from clusteropt_cli.core.serve.device_sampling import TOP_K_P, TOP_P, choose_tokens
+    from clusteropt_cli.core.serve.device_sampling import TOP_K_P, TOP_K_WIDE_P, TOP_P, choose_tokens
 
     gen = torch.Generator().manual_seed(11 + len(kind))
     rows, vocab = 140, 2500
@@ -141,7 +144,12 @@ def test_top_p_candidate_mode_equals_the_full_sort(kind, with_top_k):
     top_p = ps[torch.arange(rows) % len(ps)]
     ks = torch.tensor([0, 1, 3, 40, 700, 1024, vocab + 1, 0, 0], dtype=torch.long)  # 9 values: crosses the 7 p's
     top_k = ks[torch.arange(rows) % len(ks)] if with_top_k else torch.zeros(rows, dtype=torch.long)
-    mode = TOP_K_P if with_top_k else TOP_P
+    mode = TOP_K_WIDE_P if with_top_k else TOP_P
+    if with_top_k:  # and TOP_K_P over the k it is exact for (up to TOP_K_SMALL, or at least the vocabulary)
+        small = torch.where((top_k > 64) & (top_k <= vocab), top_k % 64, top_k)
+        args = _args(gen, rows, top_p=top_p, top_k=small, min_p=0.03)
+        new, old = _both(scaled, args, TOP_K_P)
+        assert torch.equal(new, old), f"rows {torch.nonzero(new != old).flatten().tolist()} differ"
     calls = []
     rounds = nucleus.rounds_torch
 
@@ -230,6 +238,9 @@ def test_rows_pick_the_cheapest_exact_mode():
         TOP_K,
         TOP_K_CAP,
         TOP_K_P,
+        TOP_K_SMALL,
+        TOP_K_WIDE,
+        TOP_K_WIDE_P,
         TOP_P,
         RowSettings,
         selection_for,
@@ -239,34 +250,57 @@ def test_rows_pick_the_cheapest_exact_mode():
     assert RowSettings(temperature=1.0).selection == PLAIN
     assert RowSettings(temperature=1.0, top_k=50).selection == TOP_K
     assert RowSettings(temperature=1.0, min_p=0.1).selection == TOP_K
-    assert RowSettings(temperature=1.0, top_k=TOP_K_CAP).selection == TOP_K
+    assert RowSettings(temperature=1.0, top_k=TOP_K_SMALL).selection == TOP_K
+    assert RowSettings(temperature=1.0, top_k=TOP_K_SMALL + 1).selection == TOP_K_WIDE
+    assert RowSettings(temperature=1.0, top_k=TOP_K_CAP).selection == TOP_K_WIDE
     assert RowSettings(temperature=1.0, top_k=TOP_K_CAP + 1).selection == SORT
     assert RowSettings(temperature=1.0, top_p=0.95).selection == TOP_P
     assert RowSettings(temperature=1.0, top_p=0.95, min_p=0.1).selection == TOP_P
     assert RowSettings(temperature=1.0, top_p=0.95, top_k=50).selection == TOP_K_P
+    assert RowSettings(temperature=1.0, top_p=0.95, top_k=100).selection == TOP_K_WIDE_P
     assert RowSettings(temperature=1.0, top_p=0.95, top_k=TOP_K_CAP + 1).selection == SORT
     top_p, top_k, min_p = (RowSettings(temperature=1.0, top_p=0.9), RowSettings(temperature=1.0, top_k=9),
                            RowSettings(temperature=1.0, min_p=0.2))
     assert selection_for([top_p, min_p, RowSettings()]) == TOP_P and selection_for([top_k, min_p]) == TOP_K
     assert selection_for([top_p, top_k]) == TOP_K_P
+    wide = RowSettings(temperature=1.0, top_k=200)
+    assert selection_for([top_k, wide]) == TOP_K_WIDE and selection_for([top_p, wide]) == TOP_K_WIDE_P
 
 
-def test_a_single_row_sorts_for_top_k_on_cuda_only():
-    """On CUDA one row's top-k runs as the sort (cheaper there for one row); more rows, or a CPU, keep TOP_K.
-    Both modes draw the same token (test_top_k_threshold_mode_equals_the_full_sort)."""
+def test_a_single_row_sorts_for_a_wide_top_k_on_cuda_only(monkeypatch):
+    """On CUDA one row's wide top-k (torch.topk of TOP_K_CAP values) runs as the sort (cheaper there for one row);
+    more rows, or a CPU, keep the mode. TOP_K (the Triton top-64) stays TOP_K for one row, and becomes the wide
+    mode where that kernel is unavailable. Every mode draws the same token (test_top_k_threshold_mode_...)."""
     from types import SimpleNamespace
 
     import torch
 
-    from clusteropt_cli.core.serve.device_sampling import PLAIN, SORT, SORT_ROWS, TOP_K, TOP_P, SlotSampler
+    from clusteropt_cli.core.serve import topk_kernel
+    from clusteropt_cli.core.serve.device_sampling import (
+        PLAIN,
+        SORT,
+        SORT_ROWS,
+        TOP_K,
+        TOP_K_P,
+        TOP_K_WIDE,
+        TOP_K_WIDE_P,
+        TOP_P,
+        SlotSampler,
+    )
 
     sampler = SlotSampler(4, 32, torch.device("cpu"))
     cuda, cpu = SimpleNamespace(type="cuda"), torch.device("cpu")
-    assert sampler.mode(TOP_K, cuda, SORT_ROWS) == SORT
-    assert sampler.mode(TOP_K, cuda, SORT_ROWS + 1) == TOP_K
-    assert sampler.mode(TOP_K, cpu, 1) == TOP_K and sampler.mode(TOP_K, cuda) == TOP_K
+    monkeypatch.setattr(topk_kernel, "kernel_error", lambda: None)
+    monkeypatch.setattr("clusteropt_cli.core.serve.nucleus.triton_error", lambda: None)
+    assert sampler.mode(TOP_K_WIDE, cuda, SORT_ROWS) == SORT
+    assert sampler.mode(TOP_K_WIDE, cuda, SORT_ROWS + 1) == TOP_K_WIDE
+    assert sampler.mode(TOP_K_WIDE, cpu, 1) == TOP_K_WIDE and sampler.mode(TOP_K_WIDE, cuda) == TOP_K_WIDE
+    assert sampler.mode(TOP_K, cuda, 1) == TOP_K and sampler.mode(TOP_K_P, cuda, 1) == TOP_K_P
     assert sampler.mode(PLAIN, cuda, 1) == PLAIN
     assert sampler.mode(TOP_P, cpu, 1) == TOP_P
+    monkeypatch.setattr(topk_kernel, "kernel_error", lambda: "no tl.topk")
+    assert sampler.mode(TOP_K, cuda, 4) == TOP_K_WIDE and sampler.mode(TOP_K_P, cuda, 4) == TOP_K_WIDE_P
+    assert sampler.mode(TOP_K, cuda, 1) == SORT and sampler.mode(TOP_K, cpu, 1) == TOP_K
 
 
 def test_the_sampler_mixes_modes_per_step_and_keeps_the_sorted_tokens():
@@ -278,7 +312,7 @@ def test_the_sampler_mixes_modes_per_step_and_keeps_the_sorted_tokens():
     from clusteropt_cli.core.serve.device_sampling import (
         SORT,
         TOP_K,
-        TOP_K_P,
+        TOP_K_WIDE_P,
         RowSettings,
         SlotSampler,
         process_logits,
@@ -296,7 +330,7 @@ def test_the_sampler_mixes_modes_per_step_and_keeps_the_sorted_tokens():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, vocab, generator=gen) * 3
     positions = [4, 9, 4, 6]
-    assert sampler.flags([0, 1, 2])[1] == TOP_K and sampler.flags([0, 3])[1] == TOP_K_P
+    assert sampler.flags([0, 1, 2])[1] == TOP_K and sampler.flags([0, 3])[1] == TOP_K_WIDE_P  # row 3: top_k 100
     assert sampler.flags([0, 3, 4])[1] == SORT  # a top-k above TOP_K_CAP
     counts = sampler.counts.clone()
     top_k_step = sampler.sample(logits[:3], [0, 1, 2], positions[:3])
@@ -379,16 +413,7 @@ def test_start_up_warms_every_variant_the_eager_sampling_path_calls():
     so the first sampled requests never wait for a compile while the engine holds every running request."""
     import torch
 
-    from clusteropt_cli.core.serve.device_sampling import (
-        KERNELS,
-        PLAIN,
-        SORT,
-        TOP_K,
-        TOP_K_P,
-        TOP_P,
-        RowSettings,
-        SlotSampler,
-    )
+    from clusteropt_cli.core.serve.device_sampling import KERNELS, SELECTION_MODES, RowSettings, SlotSampler
 
     seen: set = set()
 
@@ -403,17 +428,18 @@ def test_start_up_warms_every_variant_the_eager_sampling_path_calls():
     sampler.perturb = {name: recording(name, fn) for name, fn in KERNELS.items()}
     buf = torch.randn(8, vocab)
     for bucket in (8, 4, 2, 1):  # what runner.capture_sampling_graphs does (eager on a CPU)
-        for mode in (PLAIN, TOP_K, TOP_P, TOP_K_P, SORT):
+        for mode in SELECTION_MODES:
             for penalize in (False, True):
                 sampler.graph_sample(buf[:bucket], bucket, mode, penalize)
-    assert sampler.warm_eager(buf) == 30
+    assert sampler.warm_eager(buf) == 2 * len(SELECTION_MODES) * 3
     warmed, seen = set(seen), seen
     seen.clear()
     requests = [RowSettings(temperature=1.0), RowSettings(temperature=0.8, top_k=20),
                 RowSettings(temperature=1.0, top_p=0.9), RowSettings(temperature=1.0, top_p=0.9, top_k=5),
                 RowSettings(temperature=1.0, min_p=0.1), RowSettings(temperature=0.7, presence_penalty=0.5),
                 RowSettings(temperature=0.7, logit_bias={3: 2.0}), RowSettings(temperature=0.7, min_tokens=2,
-                                                                                stop_ids=(4,))]
+                                                                                stop_ids=(4,)),
+                RowSettings(temperature=1.0, top_k=100), RowSettings(temperature=1.0, top_p=0.9, top_k=100)]
     for settings in requests:
         for slot in range(8):
             sampler.assign(slot, RowSettings(**{**settings.__dict__, "seed": slot}), [1, 2, 3])

@@ -13,11 +13,12 @@ the same text whatever else is batched with it (and whichever path — CUDA grap
 token). Requests without a seed get one drawn from the engine's random stream.
 
 Restricted sampling takes the cheapest exact way the step's rows allow (`selection_for`): top-k (k up to
-TOP_K_CAP) and min-p mask the vocabulary with thresholds from one torch.topk — the k-th largest score, the ties at
-it kept in token order as a stable sort ranks them —; top-p checks the Gumbel-max winner against the nucleus and
-draws again from the tokens ranked before it when it falls outside (core/serve/nucleus.py: no sort, and no bound
-on the nucleus' size needed); both together chain the two. Only a top-k above TOP_K_CAP sorts the vocabulary
-(and top-p where the nucleus kernel is missing). Every mode draws the token the full sort would.
+TOP_K_CAP) and min-p mask the vocabulary with thresholds from the row's largest values — the k-th largest score, the
+ties at it kept in token order as a stable sort ranks them; 64 values from a two-pass Triton top-k where every k is
+at most TOP_K_SMALL (topk_kernel.py), else one torch.topk of TOP_K_CAP —; top-p checks the Gumbel-max winner
+against the nucleus and draws again from the tokens ranked before it when it falls outside (core/serve/nucleus.py:
+no sort, and no bound on the nucleus' size needed); both together chain the two. Only a top-k above TOP_K_CAP sorts
+the vocabulary (and top-p where the nucleus kernel is missing). Every mode draws the token the full sort would.
 
 Logprobs are those of the distribution the token is sampled from before truncation: the logits after
 `logit_bias`, `min_tokens` suppression, the penalties and the temperature (1 for greedy rows), log-softmaxed;
@@ -211,14 +212,18 @@ def row_argmax(scores):
 
 # How choose_tokens restricts the sampled rows (the sampler picks one per step from the rows' settings):
 PLAIN = 0  # temperature only: Gumbel-max over the vocabulary
-TOP_K = 1  # top-k (k <= TOP_K_CAP or >= vocab) and min-p: thresholds from torch.topk, no sort of the vocabulary
+TOP_K = 1  # top-k (k <= TOP_K_SMALL) and min-p: thresholds from the TOP_K_SMALL largest (topk_kernel.py), no sort
 TOP_P = 2  # top-p and min-p (no top-k): Gumbel-max candidates checked against the nucleus (core/serve/nucleus.py)
-TOP_K_P = 3  # top-k (k <= TOP_K_CAP), top-p and min-p: TOP_K's thresholds, then TOP_P's candidates
+TOP_K_P = 3  # top-k (k <= TOP_K_SMALL), top-p and min-p: TOP_K's thresholds, then TOP_P's candidates
 SORT = 4  # anything (a top-k above TOP_K_CAP; top-p where the TOP_P kernel is missing): one sort of the vocabulary
+TOP_K_WIDE = 5  # TOP_K for a top-k up to TOP_K_CAP (or >= vocab): thresholds from torch.topk of TOP_K_CAP values
+TOP_K_WIDE_P = 6  # TOP_K_P for a top-k up to TOP_K_CAP (or >= vocab)
+SELECTION_MODES = (PLAIN, TOP_K, TOP_P, TOP_K_P, SORT, TOP_K_WIDE, TOP_K_WIDE_P)
+TOP_K_SMALL = 64
 TOP_K_CAP = 1024
-# on CUDA, steps of at most this many rows sort instead of TOP_K / TOP_K_P: in the captured sampling graph on an
-# H200 (128k vocabulary) one row took 81 µs to sort against 118 µs for top-k and 125 µs for top-k + top-p;
-# at 64 rows top-k was 1.8× faster than the sort
+# on CUDA, steps of at most this many rows sort instead of TOP_K_WIDE / TOP_K_WIDE_P: in the captured sampling graph
+# on an H200 (128k vocabulary) one row took 81 µs to sort against 118 µs for top-k and 125 µs for top-k + top-p;
+# at 64 rows top-k was 1.8× faster than the sort (TOP_K's Triton top-64 of one row: 20 µs against the sort's 56)
 SORT_ROWS = 1
 
 # the pointwise pieces choose_tokens and process_logits call (SlotSampler compiles each into one fused kernel)
@@ -235,27 +240,32 @@ def selection_mode(sort) -> int:
 
 def selection_for(rows) -> int:
     """The cheapest mode that is exact for every one of these rows (RowSettings): PLAIN when none restricts its
-    sampling, TOP_K for top-k up to TOP_K_CAP and min-p, TOP_P for top-p and min-p, TOP_K_P for both (in one row
-    or across rows), SORT for a larger top-k."""
+    sampling, TOP_K for top-k up to TOP_K_SMALL and min-p (TOP_K_WIDE up to TOP_K_CAP), TOP_P for top-p and min-p,
+    TOP_K_P (TOP_K_WIDE_P) for both (in one row or across rows), SORT for a larger top-k."""
     restricted = [r for r in rows if r.needs_sort]
     if not restricted:
         return PLAIN
     if any(r.top_k > TOP_K_CAP for r in restricted):
         return SORT
     top_k = any(r.top_k > 0 for r in restricted)
+    wide = any(r.top_k > TOP_K_SMALL for r in restricted)
     top_p = any(r.top_p < 1.0 for r in restricted)
-    return (TOP_K_P if top_k else TOP_P) if top_p else TOP_K
+    if top_p:
+        return (TOP_K_WIDE_P if wide else TOP_K_P) if top_k else TOP_P
+    return TOP_K_WIDE if wide else TOP_K
 
 
-def top_k_bounds(scaled, top_k):
-    """The TOP_K mode's thresholds: (the row's largest score [B, 1], its k-th largest [B, 1], how many of the
-    scores equal to the k-th top-k keeps [B], their running count in token order [B, V], limited [B]). One
-    torch.topk of min(TOP_K_CAP, V) values per row instead of a sort of V; exact for top_k <= TOP_K_CAP."""
+def top_k_bounds(scaled, top_k, cap: int = TOP_K_CAP):
+    """The TOP_K modes' thresholds: (the row's largest score [B, 1], its k-th largest [B, 1], how many of the
+    scores equal to the k-th top-k keeps [B], their running count in token order [B, V], limited [B]). The
+    min(cap, V) largest values per row (topk_kernel.top_values) instead of a sort of V; exact for top_k <= cap."""
     import torch
 
+    from clusteropt_cli.core.serve.topk_kernel import top_values
+
     vocab = scaled.shape[-1]
-    cap = min(TOP_K_CAP, vocab)
-    vals = scaled.topk(cap, dim=-1, sorted=True).values
+    cap = min(cap, vocab)
+    vals = top_values(scaled, cap)
     kth = vals.gather(1, (top_k.clamp(1, cap) - 1)[:, None])
     need = top_k - (vals > kth).sum(-1)  # everything above the k-th is inside the top `cap` values
     tie_rank = (scaled == kth).cumsum(-1, dtype=torch.int32)
@@ -266,9 +276,10 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
                   perturb=None, scale=None, active=None):
     """One token per row from processed logits: greedy rows (temperature 0) take the argmax, the others sample
     (Gumbel-max over the exponential noise of (seed, position)), restricted by top-k, top-p and min-p as `sort`
-    says (a mode: PLAIN; TOP_K — exact when every row's top_k is at most TOP_K_CAP or at least the vocabulary
-    and its top_p is 1; TOP_P — exact when no row has a top_k; TOP_K_P — exact when every row's top_k is at
-    most TOP_K_CAP or at least the vocabulary; SORT, exact for every row; False/True: PLAIN/SORT;
+    says (a mode: PLAIN; TOP_K (TOP_K_WIDE) — exact when every row's top_k is at most TOP_K_SMALL (TOP_K_CAP) or
+    at least the vocabulary and its top_p is 1; TOP_P — exact when no row has a top_k; TOP_K_P (TOP_K_WIDE_P) —
+    exact when every row's top_k is at most TOP_K_SMALL (TOP_K_CAP) or at least the vocabulary; SORT, exact for
+    every row; False/True: PLAIN/SORT;
     selection_for picks it). A row whose every logit is -inf gives a token, never NaN. `perturb`: the KERNELS,
     compiled or not. `scale`: per-row factors still to apply to `scaled` (1 / temperature, when process_logits
     did not divide; PLAIN only). `active` [B] bool: rows whose token is used (the others may get any token:
@@ -284,13 +295,14 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
         pick = row_argmax(fns["sorted"](values, w, cum, top_p, top_k, min_p, temperature, seed_lo, seed_hi,
                                         position, order))
         return order.gather(-1, pick[:, None]).squeeze(-1)
-    if mode in (TOP_K, TOP_K_P):
-        top, kth, need, tie_rank, limited = top_k_bounds(scaled, top_k)
+    if mode in (TOP_K, TOP_K_P, TOP_K_WIDE, TOP_K_WIDE_P):
+        cap = TOP_K_CAP if mode in (TOP_K_WIDE, TOP_K_WIDE_P) else TOP_K_SMALL
+        top, kth, need, tie_rank, limited = top_k_bounds(scaled, top_k, cap)
         scores = fns["top_k"](scaled, top, kth, need, tie_rank, limited, min_p, temperature, seed_lo, seed_hi,
                               position)
-    if mode == TOP_K:
+    if mode in (TOP_K, TOP_K_WIDE):
         return row_argmax(scores)
-    if mode in (TOP_P, TOP_K_P):
+    if mode in (TOP_P, TOP_K_P, TOP_K_WIDE_P):
         from clusteropt_cli.core.serve.nucleus import nucleus_rounds
 
         if mode == TOP_P:
@@ -453,15 +465,22 @@ class SlotSampler:
         return all(r.greedy_plain for r in rows), selection_for(rows), any(r.penalized for r in rows)
 
     def mode(self, sort, device, rows: int | None = None) -> int:
-        """The selection mode to run: TOP_P and TOP_K_P become SORT where their kernel is not available (CUDA
-        without Triton, or a failed capture: nucleus_error); on CUDA a single row's top-k sorts too (SORT_ROWS:
-        one row's torch.topk costs more than its sort). Every mode draws the same token."""
+        """The selection mode to run: the top-p modes become SORT where their kernel is not available (CUDA without
+        Triton, or a failed capture: nucleus_error); TOP_K and TOP_K_P their wide forms where the Triton top-k is
+        not (topk_kernel.kernel_error); on CUDA a single row's wide top-k sorts (SORT_ROWS: one row's torch.topk
+        costs more than its sort). Every mode draws the same token."""
         from clusteropt_cli.core.serve.nucleus import triton_error
 
         mode = selection_mode(sort)
-        if mode in (TOP_P, TOP_K_P) and (self.nucleus_error or (device.type == "cuda" and triton_error())):
+        cuda = device.type == "cuda"
+        if mode in (TOP_P, TOP_K_P, TOP_K_WIDE_P) and (self.nucleus_error or (cuda and triton_error())):
             return SORT
-        if mode in (TOP_K, TOP_K_P) and device.type == "cuda" and rows is not None and rows <= SORT_ROWS:
+        if mode in (TOP_K, TOP_K_P) and cuda:
+            from clusteropt_cli.core.serve.topk_kernel import kernel_error
+
+            if kernel_error():  # torch.topk of 64 values costs what the wide modes' topk does
+                mode = TOP_K_WIDE if mode == TOP_K else TOP_K_WIDE_P
+        if mode in (TOP_K_WIDE, TOP_K_WIDE_P) and cuda and rows is not None and rows <= SORT_ROWS:
             return SORT
         return mode
 
@@ -524,7 +543,7 @@ class SlotSampler:
             pos = torch.zeros(rows, dtype=torch.long, device=self.device)
             args = self._rows(index)
             counted = self.counts.index_select(0, index), self.prompt_mask.index_select(0, index)
-            for selection in (PLAIN, TOP_K, TOP_P, TOP_K_P, SORT):
+            for selection in SELECTION_MODES:
                 mode = self.mode(selection, logits_rows.device, rows)
                 for penalize, (counts, prompt_mask) in ((False, (None, None)), (True, (None, None)),
                                                         (True, counted)):
@@ -560,7 +579,12 @@ class SlotSampler:
                 graph = self._capture(logits_rows, batch, sort, penalize)
             except Exception as exc:  # noqa: BLE001 - sampling still works: sorted, uncompiled, then eagerly
                 torch.cuda.synchronize()
-                if sort in (TOP_P, TOP_K_P):  # top-p rows sort their vocabulary from now on
+                from clusteropt_cli.core.serve import topk_kernel
+
+                if sort in (TOP_K, TOP_K_P) and topk_kernel.kernel_error() is None:  # the Triton top-k set aside
+                    topk_kernel.disable(f"{type(exc).__name__}: {exc}")
+                    return self.graph_sample(logits_rows, batch, sort, penalize)
+                if sort in (TOP_P, TOP_K_P, TOP_K_WIDE_P):  # top-p rows sort their vocabulary from now on
                     self.nucleus_error = f"{type(exc).__name__}: {exc}"
                     return self.graph_sample(logits_rows, batch, SORT, penalize)
                 if self.perturb is not None:

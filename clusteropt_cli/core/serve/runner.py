@@ -898,13 +898,13 @@ class ModelRunner:
         compile and capture. Rows are inactive: nothing is counted."""
         import warnings
 
-        from clusteropt_cli.core.serve.device_sampling import PLAIN, SORT, TOP_K, TOP_K_P, TOP_P
+        from clusteropt_cli.core.serve.device_sampling import SELECTION_MODES
 
         sampler = self.sampler
         sampler.graph_pool = self._graph_pool
         sampler.active.zero_()
         for bucket in reversed(self._batch_buckets):
-            for mode in (PLAIN, TOP_K, TOP_P, TOP_K_P, SORT):
+            for mode in SELECTION_MODES:
                 for penalize in (False, True):
                     sampler.graph_sample(self.logits_buf[:bucket], bucket, mode, penalize)
         try:  # and the eager path the prefill rows take, so the first sampled requests do not compile either
