@@ -11,7 +11,8 @@ the same engine with its prefill graphs set aside) runs in the same process.
 
 Prompts are random token ids, new for every request (no prefix-cache hits). Greedy, and temperature 1 (sampled) at
 the shortest length. JSON: per shape, "<variant>/<greedy|t1.0>_<prompt length>": ttft_ms (median of --repeats),
-per-phase ms, and for the profiled lengths gpu_kernel_ms, kernels and the costliest kernels.
+per-phase ms, and for the profiled lengths gpu_kernel_ms, kernels and the costliest kernels; same_greedy_tokens:
+whether fixed prompts (5 to 1,500 tokens, alone and together) give the same 8 greedy tokens in both variants.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def main() -> None:
 
     import torch
 
-    from clusteropt_cli.core.serve.engine import Engine
+    from clusteropt_cli.core.serve.engine import Engine, GenerationRequest
     from clusteropt_cli.recipe.schema.serve import ServeRecipe
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -143,10 +144,21 @@ def main() -> None:
             graphs = list(runner._prefill_graphs)
             out["prefill_graphs"] = len(graphs)
             out["prefill_graph_error"] = runner.prefill_graph_error
+            sizes = (5, 32, 300, 1500) if cuda else (5, 40)
+            fixed = [random.Random(n).sample(range(10, vocab - 10), n) for n in sizes]
+            tokens = {}
             for variant in variants:
                 runner._prefill_graphs = graphs if variant == "graphs" else []
                 measure(engine, vocab, variant, out)
+                # the same greedy tokens either way: one prompt at a time, then all four in one step
+                reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=8, ignore_eos=True) for p in fixed]
+                tokens[variant] = [engine.generate([r])[0].output_ids for r in reqs]
+                tokens[variant] += [x.output_ids for x in engine.generate(reqs)]
             runner._prefill_graphs = graphs
+            if len(tokens) == 2:
+                a, b = tokens.values()
+                out["same_greedy_tokens"] = [x == y for x, y in zip(a, b, strict=True)]
+                log(f"{shape}: greedy tokens the same with and without prefill graphs: {out['same_greedy_tokens']}")
         finally:
             engine.stop()
             del engine
