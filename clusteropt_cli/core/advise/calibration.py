@@ -110,9 +110,16 @@ STATIC_BATCH_EFFICIENCY = 0.6
 # Without continuous batching the baseline is HF `generate` on a static batch, whose per-step host cost dominates
 # (docs/benchmarks.md#h200-baselines: batch 64 left-padded 2,372 output tok/s = 27 ms/step; batch 1 eager measured
 # 43.5 ms/token, so batch-1 figures from this anchor are optimistic). vLLM is not calibrated here (roofline only).
+# A prompt prefilled alone (batch 1) runs as a captured prefill graph (up to 2,048 tokens: runner.PrefillGraph):
+# max(its FLOPs at PREFILL_MFU, the weights at DECODE_BANDWIDTH_EFFICIENCY) plus a cost per layer (its chain of small
+# kernels) and per request (scheduling, first-token sampling, emission). In-process engine, H200, 2026-12-01
+# (bench/gpu_ttft_profile.py, docs/benchmarks.md#time-to-first-token), TTFT for prompts of 32 and 256 tokens:
+# 1B shape 3.92 and 4.59 ms, 8B shape 10.43 and 13.98 ms → 0.185 ms per layer, 0.32 ms per request (predicts 3.92,
+# 4.58, 10.43 and 14.5 ms).
 SERVING_ENGINES = {
     "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 2.0e-3, "step_fixed_s": 0.51e-3,
-             "step_per_seq_s": 80e-6},
+             "step_per_seq_s": 80e-6, "prefill_graph_tokens": 2048, "prefill_graph_layer_s": 0.185e-3,
+             "prefill_graph_request_s": 0.32e-3},
     "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }
 # What sampled requests (temperature > 0, no top-k/top-p truncation) add per decode step of copt's engine over

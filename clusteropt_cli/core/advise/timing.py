@@ -233,6 +233,12 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     prefill_tokens = running * computed
     prefill_s = prefill_seconds(prefill_tokens)
     one_prefill = prefill_seconds(computed)
+    if engine and running == 1 and plan.continuous_batching and computed <= engine.get("prefill_graph_tokens", 0):
+        # alone, copt's engine prefills the prompt as one captured graph (cal.SERVING_ENGINES)
+        one_prefill = prefill_s = (
+            max(computed * flops_per_prompt_token / (peak * cal.PREFILL_MFU),
+                w_bytes / (bandwidth * cal.DECODE_BANDWIDTH_EFFICIENCY))
+            + spec.num_layers * engine["prefill_graph_layer_s"] + engine["prefill_graph_request_s"])
     if plan.continuous_batching and plan.batch > 1:
         # `batch` clients under closed-loop load: a request's first token comes after about one round of
         # everyone's prompts (what the H200 loop runs showed after "half a round" missed by +104%); the least
