@@ -271,6 +271,7 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l draft-model
 complete -c copt -n "__fish_seen_subcommand_from serve" -l dry-run
 complete -c copt -n "__fish_seen_subcommand_from serve" -l dtype
 complete -c copt -n "__fish_seen_subcommand_from serve" -l enable-prefix-caching
+complete -c copt -n "__fish_seen_subcommand_from serve" -l enforce-eager
 complete -c copt -n "__fish_seen_subcommand_from serve" -l engine
 complete -c copt -n "__fish_seen_subcommand_from serve" -l gpu-memory-utilization
 complete -c copt -n "__fish_seen_subcommand_from serve" -l grace-period

@@ -62,6 +62,9 @@ def serve(
                                                               help="Speculate only while at most N run.")] = None,
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", hidden=True,
                                                      help="Decode steps as CUDA graphs (default: on GPU).")] = None,
+    enforce_eager: Annotated[bool, typer.Option("--enforce-eager",
+                                                help="Run every step eagerly: no CUDA graphs (decode or prefill) and "
+                                                     "no torch.compile (as vLLM's flag; for debugging).")] = False,
     compile_: Annotated[bool | None, typer.Option("--compile/--no-compile", hidden=True,
                                                   help="torch.compile the decoder layers for decode steps "
                                                        "(default: on with CUDA graphs).")] = None,
@@ -128,6 +131,11 @@ def serve(
             raise BadInputError("Give --kv-cache-memory (GiB) or --kv-cache-memory-bytes, not both.",
                                 hint="Keep one of the two.")
         kv_cache_memory = _parse_bytes(kv_cache_memory_bytes) / 2**30
+    if enforce_eager:
+        if cuda_graphs or compile_:
+            raise BadInputError("--enforce-eager turns CUDA graphs and torch.compile off; it cannot be given with "
+                                "--cuda-graphs or --compile.", hint="Keep one of them.")
+        cuda_graphs = compile_ = False
     settings = load_settings("serve", recipe, overrides, dict(
         model=model, engine=engine, vllm_version=vllm_version, host=host, port=port, api_key=api_key,
         served_model_name=served_model_name, dtype=dtype, max_batch_tokens=max_batch_tokens,

@@ -202,6 +202,11 @@ def test_engine_tuning_switches_are_accepted_but_hidden(copt):
              "--no-compile")
     assert r.returncode == 0, r.stderr
     assert "--no-async-scheduling" in r.stdout and "--enforce-eager" in r.stdout
+    r = copt("serve", "/models/llama", "--engine", "vllm", "--dry-run", "--enforce-eager", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "--enforce-eager" in json.loads(r.stdout)["command"]  # vLLM's own spelling: graphs and compile off
+    r = copt("serve", "/models/llama", "--dry-run", "--enforce-eager", "--compile")
+    assert r.returncode == 2 and "--enforce-eager" in r.stderr
     r = copt("serve", "/models/llama", "--engine", "vllm", "--dry-run", "--decode-attention", "flex")
     assert r.returncode == 2 and "decode_attention" in r.stderr
 
