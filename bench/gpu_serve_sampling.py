@@ -137,31 +137,27 @@ def mode_agreement(sampler, logits, dev) -> dict:
     buffer the captured graphs read (refilled here)."""
     import torch
 
-    from clusteropt_cli.core.serve.device_sampling import (
-        SORT,
-        TOP_K,
-        TOP_K_P,
-        TOP_K_WIDE,
-        TOP_K_WIDE_P,
-        TOP_P,
-        RowSettings,
-    )
+    from clusteropt_cli.core.serve import device_sampling as ds
 
     rows, vocab = logits.shape
     gen = torch.Generator(device=dev).manual_seed(0)
     out: dict = {}
-    settings = {TOP_P: [RowSettings(temperature=1.0, top_p=p, seed=i, min_p=0.01 * (i % 3 == 0))
-                        for i, p in enumerate([0.95, 0.9, 0.5, 0.1, 1e-4] * (rows // 5 + 1))][:rows],
-                TOP_K: [RowSettings(temperature=1.0, top_k=k, seed=i)
-                        for i, k in enumerate([1, 20, 50, 64, 0] * (rows // 5 + 1))][:rows],
-                TOP_K_P: [RowSettings(temperature=1.0, top_k=k, top_p=p, seed=i)
-                          for i, (k, p) in enumerate([(50, 0.9), (0, 0.5), (64, 0.95), (20, 1.0)] * rows)][:rows],
-                TOP_K_WIDE: [RowSettings(temperature=1.0, top_k=k, seed=i)
-                             for i, k in enumerate([1, 20, 50, 1024, 0] * (rows // 5 + 1))][:rows],
-                TOP_K_WIDE_P: [RowSettings(temperature=1.0, top_k=k, top_p=p, seed=i) for i, (k, p)
-                               in enumerate([(50, 0.9), (0, 0.5), (1024, 0.95), (20, 1.0)] * rows)][:rows]}
-    for mode, label in ((TOP_P, "topp"), (TOP_K, "topk"), (TOP_K_P, "topkp"), (TOP_K_WIDE, "topkwide"),
-                        (TOP_K_WIDE_P, "topkpwide")):
+
+    def top_k_rows(big: int) -> list:
+        return [ds.RowSettings(temperature=1.0, top_k=k, seed=i)
+                for i, k in enumerate([1, 20, 50, big, 0] * (rows // 5 + 1))][:rows]
+
+    def top_k_p_rows(big: int) -> list:
+        return [ds.RowSettings(temperature=1.0, top_k=k, top_p=p, seed=i)
+                for i, (k, p) in enumerate([(50, 0.9), (0, 0.5), (big, 0.95), (20, 1.0)] * rows)][:rows]
+
+    settings = {ds.TOP_P: [ds.RowSettings(temperature=1.0, top_p=p, seed=i, min_p=0.01 * (i % 3 == 0))
+                           for i, p in enumerate([0.95, 0.9, 0.5, 0.1, 1e-4] * (rows // 5 + 1))][:rows],
+                ds.TOP_K: top_k_rows(ds.TOP_K_SMALL), ds.TOP_K_P: top_k_p_rows(ds.TOP_K_SMALL),
+                ds.TOP_K_WIDE: top_k_rows(ds.TOP_K_CAP), ds.TOP_K_WIDE_P: top_k_p_rows(ds.TOP_K_CAP)}
+    SORT = ds.SORT  # noqa: N806
+    for mode, label in ((ds.TOP_P, "topp"), (ds.TOP_K, "topk"), (ds.TOP_K_P, "topkp"), (ds.TOP_K_WIDE, "topkwide"),
+                        (ds.TOP_K_WIDE_P, "topkpwide")):
         for slot, row in enumerate(settings[mode]):
             sampler.assign(slot, row, [3, 4, 5])
         bad = checked = 0

@@ -4,7 +4,6 @@ the Triton interpreter (CPU tensors, in a subprocess: TRITON_INTERPRET must be s
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -163,11 +162,9 @@ print(json.dumps(results))
 @pytest.mark.slow
 def test_triton_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT, str(REPO)], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.triton_interpreter import run_interpreted
+
+    results = run_interpreted(INTERPRETER_SCRIPT)
     assert len(results) == 7
     for r in results:
         assert r["dtype_ok"] and r["err"] <= r["tol"], r

@@ -5,17 +5,9 @@ top_values is torch.topk."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
-
-REPO = Path(__file__).resolve().parents[2]
 
 INTERPRETER_SCRIPT = r"""
 import json, sys
@@ -41,11 +33,9 @@ def test_triton_top_values_under_the_interpreter():
 
     if not hasattr(tl, "topk"):
         pytest.skip("this triton has no tl.topk (the sampler uses torch.topk then)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT, str(REPO)], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.triton_interpreter import run_interpreted
+
+    results = run_interpreted(INTERPRETER_SCRIPT)
     assert len(results) == 4 and all(r["equal"] for r in results), results
 
 
