@@ -73,6 +73,9 @@ class TransformersRunner:
     def capture_graphs(self, max_batch: int) -> int:
         return 0
 
+    def capture_prefill_graphs(self, max_tokens: int) -> int:
+        return 0
+
     def _run(self, slot: int, start: int, tokens: list[int], wanted: list[int]):
         """Feed `tokens` at position `start` of `slot`; float32 logits of the `wanted` indices (of `tokens`)."""
         import torch
