@@ -32,7 +32,7 @@ def main(stage: int, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from clusteropt_cli.core.train.deepspeed_config import deepspeed_config
-    from clusteropt_cli.core.train.distributed import setup_distributed
+    from clusteropt_cli.core.train.distributed import barrier, setup_distributed, teardown_distributed
     from clusteropt_cli.core.train.engines import DeepSpeedEngine
     from clusteropt_cli.core.train.loop import default_loss_fn
     from clusteropt_cli.recipe.schema.train import TrainRecipe
@@ -64,6 +64,10 @@ def main(stage: int, out_dir: Path) -> None:
               "reduce_bucket_size": ds_config["zero_optimization"]["reduce_bucket_size"],
               "engine_reduce_bucket_size": engine.engine.zero_reduce_bucket_size()}
     (out_dir / f"rank{ctx.rank}.json").write_text(json.dumps(result))
+    # as copt train ends: both ranks done, then the process group torn down (left to interpreter exit, ZeRO-3's gloo
+    # threads sometimes aborted a rank: "terminate called without an active exception")
+    barrier(ctx)
+    teardown_distributed(ctx)
 
 
 if __name__ == "__main__":
