@@ -206,17 +206,10 @@ def _fresh_attention(query, key, value, step: StepContext, k_pool, v_pool, scali
     """A captured prefill step (PrefillGraph): segments that all start at position 0 attend only to this step's own
     keys/values, so nothing is read from the pool. The keys/values are written to their blocks (padding tokens to
     the scratch block) and every query attends under step.mask [1, 1, T, T] (causal within its segment)."""
-    import torch.nn.functional as F
-
     _pool_write(k_pool, step.write_block, step.write_offset, key[0].transpose(0, 1))
     _pool_write(v_pool, step.write_block, step.write_offset, value[0].transpose(0, 1))
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    if step.mask is None:  # one segment (its padding after it: causal attention leaves the real tokens alone)
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling).transpose(1, 2)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=step.mask, scale=scaling).transpose(1, 2)
+    # mask None: one segment (its padding after it: causal attention leaves the real tokens alone)
+    return _segment_attend(query, key, value, step.mask, query.shape[1] // key.shape[1], scaling).transpose(1, 2)
 
 
 def _flex_decode(query, keys, values, positions, scaling):
@@ -669,7 +662,7 @@ class ModelRunner:
         import torch
 
         self._prefill_graphs = []
-        if not (self.use_graphs and self.paged and self.tables is not None and not self.windows
+        if not (self.use_graphs and self.paged and not self.windows
                 and not self.max_segment and self.kv_dtype == self.dtype):
             return 0
         pool = torch.cuda.graph_pool_handle()  # their own: a decode graph's temporaries never meet a prefill's
@@ -990,9 +983,9 @@ class PrefillGraph:
         self.runner, self.tokens, self.single = runner, tokens, single
         rows = PREFILL_GRAPH_SEGMENTS
         dev = runner.device
-        self.width = 5 * tokens + rows
-        self.host = torch.zeros(self.width, dtype=torch.long)
-        self.staged = torch.zeros(self.width, dtype=torch.long, device=dev)
+        width = 5 * tokens + rows
+        self.host = torch.zeros(width, dtype=torch.long)
+        self.staged = torch.zeros(width, dtype=torch.long, device=dev)
         self.logits = torch.zeros(rows, runner.vocab_size, dtype=torch.float32, device=dev)
         self.graph = self.copied = None
         if not capture:  # the same step layout and body, run eagerly (the CPU tests check it against forward_packed)
