@@ -16,7 +16,7 @@ def engine_greedy_matches_hf(fixtures, device: str, async_scheduling: bool = Fal
                              decode_attention: str = "sdpa") -> None:
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
 
-    prompts = eval_prompts(fixtures, 6, seed=11)
+    prompts = eval_prompts(fixtures, 7, seed=11)  # six at once, then the last alone
     expected = hf_greedy(fixtures.teacher, prompts, 16)
     on_gpu = device == "cuda"
     engine = Engine(EngineConfig(model=str(fixtures.teacher), device=device, dtype="fp32", max_batch_size=8,
@@ -27,10 +27,11 @@ def engine_greedy_matches_hf(fixtures, device: str, async_scheduling: bool = Fal
         if on_gpu:
             assert engine.stats.graphs_captured > 0 and engine.runner.compile_error is None
         results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=16, ignore_eos=True)
-                                   for p in prompts])
-        alone = engine.generate([GenerationRequest(prompt_ids=prompts[1], max_new_tokens=16, ignore_eos=True)])
-    assert [r.output_ids for r in results] == expected
-    assert alone[0].output_ids == expected[1]  # the batch-1 graph too
+                                   for p in prompts[:6]])
+        # a prompt not seen before (a repeat would hit the prefix cache and prefill eagerly): the batch-1 graphs
+        alone = engine.generate([GenerationRequest(prompt_ids=prompts[6], max_new_tokens=16, ignore_eos=True)])
+    assert [r.output_ids for r in results] == expected[:6]
+    assert alone[0].output_ids == expected[6]
     if on_gpu:  # the prompts were prefilled by captured prefill steps (several segments, then one)
         assert engine.stats.prefill_graphs > 0 and engine.runner.prefill_graph_error is None
         assert engine.runner.prefill_graph_steps >= 2

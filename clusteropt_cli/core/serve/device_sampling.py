@@ -269,7 +269,8 @@ def top_k_bounds(scaled, top_k, cap: int = TOP_K_CAP):
     kth = vals.gather(1, (top_k.clamp(1, cap) - 1)[:, None])
     need = top_k - (vals > kth).sum(-1)  # everything above the k-th is inside the top `cap` values
     tie_rank = (scaled == kth).cumsum(-1, dtype=torch.int32)
-    return vals[:, :1], kth, need, tie_rank, (top_k > 0) & (top_k < vocab)
+    # contiguous like row_max's: torch.compile guards on strides, and each layout would be one more recompile
+    return vals[:, :1].clone(memory_format=torch.contiguous_format), kth, need, tie_rank, (top_k > 0) & (top_k < vocab)
 
 
 def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, sort,
@@ -309,6 +310,8 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
             top = row_max(scaled)
             scores = fns["nucleus"](scaled, top, min_p, temperature, seed_lo, seed_hi, position)
         first = row_argmax(scores)
+        if active is None:  # always a tensor: None and a tensor would be two compiled variants of the kernel
+            active = torch.ones(temperature.shape, dtype=torch.bool, device=temperature.device)
         todo, total = fns["todo"](scaled, top, first, top_p, temperature, active)
         return nucleus_rounds(scaled, scores, first, todo, top[:, 0], total, top_p)
     if scale is None:
