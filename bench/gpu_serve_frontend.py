@@ -201,11 +201,17 @@ def main() -> None:
     del made
     free_gpu()
     prompts = prompts_for(vocab, CFG["requests"], CFG["prompt_len"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every case: a run stopped part-way keeps what it measured
+        args.out.write_text(json.dumps(results, indent=2, default=str))
+
     if "engine" not in skip:
         try:
             results["engine"] = bench_engine(model_dir, prompts, args.repeats)
         except Exception as exc:  # noqa: BLE001
             results["engine"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        save()
     if "http" not in skip:
         for n in counts:
             try:
@@ -213,8 +219,7 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001
                 results[f"http_api{n}"] = {"error": f"{type(exc).__name__}: {exc}",
                                            "traceback": traceback.format_exc()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str))
+            save()
 
     print(f"\ncopt serve front end vs in-process engine — {results['gpu']}, {results['date']}, "
           f"{CFG['requests']} clients, prompts {CFG['prompt_len']}, {CFG['out_tokens']} output tokens")
