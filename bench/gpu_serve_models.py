@@ -374,11 +374,12 @@ def run_loads(url: str, model: str, prompts: list[str], ignore_eos: bool, args, 
 def case_copt(shape: str, model_dir: Path, made: dict, prompts: list[str], args, skip: set, budget: Budget,
               results: dict, save, work: Path) -> None:  # noqa: ANN001
     out: dict = results.setdefault("copt", {}).setdefault(shape, {})
-    out["command"] = f"copt serve {model_dir} --port P  (copt's defaults)"
+    flags = args.copt_args.split()
+    out["command"] = f"copt serve {model_dir} --port P " + (" ".join(flags) if flags else " (copt's defaults)")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     model = str(model_dir)
-    proc = start([sys.executable, "-m", "clusteropt_cli", "serve", model, "--port", str(port)],
+    proc = start([sys.executable, "-m", "clusteropt_cli", "serve", model, "--port", str(port), *flags],
                  work / f"copt-serve-{shape}.log")
     try:
         waited = wait_healthy(url, proc, timeout=min(args.startup_timeout, budget.left()), log_tail=tail)
@@ -676,6 +677,8 @@ def main() -> None:
     parser.add_argument("--load-window", type=float, default=60, help="seconds a copt serve load may take at most")
     parser.add_argument("--tserve-window", type=float, default=12,
                         help="seconds per transformers serve load (tokens streamed by then count)")
+    parser.add_argument("--copt-args", default="", help="extra flags for copt serve (default none: its defaults), "
+                        "e.g. '--api-server-count 1'")
     parser.add_argument("--tserve-args", default="", help="extra flags for transformers serve, e.g. "
                         "'--cb-use-cuda-graph'")
     parser.add_argument("--startup-timeout", type=float, default=240, help="seconds a server may take to start")
