@@ -9,9 +9,10 @@ the same engine with its prefill graphs set aside) runs in the same process.
     python3 bench/gpu_ttft_profile.py --shapes 1b,8b --out $OUT/ttft.json     (~3 minutes on the H200)
     python3 bench/gpu_ttft_profile.py --smoke --out /tmp/ttft.json            (tiny model on the CPU: checks the script)
 
-Prompts are random token ids, new for every request (no prefix-cache hits). Greedy, and temperature 1 (sampled) at
-the shortest length. JSON: per shape, "<variant>/<greedy|t1.0>_<prompt length>": ttft_ms (median of --repeats),
-per-phase ms, and for the profiled lengths gpu_kernel_ms, kernels and the costliest kernels; same_greedy_tokens:
+Prompts are random token ids, new for every request (no prefix-cache hits). Greedy, and sampled (temperature 1
+alone, with top_p 0.95, with top_k 50) at the shortest length. JSON: per shape, "<variant>/<mode>_<prompt length>":
+ttft_ms (median of --repeats), per-phase ms, and for the profiled lengths gpu_kernel_ms, kernels and the costliest
+kernels; same_greedy_tokens:
 whether fixed prompts (5 to 1,500 tokens, alone and together) give the same 8 greedy tokens in both variants.
 """
 
@@ -35,14 +36,20 @@ from gpu_serve_models import SHAPES, SMOKE_SHAPE, make_model_dir  # noqa: E402
 PHASES = ("schedule", "prefill_forward", "prefill_sample_sync", "emit", "bookkeeping")
 
 
-def one(engine, vocab: int, length: int, rng: random.Random, temperature: float = 0.0) -> dict:  # noqa: ANN001
+# the sampled settings measured at the shortest prompt length (temperature 1 alone, with top_p, with top_k)
+SAMPLED = {"t1.0": {"temperature": 1.0}, "t1.0p95": {"temperature": 1.0, "top_p": 0.95},
+           "t1.0k50": {"temperature": 1.0, "top_k": 50}}
+
+
+def one(engine, vocab: int, length: int, rng: random.Random, temperature: float = 0.0,  # noqa: ANN001
+        **sampling: float) -> dict:
     """One request of `length` random prompt tokens and one output token: TTFT and the engine's phase times."""
     from clusteropt_cli.core.serve.engine import GenerationRequest
 
     before = dict(engine.stats.phase_s)
     prompt = [rng.randrange(10, vocab - 10) for _ in range(length)]
     req = GenerationRequest(prompt_ids=prompt, max_new_tokens=1, ignore_eos=True, temperature=temperature,
-                            **({"seed": rng.randrange(1 << 30)} if temperature else {}))
+                            **({"seed": rng.randrange(1 << 30)} if temperature else {}), **sampling)
     t = time.perf_counter()
     result = engine.generate([req])[0]
     wall = time.perf_counter() - t
@@ -52,15 +59,15 @@ def one(engine, vocab: int, length: int, rng: random.Random, temperature: float 
 
 
 def measure(engine, vocab: int, variant: str, out: dict) -> None:  # noqa: ANN001
-    """Every prompt length (and temperature 1 at the shortest), profiling the --profile-lengths."""
+    """Every prompt length (and the SAMPLED settings at the shortest), profiling the --profile-lengths."""
     from torch.profiler import ProfilerActivity, profile
 
     args, rng, cuda = CTX["args"], CTX["rng"], CTX["cuda"]
     lengths, profiled = CTX["lengths"], CTX["profiled"]
     for length in lengths:
-        cases = [("greedy", 0.0)] + ([("t1.0", 1.0)] if length == lengths[0] else [])
-        for mode, temp in cases:
-            runs = [one(engine, vocab, length, rng, temp) for _ in range(args.repeats)]
+        cases = [("greedy", {"temperature": 0.0})] + (list(SAMPLED.items()) if length == lengths[0] else [])
+        for mode, sampling in cases:
+            runs = [one(engine, vocab, length, rng, **sampling) for _ in range(args.repeats)]
             row = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
             row["ttft_ms_runs"] = [round(r["ttft_ms"], 3) for r in runs]
             if mode == "greedy" and length in profiled:
@@ -139,7 +146,8 @@ def main() -> None:
         try:
             for _ in range(3):  # warm-up: the allocator, the eager sampling path
                 one(engine, vocab, 64, rng)
-                one(engine, vocab, 64, rng, temperature=1.0)
+                for sampling in SAMPLED.values():
+                    one(engine, vocab, 64, rng, **sampling)
             runner = engine.runner
             graphs = list(runner._prefill_graphs)
             out["prefill_graphs"] = len(graphs)
