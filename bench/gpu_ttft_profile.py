@@ -12,8 +12,8 @@ the same engine with its prefill graphs set aside) runs in the same process.
 Prompts are random token ids, new for every request (no prefix-cache hits). Greedy, and sampled (temperature 1
 alone, with top_p 0.95, with top_k 50) at the shortest length. JSON: per shape, "<variant>/<mode>_<prompt length>":
 ttft_ms (median of --repeats), per-phase ms, and for the profiled lengths gpu_kernel_ms, kernels and the costliest
-kernels; same_greedy_tokens:
-whether fixed prompts (5 to 1,500 tokens, alone and together) give the same 8 greedy tokens in both variants.
+kernels; same_greedy_tokens: whether fixed prompts (5 to 1,500 tokens, alone and together) give the same 8
+greedy tokens in both variants.
 """
 
 from __future__ import annotations
