@@ -94,7 +94,7 @@ def serve(
     = None,
     api_server_count: Annotated[int | None, typer.Option(
         "--api-server-count", help="API-server processes in front of a separate engine-core process (ZeroMQ; "
-        "vLLM's flag). Default 0: HTTP and the engine in one process.")] = None,
+        "vLLM's flag). 0: HTTP and the engine in one process. Default: 1 on a GPU, 0 on a CPU.")] = None,
     grace_period: Annotated[float | None, typer.Option("--grace-period",
                                                        help="Seconds to finish in-flight requests on SIGTERM.")]
     = None,
@@ -203,8 +203,9 @@ def serve(
         console.log(f"running (vLLM {plan.version}): {format_command(plan.argv)}")
         raise typer.Exit(run_vllm(plan.argv))
 
-    from clusteropt_cli.core.serve.launch import check_settings, serve_transformers
+    from clusteropt_cli.core.serve.launch import check_settings, resolve_api_server_count, serve_transformers
 
+    settings = resolve_api_server_count(settings)
     check_settings(settings)
     if dry_run:
         plan = {"engine": "copt", "settings": settings}

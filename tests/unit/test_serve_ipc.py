@@ -43,3 +43,22 @@ def test_engine_stats_round_trip():
     stats = EngineStats(running=3, waiting=1, num_slots=8, kv_cache_usage=0.25, steps=10, generated_tokens=99,
                         finished={"stop": 2, "abort": 1}, phase_s={"decode_forward": 1.5})
     assert stats_from_wire(unpack(pack(stats_to_wire(stats)))) == stats
+
+
+def test_api_server_count_defaults_to_one_on_a_gpu_and_zero_on_a_cpu(monkeypatch):
+    """Unset, `--api-server-count` splits the server when the engine runs on a GPU (where the split measured
+    1.6-1.7x the single process at 256 clients) and not on a CPU; a value the user gave is kept."""
+    import torch
+
+    from clusteropt_cli.core.serve.launch import resolve_api_server_count
+    from clusteropt_cli.recipe.schema.serve import ServeRecipe
+
+    unset = ServeRecipe(model="/m")
+    assert unset.api_server_count is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_api_server_count(unset).api_server_count == 1
+    assert resolve_api_server_count(ServeRecipe(model="/m", api_server_count=0)).api_server_count == 0
+    assert resolve_api_server_count(ServeRecipe(model="/m", api_server_count=3)).api_server_count == 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_api_server_count(unset).api_server_count == 0
+    assert resolve_api_server_count(ServeRecipe(model="/m", api_server_count=2)).api_server_count == 2

@@ -104,9 +104,13 @@ STATIC_BATCH_EFFICIENCY = 0.6
 # (docs/benchmarks.md#serve): 256 requests (prompts 32–256) × 128 tokens: prefill 0.70 s for 36,864 prompt tokens
 # vs 0.19 s of FLOPs at PREFILL_MFU → 2.0 ms per prompt (a cost per 2,048-token chunk instead missed prompts of 512
 # by −61% on TTFT). With the current defaults (merged projections, async scheduling, math decode attention, greedy
-# argmax inside the graph): batch-1 1.22 ms/token through the server → 0.51 ms fixed; streaming 8,300–10,500
-# output tok/s over four measurements (mean 8,934; the HTTP path is host-CPU bound, so expect ±15% across
-# machines) → 80 µs per sequence (predicts 9,233).
+# argmax inside the graph): batch-1 1.22 ms/token through the server → 0.51 ms fixed. Per running sequence:
+# `copt serve DIR` with its defaults, 64 and 256 streaming clients sent at once (bench/gpu_serve_models.py, H200,
+# 2026-12-02; prompts 256, 128 output tokens, greedy and sampled): the 8B shape (one process) 4,483–6,410 output
+# tok/s, TPOT p50 6.4–7.6 ms at 64 clients; the 1B shape (one API-server process in front of the engine core, the
+# GPU default since then) 10,921–12,399 tok/s, TPOT 2.5–3.4 ms → 30 µs per sequence (those eight throughputs
+# predicted within −19%…+18%; the 80 µs fitted before, on the single process's 1B streaming at 256 rows, put them
+# at 0.63–0.93×).
 # Without continuous batching the baseline is HF `generate` on a static batch, whose per-step host cost dominates
 # (docs/benchmarks.md#h200-baselines: batch 64 left-padded 2,372 output tok/s = 27 ms/step; batch 1 eager measured
 # 43.5 ms/token, so batch-1 figures from this anchor are optimistic). vLLM is not calibrated here (roofline only).
@@ -118,7 +122,7 @@ STATIC_BATCH_EFFICIENCY = 0.6
 # 4.58, 10.43 and 14.5 ms).
 SERVING_ENGINES = {
     "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 2.0e-3, "step_fixed_s": 0.51e-3,
-             "step_per_seq_s": 80e-6, "prefill_graph_tokens": 2048, "prefill_graph_layer_s": 0.185e-3,
+             "step_per_seq_s": 30e-6, "prefill_graph_tokens": 2048, "prefill_graph_layer_s": 0.185e-3,
              "prefill_graph_request_s": 0.32e-3},
     "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }

@@ -84,10 +84,10 @@ class ServeRecipe(Strict):
     tensor_parallel: PositiveInt = 1
     pipeline_parallel: PositiveInt = 1
     quantization: str | None = Field(None, description="vLLM --quantization (awq, gptq, fp8, compressed-tensors).")
-    api_server_count: int = Field(
-        0, ge=0, le=64, description="API-server processes (HTTP, tokenization, detokenization, SSE) in front of a "
-        "separate engine-core process, talking over ZeroMQ (vLLM's --api-server-count); 0: one process runs both "
-        "(the copt engine's default). engine vllm: forwarded when set.")
+    api_server_count: int | None = Field(
+        None, ge=0, le=64, description="API-server processes (HTTP, tokenization, detokenization, SSE) in front of a "
+        "separate engine-core process, talking over ZeroMQ (vLLM's --api-server-count); 0: one process runs both. "
+        "None: 1 when the copt engine runs on a GPU, 0 on a CPU. engine vllm: forwarded when set.")
     grace_period: float = Field(30.0, ge=0, description="Seconds to finish in-flight requests on SIGTERM.")
     max_request_bytes: PositiveInt = Field(16 * 2**20, description="Largest request body accepted (413 beyond).")
     max_prompt_chars: PositiveInt | None = Field(
