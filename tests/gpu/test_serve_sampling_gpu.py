@@ -51,12 +51,13 @@ def test_sampling_graphs_on_gpu(fixtures):
 
 
 def test_triton_top_k_thresholds_draw_the_sorts_tokens_on_gpu():
-    """TOP_K / TOP_K_P take their thresholds from the two-pass Triton top-64 on CUDA (topk_kernel.py): the values
-    equal torch.topk's and every row draws the token the full sort draws (128k vocabulary, ties and -inf rows)."""
+    """TOP_K / TOP_K_P take their thresholds from the two-pass Triton top-64 on CUDA (topk_kernel.py), TOP_K_DRAW
+    draws among its entries (values and token ids): the values equal torch.topk's, the entries a stable sort's, and
+    every row draws the token the full sort draws (128k vocabulary, ties and -inf rows)."""
     import torch
 
     from clusteropt_cli.core.serve import topk_kernel
-    from clusteropt_cli.core.serve.device_sampling import SORT, TOP_K, TOP_K_P, choose_tokens
+    from clusteropt_cli.core.serve.device_sampling import SORT, TOP_K, TOP_K_DRAW, TOP_K_P, choose_tokens
 
     assert topk_kernel.kernel_error() is None
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -65,14 +66,19 @@ def test_triton_top_k_thresholds_draw_the_sorts_tokens_on_gpu():
     x[::7] = torch.round(x[::7] * 4) / 4  # ties at the thresholds
     x[3, : vocab // 2] = float("-inf")
     assert torch.equal(topk_kernel.top_values(x, 64), x.topk(64, dim=-1).values)
+    values, ids = topk_kernel.top_entries(x, 64)
+    sorted_values, order = x.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(values, sorted_values[:, :64]) and torch.equal(ids, order[:, :64])
     k = torch.tensor([1, 5, 20, 50, 64, 0], device="cuda").repeat(rows // 6)
     p = torch.tensor([1.0, 0.9, 0.5], device="cuda").repeat(rows // 3)
     args = dict(temperature=torch.ones(rows, device="cuda"), min_p=torch.zeros(rows, device="cuda"),
                 seed_lo=torch.arange(rows, device="cuda"), seed_hi=torch.zeros(rows, dtype=torch.long, device="cuda"),
                 position=torch.full((rows,), 9, device="cuda"))
-    for mode, top_p in ((TOP_K, torch.ones(rows, device="cuda")), (TOP_K_P, p)):
-        cheap = choose_tokens(x, args["temperature"], top_p, k, args["min_p"], args["seed_lo"], args["seed_hi"],
+    draw_k = torch.where(k > 0, k, torch.full_like(k, 64))  # TOP_K_DRAW: every sampled row has a top-k
+    ones = torch.ones(rows, device="cuda")
+    for mode, top_p, top_k in ((TOP_K, ones, k), (TOP_K_P, p, k), (TOP_K_DRAW, ones, draw_k)):
+        cheap = choose_tokens(x, args["temperature"], top_p, top_k, args["min_p"], args["seed_lo"], args["seed_hi"],
                               args["position"], mode)
-        full = choose_tokens(x, args["temperature"], top_p, k, args["min_p"], args["seed_lo"], args["seed_hi"],
+        full = choose_tokens(x, args["temperature"], top_p, top_k, args["min_p"], args["seed_lo"], args["seed_hi"],
                              args["position"], SORT)
-        assert torch.equal(cheap, full)
+        assert torch.equal(cheap, full), mode

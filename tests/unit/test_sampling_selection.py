@@ -108,6 +108,53 @@ def test_top_k_threshold_mode_equals_the_full_sort(kind, vocab, wide):
 
 
 @pytest.mark.parametrize("kind", ["continuous", "ties", "peaked", "masked", "degenerate"])
+@pytest.mark.parametrize("vocab", [3000, 40])
+def test_top_k_draw_mode_equals_the_full_sort(kind, vocab):
+    """TOP_K_DRAW (every sampled row with 0 < top_k <= TOP_K_SMALL, greedy rows mixed in, min-p): the token drawn
+    among each row's TOP_K_SMALL largest entries is the full sort's, ties and all -inf rows included."""
+    import torch
+
+    from clusteropt_cli.core.serve.device_sampling import TOP_K_DRAW, TOP_K_SMALL
+
+    gen = torch.Generator().manual_seed(vocab + 3 * len(kind))
+    rows = 96
+    scaled = _logits(gen, rows, vocab, kind)
+    ks = torch.tensor([1, 2, 3, 17, 50, TOP_K_SMALL], dtype=torch.long)
+    top_k = ks[torch.arange(rows) % len(ks)]
+    top_k[4::len(ks)] = torch.randint(1, TOP_K_SMALL + 1, (len(top_k[4::len(ks)]),), generator=gen)
+    for min_p in (0.0, 0.05, 0.6):
+        args = _args(gen, rows, top_k=top_k, min_p=min_p)
+        new, old = _both(scaled, args, TOP_K_DRAW)
+        assert torch.equal(new, old), f"rows {torch.nonzero(new != old).flatten().tolist()} differ (min_p {min_p})"
+    if kind == "ties":  # the check can fail: a draw that ignores the tie order picks other tokens on tied rows
+        args = _args(gen, rows, top_k=top_k, temperature=1.0)
+        new, old = _both(scaled, args, TOP_K_DRAW)
+        assert torch.equal(new, old)
+        wrong = _reference_choose(scaled, args["temperature"], args["top_p"], args["top_k"] + 1, args["min_p"],
+                                  args["seed_lo"], args["seed_hi"], args["position"], True)
+        assert not torch.equal(new, wrong)
+
+
+def test_top_entries_are_a_stable_sorts_first_entries():
+    """topk_kernel.top_entries (torch keys off CUDA): the values and token ids of a stable descending sort, with
+    ties, -inf, -0.0 against 0.0 and k at least the vocabulary."""
+    import torch
+
+    from clusteropt_cli.core.serve.topk_kernel import top_entries
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 3000, generator=gen)
+    x[0, :1000] = float("-inf")
+    x[1, 100:400] = x[1, 7]
+    x[2, ::3], x[2, 1::3] = 0.0, -0.0
+    x[3] = torch.round(x[3] * 2)
+    for k, width in ((64, 3000), (16, 3000), (40, 40)):
+        values, ids = top_entries(x[:, :width], k)
+        sorted_values, order = x[:, :width].sort(dim=-1, descending=True, stable=True)
+        assert torch.equal(ids, order[:, :k]) and torch.equal(values, sorted_values[:, :k])
+
+
+@pytest.mark.parametrize("kind", ["continuous", "ties", "peaked", "masked", "degenerate"])
 def test_sort_mode_equals_the_previous_sort(kind):
     import torch
 
@@ -237,6 +284,7 @@ def test_rows_pick_the_cheapest_exact_mode():
         SORT,
         TOP_K,
         TOP_K_CAP,
+        TOP_K_DRAW,
         TOP_K_P,
         TOP_K_SMALL,
         TOP_K_WIDE,
@@ -248,9 +296,10 @@ def test_rows_pick_the_cheapest_exact_mode():
 
     assert RowSettings(temperature=0.0, top_p=0.5, top_k=5).selection == PLAIN  # greedy: argmax
     assert RowSettings(temperature=1.0).selection == PLAIN
-    assert RowSettings(temperature=1.0, top_k=50).selection == TOP_K
+    assert RowSettings(temperature=1.0, top_k=50).selection == TOP_K_DRAW
+    assert RowSettings(temperature=1.0, top_k=50, min_p=0.1).selection == TOP_K_DRAW
     assert RowSettings(temperature=1.0, min_p=0.1).selection == TOP_K
-    assert RowSettings(temperature=1.0, top_k=TOP_K_SMALL).selection == TOP_K
+    assert RowSettings(temperature=1.0, top_k=TOP_K_SMALL).selection == TOP_K_DRAW
     assert RowSettings(temperature=1.0, top_k=TOP_K_SMALL + 1).selection == TOP_K_WIDE
     assert RowSettings(temperature=1.0, top_k=TOP_K_CAP).selection == TOP_K_WIDE
     assert RowSettings(temperature=1.0, top_k=TOP_K_CAP + 1).selection == SORT
@@ -262,6 +311,9 @@ def test_rows_pick_the_cheapest_exact_mode():
     top_p, top_k, min_p = (RowSettings(temperature=1.0, top_p=0.9), RowSettings(temperature=1.0, top_k=9),
                            RowSettings(temperature=1.0, min_p=0.2))
     assert selection_for([top_p, min_p, RowSettings()]) == TOP_P and selection_for([top_k, min_p]) == TOP_K
+    # TOP_K_DRAW: every sampled row has a small top-k (greedy rows may join; a plain sampled row may not)
+    assert selection_for([top_k, RowSettings(), RowSettings(temperature=0.0, top_k=500)]) == TOP_K_DRAW
+    assert selection_for([top_k, RowSettings(temperature=1.0)]) == TOP_K
     assert selection_for([top_p, top_k]) == TOP_K_P
     wide = RowSettings(temperature=1.0, top_k=200)
     assert selection_for([top_k, wide]) == TOP_K_WIDE and selection_for([top_p, wide]) == TOP_K_WIDE_P

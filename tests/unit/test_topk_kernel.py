@@ -22,7 +22,11 @@ for rows, vocab, k in ((1, 5000, 64), (2, 4096, 64), (1, 2049, 16), (1, 6000, 12
     x[-1, 100:300] = x[-1, 7]  # a run of ties around the threshold
     got = tk._triton_top_values(x, k)
     want = x.topk(k, dim=-1, sorted=True).values
-    results.append({"rows": rows, "vocab": vocab, "k": k, "equal": bool(torch.equal(got, want))})
+    values, ids = tk._triton_top_entries(x, k)  # with token ids, in a stable sort's order
+    sorted_values, order = x.sort(dim=-1, descending=True, stable=True)
+    entries = torch.equal(values, sorted_values[:, :k]) and torch.equal(ids, order[:, :k])
+    results.append({"rows": rows, "vocab": vocab, "k": k, "equal": bool(torch.equal(got, want)),
+                    "entries": bool(entries)})
 print(json.dumps(results))
 """
 
@@ -36,7 +40,7 @@ def test_triton_top_values_under_the_interpreter():
     from tests.triton_interpreter import run_interpreted
 
     results = run_interpreted(INTERPRETER_SCRIPT)
-    assert len(results) == 4 and all(r["equal"] for r in results), results
+    assert len(results) == 4 and all(r["equal"] and r["entries"] for r in results), results
 
 
 def test_top_values_is_torch_topk_off_cuda():
@@ -45,3 +49,29 @@ def test_top_values_is_torch_topk_off_cuda():
     x = torch.randn(3, 5000)
     assert torch.equal(top_values(x, 64), x.topk(64, dim=-1).values)
     assert torch.equal(top_values(x[:, :40], 40), x[:, :40].topk(40, dim=-1).values)  # k = the vocabulary
+
+
+def test_top_k_kernels_compile_for_an_h100_class_gpu():
+    """top_entries' two Triton passes over 64-bit keys lower to cubins for sm_90 ahead of time (no GPU needed; the
+    value passes run on the GPU in bench/gpu_topk.py)."""
+    pytest.importorskip("triton")
+    import triton.language as tl
+
+    if not hasattr(tl, "topk"):
+        pytest.skip("this triton has no tl.topk")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from clusteropt_cli.core.serve import topk_kernel as tk
+
+    tk._build()
+    _pieces, _final, entry_pieces, entry_final = tk._kernels
+    piece_sig = {"x_ptr": "*fp32", "out_ptr": "*i64", "vocab": "i32", "stride": "i32", "num_pieces": "i32",
+                 "CHUNK": "constexpr", "K": "constexpr"}
+    cases = [(entry_pieces, piece_sig, {"CHUNK": tk.CHUNK, "K": 64}, 4),
+             (entry_final, {"cand_ptr": "*i64", "val_ptr": "*fp32", "idx_ptr": "*i64", "n": "i32", "P": "constexpr",
+                            "K": "constexpr"}, {"P": 4096, "K": 64}, 8)]
+    for fn, sig, constexprs, warps in cases:
+        out = compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                      options={"num_warps": warps})
+        assert len(out.asm["cubin"]) > 1000

@@ -166,6 +166,24 @@ def perturbed_top_k(scores, top, kth, need, tie_rank, limited, min_p, temperatur
                        torch.where(noisy_rows, torch.full_like(scores, float("-inf")), scores))
 
 
+def drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position):
+    """TOP_K_DRAW's perturbed scores over each row's largest entries only — `values` [B, K] in a stable sort's order
+    and their token `ids` [B, K] (topk_kernel.top_entries): ranks from top_k on and the min-p floor set to -inf on
+    sampled rows, the others perturbed by the same noise as the vocabulary-wide modes (per token id); greedy rows
+    keep their values. Pointwise (one fused kernel compiled)."""
+    import torch
+
+    top = values[:, :1]
+    top_f = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp(values - top_f)
+    rank = torch.arange(values.shape[-1], device=values.device)[None, :]
+    keep = (rank < top_k[:, None]) & (w >= min_p[:, None] * torch.exp(top - top_f))
+    e = exponential_noise(seed_lo, seed_hi, position, ids)
+    noisy_rows = (temperature > 0)[:, None]
+    return torch.where(noisy_rows & keep, values - torch.log(e),
+                       torch.where(noisy_rows, torch.full_like(values, float("-inf")), values))
+
+
 def nucleus_scores(x, top, min_p, temperature, seed_lo, seed_hi, position):
     """The TOP_P mode's perturbed scores over unsorted rows, the min-p floor applied on sampled rows; `top`
     [B, 1] the row's largest x. Pointwise (one fused kernel compiled)."""
@@ -218,7 +236,11 @@ TOP_K_P = 3  # top-k (k <= TOP_K_SMALL), top-p and min-p: TOP_K's thresholds, th
 SORT = 4  # anything (a top-k above TOP_K_CAP; top-p where the TOP_P kernel is missing): one sort of the vocabulary
 TOP_K_WIDE = 5  # TOP_K for a top-k up to TOP_K_CAP (or >= vocab): thresholds from torch.topk of TOP_K_CAP values
 TOP_K_WIDE_P = 6  # TOP_K_P for a top-k up to TOP_K_CAP (or >= vocab)
-SELECTION_MODES = (PLAIN, TOP_K, TOP_P, TOP_K_P, SORT, TOP_K_WIDE, TOP_K_WIDE_P)
+# every sampled row has 0 < top_k <= TOP_K_SMALL and no top-p (min-p allowed; greedy rows may join): the token is
+# drawn among the row's TOP_K_SMALL largest entries (topk_kernel.top_entries: values and token ids), with no pass
+# over the vocabulary after them
+TOP_K_DRAW = 7
+SELECTION_MODES = (PLAIN, TOP_K, TOP_P, TOP_K_P, SORT, TOP_K_WIDE, TOP_K_WIDE_P, TOP_K_DRAW)
 TOP_K_SMALL = 64
 TOP_K_CAP = 1024
 # on CUDA, steps of at most this many rows sort instead of TOP_K_WIDE / TOP_K_WIDE_P: in the captured sampling graph
@@ -228,7 +250,8 @@ SORT_ROWS = 1
 
 # the pointwise pieces choose_tokens and process_logits call (SlotSampler compiles each into one fused kernel)
 KERNELS = {"plain": perturbed_scores, "sorted": perturbed_sorted, "weights": sorted_weights,
-           "top_k": perturbed_top_k, "nucleus": nucleus_scores, "todo": nucleus_todo, "penalties": penalized_logits}
+           "top_k": perturbed_top_k, "draw": drawn_scores, "nucleus": nucleus_scores, "todo": nucleus_todo,
+           "penalties": penalized_logits}
 
 
 def selection_mode(sort) -> int:
@@ -240,11 +263,14 @@ def selection_mode(sort) -> int:
 
 def selection_for(rows) -> int:
     """The cheapest mode that is exact for every one of these rows (RowSettings): PLAIN when none restricts its
-    sampling, TOP_K for top-k up to TOP_K_SMALL and min-p (TOP_K_WIDE up to TOP_K_CAP), TOP_P for top-p and min-p,
+    sampling, TOP_K_DRAW when every sampled row has a top-k up to TOP_K_SMALL and no top-p, TOP_K for top-k up to
+    TOP_K_SMALL and min-p (TOP_K_WIDE up to TOP_K_CAP), TOP_P for top-p and min-p,
     TOP_K_P (TOP_K_WIDE_P) for both (in one row or across rows), SORT for a larger top-k."""
     restricted = [r for r in rows if r.needs_sort]
     if not restricted:
         return PLAIN
+    if all(0 < r.top_k <= TOP_K_SMALL and r.top_p >= 1.0 for r in rows if r.temperature > 0):
+        return TOP_K_DRAW
     if any(r.top_k > TOP_K_CAP for r in restricted):
         return SORT
     top_k = any(r.top_k > 0 for r in restricted)
@@ -277,7 +303,8 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
                   perturb=None, scale=None, active=None):
     """One token per row from processed logits: greedy rows (temperature 0) take the argmax, the others sample
     (Gumbel-max over the exponential noise of (seed, position)), restricted by top-k, top-p and min-p as `sort`
-    says (a mode: PLAIN; TOP_K (TOP_K_WIDE) — exact when every row's top_k is at most TOP_K_SMALL (TOP_K_CAP) or
+    says (a mode: PLAIN; TOP_K_DRAW — exact when every sampled row has 0 < top_k <= TOP_K_SMALL and top_p 1;
+    TOP_K (TOP_K_WIDE) — exact when every row's top_k is at most TOP_K_SMALL (TOP_K_CAP) or
     at least the vocabulary and its top_p is 1; TOP_P — exact when no row has a top_k; TOP_K_P (TOP_K_WIDE_P) —
     exact when every row's top_k is at most TOP_K_SMALL (TOP_K_CAP) or at least the vocabulary; SORT, exact for
     every row; False/True: PLAIN/SORT;
@@ -296,6 +323,12 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
         pick = row_argmax(fns["sorted"](values, w, cum, top_p, top_k, min_p, temperature, seed_lo, seed_hi,
                                         position, order))
         return order.gather(-1, pick[:, None]).squeeze(-1)
+    if mode == TOP_K_DRAW:
+        from clusteropt_cli.core.serve.topk_kernel import top_entries
+
+        values, ids = top_entries(scaled, min(TOP_K_SMALL, scaled.shape[-1]))
+        scores = fns["draw"](values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position)
+        return ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)  # the first maximum, in sorted order
     if mode in (TOP_K, TOP_K_P, TOP_K_WIDE, TOP_K_WIDE_P):
         cap = TOP_K_CAP if mode in (TOP_K_WIDE, TOP_K_WIDE_P) else TOP_K_SMALL
         top, kth, need, tie_rank, limited = top_k_bounds(scaled, top_k, cap)
@@ -478,11 +511,11 @@ class SlotSampler:
         cuda = device.type == "cuda"
         if mode in (TOP_P, TOP_K_P, TOP_K_WIDE_P) and (self.nucleus_error or (cuda and triton_error())):
             return SORT
-        if mode in (TOP_K, TOP_K_P) and cuda:
+        if mode in (TOP_K, TOP_K_P, TOP_K_DRAW) and cuda:
             from clusteropt_cli.core.serve.topk_kernel import kernel_error
 
             if kernel_error():  # torch.topk of 64 values costs what the wide modes' topk does
-                mode = TOP_K_WIDE if mode == TOP_K else TOP_K_WIDE_P
+                mode = TOP_K_WIDE_P if mode == TOP_K_P else TOP_K_WIDE
         if mode in (TOP_K_WIDE, TOP_K_WIDE_P) and cuda and rows is not None and rows <= SORT_ROWS:
             return SORT
         return mode

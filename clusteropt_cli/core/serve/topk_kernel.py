@@ -8,6 +8,10 @@ row, 31 µs for 8 rows and 127 µs for 64 in the same measurement (torch.topk: 6
 
 Off CUDA, without Triton (or its tl.topk), or for a K that is not a power of two or above MAX_K (or a vocabulary
 whose candidates would not fit one program), torch.topk gives the same values.
+
+top_entries gives the values with their token ids in a stable sort's order (value descending, ties by token id):
+the same two passes over 64-bit keys, the value's bits (mapped so that integer order is float order) above the
+complement of the token id. Without the kernel: torch.topk of the same keys (distinct, so exact).
 """
 
 from __future__ import annotations
@@ -61,17 +65,89 @@ def _build() -> None:
         x = tl.load(cand_ptr + row * n + offs, mask=offs < n, other=float("-inf"))
         tl.store(out_ptr + row * K + tl.arange(0, K), tl.topk(x, K))
 
-    _kernels = (pieces, rows)
+    @triton.jit
+    def entry_pieces(x_ptr, out_ptr, vocab, stride, num_pieces, CHUNK: tl.constexpr, K: tl.constexpr):
+        row = tl.program_id(0)
+        piece = tl.program_id(1)
+        offs = piece * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(x_ptr + row * stride + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with 0.0, as in a sort
+        bits = x.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # integer order = float order
+        keys = (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - offs.to(tl.int64))  # ties: the smaller id first
+        tl.store(out_ptr + (row * num_pieces + piece) * K + tl.arange(0, K), tl.topk(keys, K))
+
+    @triton.jit
+    def entry_rows(cand_ptr, val_ptr, idx_ptr, n, P: tl.constexpr, K: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, P)
+        keys = tl.load(cand_ptr + row * n + offs, mask=offs < n, other=0)
+        keys = tl.where(offs < n, keys, -9223372036854775807)
+        top = tl.topk(keys, K)
+        ordered = (top >> 32).to(tl.int32)
+        bits = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF)
+        out = row * K + tl.arange(0, K)
+        tl.store(val_ptr + out, bits.to(tl.float32, bitcast=True))
+        tl.store(idx_ptr + out, 0xFFFFFFFF - (top & 0xFFFFFFFF))
+
+    _kernels = (pieces, rows, entry_pieces, entry_rows)
 
 
 def top_values(x: Any, k: int) -> Any:
     """[rows, V] → [rows, k]: each row's k largest values, largest first (torch.topk(x, k).values)."""
-    rows, vocab = x.shape
-    usable = (x.is_cuda and x.dtype.is_floating_point and k <= MAX_K and k & (k - 1) == 0 and vocab > CHUNK
-              and vocab * k <= 64 * CHUNK * MAX_K and x.stride(-1) == 1 and kernel_error() is None)
-    if not usable:
+    if not _usable(x, k):
         return x.topk(k, dim=-1, sorted=True).values
     return _triton_top_values(x, k)
+
+
+def _usable(x: Any, k: int) -> bool:
+    rows, vocab = x.shape
+    return (x.is_cuda and x.dtype.is_floating_point and k <= MAX_K and k & (k - 1) == 0 and vocab > CHUNK
+            and vocab * k <= 64 * CHUNK * MAX_K and x.stride(-1) == 1 and kernel_error() is None)
+
+
+def top_entries(x: Any, k: int) -> tuple[Any, Any]:
+    """[rows, V] → ([rows, k] float32 values, [rows, k] int64 token ids): each row's first k entries in a stable
+    descending sort's order (value descending, equal values by token id; -0.0 counts as 0.0)."""
+    if _usable(x, k):
+        return _triton_top_entries(x, k)
+    return _torch_top_entries(x, k)
+
+
+def _torch_top_entries(x: Any, k: int) -> tuple[Any, Any]:
+    """top_entries with torch ops: the same 64-bit keys, all distinct, so torch.topk's order is the stable sort's."""
+    import torch
+
+    vocab = x.shape[-1]
+    xf = x.float()
+    xf = torch.where(xf == 0, torch.zeros_like(xf), xf)
+    bits = xf.view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
+    ids = torch.arange(vocab, device=x.device, dtype=torch.int64)
+    keys = (ordered << 32) | (0xFFFFFFFF - ids)
+    top = keys.topk(min(k, vocab), dim=-1, sorted=True).values
+    hi = (top >> 32).to(torch.int32)
+    values = torch.where(hi >= 0, hi, hi ^ 0x7FFFFFFF).view(torch.float32)
+    return values, 0xFFFFFFFF - (top & 0xFFFFFFFF)
+
+
+def _triton_top_entries(x: Any, k: int) -> tuple[Any, Any]:
+    """The two Triton passes over 64-bit keys (also run on CPU tensors under TRITON_INTERPRET=1 by the tests)."""
+    import torch
+    import triton
+
+    if _kernels is None:
+        _build()
+    _p, _r, pieces, final = _kernels
+    rows, vocab = x.shape
+    num_pieces = triton.cdiv(vocab, CHUNK)
+    candidates = torch.empty(rows, num_pieces * k, device=x.device, dtype=torch.int64)
+    values = torch.empty(rows, k, device=x.device, dtype=torch.float32)
+    ids = torch.empty(rows, k, device=x.device, dtype=torch.int64)
+    pieces[(rows, num_pieces)](x, candidates, vocab, x.stride(0), num_pieces, CHUNK=CHUNK, K=k, num_warps=4)
+    final[(rows,)](candidates, values, ids, num_pieces * k, P=triton.next_power_of_2(num_pieces * k), K=k,
+                   num_warps=8)
+    return values, ids
 
 
 def _triton_top_values(x: Any, k: int) -> Any:
@@ -81,7 +157,7 @@ def _triton_top_values(x: Any, k: int) -> Any:
 
     if _kernels is None:
         _build()
-    pieces, final = _kernels
+    pieces, final = _kernels[:2]
     rows, vocab = x.shape
     num_pieces = triton.cdiv(vocab, CHUNK)
     candidates = torch.empty(rows, num_pieces * k, device=x.device, dtype=x.dtype)
