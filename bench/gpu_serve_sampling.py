@@ -12,7 +12,8 @@ Sampling settings (`--sampling`, comma-separated; default all):
   t1.0p95  temperature 1.0, top_p 0.95 (the top-p mode: Gumbel-max candidates checked against the nucleus)
   t1.0k50  temperature 1.0, top_k 50 (the top-k draw: the token drawn among the row's 64 largest entries from a
            Triton top-64 with token ids, no pass over the vocabulary after it)
-  t1.0p90k50  temperature 1.0, top_p 0.9, top_k 50 (both: thresholds, then candidates)
+  t1.0p90k50  temperature 1.0, top_p 0.9, top_k 50 (the top-k draw with top-p: the row's whole mass, then the
+              nucleus among the 64 largest entries)
   pen      temperature 0.7, top_k 50, presence_penalty 0.5 (the penalties' graph variant)
 
 Cases, each per sampling setting:
@@ -21,8 +22,8 @@ Cases, each per sampling setting:
   http_c64      64 concurrent streaming requests (prompts 32–256 tokens, 128 output tokens, ignore_eos): tok/s,
                 median of --repeats runs (3)
   http_c256     the same with 256 clients
-kernels: the sampling graph alone (µs per step by batch, selection mode — plain, topkdraw, topk, topp, topkp,
-topkwide, topkpwide, sort — and penalties)
+kernels: the sampling graph alone (µs per step by batch, selection mode — plain, topkdraw, topkpdraw, topk, topp,
+topkp, topkwide, topkpwide, sort — and penalties)
 against the greedy argmax; and each cheap mode's tokens against the sort's on random rows (mismatching rows: 0
 expected, a row whose nucleus boundary is within float rounding of top_p can differ).
 Also checked on the device: a seeded request gives the same tokens when repeated and alone vs. inside a batch of 64
@@ -82,6 +83,7 @@ def bench_kernels(vocab: int, batches: list[int]) -> dict:
         TOP_K,
         TOP_K_DRAW,
         TOP_K_P,
+        TOP_K_P_DRAW,
         TOP_K_WIDE,
         TOP_K_WIDE_P,
         TOP_P,
@@ -120,9 +122,9 @@ def bench_kernels(vocab: int, batches: list[int]) -> dict:
     with torch.inference_mode():
         for b in batches:
             out[f"b{b}_greedy_argmax_us"] = timed(lambda b=b: greedy_tokens(logits[:b]))
-            for mode, label in ((PLAIN, "plain"), (TOP_K_DRAW, "topkdraw"), (TOP_K, "topk"), (TOP_P, "topp"),
-                                (TOP_K_P, "topkp"), (TOP_K_WIDE, "topkwide"), (TOP_K_WIDE_P, "topkpwide"),
-                                (SORT, "sort")):
+            for mode, label in ((PLAIN, "plain"), (TOP_K_DRAW, "topkdraw"), (TOP_K_P_DRAW, "topkpdraw"),
+                                (TOP_K, "topk"), (TOP_P, "topp"), (TOP_K_P, "topkp"), (TOP_K_WIDE, "topkwide"),
+                                (TOP_K_WIDE_P, "topkpwide"), (SORT, "sort")):
                 for pen in (False, True):
                     key = f"b{b}_{label}{'_pen' if pen else ''}_us"
                     out[key] = timed(lambda b=b, mode=mode, pen=pen: sampler.graph_sample(logits[:b], b, mode, pen))
@@ -158,12 +160,15 @@ def mode_agreement(sampler, logits, dev) -> dict:
                  for i, k in enumerate([1, 20, 50, ds.TOP_K_SMALL, 7] * (rows // 5 + 1))][:rows]
     top_p_rows = [ds.RowSettings(temperature=1.0, top_p=p, seed=i, min_p=0.01 * (i % 3 == 0))
                   for i, p in enumerate([0.95, 0.9, 0.5, 0.1, 1e-4] * (rows // 5 + 1))][:rows]
-    settings = {ds.TOP_K_DRAW: draw_rows, ds.TOP_P: top_p_rows,
+    draw_p_rows = [ds.RowSettings(temperature=1.0, top_k=k, top_p=p, seed=i)
+                   for i, (k, p) in enumerate([(50, 0.9), (1, 0.5), (ds.TOP_K_SMALL, 0.95), (20, 1.0)] * rows)][:rows]
+    settings = {ds.TOP_K_DRAW: draw_rows, ds.TOP_K_P_DRAW: draw_p_rows, ds.TOP_P: top_p_rows,
                 ds.TOP_K: top_k_rows(ds.TOP_K_SMALL), ds.TOP_K_P: top_k_p_rows(ds.TOP_K_SMALL),
                 ds.TOP_K_WIDE: top_k_rows(ds.TOP_K_CAP), ds.TOP_K_WIDE_P: top_k_p_rows(ds.TOP_K_CAP)}
     SORT = ds.SORT  # noqa: N806
-    for mode, label in ((ds.TOP_K_DRAW, "topkdraw"), (ds.TOP_P, "topp"), (ds.TOP_K, "topk"), (ds.TOP_K_P, "topkp"),
-                        (ds.TOP_K_WIDE, "topkwide"), (ds.TOP_K_WIDE_P, "topkpwide")):
+    for mode, label in ((ds.TOP_K_DRAW, "topkdraw"), (ds.TOP_K_P_DRAW, "topkpdraw"), (ds.TOP_P, "topp"),
+                        (ds.TOP_K, "topk"), (ds.TOP_K_P, "topkp"), (ds.TOP_K_WIDE, "topkwide"),
+                        (ds.TOP_K_WIDE_P, "topkpwide")):
         for slot, row in enumerate(settings[mode]):
             sampler.assign(slot, row, [3, 4, 5])
         bad = checked = 0
@@ -365,11 +370,12 @@ def main() -> None:
             print(f"{'':<11}{e['engine_b1_ms_per_token'] / temp - 1:>+12.1%} vs t1.0")
     kern = results.get("kernels", {})
     for b in (1, 64, 256):
-        names = ("greedy_argmax", "plain", "topkdraw", "topk", "topp", "topkp", "sort")
+        names = ("greedy_argmax", "plain", "topkdraw", "topkpdraw", "topk", "topp", "topkp", "sort")
         cells = {k: kern.get(f"b{b}_{k}_us") for k in names}
         if all(isinstance(c, float) for c in cells.values()):
             print(f"sampling graph b{b} µs: " + ", ".join(f"{k} {v:.1f}" for k, v in cells.items()))
-    for k in ("topkdraw_vs_sort_mismatching_rows", "topp_vs_sort_mismatching_rows", "topk_vs_sort_mismatching_rows",
+    for k in ("topkdraw_vs_sort_mismatching_rows", "topkpdraw_vs_sort_mismatching_rows",
+              "topp_vs_sort_mismatching_rows", "topk_vs_sort_mismatching_rows",
               "topkp_vs_sort_mismatching_rows",
               "nucleus_error"):
         if k in kern:

@@ -57,7 +57,14 @@ def test_triton_top_k_thresholds_draw_the_sorts_tokens_on_gpu():
     import torch
 
     from clusteropt_cli.core.serve import topk_kernel
-    from clusteropt_cli.core.serve.device_sampling import SORT, TOP_K, TOP_K_DRAW, TOP_K_P, choose_tokens
+    from clusteropt_cli.core.serve.device_sampling import (
+        SORT,
+        TOP_K,
+        TOP_K_DRAW,
+        TOP_K_P,
+        TOP_K_P_DRAW,
+        choose_tokens,
+    )
 
     assert topk_kernel.kernel_error() is None
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -76,7 +83,8 @@ def test_triton_top_k_thresholds_draw_the_sorts_tokens_on_gpu():
                 position=torch.full((rows,), 9, device="cuda"))
     draw_k = torch.where(k > 0, k, torch.full_like(k, 64))  # TOP_K_DRAW: every sampled row has a top-k
     ones = torch.ones(rows, device="cuda")
-    for mode, top_p, top_k in ((TOP_K, ones, k), (TOP_K_P, p, k), (TOP_K_DRAW, ones, draw_k)):
+    for mode, top_p, top_k in ((TOP_K, ones, k), (TOP_K_P, p, k), (TOP_K_DRAW, ones, draw_k),
+                               (TOP_K_P_DRAW, p, draw_k)):
         cheap = choose_tokens(x, args["temperature"], top_p, top_k, args["min_p"], args["seed_lo"], args["seed_hi"],
                               args["position"], mode)
         full = choose_tokens(x, args["temperature"], top_p, top_k, args["min_p"], args["seed_lo"], args["seed_hi"],

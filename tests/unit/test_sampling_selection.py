@@ -109,12 +109,13 @@ def test_top_k_threshold_mode_equals_the_full_sort(kind, vocab, wide):
 
 @pytest.mark.parametrize("kind", ["continuous", "ties", "peaked", "masked", "degenerate"])
 @pytest.mark.parametrize("vocab", [3000, 40])
-def test_top_k_draw_mode_equals_the_full_sort(kind, vocab):
-    """TOP_K_DRAW (every sampled row with 0 < top_k <= TOP_K_SMALL, greedy rows mixed in, min-p): the token drawn
-    among each row's TOP_K_SMALL largest entries is the full sort's, ties and all -inf rows included."""
+def test_top_k_draw_modes_equal_the_full_sort(kind, vocab):
+    """TOP_K_DRAW (every sampled row with 0 < top_k <= TOP_K_SMALL, greedy rows mixed in, min-p) and TOP_K_P_DRAW
+    (top-p too): the token drawn among each row's TOP_K_SMALL largest entries is the full sort's, ties and all -inf
+    rows included."""
     import torch
 
-    from clusteropt_cli.core.serve.device_sampling import TOP_K_DRAW, TOP_K_SMALL
+    from clusteropt_cli.core.serve.device_sampling import TOP_K_DRAW, TOP_K_P_DRAW, TOP_K_SMALL
 
     gen = torch.Generator().manual_seed(vocab + 3 * len(kind))
     rows = 96
@@ -122,9 +123,14 @@ def test_top_k_draw_mode_equals_the_full_sort(kind, vocab):
     ks = torch.tensor([1, 2, 3, 17, 50, TOP_K_SMALL], dtype=torch.long)
     top_k = ks[torch.arange(rows) % len(ks)]
     top_k[4::len(ks)] = torch.randint(1, TOP_K_SMALL + 1, (len(top_k[4::len(ks)]),), generator=gen)
+    ps = torch.tensor([1.0, 0.95, 0.9, 0.5, 1e-6])
+    top_p = ps[torch.arange(rows) % len(ps)]
     for min_p in (0.0, 0.05, 0.6):
         args = _args(gen, rows, top_k=top_k, min_p=min_p)
         new, old = _both(scaled, args, TOP_K_DRAW)
+        assert torch.equal(new, old), f"rows {torch.nonzero(new != old).flatten().tolist()} differ (min_p {min_p})"
+        args = _args(gen, rows, top_k=top_k, top_p=top_p, min_p=min_p)  # TOP_K_P_DRAW: top-p within the top-k
+        new, old = _both(scaled, args, TOP_K_P_DRAW)
         assert torch.equal(new, old), f"rows {torch.nonzero(new != old).flatten().tolist()} differ (min_p {min_p})"
     if kind == "ties":  # the check can fail: a draw that ignores the tie order picks other tokens on tied rows
         args = _args(gen, rows, top_k=top_k, temperature=1.0)
@@ -286,6 +292,7 @@ def test_rows_pick_the_cheapest_exact_mode():
         TOP_K_CAP,
         TOP_K_DRAW,
         TOP_K_P,
+        TOP_K_P_DRAW,
         TOP_K_SMALL,
         TOP_K_WIDE,
         TOP_K_WIDE_P,
@@ -305,7 +312,9 @@ def test_rows_pick_the_cheapest_exact_mode():
     assert RowSettings(temperature=1.0, top_k=TOP_K_CAP + 1).selection == SORT
     assert RowSettings(temperature=1.0, top_p=0.95).selection == TOP_P
     assert RowSettings(temperature=1.0, top_p=0.95, min_p=0.1).selection == TOP_P
-    assert RowSettings(temperature=1.0, top_p=0.95, top_k=50).selection == TOP_K_P
+    assert RowSettings(temperature=1.0, top_p=0.95, top_k=50).selection == TOP_K_P_DRAW
+    assert selection_for([RowSettings(temperature=1.0, top_p=0.95, top_k=50),
+                          RowSettings(temperature=1.0, top_k=9)]) == TOP_K_P_DRAW
     assert RowSettings(temperature=1.0, top_p=0.95, top_k=100).selection == TOP_K_WIDE_P
     assert RowSettings(temperature=1.0, top_p=0.95, top_k=TOP_K_CAP + 1).selection == SORT
     top_p, top_k, min_p = (RowSettings(temperature=1.0, top_p=0.9), RowSettings(temperature=1.0, top_k=9),

@@ -184,6 +184,34 @@ def drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, posit
                        torch.where(noisy_rows, torch.full_like(values, float("-inf")), values))
 
 
+def drawn_scores_p(values, ids, total, top_k, top_p, min_p, temperature, seed_lo, seed_hi, position):
+    """drawn_scores with top-p as well (TOP_K_P_DRAW): a candidate stays when the mass ranked before it is at most
+    top_p × `total`, the row's whole mass exp(x - top) (row_mass); rows with top_p 1 keep every rank below top_k.
+    Pointwise but for one cumulative sum over the K candidates (compiled)."""
+    import torch
+
+    top = values[:, :1]
+    top_f = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp(values - top_f)
+    before = w.cumsum(-1) - w  # the mass ranked before each candidate: the sort's, over its first K entries
+    rank = torch.arange(values.shape[-1], device=values.device)[None, :]
+    in_nucleus = (top_p[:, None] >= 1.0) | (before <= top_p[:, None] * total[:, None])
+    keep = (rank < top_k[:, None]) & in_nucleus & (w >= min_p[:, None] * torch.exp(top - top_f))
+    e = exponential_noise(seed_lo, seed_hi, position, ids)
+    noisy_rows = (temperature > 0)[:, None]
+    return torch.where(noisy_rows & keep, values - torch.log(e),
+                       torch.where(noisy_rows, torch.full_like(values, float("-inf")), values))
+
+
+def row_mass(x, top):
+    """The unnormalized mass exp(x - top) of each row [B] (top [B, 1] its largest x, taken as 0 when not finite):
+    one fused reduction compiled."""
+    import torch
+
+    top_f = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return torch.exp(x - top_f).sum(-1)
+
+
 def nucleus_scores(x, top, min_p, temperature, seed_lo, seed_hi, position):
     """The TOP_P mode's perturbed scores over unsorted rows, the min-p floor applied on sampled rows; `top`
     [B, 1] the row's largest x. Pointwise (one fused kernel compiled)."""
@@ -240,7 +268,8 @@ TOP_K_WIDE_P = 6  # TOP_K_P for a top-k up to TOP_K_CAP (or >= vocab)
 # drawn among the row's TOP_K_SMALL largest entries (topk_kernel.top_entries: values and token ids), with no pass
 # over the vocabulary after them
 TOP_K_DRAW = 7
-SELECTION_MODES = (PLAIN, TOP_K, TOP_P, TOP_K_P, SORT, TOP_K_WIDE, TOP_K_WIDE_P, TOP_K_DRAW)
+TOP_K_P_DRAW = 8  # TOP_K_DRAW where some sampled row also has a top_p: one more pass, the rows' whole mass
+SELECTION_MODES = (PLAIN, TOP_K, TOP_P, TOP_K_P, SORT, TOP_K_WIDE, TOP_K_WIDE_P, TOP_K_DRAW, TOP_K_P_DRAW)
 TOP_K_SMALL = 64
 TOP_K_CAP = 1024
 # on CUDA, steps of at most this many rows sort instead of TOP_K_WIDE / TOP_K_WIDE_P: in the captured sampling graph
@@ -250,7 +279,8 @@ SORT_ROWS = 1
 
 # the pointwise pieces choose_tokens and process_logits call (SlotSampler compiles each into one fused kernel)
 KERNELS = {"plain": perturbed_scores, "sorted": perturbed_sorted, "weights": sorted_weights,
-           "top_k": perturbed_top_k, "draw": drawn_scores, "nucleus": nucleus_scores, "todo": nucleus_todo,
+           "top_k": perturbed_top_k, "draw": drawn_scores, "draw_p": drawn_scores_p, "mass": row_mass,
+           "nucleus": nucleus_scores, "todo": nucleus_todo,
            "penalties": penalized_logits}
 
 
@@ -263,14 +293,16 @@ def selection_mode(sort) -> int:
 
 def selection_for(rows) -> int:
     """The cheapest mode that is exact for every one of these rows (RowSettings): PLAIN when none restricts its
-    sampling, TOP_K_DRAW when every sampled row has a top-k up to TOP_K_SMALL and no top-p, TOP_K for top-k up to
+    sampling, TOP_K_DRAW (TOP_K_P_DRAW with a top-p) when every sampled row has a top-k up to TOP_K_SMALL, TOP_K for
+    top-k up to
     TOP_K_SMALL and min-p (TOP_K_WIDE up to TOP_K_CAP), TOP_P for top-p and min-p,
     TOP_K_P (TOP_K_WIDE_P) for both (in one row or across rows), SORT for a larger top-k."""
     restricted = [r for r in rows if r.needs_sort]
     if not restricted:
         return PLAIN
-    if all(0 < r.top_k <= TOP_K_SMALL and r.top_p >= 1.0 for r in rows if r.temperature > 0):
-        return TOP_K_DRAW
+    sampled = [r for r in rows if r.temperature > 0]
+    if all(0 < r.top_k <= TOP_K_SMALL for r in sampled):
+        return TOP_K_P_DRAW if any(r.top_p < 1.0 for r in sampled) else TOP_K_DRAW
     if any(r.top_k > TOP_K_CAP for r in restricted):
         return SORT
     top_k = any(r.top_k > 0 for r in restricted)
@@ -304,6 +336,7 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
     """One token per row from processed logits: greedy rows (temperature 0) take the argmax, the others sample
     (Gumbel-max over the exponential noise of (seed, position)), restricted by top-k, top-p and min-p as `sort`
     says (a mode: PLAIN; TOP_K_DRAW — exact when every sampled row has 0 < top_k <= TOP_K_SMALL and top_p 1;
+    TOP_K_P_DRAW — when every sampled row has 0 < top_k <= TOP_K_SMALL;
     TOP_K (TOP_K_WIDE) — exact when every row's top_k is at most TOP_K_SMALL (TOP_K_CAP) or
     at least the vocabulary and its top_p is 1; TOP_P — exact when no row has a top_k; TOP_K_P (TOP_K_WIDE_P) —
     exact when every row's top_k is at most TOP_K_SMALL (TOP_K_CAP) or at least the vocabulary; SORT, exact for
@@ -323,11 +356,15 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
         pick = row_argmax(fns["sorted"](values, w, cum, top_p, top_k, min_p, temperature, seed_lo, seed_hi,
                                         position, order))
         return order.gather(-1, pick[:, None]).squeeze(-1)
-    if mode == TOP_K_DRAW:
+    if mode in (TOP_K_DRAW, TOP_K_P_DRAW):
         from clusteropt_cli.core.serve.topk_kernel import top_entries
 
         values, ids = top_entries(scaled, min(TOP_K_SMALL, scaled.shape[-1]))
-        scores = fns["draw"](values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position)
+        if mode == TOP_K_DRAW:
+            scores = fns["draw"](values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position)
+        else:
+            total = fns["mass"](scaled, values[:, :1])
+            scores = fns["draw_p"](values, ids, total, top_k, top_p, min_p, temperature, seed_lo, seed_hi, position)
         return ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)  # the first maximum, in sorted order
     if mode in (TOP_K, TOP_K_P, TOP_K_WIDE, TOP_K_WIDE_P):
         cap = TOP_K_CAP if mode in (TOP_K_WIDE, TOP_K_WIDE_P) else TOP_K_SMALL
@@ -502,20 +539,20 @@ class SlotSampler:
 
     def mode(self, sort, device, rows: int | None = None) -> int:
         """The selection mode to run: the top-p modes become SORT where their kernel is not available (CUDA without
-        Triton, or a failed capture: nucleus_error); TOP_K and TOP_K_P their wide forms where the Triton top-k is
-        not (topk_kernel.kernel_error); on CUDA a single row's wide top-k sorts (SORT_ROWS: one row's torch.topk
-        costs more than its sort). Every mode draws the same token."""
+        Triton, or a failed capture: nucleus_error); TOP_K, TOP_K_P and the draw modes their wide forms where the
+        Triton top-k is not (topk_kernel.kernel_error); on CUDA a single row's wide top-k sorts (SORT_ROWS: one
+        row's torch.topk costs more than its sort). Every mode draws the same token."""
         from clusteropt_cli.core.serve.nucleus import triton_error
 
         mode = selection_mode(sort)
         cuda = device.type == "cuda"
-        if mode in (TOP_P, TOP_K_P, TOP_K_WIDE_P) and (self.nucleus_error or (cuda and triton_error())):
-            return SORT
-        if mode in (TOP_K, TOP_K_P, TOP_K_DRAW) and cuda:
+        if mode in (TOP_K, TOP_K_P, TOP_K_DRAW, TOP_K_P_DRAW) and cuda:
             from clusteropt_cli.core.serve.topk_kernel import kernel_error
 
             if kernel_error():  # torch.topk of 64 values costs what the wide modes' topk does
-                mode = TOP_K_WIDE_P if mode == TOP_K_P else TOP_K_WIDE
+                mode = TOP_K_WIDE_P if mode in (TOP_K_P, TOP_K_P_DRAW) else TOP_K_WIDE
+        if mode in (TOP_P, TOP_K_P, TOP_K_WIDE_P) and (self.nucleus_error or (cuda and triton_error())):
+            return SORT
         if mode in (TOP_K_WIDE, TOP_K_WIDE_P) and cuda and rows is not None and rows <= SORT_ROWS:
             return SORT
         return mode
