@@ -76,6 +76,19 @@ def _both(scaled, args, mode):
     return new, old
 
 
+def _check_tie_order(gen, scaled, top_k, mode) -> None:
+    """On tied rows, every row sampled: `mode` gives the sort's tokens, and a top-k one larger would not (the
+    check has teeth)."""
+    import torch
+
+    args = _args(gen, scaled.shape[0], top_k=top_k, temperature=1.0)
+    new, old = _both(scaled, args, mode)
+    assert torch.equal(new, old)
+    wrong = _reference_choose(scaled, args["temperature"], args["top_p"], args["top_k"] + 1, args["min_p"],
+                              args["seed_lo"], args["seed_hi"], args["position"], True)
+    assert not torch.equal(new, wrong)
+
+
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("kind", ["continuous", "ties", "peaked", "masked", "degenerate"])
 @pytest.mark.parametrize("vocab", [3000, 600])
@@ -99,12 +112,7 @@ def test_top_k_threshold_mode_equals_the_full_sort(kind, vocab, wide):
         assert torch.equal(new, old), f"rows {torch.nonzero(new != old).flatten().tolist()} differ (min_p {min_p})"
         # the check can fail: a top-k mask that ignores the tie order picks other tokens on tied rows
     if kind == "ties":
-        args = _args(gen, rows, top_k=top_k, temperature=1.0)
-        new, old = _both(scaled, args, TOP_K)
-        assert torch.equal(new, old)
-        wrong = _reference_choose(scaled, args["temperature"], args["top_p"], args["top_k"] + 1, args["min_p"],
-                                  args["seed_lo"], args["seed_hi"], args["position"], True)
-        assert not torch.equal(new, wrong)
+        _check_tie_order(gen, scaled, top_k, TOP_K)
 
 
 @pytest.mark.parametrize("kind", ["continuous", "ties", "peaked", "masked", "degenerate"])
@@ -133,12 +141,7 @@ def test_top_k_draw_modes_equal_the_full_sort(kind, vocab):
         new, old = _both(scaled, args, TOP_K_P_DRAW)
         assert torch.equal(new, old), f"rows {torch.nonzero(new != old).flatten().tolist()} differ (min_p {min_p})"
     if kind == "ties":  # the check can fail: a draw that ignores the tie order picks other tokens on tied rows
-        args = _args(gen, rows, top_k=top_k, temperature=1.0)
-        new, old = _both(scaled, args, TOP_K_DRAW)
-        assert torch.equal(new, old)
-        wrong = _reference_choose(scaled, args["temperature"], args["top_p"], args["top_k"] + 1, args["min_p"],
-                                  args["seed_lo"], args["seed_hi"], args["position"], True)
-        assert not torch.equal(new, wrong)
+        _check_tie_order(gen, scaled, top_k, TOP_K_DRAW)
 
 
 def test_top_entries_are_a_stable_sorts_first_entries():
