@@ -15,7 +15,8 @@ Cases:
                 and the engine share one process); N ≥ 1 runs N API-server processes in front of an engine-core
                 process (ZeroMQ + msgpack). --api-server-counts picks the Ns (default 0,1,2).
 The clients run in --client-procs processes (default 4) so that the load generator is not the bottleneck.
-Printed: tok/s, the ratio HTTP / in-process engine per sampling mode, TTFT p50; the JSON has everything.
+Printed: tok/s, the ratio HTTP / in-process engine per sampling mode, TTFT p50, and how many CPU cores each server
+process kept busy during the load (/proc: a process near 1.0 is saturated on its GIL); the JSON has everything.
 uvloop and httptools are used by the server when installed (uvicorn's "auto"); the JSON records whether they are.
 """
 
@@ -126,6 +127,64 @@ def http_load(url: str, prompts: list[list[int]], max_tokens: int, params: dict,
                                    if len(r["times"]) > 1])}
 
 
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants (Linux /proc), parents before children."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat[stat.rindex(")") + 2:].split()[1])
+            children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        tree.append(pid)
+        todo += sorted(children.get(pid, []))
+    return tree
+
+
+def server_roles(tree: list[int]) -> dict[int, str]:
+    """Names for `copt serve`'s processes: the supervisor (the root), multiprocessing's resource tracker, and the
+    spawned children in start order — the engine core first, then the API servers (multiprocess.serve_split)."""
+    roles, spawned = {tree[0]: "copt serve"}, 0
+    for pid in tree[1:]:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "resource_tracker" in cmdline:
+            roles[pid] = "resource tracker"
+        elif "spawn_main" in cmdline:
+            roles[pid] = "engine core" if spawned == 0 else f"api server {spawned - 1}"
+            spawned += 1
+        else:
+            roles[pid] = f"child {pid}"
+    return roles
+
+
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds each process has used so far (/proc/PID/stat; gone processes left out)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_use(before: dict[int, float], after: dict[int, float], wall: float, roles: dict[int, str]) -> dict:
+    """CPU cores each server process kept busy during a load (1.0: one core all the time; a Python process whose
+    threads share the GIL saturates near 1)."""
+    return {roles.get(pid, str(pid)): round((after[pid] - before[pid]) / wall, 2)
+            for pid in after if pid in before and wall > 0}
+
+
 def start_server(model_dir: Path, port: int, api_servers: int, max_batch: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
     cmd = [sys.executable, "-m", "clusteropt_cli", "serve", str(model_dir), "--port", str(port),
@@ -148,13 +207,27 @@ def bench_http(model_dir: Path, prompts: list[list[int]], api_servers: int, proc
         # spawned, not forked: this process holds a CUDA context and threads from the engine case
         with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
             http_load(url, prompts[:32], 16, {}, procs, pool)  # warm-up (and the client processes' imports)
+            # the server's processes: `copt serve` itself, then (split server) the engine core it starts first and
+            # the API servers (their multiprocessing resource tracker too)
+            tree = process_tree(proc.pid)
+            roles = server_roles(tree)
+            out["server_processes"] = sorted(roles.values())
+
+            def measured_load(params: dict) -> dict:
+                before = cpu_seconds(tree)
+                run = http_load(url, prompts, CFG["out_tokens"], params, procs, pool)
+                # over the clients' window (the call also waits for the clients' common start)
+                run["server_cpu_cores"] = cpu_use(before, cpu_seconds(tree), run["wall_s"], roles)
+                return run
+
             for mode, params in MODES.items():
                 try:
-                    runs = [http_load(url, prompts, CFG["out_tokens"], params, procs, pool) for _ in range(repeats)]
+                    runs = [measured_load(params) for _ in range(repeats)]
                     median = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
                     out[mode] = {**median, "runs_tok_s": [round(r["output_tokens_per_s"]) for r in runs]}  # run order
                     log(f"http api-server-count {api_servers} {mode}: {out[mode]['output_tokens_per_s']:,.0f} tok/s, "
-                        f"TTFT p50 {out[mode]['ttft_s']['p50']:.3f} s")
+                        f"TTFT p50 {out[mode]['ttft_s']['p50']:.3f} s; server CPU cores busy "
+                        f"{out[mode]['server_cpu_cores']}")
                 except Exception as exc:  # noqa: BLE001 - recorded, the next mode runs
                     out[mode] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     finally:
