@@ -166,11 +166,13 @@ def perturbed_top_k(scores, top, kth, need, tie_rank, limited, min_p, temperatur
                        torch.where(noisy_rows, torch.full_like(scores, float("-inf")), scores))
 
 
-def drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position):
+def drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position, total=None, top_p=None):
     """TOP_K_DRAW's perturbed scores over each row's largest entries only — `values` [B, K] in a stable sort's order
     and their token `ids` [B, K] (topk_kernel.top_entries): ranks from top_k on and the min-p floor set to -inf on
     sampled rows, the others perturbed by the same noise as the vocabulary-wide modes (per token id); greedy rows
-    keep their values. Pointwise (one fused kernel compiled)."""
+    keep their values. With `total` (the row's whole mass exp(x - top): row_mass) and `top_p` (TOP_K_P_DRAW), a
+    candidate also needs the mass ranked before it to be at most top_p × total (rows with top_p 1: every rank).
+    Pointwise but for a cumulative sum over the K candidates (compiled)."""
     import torch
 
     top = values[:, :1]
@@ -178,6 +180,9 @@ def drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, posit
     w = torch.exp(values - top_f)
     rank = torch.arange(values.shape[-1], device=values.device)[None, :]
     keep = (rank < top_k[:, None]) & (w >= min_p[:, None] * torch.exp(top - top_f))
+    if total is not None:
+        before = w.cumsum(-1) - w  # the mass ranked before each candidate: the sort's, over its first K entries
+        keep = keep & ((top_p[:, None] >= 1.0) | (before <= top_p[:, None] * total[:, None]))
     e = exponential_noise(seed_lo, seed_hi, position, ids)
     noisy_rows = (temperature > 0)[:, None]
     return torch.where(noisy_rows & keep, values - torch.log(e),
@@ -185,22 +190,9 @@ def drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, posit
 
 
 def drawn_scores_p(values, ids, total, top_k, top_p, min_p, temperature, seed_lo, seed_hi, position):
-    """drawn_scores with top-p as well (TOP_K_P_DRAW): a candidate stays when the mass ranked before it is at most
-    top_p × `total`, the row's whole mass exp(x - top) (row_mass); rows with top_p 1 keep every rank below top_k.
-    Pointwise but for one cumulative sum over the K candidates (compiled)."""
-    import torch
-
-    top = values[:, :1]
-    top_f = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = torch.exp(values - top_f)
-    before = w.cumsum(-1) - w  # the mass ranked before each candidate: the sort's, over its first K entries
-    rank = torch.arange(values.shape[-1], device=values.device)[None, :]
-    in_nucleus = (top_p[:, None] >= 1.0) | (before <= top_p[:, None] * total[:, None])
-    keep = (rank < top_k[:, None]) & in_nucleus & (w >= min_p[:, None] * torch.exp(top - top_f))
-    e = exponential_noise(seed_lo, seed_hi, position, ids)
-    noisy_rows = (temperature > 0)[:, None]
-    return torch.where(noisy_rows & keep, values - torch.log(e),
-                       torch.where(noisy_rows, torch.full_like(values, float("-inf")), values))
+    """TOP_K_P_DRAW's scores: drawn_scores with the row's mass and top-p (compiled on its own: one argument layout
+    per kernel)."""
+    return drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position, total, top_p)
 
 
 def row_mass(x, top):
@@ -280,8 +272,7 @@ SORT_ROWS = 1
 # the pointwise pieces choose_tokens and process_logits call (SlotSampler compiles each into one fused kernel)
 KERNELS = {"plain": perturbed_scores, "sorted": perturbed_sorted, "weights": sorted_weights,
            "top_k": perturbed_top_k, "draw": drawn_scores, "draw_p": drawn_scores_p, "mass": row_mass,
-           "nucleus": nucleus_scores, "todo": nucleus_todo,
-           "penalties": penalized_logits}
+           "nucleus": nucleus_scores, "todo": nucleus_todo, "penalties": penalized_logits}
 
 
 def selection_mode(sort) -> int:
@@ -294,8 +285,7 @@ def selection_mode(sort) -> int:
 def selection_for(rows) -> int:
     """The cheapest mode that is exact for every one of these rows (RowSettings): PLAIN when none restricts its
     sampling, TOP_K_DRAW (TOP_K_P_DRAW with a top-p) when every sampled row has a top-k up to TOP_K_SMALL, TOP_K for
-    top-k up to
-    TOP_K_SMALL and min-p (TOP_K_WIDE up to TOP_K_CAP), TOP_P for top-p and min-p,
+    top-k up to TOP_K_SMALL and min-p (TOP_K_WIDE up to TOP_K_CAP), TOP_P for top-p and min-p,
     TOP_K_P (TOP_K_WIDE_P) for both (in one row or across rows), SORT for a larger top-k."""
     restricted = [r for r in rows if r.needs_sort]
     if not restricted:
@@ -336,12 +326,11 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
     """One token per row from processed logits: greedy rows (temperature 0) take the argmax, the others sample
     (Gumbel-max over the exponential noise of (seed, position)), restricted by top-k, top-p and min-p as `sort`
     says (a mode: PLAIN; TOP_K_DRAW — exact when every sampled row has 0 < top_k <= TOP_K_SMALL and top_p 1;
-    TOP_K_P_DRAW — when every sampled row has 0 < top_k <= TOP_K_SMALL;
-    TOP_K (TOP_K_WIDE) — exact when every row's top_k is at most TOP_K_SMALL (TOP_K_CAP) or
-    at least the vocabulary and its top_p is 1; TOP_P — exact when no row has a top_k; TOP_K_P (TOP_K_WIDE_P) —
-    exact when every row's top_k is at most TOP_K_SMALL (TOP_K_CAP) or at least the vocabulary; SORT, exact for
-    every row; False/True: PLAIN/SORT;
-    selection_for picks it). A row whose every logit is -inf gives a token, never NaN. `perturb`: the KERNELS,
+    TOP_K_P_DRAW — when every sampled row has 0 < top_k <= TOP_K_SMALL; TOP_K (TOP_K_WIDE) — exact when every
+    row's top_k is at most TOP_K_SMALL (TOP_K_CAP) or at least the vocabulary and its top_p is 1; TOP_P — exact
+    when no row has a top_k; TOP_K_P (TOP_K_WIDE_P) — exact when every row's top_k is at most TOP_K_SMALL
+    (TOP_K_CAP) or at least the vocabulary; SORT, exact for every row; False/True: PLAIN/SORT; selection_for
+    picks it). A row whose every logit is -inf gives a token, never NaN. `perturb`: the KERNELS,
     compiled or not. `scale`: per-row factors still to apply to `scaled` (1 / temperature, when process_logits
     did not divide; PLAIN only). `active` [B] bool: rows whose token is used (the others may get any token:
     TOP_P spends no rounds on them)."""
