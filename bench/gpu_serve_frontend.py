@@ -16,7 +16,7 @@ Cases:
                 process (ZeroMQ + msgpack). --api-server-counts picks the Ns (default 0,1,2).
 The clients run in --client-procs processes (default 4) so that the load generator is not the bottleneck.
 Printed: tok/s, the ratio HTTP / in-process engine per sampling mode, TTFT p50, and how many CPU cores each server
-process kept busy during the load (/proc: a process near 1.0 is saturated on its GIL); the JSON has everything.
+process kept busy during the load (psutil: a process near 1.0 is saturated on its GIL); the JSON has everything.
 uvloop and httptools are used by the server when installed (uvicorn's "auto"); the JSON records whether they are.
 """
 
@@ -127,62 +127,44 @@ def http_load(url: str, prompts: list[list[int]], max_tokens: int, params: dict,
                                    if len(r["times"]) > 1])}
 
 
-def process_tree(root: int) -> list[int]:
-    """`root` and its descendants (Linux /proc), parents before children."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parent = int(stat[stat.rindex(")") + 2:].split()[1])
-            children.setdefault(parent, []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop(0)
-        tree.append(pid)
-        todo += sorted(children.get(pid, []))
-    return tree
-
-
-def server_roles(tree: list[int]) -> dict[int, str]:
-    """Names for `copt serve`'s processes: the supervisor (the root), multiprocessing's resource tracker, and the
-    spawned children in start order — the engine core first, then the API servers (multiprocess.serve_split)."""
-    roles, spawned = {tree[0]: "copt serve"}, 0
-    for pid in tree[1:]:
+def server_processes(root: int) -> dict:
+    """`copt serve`'s processes (psutil) by role: the supervisor, multiprocessing's resource tracker, and the
+    spawned children in start order — the engine core first, then the API servers (multiprocess.serve_split).
+    Empty without psutil (copt's dependency, but a GPU host running the tree from PYTHONPATH may lack it)."""
+    try:
+        import psutil
+    except ImportError:
+        log("psutil not installed: no per-process CPU figures")
+        return {}
+    top = psutil.Process(root)
+    roles, spawned = {top: "copt serve"}, 0
+    for child in sorted(top.children(recursive=True), key=lambda c: c.pid):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
+            cmdline = " ".join(child.cmdline())
+        except psutil.Error:
             continue
         if "resource_tracker" in cmdline:
-            roles[pid] = "resource tracker"
+            roles[child] = "resource tracker"
         elif "spawn_main" in cmdline:
-            roles[pid] = "engine core" if spawned == 0 else f"api server {spawned - 1}"
+            roles[child] = "engine core" if spawned == 0 else f"api server {spawned - 1}"
             spawned += 1
         else:
-            roles[pid] = f"child {pid}"
+            roles[child] = f"child {child.pid}"
     return roles
 
 
-def cpu_seconds(pids: list[int]) -> dict[int, float]:
-    """User + system CPU seconds each process has used so far (/proc/PID/stat; gone processes left out)."""
-    tick = os.sysconf("SC_CLK_TCK")
+def cpu_seconds(processes: dict) -> dict[str, float]:
+    """User + system CPU seconds each process (by role) has used so far; gone processes left out."""
+    import psutil
+
     out = {}
-    for pid in pids:
+    for process, role in processes.items():
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            times = process.cpu_times()
+        except psutil.Error:
             continue
-        out[pid] = (int(fields[11]) + int(fields[12])) / tick
+        out[role] = times.user + times.system
     return out
-
-
-def cpu_use(before: dict[int, float], after: dict[int, float], wall: float, roles: dict[int, str]) -> dict:
-    """CPU cores each server process kept busy during a load (1.0: one core all the time; a Python process whose
-    threads share the GIL saturates near 1)."""
-    return {roles.get(pid, str(pid)): round((after[pid] - before[pid]) / wall, 2)
-            for pid in after if pid in before and wall > 0}
 
 
 def start_server(model_dir: Path, port: int, api_servers: int, max_batch: int) -> subprocess.Popen:
@@ -209,15 +191,17 @@ def bench_http(model_dir: Path, prompts: list[list[int]], api_servers: int, proc
             http_load(url, prompts[:32], 16, {}, procs, pool)  # warm-up (and the client processes' imports)
             # the server's processes: `copt serve` itself, then (split server) the engine core it starts first and
             # the API servers (their multiprocessing resource tracker too)
-            tree = process_tree(proc.pid)
-            roles = server_roles(tree)
-            out["server_processes"] = sorted(roles.values())
+            processes = server_processes(proc.pid)
+            out["server_processes"] = sorted(processes.values())
 
             def measured_load(params: dict) -> dict:
-                before = cpu_seconds(tree)
+                before = cpu_seconds(processes)
                 run = http_load(url, prompts, CFG["out_tokens"], params, procs, pool)
-                # over the clients' window (the call also waits for the clients' common start)
-                run["server_cpu_cores"] = cpu_use(before, cpu_seconds(tree), run["wall_s"], roles)
+                after = cpu_seconds(processes)
+                # CPU cores each process kept busy over the clients' window (the call also waits for their common
+                # start); a Python process whose threads share the GIL saturates near 1
+                run["server_cpu_cores"] = {role: round((after[role] - before[role]) / run["wall_s"], 2)
+                                           for role in after if role in before}
                 return run
 
             for mode, params in MODES.items():
