@@ -67,7 +67,7 @@ def test_top_k_kernels_compile_for_an_h100_class_gpu():
     from clusteropt_cli.core.serve import topk_kernel as tk
 
     tk._build()
-    _pieces, _final, entry_pieces, entry_final = tk._kernels
+    entry_pieces, entry_final = tk._kernels["entries"]
     piece_sig = {"x_ptr": "*fp32", "out_ptr": "*i64", "vocab": "i32", "stride": "i32", "num_pieces": "i32",
                  "CHUNK": "constexpr", "K": "constexpr"}
     cases = [(entry_pieces, piece_sig, {"CHUNK": tk.CHUNK, "K": 64}, 4),

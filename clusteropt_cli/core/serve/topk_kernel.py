@@ -90,7 +90,7 @@ def _build() -> None:
         tl.store(val_ptr + out, bits.to(tl.float32, bitcast=True))
         tl.store(idx_ptr + out, 0xFFFFFFFF - (top & 0xFFFFFFFF))
 
-    _kernels = (pieces, rows, entry_pieces, entry_rows)
+    _kernels = {"values": (pieces, rows), "entries": (entry_pieces, entry_rows)}
 
 
 def top_values(x: Any, k: int) -> Any:
@@ -101,7 +101,8 @@ def top_values(x: Any, k: int) -> Any:
 
 
 def _usable(x: Any, k: int) -> bool:
-    rows, vocab = x.shape
+    """Whether the Triton passes serve this tensor and k (see the module's docstring)."""
+    vocab = x.shape[-1]
     return (x.is_cuda and x.dtype.is_floating_point and k <= MAX_K and k & (k - 1) == 0 and vocab > CHUNK
             and vocab * k <= 64 * CHUNK * MAX_K and x.stride(-1) == 1 and kernel_error() is None)
 
@@ -131,37 +132,37 @@ def _torch_top_entries(x: Any, k: int) -> tuple[Any, Any]:
     return values, 0xFFFFFFFF - (top & 0xFFFFFFFF)
 
 
-def _triton_top_entries(x: Any, k: int) -> tuple[Any, Any]:
-    """The two Triton passes over 64-bit keys (also run on CPU tensors under TRITON_INTERPRET=1 by the tests)."""
+def _two_passes(x: Any, k: int, kind: str, candidate_dtype: Any, *outputs: Any) -> None:
+    """Launch one kernel pair (kind "values" or "entries"): every CHUNK-wide piece's k largest into a candidate
+    buffer, then each row's k largest of those into `outputs`."""
     import torch
     import triton
 
     if _kernels is None:
         _build()
-    _p, _r, pieces, final = _kernels
+    pieces, final = _kernels[kind]
     rows, vocab = x.shape
     num_pieces = triton.cdiv(vocab, CHUNK)
-    candidates = torch.empty(rows, num_pieces * k, device=x.device, dtype=torch.int64)
-    values = torch.empty(rows, k, device=x.device, dtype=torch.float32)
-    ids = torch.empty(rows, k, device=x.device, dtype=torch.int64)
+    candidates = torch.empty(rows, num_pieces * k, device=x.device, dtype=candidate_dtype)
     pieces[(rows, num_pieces)](x, candidates, vocab, x.stride(0), num_pieces, CHUNK=CHUNK, K=k, num_warps=4)
-    final[(rows,)](candidates, values, ids, num_pieces * k, P=triton.next_power_of_2(num_pieces * k), K=k,
+    final[(rows,)](candidates, *outputs, num_pieces * k, P=triton.next_power_of_2(num_pieces * k), K=k,
                    num_warps=8)
+
+
+def _triton_top_entries(x: Any, k: int) -> tuple[Any, Any]:
+    """The two Triton passes over 64-bit keys (also run on CPU tensors under TRITON_INTERPRET=1 by the tests)."""
+    import torch
+
+    values = torch.empty(x.shape[0], k, device=x.device, dtype=torch.float32)
+    ids = torch.empty(x.shape[0], k, device=x.device, dtype=torch.int64)
+    _two_passes(x, k, "entries", torch.int64, values, ids)
     return values, ids
 
 
 def _triton_top_values(x: Any, k: int) -> Any:
     """The two Triton passes (also run on CPU tensors under TRITON_INTERPRET=1 by the tests)."""
     import torch
-    import triton
 
-    if _kernels is None:
-        _build()
-    pieces, final = _kernels[:2]
-    rows, vocab = x.shape
-    num_pieces = triton.cdiv(vocab, CHUNK)
-    candidates = torch.empty(rows, num_pieces * k, device=x.device, dtype=x.dtype)
-    out = torch.empty(rows, k, device=x.device, dtype=x.dtype)
-    pieces[(rows, num_pieces)](x, candidates, vocab, x.stride(0), num_pieces, CHUNK=CHUNK, K=k, num_warps=4)
-    final[(rows,)](candidates, out, num_pieces * k, P=triton.next_power_of_2(num_pieces * k), K=k, num_warps=8)
+    out = torch.empty(x.shape[0], k, device=x.device, dtype=x.dtype)
+    _two_passes(x, k, "values", x.dtype, out)
     return out
