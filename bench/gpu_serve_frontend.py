@@ -5,7 +5,9 @@ Run from the repo root:  python3 bench/gpu_serve_frontend.py --out $OUT/frontend
                          python3 bench/gpu_serve_frontend.py --smoke --out /tmp/f.json        (CPU: checks the script)
 
 Workload: 256 requests, prompts of 256 random tokens, 128 output tokens each (ignore_eos); greedy (temperature 0)
-and sampled (temperature 1.0, top_p 0.95, seeded).
+and sampled (temperature 1.0, top_p 0.95, seeded). Every run sends prompts of its own (new random tokens per mode
+and repeat, the same ones in every case): with one prompt set for all runs, the prefix cache would serve the prompts
+of every run after the first (sampled runs, measured after the greedy ones, looked faster than them).
 
 Cases:
   engine        the Engine in-process (Engine.generate over all requests at once): output tok/s, TTFT p50 in the
@@ -53,27 +55,33 @@ def prompts_for(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int
     return [[rng.randrange(10, min(vocab, 128000) - 10) for _ in range(length)] for _ in range(n)]
 
 
+def run_prompts(vocab: int, mode: str, run: int) -> list[list[int]]:
+    """The prompts of one run (`run` -1: the warm-up): new for every mode and repeat — no run is served from the
+    prefix cache of another —, the same in every case, so the engine and the servers see the same work."""
+    return prompts_for(vocab, CFG["requests"], CFG["prompt_len"], seed=1 + 100 * list(MODES).index(mode) + run + 1)
+
+
 # ---- in-process ----------------------------------------------------------------------------------------
-def bench_engine(model_dir: Path, prompts: list[list[int]], repeats: int) -> dict:
+def bench_engine(model_dir: Path, vocab: int, repeats: int) -> dict:
     from clusteropt_cli.core.serve.engine import Engine, GenerationRequest
     from clusteropt_cli.recipe.schema.serve import ServeRecipe
 
     t0 = time.perf_counter()
     # the settings the server cases get from their command line (start_server), through the same path
-    engine = Engine.from_settings(ServeRecipe(model=str(model_dir), max_batch_size=len(prompts),
+    engine = Engine.from_settings(ServeRecipe(model=str(model_dir), max_batch_size=CFG["requests"],
                                               max_model_len=CFG["max_model_len"], kv_cache_memory=CFG["kv_gib"],
                                               max_batch_tokens=CFG["max_batch_tokens"], max_queue=4096))
     engine.start()
     out: dict = {"startup_s": round(time.perf_counter() - t0, 1), "graphs": engine.stats.graphs_captured}
     try:
         for mode, params in MODES.items():
-            def requests(run: int, params=params) -> list:
+            def requests(run: int, params=params, mode=mode) -> list:
                 seeded = {"seed": 1000 * run + 1} if params.get("temperature") else {}
                 return [GenerationRequest(prompt_ids=p, max_new_tokens=CFG["out_tokens"], ignore_eos=True,
                                           **params, **{k: v + i for k, v in seeded.items()})
-                        for i, p in enumerate(prompts)]
+                        for i, p in enumerate(run_prompts(vocab, mode, run))]
 
-            engine.generate(requests(99)[:16])  # warm-up
+            engine.generate(requests(-1)[:16])  # warm-up
             runs = []
             for r in range(repeats):
                 reqs = requests(r)
@@ -177,10 +185,10 @@ def start_server(model_dir: Path, port: int, api_servers: int, max_batch: int) -
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def bench_http(model_dir: Path, prompts: list[list[int]], api_servers: int, procs: int, repeats: int) -> dict:
+def bench_http(model_dir: Path, vocab: int, api_servers: int, procs: int, repeats: int) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_server(model_dir, port, api_servers, len(prompts))
+    proc = start_server(model_dir, port, api_servers, CFG["requests"])
     out: dict = {"api_server_count": api_servers}
     try:
         out["startup_s"] = round(wait_healthy(url, proc, timeout=300), 1)
@@ -188,15 +196,16 @@ def bench_http(model_dir: Path, prompts: list[list[int]], api_servers: int, proc
 
         # spawned, not forked: this process holds a CUDA context and threads from the engine case
         with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            http_load(url, prompts[:32], 16, {}, procs, pool)  # warm-up (and the client processes' imports)
+            warm = run_prompts(vocab, "greedy", -1)[:32]
+            http_load(url, warm, 16, {}, procs, pool)  # warm-up (and the client processes' imports)
             # the server's processes: `copt serve` itself, then (split server) the engine core it starts first and
             # the API servers (their multiprocessing resource tracker too)
             processes = server_processes(proc.pid)
             out["server_processes"] = sorted(processes.values())
 
-            def measured_load(params: dict) -> dict:
+            def measured_load(mode: str, repeat: int) -> dict:
                 before = cpu_seconds(processes)
-                run = http_load(url, prompts, CFG["out_tokens"], params, procs, pool)
+                run = http_load(url, run_prompts(vocab, mode, repeat), CFG["out_tokens"], MODES[mode], procs, pool)
                 after = cpu_seconds(processes)
                 # CPU cores each process kept busy over the clients' window (the call also waits for their common
                 # start); a Python process whose threads share the GIL saturates near 1
@@ -204,14 +213,14 @@ def bench_http(model_dir: Path, prompts: list[list[int]], api_servers: int, proc
                                            for role in after if role in before}
                 return run
 
-            for mode, params in MODES.items():
+            for mode in MODES:
                 try:
-                    runs = [measured_load(params) for _ in range(repeats)]
+                    runs = [measured_load(mode, r) for r in range(repeats)]
                     median = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
                     out[mode] = {**median, "runs_tok_s": [round(r["output_tokens_per_s"]) for r in runs]}  # run order
                     log(f"http api-server-count {api_servers} {mode}: {out[mode]['output_tokens_per_s']:,.0f} tok/s, "
                         f"TTFT p50 {out[mode]['ttft_s']['p50']:.3f} s; server CPU cores busy "
-                        f"{out[mode]['server_cpu_cores']}")
+                        f"{ {k: v for k, v in out[mode]['server_cpu_cores'].items() if v or 'child' not in k} }")
                 except Exception as exc:  # noqa: BLE001 - recorded, the next mode runs
                     out[mode] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     finally:
@@ -257,7 +266,6 @@ def main() -> None:
     vocab = made["vocab"]
     del made
     free_gpu()
-    prompts = prompts_for(vocab, CFG["requests"], CFG["prompt_len"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after every case: a run stopped part-way keeps what it measured
@@ -265,14 +273,14 @@ def main() -> None:
 
     if "engine" not in skip:
         try:
-            results["engine"] = bench_engine(model_dir, prompts, args.repeats)
+            results["engine"] = bench_engine(model_dir, vocab, args.repeats)
         except Exception as exc:  # noqa: BLE001
             results["engine"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         save()
     if "http" not in skip:
         for n in counts:
             try:
-                results[f"http_api{n}"] = bench_http(model_dir, prompts, n, args.client_procs, args.repeats)
+                results[f"http_api{n}"] = bench_http(model_dir, vocab, n, args.client_procs, args.repeats)
             except Exception as exc:  # noqa: BLE001
                 results[f"http_api{n}"] = {"error": f"{type(exc).__name__}: {exc}",
                                            "traceback": traceback.format_exc()}

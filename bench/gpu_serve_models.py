@@ -178,6 +178,21 @@ def prompts_text(n: int, length: int, vocab: int, seed: int = 0) -> list[str]:
     return [" ".join(f"t{rng.randrange(FILLER_FROM, top)}" for _ in range(length)) for _ in range(n)]
 
 
+class PromptStream:
+    """A new prompt for every request a case sends (`take(n)`): each case (copt serve, transformers serve, the
+    engine) starts its own stream at the same first prompt, and no request repeats an earlier one — a repeated
+    prompt is served from the prefix cache (the runs after the first would skip their prefill, and sampled runs,
+    measured after the greedy ones, looked faster)."""
+
+    def __init__(self, vocab: int, length: int) -> None:
+        self.vocab, self.length, self.sent = vocab, length, 0
+
+    def take(self, n: int) -> list[str]:
+        out = [prompts_text(1, self.length, self.vocab, seed=1_000_003 + i)[0] for i in range(self.sent, self.sent + n)]
+        self.sent += n
+        return out
+
+
 # ---- streaming clients -----------------------------------------------------------------------------------
 async def _stream_one(client, url: str, body: dict, rec: dict) -> None:  # noqa: ANN001
     t0 = time.perf_counter()
@@ -352,7 +367,7 @@ def stop(proc: subprocess.Popen, grace: float = 60) -> object:
     return status
 
 
-def run_loads(url: str, model: str, prompts: list[str], ignore_eos: bool, args, pool, window: float,
+def run_loads(url: str, model: str, prompts: PromptStream, ignore_eos: bool, args, pool, window: float,
               budget: Budget, out: dict, save) -> None:  # noqa: ANN001
     for n in CFG["loads"]:
         for mode in MODES:
@@ -361,7 +376,7 @@ def run_loads(url: str, model: str, prompts: list[str], ignore_eos: bool, args, 
                 out[key] = {"skipped": "time budget"}
                 continue
             try:
-                out[key] = load_run(url, bodies_for(model, prompts[:n], mode, ignore_eos, seeded=ignore_eos),
+                out[key] = load_run(url, bodies_for(model, prompts.take(n), mode, ignore_eos, seeded=ignore_eos),
                                     args.client_procs, pool, window)
                 r = out[key]
                 log(f"  {n} clients {mode}: {r['output_tokens_per_s'] or 0:,.0f} tok/s, TTFT p50 "
@@ -371,7 +386,7 @@ def run_loads(url: str, model: str, prompts: list[str], ignore_eos: bool, args, 
             save()
 
 
-def case_copt(shape: str, model_dir: Path, made: dict, prompts: list[str], args, skip: set, budget: Budget,
+def case_copt(shape: str, model_dir: Path, made: dict, prompts: PromptStream, args, skip: set, budget: Budget,
               results: dict, save, work: Path) -> None:  # noqa: ANN001
     out: dict = results.setdefault("copt", {}).setdefault(shape, {})
     flags = args.copt_args.split()
@@ -389,9 +404,9 @@ def case_copt(shape: str, model_dir: Path, made: dict, prompts: list[str], args,
         if "b1" not in skip:
             floor_ms = 1e3 * made["weight_bytes"] / COPY_BW
             b1: dict = {"floor_ms": round(floor_ms, 3), "weight_bytes": made["weight_bytes"]}
-            batch1(url, model, prompts[:1], "greedy", True, timeout=120, max_tokens=16)  # warm-up, not counted
+            batch1(url, model, prompts.take(1), "greedy", True, timeout=120, max_tokens=16)  # warm-up, not counted
             for mode in MODES:
-                r = batch1(url, model, prompts[:CFG["b1_requests"]], mode, True, timeout=120)
+                r = batch1(url, model, prompts.take(CFG["b1_requests"]), mode, True, timeout=120)
                 r["x_floor"] = round(r["ms_per_token"] / floor_ms, 2) if r["ms_per_token"] else None
                 b1[mode] = r
                 log(f"  batch-1 {mode}: {r['ms_per_token']} ms/token (floor {floor_ms:.2f} ms)")
@@ -399,7 +414,7 @@ def case_copt(shape: str, model_dir: Path, made: dict, prompts: list[str], args,
             save()
         if "loads" not in skip:
             with ProcessPoolExecutor(args.client_procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-                load_run(url, bodies_for(model, prompts[:16], "greedy", True, False), args.client_procs, pool,
+                load_run(url, bodies_for(model, prompts.take(16), "greedy", True, False), args.client_procs, pool,
                          60)  # warm-up (and the client processes' imports)
                 run_loads(url, model, prompts, True, args, pool, args.load_window, budget, out, save)
         if "guidellm" not in skip and shape in args.guidellm_shapes:
@@ -500,7 +515,7 @@ def case_profile(url: str, model_dir: Path, args, budget: Budget, work: Path, sh
     return out
 
 
-def case_tserve(shape: str, model_dir: Path, prompts: list[str], args, budget: Budget, results: dict, save,
+def case_tserve(shape: str, model_dir: Path, prompts: PromptStream, args, budget: Budget, results: dict, save,
                 work: Path) -> None:  # noqa: ANN001
     import importlib.util
 
@@ -530,7 +545,7 @@ def case_tserve(shape: str, model_dir: Path, prompts: list[str], args, budget: B
             if failures and not budget.allows(60):
                 break
             try:
-                first = batch1(url, model, prompts[:1], "greedy", False, timeout=max(30.0, min(180, budget.left())),
+                first = batch1(url, model, prompts.take(1), "greedy", False, timeout=max(30.0, min(180, budget.left())),
                                max_tokens=16)
                 if not first["errors"]:
                     break
@@ -560,7 +575,7 @@ def case_tserve(shape: str, model_dir: Path, prompts: list[str], args, budget: B
         save()
 
 
-def case_engine(shape: str, model_dir: Path, prompts: list[str], budget: Budget, results: dict, save) -> None:
+def case_engine(shape: str, model_dir: Path, prompts: PromptStream, budget: Budget, results: dict, save) -> None:
     """copt's Engine in-process, built from the same ServeRecipe defaults as `copt serve DIR`."""
     from transformers import AutoTokenizer
 
@@ -569,14 +584,16 @@ def case_engine(shape: str, model_dir: Path, prompts: list[str], budget: Budget,
 
     out: dict = results.setdefault("engine", {}).setdefault(shape, {})
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    out["prompt_tokens"] = sorted({len(x) for x in ids})
+    def ids(n: int) -> list[list[int]]:
+        return [tok(p, add_special_tokens=False)["input_ids"] for p in prompts.take(n)]
+
+    out["prompt_tokens"] = sorted({len(x) for x in ids(8)})
     t0 = time.perf_counter()
     engine = Engine.from_settings(ServeRecipe(model=str(model_dir)))
     engine.start()
     out["startup_s"] = round(time.perf_counter() - t0, 1)
     try:
-        engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=8, ignore_eos=True) for p in ids[:16]])
+        engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=8, ignore_eos=True) for p in ids(16)])
         for n in CFG["loads"]:
             for mode, params in MODES.items():
                 if not budget.allows(10):
@@ -584,7 +601,7 @@ def case_engine(shape: str, model_dir: Path, prompts: list[str], budget: Budget,
                     continue
                 seeded = bool(params.get("temperature"))
                 reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=CFG["out_tokens"], ignore_eos=True, **params,
-                                          **({"seed": 7 + i} if seeded else {})) for i, p in enumerate(ids[:n])]
+                                          **({"seed": 7 + i} if seeded else {})) for i, p in enumerate(ids(n))]
                 t = time.perf_counter()
                 res = engine.generate(reqs)
                 wall = time.perf_counter() - t
@@ -747,14 +764,17 @@ def main() -> None:
 
     dirs: dict[str, Path] = {}
     made_by: dict[str, dict] = {}
-    prompts: dict[str, list[str]] = {}
+    vocab_of: dict[str, int] = {}
+
+    def stream(shape: str) -> PromptStream:  # each case its own, from the same first prompt
+        return PromptStream(vocab_of[shape], CFG["prompt_len"])
 
     def build(shape: str) -> None:
         spec = SMOKE_SHAPE if args.smoke else SHAPES[shape]
         dirs[shape] = work / f"llama-{shape}-shape"
         made_by[shape] = make_model_dir(dirs[shape], spec)
         results["models"][shape] = {**made_by[shape], "shape": spec}
-        prompts[shape] = prompts_text(max(CFG["loads"]), CFG["prompt_len"], spec["vocab_size"])
+        vocab_of[shape] = spec["vocab_size"]
         log(f"model {shape}: {made_by[shape]['weight_bytes'] / 1e9:.2f} GB of weights, built and saved in "
             f"{made_by[shape]['build_and_save_s']} s")
     # the order (most important first): per shape, copt serve (batch-1, 64/256 clients, guidellm, copt profile
@@ -765,13 +785,13 @@ def main() -> None:
             continue
         if "copt" not in skip:
             if budget.allows(90 if shape == "8b" else 45):
-                timed(f"copt_{shape}", case_copt, shape, dirs[shape], made_by[shape], prompts[shape], args, skip,
+                timed(f"copt_{shape}", case_copt, shape, dirs[shape], made_by[shape], stream(shape), args, skip,
                       budget, results, save, work)
             else:
                 results.setdefault("copt", {})[shape] = {"skipped": "time budget"}
         if "tserve" not in skip:
             if budget.allows(60 if shape == "8b" else 40):
-                timed(f"tserve_{shape}", case_tserve, shape, dirs[shape], prompts[shape], args, budget, results,
+                timed(f"tserve_{shape}", case_tserve, shape, dirs[shape], stream(shape), args, budget, results,
                       save, work)
             else:
                 results.setdefault("tserve", {})[shape] = {"skipped": "time budget"}
@@ -788,7 +808,7 @@ def main() -> None:
     for shape in sorted(dirs, key=lambda x: x != "1b"):  # the 1B engine first: cheaper
         if "engine" not in skip:
             if budget.allows(70 if shape == "8b" else 30):
-                timed(f"engine_{shape}", case_engine, shape, dirs[shape], prompts[shape], budget, results, save)
+                timed(f"engine_{shape}", case_engine, shape, dirs[shape], stream(shape), budget, results, save)
             else:
                 results.setdefault("engine", {})[shape] = {"skipped": "time budget"}
     results["comparison"] = {shape: comparisons(results, shape) for shape in dirs}
