@@ -398,9 +398,11 @@ def test_the_sampler_mixes_modes_per_step_and_keeps_the_sorted_tokens():
     assert sampler.flags([0, 3, 4])[1] == SORT  # a top-k above TOP_K_CAP
     counts = sampler.counts.clone()
     top_k_step = sampler.sample(logits[:3], [0, 1, 2], positions[:3])
-    sampler.counts.copy_(counts)
+    with torch.inference_mode():  # the sampler's state only changes there (inference tensors)
+        sampler.counts.copy_(counts)
     sort_step = sampler.sample(torch.cat([logits, logits[:1]]), [0, 1, 2, 3, 4], positions + [5])[:4]
-    sampler.counts.copy_(counts)
+    with torch.inference_mode():
+        sampler.counts.copy_(counts)
     mixed_step = sampler.sample(logits, [0, 1, 2, 3], positions)
     assert torch.equal(top_k_step, sort_step[:3]) and torch.equal(mixed_step, sort_step)
     a = sampler._rows(torch.arange(4))
@@ -434,9 +436,11 @@ def test_sampling_graph_spends_no_rounds_on_inactive_rows():
 
     nucleus.rounds_torch = counted
     try:
-        sampler.active.copy_(torch.tensor([True, False]))
+        with torch.inference_mode():  # the sampler's state only changes there (inference tensors)
+            sampler.active.copy_(torch.tensor([True, False]))
         tokens = sampler.graph_sample(logits, 2, TOP_P, False).clone()
-        sampler.active.fill_(True)
+        with torch.inference_mode():
+            sampler.active.fill_(True)
         both = sampler.graph_sample(logits, 2, TOP_P, False).clone()
     finally:
         nucleus.rounds_torch = rounds
@@ -461,15 +465,16 @@ def test_top_p_rounds_kernel_compiles_for_an_h100_class_gpu():
 
 def _kind(value):
     """What torch.compile guards on for one argument: None or not, a tensor's rank, dtype, whether its first
-    dimension is 1 (specialised), whether it is a view of another tensor and its strides (the batch dimension's
-    size aside: every call here has one vocabulary), or the Python type."""
+    dimension is 1 (specialised), whether it is a view of another tensor, its strides (the batch dimension's
+    size aside: every call here has one vocabulary) and whether it is an inference tensor (its dispatch keys), or
+    the Python type."""
     import torch
 
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
         return ("tensor", value.dim(), value.dtype, value.dim() > 0 and value.shape[0] == 1, value._base is not None,
-                value.stride())
+                value.stride(), value.is_inference())
     return type(value).__name__
 
 
@@ -492,7 +497,8 @@ def test_start_up_warms_every_variant_the_eager_sampling_path_calls():
     vocab = 50
     sampler = SlotSampler(8, vocab, torch.device("cpu"))
     sampler.perturb = {name: recording(name, fn) for name, fn in KERNELS.items()}
-    buf = torch.randn(8, vocab)
+    with torch.inference_mode():  # the runner's logits buffer, as capture_graphs makes it
+        buf = torch.randn(8, vocab)
     for bucket in (8, 4, 2, 1):  # what runner.capture_sampling_graphs does (eager on a CPU)
         for mode in SELECTION_MODES:
             for penalize in (False, True):
@@ -519,5 +525,7 @@ def test_start_up_warms_every_variant_the_eager_sampling_path_calls():
         for slot in range(8):
             sampler.assign(slot, RowSettings(**{**settings.__dict__, "seed": slot}), [1, 2, 3])
         for rows in (1, 3, 8):
-            sampler.sample(torch.randn(rows, vocab), list(range(rows)), [5] * rows)
+            with torch.inference_mode():  # a prefill's logits: the engine steps under inference mode
+                logits = torch.randn(rows, vocab)
+            sampler.sample(logits, list(range(rows)), [5] * rows)
     assert seen and seen <= warmed, sorted(seen - warmed, key=str)

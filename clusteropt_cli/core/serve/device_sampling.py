@@ -438,6 +438,23 @@ def split_seed(seed: int) -> tuple[int, int]:
     return s & M32, s >> 32
 
 
+def _in_inference_mode(method):
+    """Run a SlotSampler method under torch.inference_mode: its state tensors are inference tensors (made under
+    it), so they can only change there, and every compiled kernel sees inference tensors whichever path calls it —
+    torch.compile guards on the dispatch keys, and a normal tensor on one path and an inference tensor on another
+    (the captured graphs' views of the state; the prefill rows' forward output) compiled every kernel twice."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        import torch
+
+        with torch.inference_mode():
+            return method(*args, **kwargs)
+
+    return wrapped
+
+
 class SlotSampler:
     """Sampling state for `num_rows` KV-cache slots on the device, and the step's token selection.
 
@@ -448,6 +465,20 @@ class SlotSampler:
         import torch
 
         self.num_rows, self.vocab, self.device = num_rows, vocab, device
+        with torch.inference_mode():  # inference tensors, as the engine's (see _in_inference_mode)
+            self._allocate(num_rows, vocab, device)
+        self.settings: list[RowSettings | None] = [None] * num_rows
+        # the noise and the masking as one fused pointwise kernel (the reductions, topk and sort stay eager ops)
+        self.perturb = ({name: torch.compile(fn, dynamic=True) for name, fn in KERNELS.items()} if compiled
+                        else None)
+        self._graphs: dict[tuple[int, bool, bool], Any] = {}
+        self.graph_error: str | None = None
+        self.compile_error: str | None = None
+        self.nucleus_error: str | None = None  # why TOP_P steps sort instead (None: they do not)
+
+    def _allocate(self, num_rows: int, vocab: int, device: Any) -> None:
+        import torch
+
         f = dict(dtype=torch.float32, device=device)
         i = dict(dtype=torch.long, device=device)
         # temperature, top_p, min_p, presence, frequency, repetition, 1 / temperature (1 for greedy rows)
@@ -462,16 +493,9 @@ class SlotSampler:
         self.position = torch.zeros(num_rows, **i)
         self.active = torch.zeros(num_rows, dtype=torch.bool, device=device)
         self.out = torch.zeros(num_rows, **i)
-        self.settings: list[RowSettings | None] = [None] * num_rows
-        # the noise and the masking as one fused pointwise kernel (the reductions, topk and sort stay eager ops)
-        self.perturb = ({name: torch.compile(fn, dynamic=True) for name, fn in KERNELS.items()} if compiled
-                        else None)
-        self._graphs: dict[tuple[int, bool, bool], Any] = {}
-        self.graph_error: str | None = None
-        self.compile_error: str | None = None
-        self.nucleus_error: str | None = None  # why TOP_P steps sort instead (None: they do not)
 
     # ---- state -------------------------------------------------------------------------------------------
+    @_in_inference_mode
     def assign(self, slot: int, settings: RowSettings, prompt_ids: list[int]) -> None:
         """Install a request's settings in its slot's row (once per request, at admission)."""
         import torch
@@ -505,6 +529,7 @@ class SlotSampler:
                     self.prompt_mask[slot, torch.tensor(sorted(set(prompt_ids)), device=self.device)] = True
         self.settings[slot] = s
 
+    @_in_inference_mode
     def restore_counts(self, slot: int, token_ids: list[int]) -> None:
         """Count tokens a request generated before it got this row (resumed after a preemption) for its penalties."""
         import torch
@@ -550,6 +575,7 @@ class SlotSampler:
         return any(self.settings[s].has_penalties for s in slots)
 
     # ---- selection ---------------------------------------------------------------------------------------
+    @_in_inference_mode
     def sample(self, logits, slots: list[int], positions: list[int], *, logprobs: bool = False):
         """Tokens for rows of `logits` [n, V] belonging to `slots`, each choosing the token at `positions[i]`.
         Updates the penalty counts. Returns a device tensor [n] (and, with `logprobs`, the processed logprobs
@@ -560,6 +586,7 @@ class SlotSampler:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.sample_rows(logits, slots, index, pos, logprobs=logprobs)
 
+    @_in_inference_mode
     def sample_rows(self, logits, slots: list[int], index, pos, *, logprobs: bool = False):
         """sample() with the slots and positions already on the device (index, pos: [n] long)."""
         import torch
@@ -588,6 +615,7 @@ class SlotSampler:
             self.counts.index_put_((index, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
         return (tokens, lp) if logprobs else tokens
 
+    @_in_inference_mode
     def warm_eager(self, logits_rows) -> int:
         """Run the eager sampling path (prefill rows, steps without a graph) once per selection mode and penalty
         variant, at one row and at two: torch.compile specialises a batch of one and compiles the batch dimension
@@ -614,6 +642,7 @@ class SlotSampler:
                     calls += 1
         return calls
 
+    @_in_inference_mode
     def processed(self, logits, slots: list[int], positions: list[int]):
         """Processed logits (temperature applied) of rows [n, V] — the speculative path's distributions."""
         import torch
@@ -627,6 +656,7 @@ class SlotSampler:
                               None, penalize), a, pos
 
     # ---- CUDA graphs: rows 0..batch-1 read the shared logits buffer ---------------------------------------
+    @_in_inference_mode
     def graph_sample(self, logits_rows, batch: int, sort, penalize: bool):
         """Sample rows 0..batch-1 from `logits_rows` (the runner's shared logits buffer, [batch, V]) into
         self.out[:batch], counting tokens of active rows; position/active rows are inputs. `sort`: the selection

@@ -856,8 +856,9 @@ class ModelRunner:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         # every decode graph writes its logits here (rows 0..bucket-1): one sampling graph per batch bucket reads them
-        self.logits_buf = torch.zeros(max(self._batch_buckets), self.vocab_size, dtype=torch.float32,
-                                      device=self.device)
+        with torch.inference_mode():  # as the sampler's state: its kernels see inference tensors on every path
+            self.logits_buf = torch.zeros(max(self._batch_buckets), self.vocab_size, dtype=torch.float32,
+                                          device=self.device)
         try:
             with torch.inference_mode():
                 for kv_len in reversed(self.kv_lengths):
