@@ -143,15 +143,24 @@ def main() -> None:
         report["shapes"][shape] = out
         CTX["shape"] = shape
         vocab = made["vocab"]
+        log(f"{shape}: engine started in {out['startup_s']} s")
         try:
+            warm: dict = {}
             for _ in range(3):  # warm-up: the allocator, the eager sampling path
-                one(engine, vocab, 64, rng)
-                for sampling in SAMPLED.values():
+                for mode, sampling in [("greedy", {})] + list(SAMPLED.items()):
+                    t = time.perf_counter()
                     one(engine, vocab, 64, rng, **sampling)
+                    warm.setdefault(mode, []).append(round(time.perf_counter() - t, 3))
+            out["warmup_s"] = warm  # seconds per warm-up request: a first one far above the rest compiled something
+            log(f"{shape}: warm-up request seconds {warm}")
             runner = engine.runner
             graphs = list(runner._prefill_graphs)
             out["prefill_graphs"] = len(graphs)
             out["prefill_graph_error"] = runner.prefill_graph_error
+            sampler = runner.sampler
+            out["sampler_errors"] = {name: getattr(sampler, name, None)
+                                     for name in ("graph_error", "compile_error", "nucleus_error")}
+            log(f"{shape}: sampler errors {out['sampler_errors']}")
             sizes = (5, 32, 300, 1500) if cuda else (5, 40)
             fixed = [random.Random(n).sample(range(10, vocab - 10), n) for n in sizes]
             tokens = {}
