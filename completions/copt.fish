@@ -54,6 +54,8 @@ complete -c copt -n "__fish_seen_subcommand_from advise" -l symptom
 complete -c copt -n "__fish_seen_subcommand_from advise" -l task
 complete -c copt -n "__fish_seen_subcommand_from advise" -l temperature
 complete -c copt -n "__fish_seen_subcommand_from advise" -l tensor-parallel
+complete -c copt -n "__fish_seen_subcommand_from advise" -l top-k
+complete -c copt -n "__fish_seen_subcommand_from advise" -l top-p
 complete -c copt -n "__fish_seen_subcommand_from advise" -l virtual-stages
 complete -c copt -n "__fish_seen_subcommand_from advise" -l weights
 complete -c copt -n "__fish_seen_subcommand_from advise" -l zero

@@ -62,6 +62,11 @@ def advise(
     temperature: Annotated[float | None, typer.Option("--temperature", help="[infer] Sampling temperature of the "
                                                       "requests (0 = greedy; OpenAI's default is 1).",
                                                       show_default=False, min=0.0)] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", help="[infer] Nucleus (top-p) truncation of the sampled "
+                                                "requests (1 = off, OpenAI's default).", show_default=False,
+                                                min=0.0, max=1.0)] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="[infer] Top-k truncation of the sampled requests "
+                                              "(0 = off).", show_default=False, min=0)] = None,
     tp_alias: Annotated[int | None, typer.Option("--tp", hidden=True)] = None,
     pp_alias: Annotated[int | None, typer.Option("--pp", hidden=True)] = None,
     pp_micro_alias: Annotated[int | None, typer.Option("--pp-micro-batches", hidden=True)] = None,
@@ -274,6 +279,9 @@ def _infer_settings(model: str | None, recipe: str | None, overrides: list[str] 
     from clusteropt_cli.core.advise.plan import InferPlan
     from clusteropt_cli.recipe.load import load_settings
 
+    if v["top_p"] is not None and v["top_p"] <= 0:
+        raise BadInputError(f"--top-p must be above 0 (got {v['top_p']:g}).",
+                            hint="Pass the requests' top_p, in (0, 1]; 1 means no truncation.")
     kv = v["kv_cache"]
     cli = {"model": model, "tensor_parallel": v["tp"], "engine": v["engine"], "max_batch_size": v["max_batch_size"],
            "kv_cache_dtype": {"fp16": "auto"}.get(kv, kv) if kv else None}
@@ -288,7 +296,8 @@ def _infer_settings(model: str | None, recipe: str | None, overrides: list[str] 
                      engine="vllm" if s.engine == "vllm" else "copt", continuous_batching=True,
                      chunked_prefill=s.max_batch_tokens, decode_autotune=s.compile_mode != "default",
                      speculative_tokens=s.num_speculative_tokens if (s.prompt_lookup or s.draft_model) else 0,
-                     temperature=v["temperature"] or 0.0, shared_prefix_len=v["shared_prefix_len"] or 0,
+                     temperature=v["temperature"] or 0.0, top_p=1.0 if v["top_p"] is None else v["top_p"],
+                     top_k=v["top_k"] or 0, shared_prefix_len=v["shared_prefix_len"] or 0,
                      prefix_caching=s.enable_prefix_caching, max_batch_size=s.max_batch_size if given_cap else None,
                      block_size=s.block_size, kv_cache_memory_gib=s.kv_cache_memory,
                      kv_cache_tokens=s.kv_cache_blocks * s.block_size if s.kv_cache_blocks else None,

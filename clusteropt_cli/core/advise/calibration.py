@@ -137,6 +137,21 @@ SERVING_ENGINES = {
 # 256 rows, argmax 72 → 98 µs). A top-k/top-p sort costs more (98 µs at 1 row, 3.4 ms at 256): not priced here.
 SAMPLED_DECODE_STEP_S = 34e-6
 SAMPLED_DECODE_PER_SEQ_S = 0.85e-6
+# What top-k / top-p truncation adds on top of that: the sampling step of copt's engine alone, captured as a CUDA
+# graph on a 128,256-token vocabulary, for 1, 64 and 256 rows (µs), per selection mode the engine runs
+# (device_sampling.selection_for). H200, 2026-12-02, bench/gpu_serve_sampling.py (docs/benchmarks.md#serve): the
+# difference to the temperature-only mode ("plain"), interpolated linearly in the rows, is added per decode step.
+# Checked at batch 1 in the same run: 1.221 ms/token at temperature 1.0, 1.243 with top_p 0.95 (+14.6 µs of graph
+# → 1.236 predicted), 1.261 with top_k 50 (+29.1 → 1.250).
+SAMPLING_GRAPH_US = {
+    "plain": ((1, 17.3), (64, 77.6), (256, 254.5)),
+    "top_p": ((1, 31.9), (64, 275.8), (256, 685.9)),
+    "top_k_draw": ((1, 46.4), (64, 270.3), (256, 945.3)),  # every sampled row top_k <= 64
+    "top_k_p_draw": ((1, 50.2), (64, 285.1), (256, 998.2)),
+    "top_k_wide": ((1, 81.8), (64, 562.7), (256, 1352.3)),  # top_k up to 1,024 (one row sorts on CUDA)
+    "top_k_wide_p": ((1, 81.7), (64, 592.8), (256, 1456.1)),
+    "sort": ((1, 81.6), (64, 1003.0), (256, 3292.6)),  # a larger top_k
+}
 # What `copt serve --compile-mode max-autotune-no-cudagraphs` saves per decode step (inductor's autotuned Triton
 # GEMV/GEMM templates instead of cuBLAS in the compiled decode layers). H200, 1B shape, batch 1: 1.220 → 1.126
 # ms/token in-process on one host (decode profile), 1.22 → 1.11 through the server (docs/benchmarks.md#serve)

@@ -109,6 +109,8 @@ class InferPlan:
     engine: Literal["copt", "vllm"] = "copt"  # the serving stack continuous batching runs on
     decode_autotune: bool = False  # copt serve --compile-mode max-autotune-no-cudagraphs (autotuned decode kernels)
     temperature: float = 0.0  # of the requests: 0 = greedy; > 0 = sampled (the OpenAI default is 1)
+    top_p: float = 1.0  # of the sampled requests: nucleus truncation (1 = off, the OpenAI default)
+    top_k: int = 0  # of the sampled requests: top-k truncation (0 = off)
     # leading prompt tokens every request shares (a system prompt, few-shot examples): with prefix caching their
     # full KV blocks are stored once and not prefilled again
     shared_prefix_len: int = 0

@@ -32,6 +32,45 @@ def zero_comm_bytes(num_params: float, zero: int, dp: int, grad_bytes: float = 2
     return factor * num_params * grad_bytes * (dp - 1) / dp
 
 
+
+def sampling_mode(plan: InferPlan, rows: int) -> str:
+    """The selection mode copt's engine runs for the plan's sampled requests (device_sampling.selection_for and
+    SlotSampler.mode on CUDA), named as in calibration.SAMPLING_GRAPH_US."""
+    from clusteropt_cli.core.serve.device_sampling import (
+        SORT_ROWS,
+        TOP_K_CAP,
+        TOP_K_SMALL,
+    )
+
+    top_p, top_k = plan.top_p < 1.0, plan.top_k > 0
+    if not (top_p or top_k):
+        return "plain"
+    if not top_k:
+        return "top_p"
+    if plan.top_k <= TOP_K_SMALL:
+        return "top_k_p_draw" if top_p else "top_k_draw"
+    if plan.top_k > TOP_K_CAP or rows <= SORT_ROWS:
+        return "sort"
+    return "top_k_wide_p" if top_p else "top_k_wide"
+
+
+def _interpolated_us(points: tuple[tuple[int, float], ...], rows: int) -> float:
+    """Linear in the rows between the measured points, extended along the last segment beyond them."""
+    for (r0, v0), (r1, v1) in zip(points, points[1:], strict=False):
+        if rows <= r1 or (r1, v1) == points[-1]:
+            return v0 + (v1 - v0) * (max(rows, r0) - r0) / (r1 - r0)
+    return points[-1][1]
+
+
+def truncation_step_s(plan: InferPlan, rows: int) -> float:
+    """Seconds per decode step that top-k / top-p truncation adds over temperature-only sampling in copt's engine
+    (its sampling graph for `rows` rows, measured on the H200: calibration.SAMPLING_GRAPH_US)."""
+    mode = sampling_mode(plan, rows)
+    if mode == "plain":
+        return 0.0
+    table = cal.SAMPLING_GRAPH_US
+    return max(0.0, _interpolated_us(table[mode], rows) - _interpolated_us(table["plain"], rows)) * 1e-6
+
 @dataclass
 class TimeEstimate:
     figures: dict[str, float | None]
@@ -273,8 +312,10 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         if plan.decode_autotune and engine_name == "copt":
             tpot = max(tpot - cal.AUTOTUNED_DECODE_STEP_S, floor)
         if plan.temperature > 0 and engine_name == "copt":
-            # sampled requests: one more [batch, vocabulary] pass on the device than the greedy argmax
+            # sampled requests: one more [batch, vocabulary] pass on the device than the greedy argmax, and the
+            # truncation's selection step where top-k or top-p is set
             tpot += cal.SAMPLED_DECODE_STEP_S + cal.SAMPLED_DECODE_PER_SEQ_S * running
+            tpot += truncation_step_s(plan, running)
     spec_speedup = 1.0
     if plan.speculative_tokens:
         a, k = plan.speculative_acceptance, plan.speculative_tokens
@@ -302,7 +343,8 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     assumptions = {"prefill_mfu": cal.PREFILL_MFU, "decode_bandwidth_efficiency": cal.DECODE_BANDWIDTH_EFFICIENCY,
                    "hbm_bandwidth_tbs": gpu.hbm_bandwidth / 1e12, "peak_tflops": peak / tp / 1e12}
     assumptions["engine"] = engine_name
-    assumptions["sampling"] = "sampled (temperature > 0)" if plan.temperature > 0 else "greedy"
+    assumptions["sampling"] = (f"sampled (temperature > 0, {sampling_mode(plan, running).replace('_', ' ')})"
+                               if plan.temperature > 0 else "greedy")
     notes = []
     if engine:
         assumptions.update({k: v for k, v in engine.items() if v})
