@@ -203,6 +203,8 @@ complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subco
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l temperature
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l tokenizer
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l tolerance
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l top-k
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l top-p
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l url
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l warmup
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from model" -l activation-checkpointing

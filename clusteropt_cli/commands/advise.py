@@ -173,7 +173,8 @@ def advise(
         given = {"model": model, "micro_batch": micro_batch, "seq_len": seq_len, "precision": precision,
                  "grad_accum": grad_accum, "activation_checkpointing": activation_checkpointing, "batch": batch,
                  "prompt_len": prompt_len, "gen_len": gen_len, "gpu": gpu, "gpus": gpus,
-                 "memory_budget": memory_budget, "compile": compile_, "loss_impl": None, "temperature": temperature}
+                 "memory_budget": memory_budget, "compile": compile_, "loss_impl": None, "temperature": temperature,
+                 "top_p": top_p, "top_k": top_k}
         task, filled, profile_symptoms, measured = api.defaults_from_profile(report, task, given)
         symptoms = list(dict.fromkeys(symptoms + profile_symptoms))
         model, micro_batch, seq_len, precision = filled["model"], filled["micro_batch"], filled["seq_len"], \
@@ -182,6 +183,7 @@ def advise(
         batch, prompt_len, gen_len = filled["batch"], filled["prompt_len"], filled["gen_len"]
         gpu, gpus, memory_budget = filled["gpu"], filled["gpus"], filled["memory_budget"]
         compile_, temperature = filled["compile"], filled.get("temperature")
+        top_p, top_k = filled.get("top_p"), filled.get("top_k")
         if filled["loss_impl"] and not any(o.startswith("loss_impl=") for o in overrides or []):
             overrides = [*(overrides or []), f"loss_impl={filled['loss_impl']}"]
 

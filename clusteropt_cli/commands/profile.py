@@ -394,6 +394,12 @@ def endpoint(
     temperature: Annotated[float | None, typer.Option(
         "--temperature", help="Sampling temperature of the requests (default 0: greedy; with --expect, the "
                               "predicted workload's).", show_default=False)] = None,
+    top_p: Annotated[float | None, typer.Option(
+        "--top-p", help="top_p of the requests (default: not sent; with --expect, the predicted workload's).",
+        show_default=False)] = None,
+    top_k: Annotated[int | None, typer.Option(
+        "--top-k", help="top_k of the requests, vLLM's extra parameter (default: not sent; with --expect, the "
+                        "predicted workload's).", show_default=False)] = None,
     dataset: Annotated[Path | None, typer.Option(
         "--dataset", help="A .jsonl of prompts ({\"prompt\": ...} or {\"text\": ...}) instead of synthetic ones.")
     ] = None,
@@ -439,7 +445,8 @@ def endpoint(
     if from_profile is not None:
         load_flags = {"--url": url, "--model": model_name, "--concurrency": concurrency, "--rate": rate,
                       "--num-requests": num_requests, "--duration": duration, "--prompt-len": prompt_len,
-                      "--gen-len": gen_len, "--temperature": temperature, "--dataset": dataset,
+                      "--gen-len": gen_len, "--temperature": temperature, "--top-p": top_p, "--top-k": top_k,
+                      "--dataset": dataset,
                       "--tokenizer": tokenizer, "--slo-ttft-ms": slo_ttft_ms, "--slo-tpot-ms": slo_tpot_ms,
                       "--ignore-eos": ignore_eos}
         _endpoint_from_file(from_profile, [flag for flag, value in load_flags.items() if value is not None],
@@ -449,7 +456,8 @@ def endpoint(
         return
     expectation = None
     given = {"url": url, "model": model_name, "concurrency": _int_list(concurrency, "--concurrency"),
-             "prompt_len": prompt_len, "gen_len": gen_len, "temperature": temperature}
+             "prompt_len": prompt_len, "gen_len": gen_len, "temperature": temperature, "top_p": top_p,
+             "top_k": top_k}
     if expect is not None:  # the endpoint and workload the prediction is for, where not typed
         from clusteropt_cli.core.profile.expect import endpoint_values_from_recipe, load_expectation
 
@@ -464,7 +472,8 @@ def endpoint(
         rate=_float_list(rate, "--rate"), num_requests=num_requests, duration_s=duration,
         prompt_len=given["prompt_len"] or 128, gen_len=given["gen_len"] or 64, dataset=dataset, tokenizer=tokenizer,
         slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, request_timeout_s=request_timeout, warmup=warmup,
-        api_key=api_key, ignore_eos=ignore_eos, seed=seed, temperature=given["temperature"] or 0.0)
+        api_key=api_key, ignore_eos=ignore_eos, seed=seed, temperature=given["temperature"] or 0.0,
+        top_p=given.get("top_p"), top_k=given.get("top_k"))
     settings.validate()
     bench_paths = (_vllm_bench_paths(save_vllm_bench, settings.concurrency, settings.rate)
                    if save_vllm_bench is not None else [])

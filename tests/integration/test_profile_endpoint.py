@@ -29,6 +29,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+RECEIVED: list[dict] = []  # the bodies /v1/completions got, newest last
+
+
 def _fake_openai_app():
     """Streams `max_tokens` one-word chunks as OpenAI SSE; /broken/... answers 500; /cut/... drops mid-stream."""
     from fastapi import FastAPI
@@ -52,6 +55,7 @@ def _fake_openai_app():
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.json()
+        RECEIVED.append(body)
         return StreamingResponse(stream(body, cut=False), media_type="text/event-stream")
 
     @app.post("/broken/v1/completions")
@@ -242,6 +246,8 @@ def test_endpoint_bad_flags_exit_2(copt, tmp_path):
                 "--rate", "2")
     assert proc.returncode == 2
     assert "--url" in proc.stderr and "--concurrency" in proc.stderr and "not both" in proc.stderr
+    proc = copt("profile", "endpoint", "--url", "http://127.0.0.1:1", "--model", "m", "--top-p", "1.5")
+    assert proc.returncode == 2 and "--top-p must be in (0, 1]" in proc.stderr
     existing = tmp_path / "p.png"
     existing.write_bytes(b"x")
     proc = copt("profile", "endpoint", "--url", "http://127.0.0.1:1", "--model", "m", "--plot", str(existing))
@@ -304,14 +310,24 @@ def test_endpoint_expect_takes_the_serve_recipes_server_and_workload(fake_server
     recipe.write_text(
         f"task: serve\nmodel: /models/x\nserved_model_name: fake\nport: {port}\nprediction:\n  figures:\n"
         "    ttft_s: 0.01\n    tpot_s: 0.01\n    output_tokens_per_s: 100.0\n    peak_mem_bytes: 1.0e9\n"
-        "  assumptions:\n    concurrency: 2\n    prompt_len: 8\n    gen_len: 6\n    temperature: 0.7\n")
+        "  assumptions:\n    concurrency: 2\n    prompt_len: 8\n    gen_len: 6\n    temperature: 0.7\n"
+        "    top_p: 0.9\n    top_k: 20\n")
+    RECEIVED.clear()
     proc = copt("profile", "endpoint", "--expect", str(recipe), "--num-requests", "4", "--tolerance", "100",
-                "--json", timeout=120)
+                "--json", "--report", str(tmp_path / "p.json"), timeout=120)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     profile, check = doc["profile"], doc["check"]
     assert [lv["concurrency"] for lv in profile["levels"]] == [2] and check["level"] == "concurrency 2"
     assert profile["workload"]["gen_len"] == 6 and profile["workload"]["temperature"] == 0.7
+    assert (profile["workload"]["top_p"], profile["workload"]["top_k"]) == (0.9, 20)
+    assert RECEIVED and all((b["temperature"], b["top_p"], b["top_k"]) == (0.7, 0.9, 20) for b in RECEIVED)
+    # advise prices the sampling the load tester sent
+    advised = copt("advise", "--from-profile", str(tmp_path / "p.json"), "--model", "llama-3.2-1b", "--gpu", "h200",
+                   "--json", timeout=120)
+    assert advised.returncode == 0, advised.stderr
+    sampling = json.loads(advised.stdout)["top_plan"]["assumptions"]["sampling"]
+    assert sampling == "sampled (temperature > 0, top k p draw)"
     assert profile["workload"]["url"] == f"http://127.0.0.1:{port}"
     status = {f["name"]: f["status"] for f in check["figures"]}
     assert status["peak_mem_bytes"] == "not-measured"

@@ -321,6 +321,12 @@ def test_profile_endpoint_expect_takes_the_recipes_server_and_workload(tmp_path)
                       "prompt_len": 256, "gen_len": 64, "temperature": 0.7}
     typed = endpoint_values_from_recipe(exp, {**given, "concurrency": [4], "url": "http://h:1"})
     assert typed["concurrency"] == [4] and typed["url"] == "http://h:1"
+    # truncated sampling: the plan's top_p / top_k are what the check sends
+    result = api.advise(spec, target, InferPlan(batch=32, prompt_len=256, gen_len=64, continuous_batching=True,
+                                                temperature=1.0, top_p=0.95, top_k=40), model_arg="llama-3.2-1b")
+    exp = load_expectation(str(api.emit_recipe(result, "llama-3.2-1b", tmp_path / "serve-topp.yaml")))
+    values = endpoint_values_from_recipe(exp, {**given, "top_p": None, "top_k": None})
+    assert (values["temperature"], values["top_p"], values["top_k"]) == (1.0, 0.95, 40)
 
 
 @pytest.mark.parametrize(("precision", "ckpt"), [("fp32", False), ("bf16", False), ("bf16", True)])

@@ -363,6 +363,10 @@ def defaults_from_profile(report: Any, task: str, given: dict[str, Any]
         values["gen_len"] = values["gen_len"] or wl.get("gen_len") or wl.get("max_tokens")
         if values.get("temperature") is None and wl.get("temperature") is not None:
             values["temperature"] = float(wl["temperature"])  # greedy or sampled: what the load tester sent
+        if values.get("top_p") is None and wl.get("top_p") is not None:
+            values["top_p"] = float(wl["top_p"])
+        if values.get("top_k") is None and wl.get("top_k") is not None:
+            values["top_k"] = max(0, int(wl["top_k"]))  # -1: off, as 0
     if values["gpu"] is None:
         values["gpu"] = "cpu" if report.hardware.device == "cpu" else report.hardware.catalog
     values["gpus"] = values["gpus"] or report.hardware.count
@@ -424,6 +428,8 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
         prediction["assumptions"].update(batch=int(w["batch"]), concurrency=int(w["batch"]),
                                          prompt_len=int(w["prompt_len"]), gen_len=int(w["gen_len"]),
                                          temperature=float(w.get("temperature", 0.0)))
+        if w.get("temperature") and (w.get("top_p", 1.0) < 1.0 or w.get("top_k", 0) > 0):  # the sampling priced
+            prediction["assumptions"].update(top_p=float(w.get("top_p", 1.0)), top_k=int(w.get("top_k", 0)))
         if w.get("shared_prefix_len"):  # the figures price a prefix every request shares
             prediction["assumptions"]["shared_prefix_len"] = int(w["shared_prefix_len"])
         task = "serve"

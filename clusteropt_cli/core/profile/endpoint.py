@@ -231,6 +231,10 @@ class _Runner:
         body: dict[str, Any] = {"model": self.s.model, "prompt": prompt, "max_tokens": self.s.gen_len,
                                 "temperature": self.s.temperature, "stream": True,
                                 "stream_options": {"include_usage": True}}
+        if self.s.top_p is not None:
+            body["top_p"] = self.s.top_p
+        if self.s.top_k is not None:
+            body["top_k"] = self.s.top_k
         if self.send_ignore_eos:
             body["ignore_eos"] = True
         return body
@@ -404,7 +408,8 @@ def profile_endpoint(s: EndpointSettings, log: Log | None = None) -> ProfileRepo
                 "slo_ttft_ms": s.slo_ttft_ms, "slo_tpot_ms": s.slo_tpot_ms,
                 "ignore_eos": facts["length_control"].startswith("ignore_eos"),
                 "output_length_control": facts["length_control"],
-                "mean_output_tokens": _mean_output_tokens(levels), "temperature": s.temperature}
+                "mean_output_tokens": _mean_output_tokens(levels), "temperature": s.temperature,
+                "top_p": s.top_p, "top_k": s.top_k}
     return ProfileReport(kind="endpoint", mode="endpoint", created_at=datetime.now(UTC).isoformat(timespec="seconds"),
                          copt_version=__version__, hardware=_server_hardware(s.url), model={"name": s.model},
                          workload=workload, metrics=metrics, levels=levels, verdict=verdict)

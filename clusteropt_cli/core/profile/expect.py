@@ -118,7 +118,7 @@ def model_values_from_recipe(exp: Expectation) -> dict[str, Any]:
 
 def endpoint_values_from_recipe(exp: Expectation, given: dict[str, Any], rate_given: bool = False) -> dict[str, Any]:
     """What `profile endpoint` sends to check a serve recipe's prediction: the recipe's server (host, port,
-    served name) and the workload the figures are for (concurrency, prompt/gen lengths, temperature), wherever the
+    served name) and the workload the figures are for (concurrency, prompt/gen lengths, sampling), wherever the
     command's own flags leave them unset."""
     if exp.task != "serve":
         raise BadInputError(f"--expect {exp.path}: profile endpoint checks a serve recipe (this one is "
@@ -132,7 +132,7 @@ def endpoint_values_from_recipe(exp: Expectation, given: dict[str, Any], rate_gi
     if not values.get("concurrency") and not rate_given:
         want = a.get("concurrency", a.get("batch"))
         values["concurrency"] = [int(want)] if want else []
-    for key in ("prompt_len", "gen_len", "temperature"):
+    for key in ("prompt_len", "gen_len", "temperature", "top_p", "top_k"):
         if values.get(key) is None and a.get(key) is not None:
             values[key] = a[key]
     return values

@@ -88,11 +88,17 @@ class EndpointSettings:
     ignore_eos: bool | None = None  # None: send vLLM's ignore_eos, drop it if the server rejects it
     seed: int = 0
     temperature: float = 0.0  # 0 = greedy; > 0 = sampled requests (the OpenAI default is 1)
+    top_p: float | None = None  # sent when set (the OpenAI parameter)
+    top_k: int | None = None  # sent when set (vLLM's and copt serve's extra parameter; 0 or -1: off)
 
     def validate(self) -> None:
         problems = []
         if self.temperature < 0:
             problems.append(f"--temperature must not be negative (got {self.temperature})")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            problems.append(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if self.top_k is not None and self.top_k < -1:
+            problems.append(f"--top-k must be -1, 0 (both: off) or a positive count (got {self.top_k})")
         if not self.url.startswith(("http://", "https://")):
             problems.append(f"--url {self.url!r} must start with http:// or https://")
         if not self.model:
