@@ -92,6 +92,37 @@ def measure(engine, vocab: int, variant: str, out: dict) -> None:  # noqa: ANN00
             CTX["save"]()
 
 
+def first_token_paths(engine, vocab: int, out: dict) -> None:  # noqa: ANN001
+    """Sampled requests with their first token chosen through the captured sampling graph (the default) and on
+    the eager path (runner.graphed_first_tokens off): TTFT of each and whether the same seeded requests got the same
+    first four tokens both ways."""
+    from clusteropt_cli.core.serve.engine import GenerationRequest
+
+    args, runner = CTX["args"], engine.runner
+    length = CTX["lengths"][0]
+    prompts = [random.Random(1000 + i).sample(range(10, vocab - 10), length) for i in range(args.repeats)]
+    paths: dict = {}
+    for mode, sampling in SAMPLED.items():
+        row: dict = {}
+        for graphed in (True, False):
+            runner.graphed_first_tokens = graphed
+            ttfts, tokens = [], []
+            for i, prompt in enumerate(prompts):
+                req = GenerationRequest(prompt_ids=prompt, max_new_tokens=4, ignore_eos=True, seed=7 + i, **sampling)
+                result = engine.generate([req])[0]
+                ttfts.append(1e3 * result.ttft_s)
+                tokens.append(result.output_ids)
+            row["graph" if graphed else "eager"] = {"ttft_ms": round(statistics.median(ttfts), 3), "tokens": tokens}
+        runner.graphed_first_tokens = True
+        row["same_tokens"] = row["graph"]["tokens"] == row["eager"]["tokens"]
+        paths[mode] = row
+        log(f"{CTX['shape']} first sampled token {mode} prompt {length}: TTFT through the sampling graph "
+            f"{row['graph']['ttft_ms']:.2f} ms, eager {row['eager']['ttft_ms']:.2f} ms; same tokens "
+            f"{row['same_tokens']}")
+    out["first_token_paths"] = paths
+    CTX["save"]()
+
+
 CTX: dict = {}
 
 
@@ -167,6 +198,8 @@ def main() -> None:
             for variant in variants:
                 runner._prefill_graphs = graphs if variant == "graphs" else []
                 measure(engine, vocab, variant, out)
+                if variant == "graphs":
+                    first_token_paths(engine, vocab, out)
                 # the same greedy tokens either way: one prompt at a time, then all four in one step
                 reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=8, ignore_eos=True) for p in fixed]
                 tokens[variant] = [engine.generate([r])[0].output_ids for r in reqs]

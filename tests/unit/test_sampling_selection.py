@@ -529,3 +529,40 @@ def test_start_up_warms_every_variant_the_eager_sampling_path_calls():
                 logits = torch.randn(rows, vocab)
             sampler.sample(logits, list(range(rows)), [5] * rows)
     assert seen and seen <= warmed, sorted(seen - warmed, key=str)
+
+
+def test_first_tokens_through_the_sampling_rows_equal_the_eager_path():
+    """The first tokens after a prefill go through the sampling graph's rows on CUDA (SlotSampler
+    .sample_through_rows: the rows copied to their slots in the shared buffer, only they active): the same tokens
+    and the same penalty counts as the eager path, for every kind of request, with slots out of order and stale
+    rows in the buffer."""
+    import torch
+
+    from clusteropt_cli.core.serve.device_sampling import RowSettings, SlotSampler
+
+    vocab, slots, positions = 300, [5, 2, 6], [9, 4, 7]
+    cases = [RowSettings(temperature=1.0), RowSettings(temperature=0.7, top_p=0.8),
+             RowSettings(temperature=1.0, top_k=20), RowSettings(temperature=1.0, top_k=30, top_p=0.9),
+             RowSettings(temperature=0.9, top_k=200), RowSettings(temperature=1.0, min_p=0.1),
+             RowSettings(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
+             RowSettings(temperature=1.0, logit_bias={7: 50.0}), RowSettings(temperature=0.0)]
+    eager, graphed = SlotSampler(8, vocab, torch.device("cpu")), SlotSampler(8, vocab, torch.device("cpu"))
+    with torch.inference_mode():
+        buffer = torch.randn(8, vocab)  # stale rows: what the last decode step left there
+    gen = torch.Generator().manual_seed(3)
+    for case in cases:
+        for i, slot in enumerate(slots):
+            mixed = case if i != 2 else cases[(cases.index(case) + 1) % len(cases)]  # another kind in the step
+            for sampler in (eager, graphed):
+                sampler.assign(slot, RowSettings(**{**mixed.__dict__, "seed": 40 + slot}), [1, 2, 3, 7])
+        with torch.inference_mode():
+            logits = torch.randn(len(slots), vocab, generator=gen) * 2
+        want = eager.sample(logits, slots, positions)
+        got = graphed.sample_through_rows(buffer, logits, slots, positions, bucket=8)
+        assert torch.equal(want, got), case
+        # the penalty counts of the rows that read them (the graphs also count rows with only a logit_bias; a
+        # request with penalties starts from zero), and no other row counted
+        read = [slot for slot in range(8) if eager.settings[slot] is not None and eager.settings[slot].has_penalties]
+        assert torch.equal(eager.counts[read], graphed.counts[read]), case
+        untouched = [slot for slot in range(8) if slot not in slots]
+        assert not graphed.counts[untouched].any()

@@ -643,6 +643,23 @@ class SlotSampler:
         return calls
 
     @_in_inference_mode
+    def sample_through_rows(self, buffer, logits, slots: list[int], positions: list[int], bucket: int):
+        """sample() through graph_sample: the rows of `logits` [n, V] go to rows `slots` of `buffer` (the runner's
+        shared logits buffer, [>= bucket, V]), only those rows are active, and the sampling graph of `bucket` rows
+        (> max(slots)) chooses their tokens — one replay instead of the eager path's launches, the same tokens
+        (counter-based noise; every mode draws the same token) and the same penalty counts. The decode graphs set
+        position and active for their own rows at every replay."""
+        import torch
+
+        _plain, sort, penalize = self.flags(slots)
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        buffer.index_copy_(0, index, logits.float())
+        self.position.index_copy_(0, index, torch.tensor(positions, dtype=torch.long, device=self.device))
+        self.active[:bucket].zero_()
+        self.active.index_fill_(0, index, True)
+        return self.graph_sample(buffer[:bucket], bucket, sort, penalize).index_select(0, index)
+
+    @_in_inference_mode
     def processed(self, logits, slots: list[int], positions: list[int]):
         """Processed logits (temperature applied) of rows [n, V] — the speculative path's distributions."""
         import torch

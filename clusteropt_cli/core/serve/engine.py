@@ -702,7 +702,7 @@ class Engine(EngineLoading, SpeculativeDecoding):
 
                 logits = logits.index_select(0, torch.tensor(generating, dtype=torch.long, device=logits.device))
                 done = [done[i] for i in generating]
-            tokens = self._choose(logits, done)
+            tokens = self._choose(logits, done, prefill=True)
             t2 = clock()
             self.stats.add_phase("prefill_sample_sync", t2 - t1)
             self._emit_one_each(done, tokens)
@@ -797,11 +797,11 @@ class Engine(EngineLoading, SpeculativeDecoding):
             _wake_all(self._wakes)
             self._wakes = {}
 
-    def _choose(self, logits, seqs: list[_Seq]) -> list[int]:
+    def _choose(self, logits, seqs: list[_Seq], prefill: bool = False) -> list[int]:
         """The next token of each sequence from its logits row (on the device), plus logprobs where asked. When
         the batched choice raises, rows are chosen one by one so that only the request that fails is failed."""
         try:
-            return self._choose_rows(logits, seqs)
+            return self._choose_rows(logits, seqs, prefill)
         except Exception as exc:  # noqa: BLE001 - find the request that failed: choose row by row
             if is_fatal_device_error(exc):
                 raise
@@ -814,7 +814,9 @@ class Engine(EngineLoading, SpeculativeDecoding):
                 tokens.append(0)
         return tokens
 
-    def _choose_rows(self, logits, seqs: list[_Seq]) -> list[int]:
+    def _choose_rows(self, logits, seqs: list[_Seq], prefill: bool = False) -> list[int]:
+        """The tokens of `seqs` from their logits rows; `prefill`: the first tokens after a prefill step, which
+        may go through the captured sampling graph (runner.sample_first_tokens)."""
         from clusteropt_cli.core.serve.sampling import to_host
 
         sampler = self.runner.sampler
@@ -833,7 +835,9 @@ class Engine(EngineLoading, SpeculativeDecoding):
             return host
         if sampler.flags(slots)[0]:
             return to_host(logits.argmax(-1))
-        return to_host(sampler.sample(logits, slots, positions))
+        graphed = getattr(self.runner, "sample_first_tokens", None) if prefill else None
+        chosen = graphed(logits, slots, positions) if graphed is not None else None  # through the sampling graph
+        return to_host(chosen if chosen is not None else sampler.sample(logits, slots, positions))
 
     def _record_logprobs(self, seqs: list[_Seq], tokens, logprobs) -> None:
         """Each requesting sequence's token logprob and top alternatives, keyed by its output index."""

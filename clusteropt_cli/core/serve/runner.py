@@ -815,6 +815,27 @@ class ModelRunner:
             logits = self.forward_decode(slots, positions, tokens)
             return sampler.sample(logits, slots, [p + 1 for p in positions])
 
+    # the largest batch bucket whose sampling graph chooses the first tokens after a prefill (above it, the graph's
+    # rows outside the step would cost more device time than the eager path's launches cost the host)
+    GRAPHED_FIRST_TOKEN_ROWS = 64
+    graphed_first_tokens = True  # off: the eager path (benchmarks compare both)
+
+    def sample_first_tokens(self, logits, slots: list[int], positions: list[int]):
+        """The tokens chosen from prefill logits [n, V] (rows of `slots`, choosing the token at `positions`) through
+        the captured sampling graph of the smallest batch bucket above max(slots), or None where there is none (no
+        CUDA graphs, a bucket above GRAPHED_FIRST_TOKEN_ROWS): the caller samples eagerly."""
+        if not (self.use_graphs and self.graphed_first_tokens and getattr(self, "logits_buf", None) is not None):
+            return None
+        if self.sampler.graph_error is not None:
+            return None
+        if logits.untyped_storage().data_ptr() == self.logits_buf.untyped_storage().data_ptr():
+            return None  # a decode graph's own output (a view of the buffer): never copied onto itself
+        rows = max(slots) + 1
+        bucket = next((b for b in self._batch_buckets if b >= rows), None)
+        if bucket is None or bucket > self.GRAPHED_FIRST_TOKEN_ROWS:
+            return None
+        return self.sampler.sample_through_rows(self.logits_buf, logits, slots, positions, bucket)
+
     @property
     def can_copy_prefix(self) -> bool:
         """Every layer keeps all positions (a sliding-window ring may have overwritten a shared prefix); a paged
