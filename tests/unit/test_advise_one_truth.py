@@ -406,6 +406,24 @@ def test_batch1_ttft_is_the_captured_prefill_copt_serve_runs(model, prompt, meas
     assert infer_time(load_model_spec(model), beyond, Target(get_gpu("h200"))).figures["ttft_s"] * 1e3 > 2 * ttft_ms
 
 
+@pytest.mark.parametrize(("top_p", "top_k", "measured_ms"), [(1.0, 0, 4.64), (0.95, 0, 4.45), (1.0, 50, 4.45)])
+def test_batch1_ttft_of_a_sampled_request(top_p, top_k, measured_ms) -> None:
+    """The first token of a sampled request is drawn by the captured sampling graph: in-process on an H200, 1B
+    shape, 32-token prompts, greedy 3.65 ms (docs/benchmarks.md#time-to-first-token)."""
+    from clusteropt_cli.core.advise.calibration import SERVING_ENGINES
+
+    server_s = SERVING_ENGINES["copt"]["http_request_s"]
+    spec, target = load_model_spec("llama-3.2-1b"), Target(get_gpu("h200"))
+
+    def ttft(temperature: float) -> float:
+        plan = InferPlan(batch=1, prompt_len=32, gen_len=1, continuous_batching=True, temperature=temperature,
+                         top_p=top_p, top_k=top_k)
+        return infer_time(spec, plan, target).figures["ttft_s"] - server_s
+
+    assert ttft(1.0) - ttft(0.0) == pytest.approx(SERVING_ENGINES["copt"]["sampled_first_token_s"])
+    assert ttft(1.0) * 1e3 == pytest.approx(measured_ms, rel=0.15)
+
+
 @pytest.mark.parametrize(("model", "measured_ms"), [("llama-3.2-1b", 8.2), ("llama-3.1-8b", 17.0)])
 def test_batch1_ttft_through_copt_serve(model, measured_ms) -> None:
     """One streaming greedy request of 256 prompt tokens at a time through `copt serve` on an H200

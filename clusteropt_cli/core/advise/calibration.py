@@ -122,11 +122,13 @@ STATIC_BATCH_EFFICIENCY = 0.6
 # 4.58, 10.43 and 14.5 ms). Through `copt serve` (one streaming greedy request of 256 prompt tokens at a time,
 # bench/gpu_serve_models.py, H200, 2026-12-02) the first token came 3.8 ms (1B: 8.2 ms against 4.4 in-process at
 # c8431df) and 3.5 ms (8B: 17.0 against 13.6) later: 3.6 ms per request for the server (HTTP, tokenization, the
-# first SSE event), added to every TTFT of copt's engine.
+# first SSE event), added to every TTFT of copt's engine. A sampled request's first token is drawn by the captured
+# sampling graph after the prefill: in-process, 1B shape, 32-token prompts (bench/gpu_ttft_profile.py, H200,
+# 2026-12-02, 3f29203) greedy 3.65 ms, temperature 1.0 4.64, with top_p 0.95 4.45, with top_k 50 4.45 → 0.86 ms.
 SERVING_ENGINES = {
     "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 2.0e-3, "step_fixed_s": 0.51e-3,
              "step_per_seq_s": 30e-6, "prefill_graph_tokens": 2048, "prefill_graph_layer_s": 0.185e-3,
-             "prefill_graph_request_s": 0.32e-3, "http_request_s": 3.6e-3},
+             "prefill_graph_request_s": 0.32e-3, "http_request_s": 3.6e-3, "sampled_first_token_s": 0.86e-3},
     "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }
 # What sampled requests (temperature > 0, no top-k/top-p truncation) add per decode step of copt's engine over

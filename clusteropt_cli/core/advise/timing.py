@@ -292,6 +292,8 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         ttft = prefill_s  # static batch: every prompt of the batch is prefilled before the first token
     if engine:  # what the server adds to a request's first token (HTTP, tokenization, the first SSE event)
         ttft += engine.get("http_request_s", 0.0)
+        if plan.temperature > 0:  # the first token drawn by the sampling step instead of the greedy argmax
+            ttft += engine.get("sampled_first_token_s", 0.0)
     ctx = plan.prompt_len + plan.gen_len / 2
     kv_read = kv_cache_bytes(spec, plan.with_(batch=running) if running != plan.batch else plan, ctx)
     # MoE decode reads only the experts the batch routes to: the active parameters (k experts per layer) plus the
