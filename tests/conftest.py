@@ -15,6 +15,13 @@ REPO = Path(__file__).resolve().parent.parent
 # Python path packs the tiny fixture models in well under a second.
 os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")
 
+# Under pytest-xdist (`-n 2`, the README's test command) each worker process, and every process its tests start, gets
+# its share of the cores as OpenMP threads, as copt's own launcher gives each rank (set before torch is imported):
+# two workers of two spinning threads each on two cores slow each other down.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
+                                                      // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+
 
 def pytest_collection_modifyitems(config, items):
     try:

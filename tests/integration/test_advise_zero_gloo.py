@@ -2,7 +2,8 @@
 running copt train's engine with the config copt train writes (zero_states_worker.py): 16-bit weights (full at
 ZeRO-1/2, a half at ZeRO-3), fp32 master partition + Adam moments (a half). Gradients are not compared here (they
 live only inside a step). DeepSpeed's CPU communication op compiles on first use: marked jit like the other
-multi-process ZeRO tests."""
+multi-process ZeRO tests. One torchrun launch measures every selected stage in turn (module fixture): a launch's two
+ranks spend most of their time importing torch, transformers and DeepSpeed."""
 
 from __future__ import annotations
 
@@ -19,21 +20,33 @@ from tests.conftest import REPO
 WORKER = Path(__file__).with_name("zero_states_worker.py")
 
 
+@pytest.fixture(scope="module")
+def measured(request, tmp_path_factory) -> Path:
+    """Run the worker once for the stages of this module's selected tests; returns its output directory
+    (stage{N}/rank{R}.json)."""
+    test = "test_zero_model_states_per_rank_match_advise"
+    stages = sorted({item.callspec.params["stage"] for item in request.session.items
+                     if item.module is request.module and item.originalname == test})
+    out = tmp_path_factory.mktemp("zero-states")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(WORKER), ",".join(map(str, stages)), str(out)], capture_output=True, text=True,
+                          env=env, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 @pytest.mark.jit
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_model_states_per_rank_match_advise(stage: int, tmp_path: Path) -> None:
+def test_zero_model_states_per_rank_match_advise(stage: int, measured: Path) -> None:
     from clusteropt_cli.core.advise import api
     from clusteropt_cli.core.advise.memory import ds_settings
     from clusteropt_cli.core.advise.plan import TrainPlan
     from clusteropt_cli.modelspec import load_model_spec
     from tests.integration.zero_states_worker import CONFIG
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKER), str(stage), str(tmp_path)], capture_output=True, text=True, env=env,
-                          timeout=900, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((measured / f"stage{stage}" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["stage"] == stage for r in ranks)
 
     spec = load_model_spec(dict(CONFIG))
     assert spec.num_params == ranks[0]["num_params"]

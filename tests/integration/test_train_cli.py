@@ -28,6 +28,18 @@ def _run(copt, args):
     return json.loads(proc.stdout)
 
 
+def _cli(capsys, *args) -> subprocess.CompletedProcess:
+    """copt in this process, as from the command line, for the runs that start nothing (validation, --dry-run): a
+    subprocess would spend its ~3 s importing what this process has imported already."""
+    from clusteropt_cli.app import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["copt", *args], int(info.value.code or 0), out, err)
+
+
 @pytest.fixture(scope="module")
 def single_process_losses(fixtures, tmp_path_factory):
     """The reference loss curves of one process (in this process) on the same global batch (4 sequences per step;
@@ -137,12 +149,12 @@ def test_kill_9_and_resume_continues_the_same_curve(fixtures, tmp_path, single_p
     assert (out / "model.safetensors").exists()
 
 
-def test_dry_run_two_node_hostfile(copt, fixtures, tmp_path):
+def test_dry_run_two_node_hostfile(capsys, fixtures, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=8\nnode-b slots=8\n")
-    proc = copt(*_common(fixtures, tmp_path / "out", extra=["--gpus", "8", "--nodes", "2", "--hostfile",
-                                                            str(hostfile), "--zero", "3", "--offload", "cpu",
-                                                            "--dry-run"]))
+    proc = _cli(capsys, *_common(fixtures, tmp_path / "out", extra=["--gpus", "8", "--nodes", "2", "--hostfile",
+                                                                    str(hostfile), "--zero", "3", "--offload", "cpu",
+                                                                    "--dry-run"]))
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["launcher"] == "deepspeed" and plan["world_size"] == 16 and plan["master_addr"] == "node-a"
@@ -153,24 +165,24 @@ def test_dry_run_two_node_hostfile(copt, fixtures, tmp_path):
     assert plan["deepspeed_config"]["train_batch_size"] == 4 * 16
     assert plan["deepspeed_config"]["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
-    text = copt(*[a for a in _common(fixtures, tmp_path / "out", extra=[
+    text = _cli(capsys, *[a for a in _common(fixtures, tmp_path / "out", extra=[
         "--gpus", "8", "--nodes", "2", "--hostfile", str(hostfile), "--launcher", "torchrun", "--dry-run"])
         if a != "--json"])
     assert text.returncode == 0, text.stderr
     assert "--rdzv-endpoint node-a:29500" in text.stdout and "on every node" in text.stdout
 
 
-def test_bad_inputs_fail_before_any_work(copt, fixtures, tmp_path):
-    proc = copt("train", "--model", str(fixtures.student), "--data", str(tmp_path / "missing.txt"), "--output",
-                str(tmp_path / "o"), "--seq-len", "4096", "--pipeline-stages", "4", "--gpus", "4")
+def test_bad_inputs_fail_before_any_work(capsys, fixtures, tmp_path):
+    proc = _cli(capsys, "train", "--model", str(fixtures.student), "--data", str(tmp_path / "missing.txt"),
+                "--output", str(tmp_path / "o"), "--seq-len", "4096", "--pipeline-stages", "4", "--gpus", "4")
     assert proc.returncode == 2
     for needle in ("--data", "missing.txt", "--seq-len: 4096 exceeds", "max_position_embeddings (1024)",
                    "--pipeline-stages: 4 stages", "2 layers"):
         assert needle in proc.stderr, proc.stderr
-    proc = copt("train", "--model", str(fixtures.student), "--data", str(fixtures.train_text), "--output",
-                str(tmp_path / "o"), "--zero", "3", "--pipeline-stages", "2", "--gpus", "2")
+    proc = _cli(capsys, "train", "--model", str(fixtures.student), "--data", str(fixtures.train_text),
+                "--output", str(tmp_path / "o"), "--zero", "3", "--pipeline-stages", "2", "--gpus", "2")
     assert proc.returncode == 2 and "ZeRO-3 cannot be combined" in proc.stderr
-    proc = copt("train", "--model", str(fixtures.student), "--data", str(fixtures.train_text), "--output",
-                str(tmp_path / "o"), "--precision", "fp8")
+    proc = _cli(capsys, "train", "--model", str(fixtures.student), "--data", str(fixtures.train_text),
+                "--output", str(tmp_path / "o"), "--precision", "fp8")
     assert proc.returncode == 4 and "compute capability >= 8.9" in proc.stderr
     assert not (tmp_path / "o").exists()

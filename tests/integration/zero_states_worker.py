@@ -1,7 +1,11 @@
 """Run under torchrun with 2 CPU processes (gloo): copt train's DeepSpeed engine (train's config generator, its
 optimizer, its loss) for two steps of ZeRO stage N, then write each rank's model-state bytes as DeepSpeed holds them.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 zero_states_worker.py STAGE OUT_DIR
+    python -m torch.distributed.run --standalone --nproc-per-node 2 zero_states_worker.py STAGES OUT_DIR
+
+STAGES: one stage or several, comma-separated ("1,2,3"): each stage builds its own model and engine in turn on the
+one process group (one launch instead of one per stage: the launch and the imports are most of the time), and writes
+OUT_DIR/stage{N}/rank{R}.json.
 
 Counted per rank (unique storages): the 16-bit weights the rank holds (ZeRO-1/2: the full flat bit16 groups;
 ZeRO-3: its parameter partitions ds_tensor), the fp32 master partition and the Adam moments of its optimizer.
@@ -27,19 +31,31 @@ def _bytes(tensors) -> int:  # noqa: ANN001
     return sum(storages.values())
 
 
-def main(stage: int, out_dir: Path) -> None:
+def main(stages: list[int], out_dir: Path) -> None:
+    from clusteropt_cli.core.train.distributed import barrier, setup_distributed, teardown_distributed
+
+    ctx = setup_distributed(2)
+    for stage in stages:
+        measure(stage, ctx, out_dir / f"stage{stage}")
+        barrier(ctx)
+    # as copt train ends: both ranks done, then the process group torn down (left to interpreter exit, ZeRO-3's gloo
+    # threads sometimes aborted a rank: "terminate called without an active exception")
+    teardown_distributed(ctx)
+
+
+def measure(stage: int, ctx, out_dir: Path) -> None:  # noqa: ANN001
+    import gc
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from clusteropt_cli.core.train.deepspeed_config import deepspeed_config
-    from clusteropt_cli.core.train.distributed import barrier, setup_distributed, teardown_distributed
     from clusteropt_cli.core.train.engines import DeepSpeedEngine
     from clusteropt_cli.core.train.loop import default_loss_fn
     from clusteropt_cli.recipe.schema.train import TrainRecipe
 
     options = TrainRecipe(model="llama", zero=stage, precision="bf16", micro_batch=2, seq_len=32, gpus=2,
                           max_steps=2)
-    ctx = setup_distributed(2)
     cfg = dict(CONFIG)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(0)
@@ -63,12 +79,13 @@ def main(stage: int, out_dir: Path) -> None:
               "num_params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
               "reduce_bucket_size": ds_config["zero_optimization"]["reduce_bucket_size"],
               "engine_reduce_bucket_size": engine.engine.zero_reduce_bucket_size()}
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{ctx.rank}.json").write_text(json.dumps(result))
-    # as copt train ends: both ranks done, then the process group torn down (left to interpreter exit, ZeRO-3's gloo
-    # threads sometimes aborted a rank: "terminate called without an active exception")
-    barrier(ctx)
-    teardown_distributed(ctx)
+    # the next stage starts from nothing of this one: its engine (and ZeRO-3's hooks on this model) released
+    engine.engine.destroy()
+    del engine, opt, model, adam
+    gc.collect()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), Path(sys.argv[2]))
+    main([int(s) for s in sys.argv[1].split(",")], Path(sys.argv[2]))
