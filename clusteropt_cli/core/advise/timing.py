@@ -32,15 +32,10 @@ def zero_comm_bytes(num_params: float, zero: int, dp: int, grad_bytes: float = 2
     return factor * num_params * grad_bytes * (dp - 1) / dp
 
 
-
 def sampling_mode(plan: InferPlan, rows: int) -> str:
     """The selection mode copt's engine runs for the plan's sampled requests (device_sampling.selection_for and
     SlotSampler.mode on CUDA), named as in calibration.SAMPLING_GRAPH_US."""
-    from clusteropt_cli.core.serve.device_sampling import (
-        SORT_ROWS,
-        TOP_K_CAP,
-        TOP_K_SMALL,
-    )
+    from clusteropt_cli.core.serve.device_sampling import SORT_ROWS, TOP_K_CAP, TOP_K_SMALL
 
     top_p, top_k = plan.top_p < 1.0, plan.top_k > 0
     if not (top_p or top_k):
@@ -70,6 +65,7 @@ def truncation_step_s(plan: InferPlan, rows: int) -> float:
         return 0.0
     table = cal.SAMPLING_GRAPH_US
     return max(0.0, _interpolated_us(table[mode], rows) - _interpolated_us(table["plain"], rows)) * 1e-6
+
 
 @dataclass
 class TimeEstimate:
