@@ -33,20 +33,16 @@ def zero_comm_bytes(num_params: float, zero: int, dp: int, grad_bytes: float = 2
 
 
 def sampling_mode(plan: InferPlan, rows: int) -> str:
-    """The selection mode copt's engine runs for the plan's sampled requests (device_sampling.selection_for and
-    SlotSampler.mode on CUDA), named as in calibration.SAMPLING_GRAPH_US."""
-    from clusteropt_cli.core.serve.device_sampling import SORT_ROWS, TOP_K_CAP, TOP_K_SMALL
+    """The selection mode copt's engine runs for the plan's sampled requests — the engine's own choice
+    (device_sampling.selection_for; on CUDA one row with a wide top-k sorts, as SlotSampler.mode does), named as in
+    calibration.SAMPLING_GRAPH_US."""
+    from clusteropt_cli.core.serve import device_sampling as ds
 
-    top_p, top_k = plan.top_p < 1.0, plan.top_k > 0
-    if not (top_p or top_k):
-        return "plain"
-    if not top_k:
-        return "top_p"
-    if plan.top_k <= TOP_K_SMALL:
-        return "top_k_p_draw" if top_p else "top_k_draw"
-    if plan.top_k > TOP_K_CAP or rows <= SORT_ROWS:
-        return "sort"
-    return "top_k_wide_p" if top_p else "top_k_wide"
+    mode = ds.selection_for([ds.RowSettings(temperature=1.0, top_p=plan.top_p, top_k=plan.top_k)])
+    if mode in (ds.TOP_K_WIDE, ds.TOP_K_WIDE_P) and rows <= ds.SORT_ROWS:
+        mode = ds.SORT
+    return {ds.PLAIN: "plain", ds.TOP_P: "top_p", ds.TOP_K_DRAW: "top_k_draw", ds.TOP_K_P_DRAW: "top_k_p_draw",
+            ds.TOP_K_WIDE: "top_k_wide", ds.TOP_K_WIDE_P: "top_k_wide_p", ds.SORT: "sort"}[mode]
 
 
 def _interpolated_us(points: tuple[tuple[int, float], ...], rows: int) -> float:
