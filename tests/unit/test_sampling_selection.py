@@ -287,6 +287,37 @@ def test_plain_mode_equals_the_previous_plain_path():
     assert torch.equal(new, old)
 
 
+@pytest.mark.parametrize("kind", ["ties", "continuous"])
+def test_draw_modes_apply_the_temperature_as_the_sort_path_does(kind):
+    """The draw modes take undivided logits and each row's 1 / temperature (applied in top_entries' first pass and
+    in the row's mass): the same tokens as the full sort over the divided logits, at temperatures 0.3–1.3 with
+    greedy rows mixed in (the check can fail: a draw that kept the raw values, or divided the mass differently)."""
+    import torch
+
+    from clusteropt_cli.core.serve.device_sampling import (
+        TOP_K_DRAW,
+        TOP_K_P_DRAW,
+        choose_tokens,
+        temperature_or_one,
+    )
+
+    gen = torch.Generator().manual_seed(11 + len(kind))
+    rows = 64
+    raw = _logits(gen, rows, 3000, kind)
+    top_k = torch.randint(1, 65, (rows,), generator=gen)
+    top_p = torch.tensor([1.0, 0.95, 0.6, 0.3])[torch.arange(rows) % 4]
+    order = ("temperature", "top_p", "top_k", "min_p", "seed_lo", "seed_hi", "position")
+    for mode, p in ((TOP_K_DRAW, None), (TOP_K_P_DRAW, top_p)):
+        args = _args(gen, rows, top_k=top_k, **({"top_p": p} if p is not None else {}))
+        args["temperature"] = torch.where(args["temperature"] > 0, torch.rand(rows, generator=gen) + 0.3, 0.0)
+        scale = 1.0 / temperature_or_one(args["temperature"])
+        new = choose_tokens(raw, *(args[k] for k in order), mode, scale=scale)
+        want = _reference_choose(raw * scale[:, None], *(args[k] for k in order), True)
+        assert torch.equal(new, want), f"mode {mode}: rows {torch.nonzero(new != want).flatten().tolist()} differ"
+        undivided = _reference_choose(raw, *(args[k] for k in order), True)
+        assert not torch.equal(undivided, want)  # the temperatures change the draw: the check means something
+
+
 def test_rows_pick_the_cheapest_exact_mode():
     from clusteropt_cli.core.serve.device_sampling import (
         PLAIN,

@@ -24,8 +24,11 @@ for rows, vocab, k in ((1, 5000, 64), (2, 4096, 64), (1, 2049, 16), (1, 6000, 12
     want = x.topk(k, dim=-1, sorted=True).values
     entries = True
     if (rows, vocab) in ((2, 4096), (1, 2049)):  # with token ids, in a stable sort's order (slow here: two cases)
-        values, ids = tk._triton_top_entries(x, k)
-        sorted_values, order = x.sort(dim=-1, descending=True, stable=True)
+        # the first case with per-row temperatures applied in the first pass (the sampler's 1 / temperature)
+        scale = 1.0 / torch.tensor([0.7, 1.3][:rows]) if rows == 2 else None
+        values, ids = tk._triton_top_entries(x, k, scale)
+        scaled = x if scale is None else x * scale[:, None]
+        sorted_values, order = scaled.sort(dim=-1, descending=True, stable=True)
         entries = torch.equal(values, sorted_values[:, :k]) and torch.equal(ids, order[:, :k])
     results.append({"rows": rows, "vocab": vocab, "k": k, "equal": bool(torch.equal(got, want)),
                     "entries": bool(entries)})
@@ -68,7 +71,8 @@ def test_top_k_kernels_compile_for_an_h100_class_gpu():
 
     tk._build()
     entry_pieces, entry_final = tk._kernels["entries"]
-    piece_sig = {"x_ptr": "*fp32", "out_ptr": "*i64", "vocab": "i32", "stride": "i32", "num_pieces": "i32",
+    piece_sig = {"x_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*i64", "vocab": "i32", "stride": "i32",
+                 "num_pieces": "i32",
                  "CHUNK": "constexpr", "K": "constexpr"}
     cases = [(entry_pieces, piece_sig, {"CHUNK": tk.CHUNK, "K": 64}, 4),
              (entry_final, {"cand_ptr": "*i64", "val_ptr": "*fp32", "idx_ptr": "*i64", "n": "i32", "P": "constexpr",

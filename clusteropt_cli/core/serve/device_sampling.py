@@ -189,19 +189,27 @@ def drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, posit
                        torch.where(noisy_rows, torch.full_like(values, float("-inf")), values))
 
 
-def drawn_scores_p(values, ids, total, top_k, top_p, min_p, temperature, seed_lo, seed_hi, position):
-    """TOP_K_P_DRAW's scores: drawn_scores with the row's mass and top-p (compiled on its own: one argument layout
-    per kernel)."""
-    return drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position, total, top_p)
+def drawn_token(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position):
+    """TOP_K_DRAW's token per row: the candidate id with the largest drawn_scores (the first maximum, in sorted
+    order) — the scores, their argmax and the id's gather in one compiled kernel."""
+    scores = drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position)
+    return ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
 
 
-def row_mass(x, top):
-    """The unnormalized mass exp(x - top) of each row [B] (top [B, 1] its largest x, taken as 0 when not finite):
-    one fused reduction compiled."""
+def drawn_token_p(values, ids, total, top_k, top_p, min_p, temperature, seed_lo, seed_hi, position):
+    """TOP_K_P_DRAW's token per row: drawn_token with the row's mass and top-p (compiled on its own: one argument
+    layout per kernel)."""
+    scores = drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position, total, top_p)
+    return ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+
+
+def row_mass(x, top, scale):
+    """The unnormalized mass exp(x × scale - top) of each row [B] (top [B, 1] its largest x × scale, taken as 0
+    when not finite; scale [B] the factors still to apply, 1 / temperature): one fused reduction compiled."""
     import torch
 
     top_f = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    return torch.exp(x - top_f).sum(-1)
+    return torch.exp(x * scale[:, None] - top_f).sum(-1)
 
 
 def nucleus_scores(x, top, min_p, temperature, seed_lo, seed_hi, position):
@@ -271,7 +279,7 @@ SORT_ROWS = 1
 
 # the pointwise pieces choose_tokens and process_logits call (SlotSampler compiles each into one fused kernel)
 KERNELS = {"plain": perturbed_scores, "sorted": perturbed_sorted, "weights": sorted_weights,
-           "top_k": perturbed_top_k, "draw": drawn_scores, "draw_p": drawn_scores_p, "mass": row_mass,
+           "top_k": perturbed_top_k, "draw": drawn_token, "draw_p": drawn_token_p, "mass": row_mass,
            "nucleus": nucleus_scores, "todo": nucleus_todo, "penalties": penalized_logits}
 
 
@@ -332,8 +340,8 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
     (TOP_K_CAP) or at least the vocabulary; SORT, exact for every row; False/True: PLAIN/SORT; selection_for
     picks it). A row whose every logit is -inf gives a token, never NaN. `perturb`: the KERNELS,
     compiled or not. `scale`: per-row factors still to apply to `scaled` (1 / temperature, when process_logits
-    did not divide; PLAIN only). `active` [B] bool: rows whose token is used (the others may get any token:
-    TOP_P spends no rounds on them)."""
+    did not divide; PLAIN and the draw modes). `active` [B] bool: rows whose token is used (the others may get
+    any token: TOP_P spends no rounds on them)."""
     import torch
 
     fns = perturb or KERNELS
@@ -348,13 +356,14 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
     if mode in (TOP_K_DRAW, TOP_K_P_DRAW):
         from clusteropt_cli.core.serve.topk_kernel import top_entries
 
-        values, ids = top_entries(scaled, min(TOP_K_SMALL, scaled.shape[-1]))
+        if scale is None:  # one argument layout per compiled kernel: always a tensor
+            scale = torch.ones_like(temperature)
+        # the temperature applied inside top_entries' first pass: its values are the divided logits
+        values, ids = top_entries(scaled, min(TOP_K_SMALL, scaled.shape[-1]), scale)
         if mode == TOP_K_DRAW:
-            scores = fns["draw"](values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position)
-        else:
-            total = fns["mass"](scaled, values[:, :1])
-            scores = fns["draw_p"](values, ids, total, top_k, top_p, min_p, temperature, seed_lo, seed_hi, position)
-        return ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)  # the first maximum, in sorted order
+            return fns["draw"](values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position)
+        total = fns["mass"](scaled, values[:, :1], scale)
+        return fns["draw_p"](values, ids, total, top_k, top_p, min_p, temperature, seed_lo, seed_hi, position)
     if mode in (TOP_K, TOP_K_P, TOP_K_WIDE, TOP_K_WIDE_P):
         cap = TOP_K_CAP if mode in (TOP_K_WIDE, TOP_K_WIDE_P) else TOP_K_SMALL
         top, kth, need, tie_rank, limited = top_k_bounds(scaled, top_k, cap)
@@ -381,9 +390,10 @@ def choose_tokens(scaled, temperature, top_p, top_k, min_p, seed_lo, seed_hi, po
 def sample_kernel(logits, temperature, top_p, top_k, min_p, seed_lo, seed_hi, position, prompt_len, min_tokens,
                   stop_ids, bias_ids, bias_vals, presence, frequency, repetition, counts, prompt_mask,
                   sort, penalize: bool, perturb=None, inv_temperature=None, active=None):
-    """process_logits + choose_tokens (in PLAIN mode, the temperature is applied inside the fused noise kernel)."""
+    """process_logits + choose_tokens (PLAIN applies the temperature inside its fused noise kernel, the draw modes
+    inside top_entries' first pass)."""
     fns = perturb or KERNELS
-    plain = selection_mode(sort) == PLAIN
+    plain = selection_mode(sort) in (PLAIN, TOP_K_DRAW, TOP_K_P_DRAW)
     if inv_temperature is None:
         inv_temperature = 1.0 / temperature_or_one(temperature)
     scaled = process_logits(logits, temperature, position, prompt_len, min_tokens, stop_ids, bias_ids, bias_vals,

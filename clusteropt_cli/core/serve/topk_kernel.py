@@ -66,11 +66,12 @@ def _build() -> None:
         tl.store(out_ptr + row * K + tl.arange(0, K), tl.topk(x, K))
 
     @triton.jit
-    def entry_pieces(x_ptr, out_ptr, vocab, stride, num_pieces, CHUNK: tl.constexpr, K: tl.constexpr):
+    def entry_pieces(x_ptr, scale_ptr, out_ptr, vocab, stride, num_pieces, CHUNK: tl.constexpr, K: tl.constexpr):
         row = tl.program_id(0)
         piece = tl.program_id(1)
         offs = piece * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + row * stride + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        x = x * tl.load(scale_ptr + row)  # the row's 1 / temperature (the product process_logits would form)
         x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with 0.0, as in a sort
         bits = x.to(tl.int32, bitcast=True)
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # integer order = float order
@@ -107,20 +108,21 @@ def _usable(x: Any, k: int) -> bool:
             and vocab * k <= 64 * CHUNK * MAX_K and x.stride(-1) == 1 and kernel_error() is None)
 
 
-def top_entries(x: Any, k: int) -> tuple[Any, Any]:
+def top_entries(x: Any, k: int, scale: Any = None) -> tuple[Any, Any]:
     """[rows, V] → ([rows, k] float32 values, [rows, k] int64 token ids): each row's first k entries in a stable
-    descending sort's order (value descending, equal values by token id; -0.0 counts as 0.0)."""
+    descending sort's order (value descending, equal values by token id; -0.0 counts as 0.0). `scale` [rows]
+    float32: each row multiplied by its factor first (the sampler's 1 / temperature), inside the first pass."""
     if _usable(x, k):
-        return _triton_top_entries(x, k)
-    return _torch_top_entries(x, k)
+        return _triton_top_entries(x, k, scale)
+    return _torch_top_entries(x, k, scale)
 
 
-def _torch_top_entries(x: Any, k: int) -> tuple[Any, Any]:
+def _torch_top_entries(x: Any, k: int, scale: Any = None) -> tuple[Any, Any]:
     """top_entries with torch ops: the same 64-bit keys, all distinct, so torch.topk's order is the stable sort's."""
     import torch
 
     vocab = x.shape[-1]
-    xf = x.float()
+    xf = x.float() if scale is None else x.float() * scale[:, None]
     xf = torch.where(xf == 0, torch.zeros_like(xf), xf)
     bits = xf.view(torch.int32)
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
@@ -132,9 +134,9 @@ def _torch_top_entries(x: Any, k: int) -> tuple[Any, Any]:
     return values, 0xFFFFFFFF - (top & 0xFFFFFFFF)
 
 
-def _two_passes(x: Any, k: int, kind: str, candidate_dtype: Any, *outputs: Any) -> None:
+def _two_passes(x: Any, k: int, kind: str, candidate_dtype: Any, *outputs: Any, scale: Any = None) -> None:
     """Launch one kernel pair (kind "values" or "entries"): every CHUNK-wide piece's k largest into a candidate
-    buffer, then each row's k largest of those into `outputs`."""
+    buffer, then each row's k largest of those into `outputs`. `scale`: the entries pass's per-row factors."""
     import torch
     import triton
 
@@ -144,18 +146,21 @@ def _two_passes(x: Any, k: int, kind: str, candidate_dtype: Any, *outputs: Any) 
     rows, vocab = x.shape
     num_pieces = triton.cdiv(vocab, CHUNK)
     candidates = torch.empty(rows, num_pieces * k, device=x.device, dtype=candidate_dtype)
-    pieces[(rows, num_pieces)](x, candidates, vocab, x.stride(0), num_pieces, CHUNK=CHUNK, K=k, num_warps=4)
+    inputs = (x,) if kind == "values" else (x, scale)
+    pieces[(rows, num_pieces)](*inputs, candidates, vocab, x.stride(0), num_pieces, CHUNK=CHUNK, K=k, num_warps=4)
     final[(rows,)](candidates, *outputs, num_pieces * k, P=triton.next_power_of_2(num_pieces * k), K=k,
                    num_warps=8)
 
 
-def _triton_top_entries(x: Any, k: int) -> tuple[Any, Any]:
+def _triton_top_entries(x: Any, k: int, scale: Any = None) -> tuple[Any, Any]:
     """The two Triton passes over 64-bit keys (also run on CPU tensors under TRITON_INTERPRET=1 by the tests)."""
     import torch
 
     values = torch.empty(x.shape[0], k, device=x.device, dtype=torch.float32)
     ids = torch.empty(x.shape[0], k, device=x.device, dtype=torch.int64)
-    _two_passes(x, k, "entries", torch.int64, values, ids)
+    if scale is None:
+        scale = torch.ones(x.shape[0], device=x.device, dtype=torch.float32)
+    _two_passes(x, k, "entries", torch.int64, values, ids, scale=scale.float().contiguous())
     return values, ids
 
 
