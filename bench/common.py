@@ -187,7 +187,7 @@ async def http_request(client, url: str, prompt: list[int], max_tokens: int, str
                 tokens = obj["usage"]["completion_tokens"]
             if obj["choices"] and obj["choices"][0]["text"]:
                 times.append(time.perf_counter())
-    return {"tokens": tokens, "latency": time.perf_counter() - t0, "times": [t - t0 for t in times]}
+    return {"tokens": tokens, "latency": time.perf_counter() - t0, "times": [t - t0 for t in times], "start": t0}
 
 
 async def http_load(url: str, prompts: list[list[int]], max_tokens: int, stream: bool) -> dict:

@@ -20,6 +20,11 @@ The clients run in --client-procs processes (default 4) so that the load generat
 Printed: tok/s, the ratio HTTP / in-process engine per sampling mode, TTFT p50, and how many CPU cores each server
 process kept busy during the load (psutil: a process near 1.0 is saturated on its GIL); the JSON has everything.
 uvloop and httptools are used by the server when installed (uvicorn's "auto"); the JSON records whether they are.
+
+Diagnostics: --trace DIR writes the engine's step trace (COPT_ENGINE_TRACE: every step's span, batch and tokens,
+every request's arrival, first token and finish) for the in-process engine and the engine core; --py-spy DIR
+samples the engine-core and API-server processes' threads with py-spy during the last load of each mode (py-spy
+installed and allowed to attach). The clients' request start times are perf_counter seconds on the same clock.
 """
 
 from __future__ import annotations
@@ -73,6 +78,12 @@ def bench_engine(model_dir: Path, vocab: int, repeats: int) -> dict:
                                               max_batch_tokens=CFG["max_batch_tokens"], max_queue=4096))
     engine.start()
     out: dict = {"startup_s": round(time.perf_counter() - t0, 1), "graphs": engine.stats.graphs_captured}
+    from clusteropt_cli.core.serve.requests import frozen_startup_heap
+
+    # the start-up heap out of the garbage collector's full collections, as `copt serve` keeps it (without, a full
+    # collection stopped one run in three for ~0.9 s on the H200 host)
+    heap = frozen_startup_heap()
+    heap.__enter__()
     try:
         for mode, params in MODES.items():
             def requests(run: int, params=params, mode=mode) -> list:
@@ -95,6 +106,7 @@ def bench_engine(model_dir: Path, vocab: int, repeats: int) -> dict:
             out[mode] = {**median, "runs_tok_s": [round(x["output_tokens_per_s"]) for x in runs]}  # in run order
             log(f"engine {mode}: {out[mode]['output_tokens_per_s']:,.0f} tok/s")
     finally:
+        heap.__exit__(None, None, None)
         engine.stop()
         del engine
         free_gpu()
@@ -132,7 +144,10 @@ def http_load(url: str, prompts: list[list[int]], max_tokens: int, params: dict,
     return {"requests": len(results), "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
             "ttft_s": percentiles([r["times"][0] for r in results if r["times"]]),
             "tpot_s": percentiles([(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in results
-                                   if len(r["times"]) > 1])}
+                                   if len(r["times"]) > 1]),
+            # per request: start (perf_counter, the engine trace's clock), first and last text chunk after it, tokens
+            "per_request": [[round(r["start"], 4), round(r["times"][0], 4) if r["times"] else None,
+                             round(r["times"][-1], 4) if r["times"] else None, r["tokens"]] for r in results]}
 
 
 def server_processes(root: int) -> dict:
@@ -175,6 +190,20 @@ def cpu_seconds(processes: dict) -> dict[str, float]:
     return out
 
 
+def py_spy(pid: int, path: Path, seconds: float) -> subprocess.Popen | None:
+    """py-spy sampling one process's threads (idle ones too) for `seconds`, raw collapsed stacks into `path`."""
+    import shutil
+
+    exe = shutil.which("py-spy")
+    if exe is None:
+        log("py-spy not installed: no stack samples")
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate",
+                             "400", "--threads", "--idle", "--nonblocking", "--format", "raw", "--output", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def start_server(model_dir: Path, port: int, api_servers: int, max_batch: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
     cmd = [sys.executable, "-m", "clusteropt_cli", "serve", str(model_dir), "--port", str(port),
@@ -185,7 +214,8 @@ def start_server(model_dir: Path, port: int, api_servers: int, max_batch: int) -
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def bench_http(model_dir: Path, vocab: int, api_servers: int, procs: int, repeats: int) -> dict:
+def bench_http(model_dir: Path, vocab: int, api_servers: int, procs: int, repeats: int,
+               spy_dir: Path | None = None) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(model_dir, port, api_servers, CFG["requests"])
@@ -204,9 +234,24 @@ def bench_http(model_dir: Path, vocab: int, api_servers: int, procs: int, repeat
             out["server_processes"] = sorted(processes.values())
 
             def measured_load(mode: str, repeat: int) -> dict:
+                spies = []
+                if spy_dir is not None and repeat == repeats - 1:
+                    spies = [(role, py_spy(p.pid, spy_dir / f"api{api_servers}-{mode}-{role.replace(' ', '-')}.txt",
+                                           3.0)) for p, role in processes.items()
+                             if role == "engine core" or role.startswith("api server") or
+                             (role == "copt serve" and api_servers == 0)]
                 before = cpu_seconds(processes)
                 run = http_load(url, run_prompts(vocab, mode, repeat), CFG["out_tokens"], MODES[mode], procs, pool)
                 after = cpu_seconds(processes)
+                for role, spy in spies:
+                    if spy is not None:
+                        try:
+                            spy.wait(30)
+                        except subprocess.TimeoutExpired:
+                            spy.kill()
+                        err = spy.stderr.read() if spy.stderr else ""
+                        if spy.returncode:
+                            log(f"py-spy ({role}) failed: {err[-300:]}")
                 # CPU cores each process kept busy over the clients' window (the call also waits for their common
                 # start); a Python process whose threads share the GIL saturates near 1
                 run["server_cpu_cores"] = {role: round((after[role] - before[role]) / run["wall_s"], 2)
@@ -245,7 +290,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per case (median reported)")
     parser.add_argument("--skip", default="", help="comma-separated: engine, http")
     parser.add_argument("--smoke", action="store_true", help="tiny model, few requests (checks the script on CPU)")
+    parser.add_argument("--trace", type=Path, help="folder for the engine's step traces (COPT_ENGINE_TRACE)")
+    parser.add_argument("--py-spy", type=Path, dest="py_spy", help="folder for py-spy samples of the server")
     args = parser.parse_args()
+    if args.trace:
+        os.environ["COPT_ENGINE_TRACE"] = str(args.trace.resolve())
     counts = [int(c) for c in args.api_server_counts.split(",") if c.strip()]
     skip = set(filter(None, args.skip.split(",")))
     import importlib.util
@@ -280,7 +329,8 @@ def main() -> None:
     if "http" not in skip:
         for n in counts:
             try:
-                results[f"http_api{n}"] = bench_http(model_dir, vocab, n, args.client_procs, args.repeats)
+                results[f"http_api{n}"] = bench_http(model_dir, vocab, n, args.client_procs, args.repeats,
+                                                     args.py_spy)
             except Exception as exc:  # noqa: BLE001
                 results[f"http_api{n}"] = {"error": f"{type(exc).__name__}: {exc}",
                                            "traceback": traceback.format_exc()}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import threading
 import time
 from collections import deque
@@ -101,6 +102,51 @@ class EngineStats:
     @property
     def spec_acceptance_rate(self) -> float:
         return self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0
+
+
+class StepTrace:
+    """Where the engine thread's time goes, step by step (a diagnostic: `COPT_ENGINE_TRACE=<folder>` makes every
+    Engine record its steps and finished requests and write them to <folder>/engine-trace-<pid>-<n>.json at stop).
+    A step: [start, end, running, waiting, decode steps, chained decode steps, prompt tokens, generated tokens];
+    a request: [arrival, first token, finish, prompt tokens, output tokens]. Times are time.perf_counter() seconds
+    (CLOCK_MONOTONIC: comparable between processes of one machine); `clock` pairs one with time.time()."""
+
+    _written = itertools.count()
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.clock = (time.time(), time.perf_counter())
+        self.steps: list[tuple] = []
+        self.requests: list[tuple] = []
+        self._open: tuple = ()
+
+    @classmethod
+    def from_env(cls) -> StepTrace | None:
+        folder = os.environ.get("COPT_ENGINE_TRACE")
+        return cls(folder) if folder else None
+
+    @staticmethod
+    def _counts(engine: Engine) -> tuple[int, int, int, int]:
+        s = engine.stats
+        return s.decode_steps, s.chained_steps, s.prompt_tokens, s.generated_tokens
+
+    def before(self, engine: Engine) -> None:
+        self._open = (time.perf_counter(), len(engine._running), len(engine._waiting), *self._counts(engine))
+
+    def after(self, engine: Engine) -> None:
+        t0, running, waiting, *before = self._open
+        now = self._counts(engine)
+        self.steps.append((t0, time.perf_counter(), running, waiting,
+                           *(a - b for a, b in zip(now, before, strict=True))))
+
+    def write(self) -> None:
+        import json
+
+        os.makedirs(self.folder, exist_ok=True)
+        path = os.path.join(self.folder, f"engine-trace-{os.getpid()}-{next(self._written)}.json")
+        with open(path, "w") as f:
+            json.dump({"clock": self.clock, "steps": self.steps, "requests": self.requests}, f)
+        self.steps, self.requests = [], []
 
 
 class _Seq:
@@ -209,6 +255,7 @@ class Engine(EngineLoading, SpeculativeDecoding):
         self.pool: Any = None  # the paged cache's BlockPool (None: slot cache)
         self.error: BaseException | None = None
         self._wakes: dict[Any, list[Any]] | None = None  # asyncio wake-ups collected during a step
+        self._trace = StepTrace.from_env()  # COPT_ENGINE_TRACE=<folder>: every step and request, written at stop
 
     @classmethod
     def from_settings(cls, settings: ServeRecipe, observer: EngineObserver | None = None,
@@ -256,6 +303,8 @@ class Engine(EngineLoading, SpeculativeDecoding):
         self._running.clear()
         self._waiting.clear()
         self._incoming.clear()
+        if self._trace is not None:
+            self._trace.write()
 
     def close_admission(self) -> None:
         """Refuse new requests (graceful drain); running and queued ones still finish."""
@@ -409,10 +458,15 @@ class Engine(EngineLoading, SpeculativeDecoding):
                     self._cond.wait(timeout=0.1)
                     continue
             self._wakes = {}
+            trace = self._trace
+            if trace is not None:
+                trace.before(self)
             try:
                 with torch.inference_mode():
                     self._step()
                     self._finish_faulted()
+                if trace is not None:
+                    trace.after(self)
             except Exception as exc:  # noqa: BLE001 - fail the batch (or the engine), never hang the clients
                 self._step_failed(exc)
                 if self.error is not None:
@@ -989,6 +1043,8 @@ class Engine(EngineLoading, SpeculativeDecoding):
                       if seq.req.logprobs is not None else None),
             prompt_logprobs=seq.prompt_lp, prompt_ranks=seq.prompt_rank)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        if self._trace is not None:
+            self._trace.requests.append((seq.t_arrival, seq.t_first, now, len(seq.prompt), len(seq.out)))
         seq.handle._push(pushed or [], result, wakes=self._wakes)
         try:
             self.observer.on_finish(result)

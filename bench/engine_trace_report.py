@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Summarise engine step traces (COPT_ENGINE_TRACE=<folder>, see core/serve/engine.py StepTrace): per load (a burst
+of arrivals separated from the next by a pause), when the requests arrived, how the engine thread spent the
+load's span — in steps (decode only, prefill only, both) or waiting between them — and how many decode steps ran
+chained (async scheduling).
+
+    python3 bench/engine_trace_report.py TRACE.json [...]     (prints; --json for the numbers)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def loads(trace: dict, gap_s: float = 0.1) -> list[dict]:
+    """The trace's requests grouped into loads (an arrival more than gap_s after the previous one starts a new
+    load: the benchmarks submit each load at once, back to back), each with the steps that ran while it did."""
+    requests = sorted(trace["requests"], key=lambda r: r[0])
+    groups: list[list] = []
+    last = float("-inf")
+    for r in requests:
+        if r[0] > last + gap_s:
+            groups.append([])
+        groups[-1].append(r)
+        last = r[0]
+    out = []
+    for group in groups:
+        t0, t1 = min(r[0] for r in group), max(r[2] for r in group)
+        steps = [s for s in trace["steps"] if s[1] > t0 and s[0] < t1]
+        out.append(summarise(group, steps, t0, t1))
+    return out
+
+
+def summarise(requests: list, steps: list, t0: float, t1: float) -> dict:
+    span = t1 - t0
+    busy = sum(min(s[1], t1) - max(s[0], t0) for s in steps)  # the load's share of the steps at its edges
+    kinds = {"decode": [], "prefill": [], "mixed": [], "other": []}
+    for s in steps:
+        decode, prompt = s[4] > 0, s[6] > 0
+        kinds["mixed" if decode and prompt else "decode" if decode else "prefill" if prompt else "other"].append(s)
+    first = [r[1] - r[0] for r in requests if r[1] is not None]
+    arrivals = sorted(r[0] for r in requests)
+    return {
+        "requests": len(requests), "span_s": round(span, 3),
+        "arrival_spread_s": round(arrivals[-1] - arrivals[0], 3),
+        "arrivals_by_quarter_of_span": [sum(1 for a in arrivals if t0 + q * span / 4 <= a < t0 + (q + 1) * span / 4)
+                                        for q in range(4)],
+        "output_tokens": sum(r[4] for r in requests),
+        "steps": len(steps), "step_busy_s": round(busy, 3), "between_steps_s": round(span - busy, 3),
+        "decode_steps": sum(s[4] for s in steps), "chained_decode_steps": sum(s[5] for s in steps),
+        "prompt_tokens": sum(s[6] for s in steps),
+        "by_kind": {k: {"steps": len(v), "s": round(sum(s[1] - s[0] for s in v), 3),
+                        "prompt_tokens": sum(s[6] for s in v), "decode_steps": sum(s[4] for s in v)}
+                    for k, v in kinds.items() if v},
+        "ttft_engine_p50_s": round(sorted(first)[len(first) // 2], 3) if first else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("traces", nargs="+", type=Path)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    report = {}
+    for path in args.traces:
+        trace = json.loads(path.read_text())
+        if not trace["requests"]:
+            continue
+        report[path.name] = loads(trace)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    for name, items in report.items():
+        print(name)
+        for i, load in enumerate(items):
+            kinds = ", ".join(f"{k} {v['steps']} steps {v['s']:.3f} s" for k, v in load["by_kind"].items())
+            print(f"  load {i}: {load['requests']} requests over {load['span_s']:.3f} s (arrivals over "
+                  f"{load['arrival_spread_s']:.3f} s, by quarter {load['arrivals_by_quarter_of_span']}); "
+                  f"{load['steps']} steps busy {load['step_busy_s']:.3f} s, "
+                  f"between steps {load['between_steps_s']:.3f} s; "
+                  f"{kinds}; decode steps {load['decode_steps']} ({load['chained_decode_steps']} chained); "
+                  f"engine TTFT p50 {load['ttft_engine_p50_s']} s")
+
+
+if __name__ == "__main__":
+    main()
