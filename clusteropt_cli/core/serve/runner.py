@@ -56,6 +56,9 @@ class StepContext:
     write_block: Any = None  # [tokens] long: the block each token of the step is written to
     write_offset: Any = None  # [tokens] long: its place in that block
     read_blocks: list[Any] = field(default_factory=list)  # packed: per segment, the blocks it attends over
+    # packed, paged, with a variable-length attention kernel (ModelRunner.varlen): (kernel, cu_seq_q, cu_seq_k,
+    # max_q, max_k) — every segment attends in one call per layer instead of one SDPA per segment
+    varlen: Any = None
 
 
 def _slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, copt_step=None,
@@ -190,6 +193,8 @@ def _paged_attention(query, key, value, step: StepContext, k_pool, v_pool, scali
     groups = num_heads // kv_heads
     _pool_write(k_pool, step.write_block, step.write_offset, key[0].transpose(0, 1))
     _pool_write(v_pool, step.write_block, step.write_offset, value[0].transpose(0, 1))
+    if step.varlen is not None:
+        return _varlen_attention(query, key, value, step, k_pool, v_pool, scaling)
     outs = []
     for seg, mask, blocks in zip(step.segments, step.masks, step.read_blocks, strict=True):
         end = seg.start + seg.length
@@ -200,6 +205,94 @@ def _paged_attention(query, key, value, step: StepContext, k_pool, v_pool, scali
         outs.append(_segment_attend(q, keys, values, mask, groups, scaling))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2)
+
+
+def _varlen_attention(query, key, value, step: StepContext, k_pool, v_pool, scaling):
+    """A packed paged step's attention in one variable-length kernel call: queries [T, H, D] of every segment,
+    keys/values [sum of (start + length), KVH, D] — a segment that starts at position 0 attends to this step's own
+    keys, one that continues a sequence (a later prompt chunk, a prefix-cache hit, a speculative window) to its
+    blocks read from the pool (this step's keys already written) —, causal aligned to the end of each segment's
+    keys (query i of a segment sees the keys up to its own position). → [1, T, H, D]."""
+    import torch
+
+    kernel, cu_q, cu_k, max_q, max_k = step.varlen
+    head_dim, kv_heads = key.shape[-1], key.shape[1]
+    block_size = k_pool.shape[1]
+    own_k, own_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
+    if all(seg.start == 0 for seg in step.segments):
+        keys, values = own_k, own_v
+    else:
+        k_parts, v_parts = [], []
+        for seg, blocks in zip(step.segments, step.read_blocks, strict=True):
+            if seg.start == 0:
+                k_parts.append(own_k[seg.offset : seg.offset + seg.length])
+                v_parts.append(own_v[seg.offset : seg.offset + seg.length])
+                continue
+            end, span = seg.start + seg.length, blocks.shape[0] * block_size
+            k_parts.append(_pool_read(k_pool, blocks, query.dtype).view(span, kv_heads, head_dim)[:end])
+            v_parts.append(_pool_read(v_pool, blocks, query.dtype).view(span, kv_heads, head_dim)[:end])
+        keys, values = torch.cat(k_parts), torch.cat(v_parts)
+    out = kernel(query[0].transpose(0, 1), keys, values, cu_q, cu_k, max_q, max_k, scaling)
+    return out[None]
+
+
+def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scaling):
+    """FlashAttention-2's variable-length forward (PyTorch's own build): q [Tq, H, D], k/v [Tk, KVH, D] (grouped
+    heads natively), cu_q/cu_k int32 [segments + 1], causal aligned bottom-right → [Tq, H, D]."""
+    import torch
+
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                   scale=scaling)[0]
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scaling):
+    """flash_varlen's result by one SDPA per segment under an explicit mask (any device and dtype): the check
+    flash_varlen passes before the runner uses it, and the CPU tests' stand-in."""
+    import torch
+    import torch.nn.functional as F
+
+    groups = q.shape[1] // k.shape[1]
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    outs = []
+    for i in range(len(bounds_q) - 1):
+        qs = q[bounds_q[i] : bounds_q[i + 1]].transpose(0, 1)[None]
+        ks = k[bounds_k[i] : bounds_k[i + 1]].transpose(0, 1)[None]
+        vs = v[bounds_k[i] : bounds_k[i + 1]].transpose(0, 1)[None]
+        n_q, n_k = qs.shape[2], ks.shape[2]
+        mask = torch.arange(n_k, device=q.device)[None, :] <= torch.arange(n_q, device=q.device)[:, None] + n_k - n_q
+        if groups > 1:
+            ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def varlen_kernel_for(device: Any, dtype: Any, num_heads: int, kv_heads: int, head_dim: int) -> tuple[Any, str]:
+    """(flash_varlen, "") where it serves this model on this device and gives reference_varlen's result on a
+    check with grouped heads, one segment from position 0 and one continuing a sequence; (None, why) otherwise."""
+    import torch
+
+    if device.type != "cuda":
+        return None, "not on CUDA"
+    if dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256 or num_heads % kv_heads:
+        return None, f"FlashAttention does not take {dtype} with head size {head_dim}"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return None, "FlashAttention needs compute capability 8.0"
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        lengths_q, lengths_k = [5, 3], [5, 9]  # the second segment: 3 new tokens after 6 cached ones
+        q = torch.randn(sum(lengths_q), num_heads, head_dim, device=device, dtype=dtype, generator=gen)
+        k = torch.randn(sum(lengths_k), kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+        v = torch.randn(sum(lengths_k), kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+        cu_q = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 5, 14], dtype=torch.int32, device=device)
+        got = flash_varlen(q, k, v, cu_q, cu_k, 5, 9, head_dim**-0.5)
+        want = reference_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, 5, 9, head_dim**-0.5)
+        error = (got.float() - want).abs().max().item()
+    except Exception as exc:  # noqa: BLE001 - the per-segment path serves instead
+        return None, f"{type(exc).__name__}: {exc}"
+    if not error < 2e-2:
+        return None, f"the variable-length kernel differs from the reference by {error:.3g}"
+    return flash_varlen, ""
 
 
 def _fresh_attention(query, key, value, step: StepContext, k_pool, v_pool, scaling):
@@ -509,6 +602,10 @@ class ModelRunner:
             k, v = self.caches[module.layer_idx]
             module.register_buffer("copt_k_cache", k, persistent=False)
             module.register_buffer("copt_v_cache", v, persistent=False)
+        # packed steps' attention in one variable-length kernel per layer (None: one SDPA per segment)
+        self.varlen, self.varlen_reason = (varlen_kernel_for(self.device, self.dtype, self.num_heads, self.kv_heads,
+                                                             self.head_dim) if not self.windows else
+                                           (None, "sliding-window layers"))
         span = max_blocks * self.block_size  # decode context buckets: whole blocks
         self.kv_lengths = sorted({min(span, -(-n // self.block_size) * self.block_size)
                                   for n in _length_buckets(self.max_len)})
@@ -614,12 +711,13 @@ class ModelRunner:
             return graph.run(chunks, logits_for)
         segments, masks, ids, pos, rows = [], [], [], [], []
         offset = 0
+        varlen = self.varlen if self.paged else None
         for (slot, start, tokens), wanted in zip(chunks, logits_for, strict=True):
             n = len(tokens)
             if start + n > self.max_len:
                 raise ValueError(f"sequence of {start + n} tokens exceeds the cache length {self.max_len}")
             segments.append(Segment(slot=slot, start=start, length=n, offset=offset))
-            if start == 0:
+            if start == 0 or varlen is not None:
                 masks.append(None)
             else:
                 q_pos = torch.arange(start, start + n, device=self.device)[:, None]
@@ -633,6 +731,11 @@ class ModelRunner:
         step = StepContext(caches=self.caches, mode="packed", segments=segments, masks=masks)
         if self.paged:
             self._page_packed(step, pos)
+        if varlen is not None:
+            ends = [seg.start + seg.length for seg in segments]
+            bounds = torch.tensor([[0, *itertools.accumulate(seg.length for seg in segments)],
+                                   [0, *itertools.accumulate(ends)]], dtype=torch.int32).to(self.device)
+            step.varlen = (varlen, bounds[0], bounds[1], max(seg.length for seg in segments), max(ends))
         with torch.inference_mode():
             hidden = self._hidden(input_ids, position_ids, step)[0]
             if not rows:
@@ -933,11 +1036,14 @@ class ModelRunner:
     def attention_path(self) -> str:
         """What serves attention, for the start-up info."""
         cache = "paged" if self.tables is not None else "slot"
-        return f"copt {cache} attention ({self.architecture.describe()})"
+        packed = "; packed steps: FlashAttention varlen" if self.varlen is not None else ""
+        return f"copt {cache} attention ({self.architecture.describe()}{packed})"
 
     graph_error: str | None = None
 
     _batch_buckets: list[int] = []
+    varlen: Any = None  # allocate_paged: the variable-length attention kernel of packed steps (None: per segment)
+    varlen_reason = "slot cache"
 
 
 class _DecodeGraph:
