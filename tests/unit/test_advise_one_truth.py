@@ -192,11 +192,12 @@ def test_sampled_requests_cost_more_per_token() -> None:
 
 
 @pytest.mark.parametrize(("top_p", "top_k", "measured_ms"), [
-    (1.0, 0, 1.221), (0.95, 0, 1.243), (1.0, 50, 1.261), (0.9, 50, 1.264)])
+    (1.0, 0, 1.236), (0.95, 0, 1.257), (1.0, 50, 1.269), (0.9, 50, 1.272)])
 def test_truncated_sampling_costs_its_selection_step(top_p, top_k, measured_ms) -> None:
     """top-p / top-k add their sampling graph's time over temperature alone. Batch 1, 1B shape, in-process engine on
-    an H200, one run (bench/gpu_serve_sampling.py, docs/benchmarks.md#serve): greedy 1.200 ms/token and the
-    sampled settings here; the sampling graphs' times come from the same run, the ms/token are not fitted."""
+    an H200, one run (bench/gpu_serve_sampling.py, docs/benchmarks.md#serve, after the draw modes were fused):
+    greedy 1.213 ms/token and the sampled settings here; the sampling graphs' times come from an earlier run (before
+    that fusion: the draw modes' graphs are priced as they were), the ms/token are not fitted."""
     spec, target = load_model_spec("llama-3.2-1b"), Target(get_gpu("h200"))
     plan = InferPlan(batch=1, prompt_len=256, gen_len=256, continuous_batching=True, temperature=1.0, top_p=top_p,
                      top_k=top_k)
@@ -244,17 +245,18 @@ def test_top_p_of_zero_is_refused(tmp_path) -> None:
     assert json.loads(ok.stdout)["top_plan"]["assumptions"]["sampling"] == "sampled (temperature > 0, top k p draw)"
 
 
-@pytest.mark.parametrize(("temperature", "top_p", "measured"), [(0.0, 1.0, 15_775), (1.0, 0.95, 13_039)])
-def test_256_streams_through_copt_serve_held_out(temperature, top_p, measured) -> None:
-    """A measurement no constant was fitted to: `copt serve` (one API-server process) on the 1B shape, 256 streaming
-    clients sent at once, prompts of 256 new tokens, 128 output tokens, --max-batch-size 256 (H200,
-    bench/gpu_serve_frontend.py, docs/benchmarks.md#front-end-processes): greedy within 5%; sampled with top_p 0.95
-    advise says 1.17× the measured (the engine core's host time under sampled load is not modelled yet)."""
+@pytest.mark.parametrize(("temperature", "top_p", "measured"), [(0.0, 1.0, 22_364), (1.0, 0.95, 21_384)])
+def test_256_streams_through_copt_serve_anchor(temperature, top_p, measured) -> None:
+    """The load the serve constants were fitted to (cal.SERVING_ENGINES): `copt serve` (one API-server process) on
+    the 1B shape, 256 streaming clients sent at once, prompts of 256 new tokens, 128 output tokens,
+    --max-batch-size 256 (H200, bench/gpu_serve_frontend.py, docs/benchmarks.md#front-end-processes): greedy and
+    sampled with top_p 0.95 within 5%. The held-out checks are bench/gpu_serve_models.py's."""
     spec, target = load_model_spec("llama-3.2-1b"), Target(get_gpu("h200"))
     plan = InferPlan(batch=256, prompt_len=256, gen_len=128, continuous_batching=True, temperature=temperature,
                      top_p=top_p, max_batch_size=256)
     ratio = infer_time(spec, plan, target).figures["output_tokens_per_s"] / measured
-    assert 0.95 < ratio < (1.05 if temperature == 0 else 1.20), ratio
+    assert 0.95 < ratio < 1.05, ratio
+
 
 def test_train_recommendations_stay_runnable() -> None:
     """Under DeepSpeed copt train does not compile: advise neither prices nor recommends a compiled ZeRO step."""
@@ -385,7 +387,8 @@ def test_clients_beyond_the_engines_concurrency_wait_instead_of_joining_the_step
     assert at256["running_seqs"] == 64 and capped["running_seqs"] == 256
     assert at256["tpot_s"] == pytest.approx(at64["tpot_s"])
     assert at256["output_tokens_per_s"] == pytest.approx(at64["output_tokens_per_s"])
-    round_s = at64["prefill_s"] + 128 * at64["tpot_s"]
+    # a round: everyone's prompts, 128 decode steps, and what the API process adds per request of it
+    round_s = at64["prefill_s"] + 128 * at64["tpot_s"] + 64 * cal.SERVING_ENGINES["copt"]["http_stream_s"]
     assert at256["ttft_s"] == pytest.approx(at64["ttft_s"] + 3 * round_s)
     assert capped["tpot_s"] > 1.5 * at64["tpot_s"]  # 256 rows per step when the engine takes them
 

@@ -97,20 +97,24 @@ DECODE_BANDWIDTH_EFFICIENCY = 0.80
 # H200: HF static generate at batch 64 2,372 tok/s vs continuous batching (generate_batch + CUDA graphs) 3,495
 # → 0.68; Orca and vLLM report 3–5× serving throughput for continuous batching. 0.6 assumed.
 STATIC_BATCH_EFFICIENCY = 0.6
-# What a real serving stack adds to the roofline: a cost per prompt prefilled (copt's packed prefill runs attention
-# and cache writes per sequence segment in every layer), a fixed host + launch cost per decode step and a cost per
-# running sequence per step (sampling, block tables, detokenizing, one SSE event per token). copt's own engine
-# through its HTTP server (`copt serve`, streaming), H200, Llama-3.2-1B shape, bench/gpu_serve.py
-# (docs/benchmarks.md#serve): 256 requests (prompts 32–256) × 128 tokens: prefill 0.70 s for 36,864 prompt tokens
-# vs 0.19 s of FLOPs at PREFILL_MFU → 2.0 ms per prompt (a cost per 2,048-token chunk instead missed prompts of 512
-# by −61% on TTFT). With the current defaults (merged projections, async scheduling, math decode attention, greedy
-# argmax inside the graph): batch-1 1.22 ms/token through the server → 0.51 ms fixed. Per running sequence:
-# `copt serve DIR` with its defaults, 64 and 256 streaming clients sent at once (bench/gpu_serve_models.py, H200,
-# 2026-12-02; prompts 256, 128 output tokens, greedy and sampled): the 8B shape (one process) 4,483–6,410 output
-# tok/s, TPOT p50 6.4–7.6 ms at 64 clients; the 1B shape (one API-server process in front of the engine core, the
-# GPU default since then) 10,921–12,399 tok/s, TPOT 2.5–3.4 ms → 30 µs per sequence (those eight throughputs
-# predicted within −19%…+18%; the 80 µs fitted before, on the single process's 1B streaming at 256 rows, put them
-# at 0.63–0.93×).
+# What a real serving stack adds to the roofline: a cost per prompt prefilled, a fixed host + launch cost per decode
+# step, a cost per running sequence per step, and what the HTTP front end adds per request of a round. copt's own
+# engine, H200, Llama-3.2-1B shape, 256 requests of 256 new prompt tokens × 128 output tokens sent at once,
+# --max-batch-size 256, greedy and sampled (top_p 0.95), in-process and through `copt serve` with one API-server
+# process, the same run (bench/gpu_serve_frontend.py with engine step traces, 2026-12-02, packed prefill through
+# FlashAttention varlen; docs/benchmarks.md#front-end-processes):
+# - per step: chained decode steps of 256 rows took 2.86–3.0 ms greedy (3.5–3.7 sampled); with batch-1 decode at
+#   1.22 ms/token through the server, the two points over floor / DECODE_BANDWIDTH_EFFICIENCY → 0.57 ms fixed and
+#   3.9 µs per sequence. (The 30 µs fitted before came from clients' TPOT under loads whose prompts were served
+#   from the prefix cache, prefill stalls included.)
+# - per prompt: the engine's whole load took 1.180 s greedy and 1.186 s sampled (median of 3) against 0.33 s of
+#   prefill FLOPs at PREFILL_MFU and 128 decode steps at the rates above → 1.7 ms per prompt (16 prompts per
+#   4,096-token step: a mixed step took 39 ms median; eager layers, the step's first tokens, the finish tail).
+# - per request of a round through HTTP: the clients' wall was 1.465 s greedy / 1.532 s sampled against the
+#   engine's model above → 1.25 ms per request (the API process takes the requests in, then streams every token
+#   of 256 streams: it lagged the engine by 0.1–0.3 s at the end of the load).
+# Batch-1 TTFT: see below. Held out (no constant fitted to them): bench/gpu_serve_models.py's 64- and 256-client
+# loads on the 1B and 8B shapes, batch 1, guidellm and `copt profile endpoint` (docs/benchmarks.md#real-model-sizes).
 # Without continuous batching the baseline is HF `generate` on a static batch, whose per-step host cost dominates
 # (docs/benchmarks.md#h200-baselines: batch 64 left-padded 2,372 output tok/s = 27 ms/step; batch 1 eager measured
 # 43.5 ms/token, so batch-1 figures from this anchor are optimistic). vLLM is not calibrated here (roofline only).
@@ -126,9 +130,10 @@ STATIC_BATCH_EFFICIENCY = 0.6
 # sampling graph after the prefill: in-process, 1B shape, 32-token prompts (bench/gpu_ttft_profile.py, H200,
 # 2026-12-02, 3f29203) greedy 3.65 ms, temperature 1.0 4.64, with top_p 0.95 4.45, with top_k 50 4.45 → 0.86 ms.
 SERVING_ENGINES = {
-    "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 2.0e-3, "step_fixed_s": 0.51e-3,
-             "step_per_seq_s": 30e-6, "prefill_graph_tokens": 2048, "prefill_graph_layer_s": 0.185e-3,
-             "prefill_graph_request_s": 0.32e-3, "http_request_s": 3.6e-3, "sampled_first_token_s": 0.86e-3},
+    "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 1.7e-3, "step_fixed_s": 0.57e-3,
+             "step_per_seq_s": 3.9e-6, "prefill_graph_tokens": 2048, "prefill_graph_layer_s": 0.185e-3,
+             "prefill_graph_request_s": 0.32e-3, "http_request_s": 3.6e-3, "http_stream_s": 1.25e-3,
+             "sampled_first_token_s": 0.86e-3},
     "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }
 # What sampled requests (temperature > 0, no top-k/top-p truncation) add per decode step of copt's engine over

@@ -322,9 +322,11 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     if plan.continuous_batching or engine:
         # `batch` clients each sending their next request when one ends (or one static batch after another): every
         # round prefills all prompts once, then decodes
-        out_tps = running * plan.gen_len / (prefill_s + plan.gen_len * tpot)
+        # (through copt serve, its API process takes every request of the round in and streams its tokens)
+        round_s = prefill_s + plan.gen_len * tpot + running * (engine or {}).get("http_stream_s", 0.0)
+        out_tps = running * plan.gen_len / round_s
         if running < plan.batch:  # a client waits (batch - running) / running rounds for a free place first
-            ttft += (plan.batch - running) / running * (prefill_s + plan.gen_len * tpot)
+            ttft += (plan.batch - running) / running * round_s
     else:
         out_tps = plan.batch / tpot * cal.STATIC_BATCH_EFFICIENCY
     figures = {"ttft_s": ttft, "tpot_s": tpot, "tpot_floor_s": floor, "itl_s": tpot, "prefill_s": prefill_s,
