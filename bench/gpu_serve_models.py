@@ -19,13 +19,14 @@ Per shape, in --shapes order (cases run most important first; each starts only w
     guidellm    guidellm 0.8 (`python3 -m guidellm run`, synthetic English prompts of 256 tokens, 128 output
                 tokens, sampled: the server's default temperature) at 64 and 256 streams; its JSON report read by
                 copt's own reader (clusteropt_cli/core/profile/external.py). 1B only unless --guidellm-shapes.
-    profile     `copt profile endpoint` (copt's tester) at concurrency 1, 64, 256 (sampled, --duration-bounded
+    profile     `copt profile endpoint` (copt's tester) at concurrency 1, 64, 256 (sampled as above, --duration-bounded
                 levels), the command a user runs against the server
   tserve      `transformers serve DIR --continuous-batching` on the same directory with the same clients (it
                 rejects ignore_eos: the tokens it actually returns are counted, and early stops recorded); each load
                 is bounded by --tserve-window seconds, tokens streamed by then count
   engine      copt's Engine in-process with the same defaults (64 and 256 requests at once): the ceiling
-  advise      `copt advise -m DIR --task infer --batch N --prompt-len 256 --gen-len 128 --temperature T --json` for
+  advise      `copt advise -m DIR --task infer --batch N --prompt-len 256 --gen-len 128 --temperature T [--top-p P]
+              --json` (the mode's sampling settings) for
               the detected GPU (N = 1, 64, 256): predicted TPOT, TTFT, output tok/s, each next to the measured
               figures with predicted ÷ measured
 Order: for each shape, copt (b1, loads, guidellm, profile) then tserve; then advise; then the engines (1B first).
@@ -485,14 +486,16 @@ def case_guidellm(url: str, model_dir: Path, args, budget: Budget, work: Path, s
 
 
 def case_profile(url: str, model_dir: Path, args, budget: Budget, work: Path, shape: str) -> dict:  # noqa: ANN001
-    """`copt profile endpoint` against the running server, sampled (temperature 1.0), levels bounded in time."""
+    """`copt profile endpoint` against the running server, sampled as the copt client's loads (temperature 1.0,
+    top_p 0.95), levels bounded in time."""
     levels = ",".join(str(c) for c in args.profile_levels)
     if not budget.allows(15):
         return {"skipped": "time budget"}
     report = work / f"profile-endpoint-{shape}.json"
     cmd = [sys.executable, "-m", "clusteropt_cli", "profile", "endpoint", "--url", url, "--model", str(model_dir),
            "--concurrency", levels, "--duration", str(args.profile_duration), "--prompt-len", str(CFG["prompt_len"]),
-           "--gen-len", str(CFG["out_tokens"]), "--temperature", "1.0", "--tokenizer", str(model_dir),
+           "--gen-len", str(CFG["out_tokens"]), "--temperature", str(MODES["sampled"]["temperature"]), "--top-p",
+           str(MODES["sampled"]["top_p"]), "--tokenizer", str(model_dir),
            "--report", str(report), "--overwrite"]
     log("running: " + " ".join(cmd))
     t0 = time.perf_counter()
@@ -622,7 +625,8 @@ def advise_predictions(model_dir: Path, gpu_flag: list[str]) -> dict:
     def one(batch: int, mode: str) -> tuple[str, dict]:
         cmd = [sys.executable, "-m", "clusteropt_cli", "advise", "-m", str(model_dir), "--task", "infer", "--batch",
                str(batch), "--prompt-len", str(CFG["prompt_len"]), "--gen-len", str(CFG["out_tokens"]),
-               "--temperature", str(MODES[mode]["temperature"]), "--json", *gpu_flag]
+               "--temperature", str(MODES[mode]["temperature"]),
+               *(["--top-p", str(MODES[mode]["top_p"])] if "top_p" in MODES[mode] else []), "--json", *gpu_flag]
         done = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
         key = f"c{batch}_{mode}"
         if done.returncode != 0:

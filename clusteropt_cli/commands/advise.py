@@ -370,7 +370,8 @@ def _render(r: dict[str, Any]) -> None:
                        ("bubble_fraction", "pipeline bubble"), ("comm_s", "DP communication"),
                        ("comm_exposed_s", "exposed communication"), ("offload_s", "offload"),
                        ("optimizer_s", "optimizer step (clip + update)"),
-                       ("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("tpot_floor_s", "TPOT floor (bytes/bandwidth)"),
+                       ("ttft_s", "TTFT"), ("tpot_s", "TPOT (per request)"), ("decode_step_s", "decode step"),
+                       ("tpot_floor_s", "TPOT floor (bytes/bandwidth)"),
                        ("output_tokens_per_s", "output tokens/s"), ("max_concurrent_seqs", "max concurrent seqs"),
                        ("usd_per_million_tokens", "USD per 1M tokens")):
         value = tm.get(key)

@@ -329,8 +329,18 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
             ttft += (plan.batch - running) / running * round_s
     else:
         out_tps = plan.batch / tpot * cal.STATIC_BATCH_EFFICIENCY
-    figures = {"ttft_s": ttft, "tpot_s": tpot, "tpot_floor_s": floor, "itl_s": tpot, "prefill_s": prefill_s,
-               "output_tokens_per_s": out_tps, "e2e_s": ttft + plan.gen_len * tpot,
+    # what a streaming client measures as TPOT ((last token - first) / (tokens - 1)): the decode steps, and the
+    # prefill steps of the other requests that run while it decodes (chunked prefill shares the steps) — about half
+    # of a round's prompts when every client's request runs at once, all of them when clients queue and take the
+    # places requests free. H200, bench/gpu_serve_models.py (docs/benchmarks.md#real-model-sizes): the decode step
+    # alone was 0.36–0.74 of the clients' TPOT p50 on the 1B and 8B shapes at 64 and 256 clients.
+    client_tpot = tpot
+    if plan.continuous_batching and running > 1 and plan.gen_len > 1:
+        share = 1.0 if running < plan.batch else 0.5
+        client_tpot = (plan.gen_len * tpot + share * prefill_s) / (plan.gen_len - 1)
+    figures = {"ttft_s": ttft, "tpot_s": client_tpot, "decode_step_s": tpot, "tpot_floor_s": floor, "itl_s": tpot,
+               "prefill_s": prefill_s, "output_tokens_per_s": out_tps,
+               "e2e_s": ttft + max(1, plan.gen_len - 1) * client_tpot,
                "mbu": min(1.0, floor / tpot), "decode_bytes_per_step": active_w + kv_read,
                "speculative_speedup": spec_speedup, "prefix_hit_rate": hit / plan.prompt_len,
                "running_seqs": running}
