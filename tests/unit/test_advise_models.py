@@ -153,18 +153,18 @@ HELD_OUT = {("llama-3.1-8b", 64, 0.0): (5764, 0.373, 8.01e-3), ("llama-3.1-8b", 
             ("llama-3.2-1b", 64, 0.0): (15582, 0.201, 2.66e-3), ("llama-3.2-1b", 64, 1.0): (13753, 0.195, 3.06e-3),
             ("llama-3.2-1b", 256, 0.0): (14860, 1.295, 4.06e-3), ("llama-3.2-1b", 256, 1.0): (13049, 1.440, 4.51e-3)}
 # where advise misses by more than 15% (predicted ÷ measured), pinned so that a change in either shows
-KNOWN_MISSES = {("llama-3.2-1b", 64, 1.0, "output_tokens_per_s"): 1.21, ("llama-3.2-1b", 256, 1.0,
-                "output_tokens_per_s"): 1.27, ("llama-3.2-1b", 256, 0.0, "ttft_s"): 1.26,
+KNOWN_MISSES = {("llama-3.2-1b", 64, 1.0, "output_tokens_per_s"): 1.15, ("llama-3.2-1b", 256, 1.0,
+                "output_tokens_per_s"): 1.21, ("llama-3.2-1b", 256, 0.0, "ttft_s"): 1.26,
                 ("llama-3.2-1b", 256, 1.0, "ttft_s"): 1.21,
                 ("llama-3.1-8b", 64, 0.0, "ttft_s"): 1.64, ("llama-3.1-8b", 64, 1.0, "ttft_s"): 1.73,
-                ("llama-3.1-8b", 256, 0.0, "ttft_s"): 1.53, ("llama-3.1-8b", 256, 1.0, "ttft_s"): 1.48,
+                ("llama-3.1-8b", 256, 0.0, "ttft_s"): 1.53, ("llama-3.1-8b", 256, 1.0, "ttft_s"): 1.51,
                 ("llama-3.2-1b", 256, 0.0, "tpot_s"): 0.78, ("llama-3.2-1b", 256, 1.0, "tpot_s"): 0.76}
 
 
 @pytest.mark.parametrize("case", sorted(HELD_OUT))
 def test_serving_predictions_against_the_h200_held_out_loads(case) -> None:
     """advise's serve figures for `copt serve DIR` with its defaults against what its clients measured: within
-    ±15% except the known misses, which stay where they were measured (±5%)."""
+    ±15% except the known misses, which stay where they were measured (±3%)."""
     from clusteropt_cli.core.advise.timing import infer_time
 
     model, clients, temperature = case
@@ -177,7 +177,7 @@ def test_serving_predictions_against_the_h200_held_out_loads(case) -> None:
         if known is None:
             assert 0.85 <= ratio <= 1.15, (case, name, ratio)
         else:
-            assert ratio == pytest.approx(known, rel=0.05), (case, name, ratio)
+            assert ratio == pytest.approx(known, rel=0.03), (case, name, ratio)
 
 
 def test_serving_prediction_reproduces_the_h200_engine_anchor() -> None:
