@@ -98,8 +98,9 @@ def bench_kernels(vocab: int, batches: list[int]) -> dict:
     for slot in range(rows):
         sampler.assign(slot, RowSettings(temperature=1.0, top_p=0.95, top_k=50, seed=slot, presence_penalty=0.5,
                                          min_tokens=2, stop_ids=(1, 2)), [3, 4, 5])
-    logits = torch.randn(rows, vocab, device=dev)
-    sampler.active.fill_(True)
+    with torch.inference_mode():  # the engine's logits buffer and the sampler's state are inference tensors
+        logits = torch.randn(rows, vocab, device=dev)
+        sampler.active.fill_(True)
     out: dict = {}
 
     def timed(fn, iters: int = 50) -> float:
