@@ -24,35 +24,37 @@ def engine(fixtures):
     eng.stop()
 
 
-def _run_steps(runner, steps, used):
-    """Both packed steps from an empty cache: the logits of each and the pool contents of the used blocks."""
+def run_steps(runner, steps, used):
+    """The packed steps from an empty cache: the logits of each and the pool contents of the used blocks (float32)."""
     for k, v in runner.caches:
         k[used] = 0
         v[used] = 0
     with torch.inference_mode():
-        logits = [runner.forward_packed(chunks, wanted).clone() for chunks, wanted in steps]
-        kv = [(k[used].clone(), v[used].clone()) for k, v in runner.caches]
+        logits = [runner.forward_packed(chunks, wanted).float() for chunks, wanted in steps]
+        kv = [(k[used].float(), v[used].float()) for k, v in runner.caches]
     return logits, kv
 
 
-def test_varlen_steps_match_the_per_segment_path(engine, monkeypatch):
-    runner = engine.runner
+def varlen_steps(runner):
+    """Three packed steps over rows 1–3 (their block tables set): two new prompts, one going on in the next step;
+    the rest of it (20 cached tokens, every position's logits) beside a new prompt; a continuation alone (as a
+    speculative window or a prefix-cache hit). Returns (steps, the blocks they use)."""
     gen = torch.Generator().manual_seed(5)
     p1, p2, p3 = (torch.randint(3, runner.vocab_size - 1, (n,), generator=gen).tolist() for n in (37, 12, 23))
     tables = {1: [40, 41, 42], 2: [50], 3: [60, 61]}
     for row, blocks in tables.items():
         runner.tables.set(row, 0, blocks)
     runner.tables.flush()
-    used = [b for blocks in tables.values() for b in blocks]
-    steps = [
-        # two prompts from position 0; the first goes on in the next step (no logits yet)
-        ([(1, 0, p1[:20]), (2, 0, p2)], [[], [11]]),
-        # the rest of the first prompt (20 cached tokens, every position's logits) beside a new prompt
-        ([(1, 20, p1[20:]), (3, 0, p3)], [list(range(17)), [22]]),
-        # a continuation alone (as a speculative window or a prefix-cache hit)
-        ([(2, 12, p3[:3])], [[0, 1, 2]]),
-    ]
-    want_logits, want_kv = _run_steps(runner, steps, used)
+    steps = [([(1, 0, p1[:20]), (2, 0, p2)], [[], [11]]),
+             ([(1, 20, p1[20:]), (3, 0, p3)], [list(range(17)), [22]]),
+             ([(2, 12, p3[:3])], [[0, 1, 2]])]
+    return steps, [b for blocks in tables.values() for b in blocks]
+
+
+def test_varlen_steps_match_the_per_segment_path(engine, monkeypatch):
+    runner = engine.runner
+    steps, used = varlen_steps(runner)
+    want_logits, want_kv = run_steps(runner, steps, used)
     calls = []
 
     def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scaling):
@@ -60,7 +62,7 @@ def test_varlen_steps_match_the_per_segment_path(engine, monkeypatch):
         return runner_module.reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling)
 
     monkeypatch.setattr(runner, "varlen", kernel)
-    got_logits, got_kv = _run_steps(runner, steps, used)
+    got_logits, got_kv = run_steps(runner, steps, used)
     layers = runner.num_layers
     assert len(calls) == 3 * layers  # one call per layer and step
     assert calls[0] == ([0, 20, 32], [0, 20, 32], 20, 20)
