@@ -42,3 +42,15 @@ def test_no_trace_without_the_variable(fixtures, monkeypatch):
 
     monkeypatch.delenv("COPT_ENGINE_TRACE", raising=False)
     assert Engine(EngineConfig(model=str(fixtures.teacher), device="cpu"))._trace is None
+
+
+def test_an_unwritable_trace_folder_does_not_stop_the_engine_stopping(fixtures, tmp_path, monkeypatch, capsys):
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("COPT_ENGINE_TRACE", str(blocker / "trace"))
+    engine = Engine(EngineConfig(model=str(fixtures.teacher), device="cpu", max_batch_size=2, max_model_len=64))
+    engine.start()
+    engine.stop()
+    assert "engine trace was not written" in capsys.readouterr().err

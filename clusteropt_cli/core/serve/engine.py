@@ -112,6 +112,7 @@ class StepTrace:
     (CLOCK_MONOTONIC: comparable between processes of one machine); `clock` pairs one with time.time()."""
 
     _written = itertools.count()
+    MAX_ENTRIES = 1_000_000  # steps and requests kept each (about 100 MB): a long-running server keeps its first ones
 
     def __init__(self, folder: str):
         self.folder = folder
@@ -136,16 +137,26 @@ class StepTrace:
     def after(self, engine: Engine) -> None:
         t0, running, waiting, *before = self._open
         now = self._counts(engine)
-        self.steps.append((t0, time.perf_counter(), running, waiting,
-                           *(a - b for a, b in zip(now, before, strict=True))))
+        if len(self.steps) < self.MAX_ENTRIES:
+            self.steps.append((t0, time.perf_counter(), running, waiting,
+                               *(a - b for a, b in zip(now, before, strict=True))))
+
+    def finished(self, seq: _Seq, now: float) -> None:
+        if len(self.requests) < self.MAX_ENTRIES:
+            self.requests.append((seq.t_arrival, seq.t_first, now, len(seq.prompt), len(seq.out)))
 
     def write(self) -> None:
+        """Write the trace (a folder that cannot be written is reported on stderr; stopping goes on)."""
         import json
+        import sys
 
-        os.makedirs(self.folder, exist_ok=True)
         path = os.path.join(self.folder, f"engine-trace-{os.getpid()}-{next(self._written)}.json")
-        with open(path, "w") as f:
-            json.dump({"clock": self.clock, "steps": self.steps, "requests": self.requests}, f)
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            with open(path, "w") as f:
+                json.dump({"clock": self.clock, "steps": self.steps, "requests": self.requests}, f)
+        except OSError as exc:
+            print(f"copt: the engine trace was not written to {path}: {exc}", file=sys.stderr)
         self.steps, self.requests = [], []
 
 
@@ -1044,7 +1055,7 @@ class Engine(EngineLoading, SpeculativeDecoding):
             prompt_logprobs=seq.prompt_lp, prompt_ranks=seq.prompt_rank)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         if self._trace is not None:
-            self._trace.requests.append((seq.t_arrival, seq.t_first, now, len(seq.prompt), len(seq.out)))
+            self._trace.finished(seq, now)
         seq.handle._push(pushed or [], result, wakes=self._wakes)
         try:
             self.observer.on_finish(result)
