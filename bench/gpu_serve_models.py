@@ -24,7 +24,11 @@ Per shape, in --shapes order (cases run most important first; each starts only w
   tserve      `transformers serve DIR --continuous-batching` on the same directory with the same clients (it
                 rejects ignore_eos: the tokens it actually returns are counted, and early stops recorded); each load
                 is bounded by --tserve-window seconds, tokens streamed by then count
-  engine      copt's Engine in-process with the same defaults (64 and 256 requests at once): the ceiling
+  engine      copt's Engine in-process with the same settings (copt serve's defaults, and --max-batch-size,
+              --max-model-len, --max-batch-tokens, --kv-cache-memory when --copt-args gives them; 64 and 256
+              requests at once): the ceiling; the comparison puts each client's tok/s over it (<client>_over_engine).
+              advise is asked with the same --max-batch-size. E.g. the front end's configuration measured by a
+              third-party tester: --shapes 1b --copt-args="--max-batch-size 256" --skip tserve
   advise      `copt advise -m DIR --task infer --batch N --prompt-len 256 --gen-len 128 --temperature T [--top-p P]
               --json` (the mode's sampling settings) for
               the detected GPU (N = 1, 64, 256): predicted TPOT, TTFT, output tok/s, each next to the measured
@@ -49,7 +53,8 @@ JSON (`--out`), per shape key "1b"/"8b" under each case; tok/s are output tokens
   advise.<shape>.c<N>_<mode> copt advise's tpot_s, tpot_floor_s, ttft_s, output_tokens_per_s, the command
   comparison.<shape>        b1_<mode> and c<N>_<mode>: predicted_<figure>, <tester>_<figure> and
                             pred_over_<tester>_<figure> (predicted ÷ measured; testers copt_client, profile_endpoint,
-                            guidellm — the last two sampled only)
+                            guidellm — the last two sampled only); engine_output_tokens_per_s and
+                            <tester>_over_engine (HTTP ÷ in-process, same settings)
   case_seconds, elapsed_s, errors: time per case, total, and any case that failed (with its traceback)
 """
 
@@ -578,8 +583,26 @@ def case_tserve(shape: str, model_dir: Path, prompts: PromptStream, args, budget
         save()
 
 
-def case_engine(shape: str, model_dir: Path, prompts: PromptStream, budget: Budget, results: dict, save) -> None:
-    """copt's Engine in-process, built from the same ServeRecipe defaults as `copt serve DIR`."""
+# the copt serve flags (--copt-args) the in-process engine and advise follow too, as ServeRecipe fields
+SHARED_FLAGS = {"--max-batch-size": ("max_batch_size", int), "--max-model-len": ("max_model_len", int),
+                "--max-batch-tokens": ("max_batch_tokens", int), "--kv-cache-memory": ("kv_cache_memory", float)}
+
+
+def shared_settings(copt_args: str) -> dict:
+    """The SHARED_FLAGS among --copt-args (`--flag value` or `--flag=value`) as ServeRecipe fields."""
+    out, words = {}, copt_args.split()
+    for i, word in enumerate(words):
+        flag, _, value = word.partition("=")
+        if flag in SHARED_FLAGS and (value or i + 1 < len(words)):
+            name, kind = SHARED_FLAGS[flag]
+            out[name] = kind(value or words[i + 1])
+    return out
+
+
+def case_engine(shape: str, model_dir: Path, prompts: PromptStream, budget: Budget, results: dict, save,
+                settings: dict | None = None) -> None:
+    """copt's Engine in-process, built from the same ServeRecipe as `copt serve DIR` (with the --copt-args flags
+    of SHARED_FLAGS)."""
     from transformers import AutoTokenizer
 
     from clusteropt_cli.core.serve.engine import Engine, GenerationRequest
@@ -592,9 +615,10 @@ def case_engine(shape: str, model_dir: Path, prompts: PromptStream, budget: Budg
 
     out["prompt_tokens"] = sorted({len(x) for x in ids(8)})
     t0 = time.perf_counter()
-    engine = Engine.from_settings(ServeRecipe(model=str(model_dir)))
+    engine = Engine.from_settings(ServeRecipe(model=str(model_dir), **(settings or {})))
     engine.start()
     out["startup_s"] = round(time.perf_counter() - t0, 1)
+    out["settings"] = settings or {}
     try:
         engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=8, ignore_eos=True) for p in ids(16)])
         for n in CFG["loads"]:
@@ -620,11 +644,14 @@ def case_engine(shape: str, model_dir: Path, prompts: PromptStream, budget: Budg
         free_gpu()
 
 
-def advise_predictions(model_dir: Path, gpu_flag: list[str]) -> dict:
-    """`copt advise --task infer --json` for batch 1, 64 and 256, greedy and sampled (6 at a time)."""
+def advise_predictions(model_dir: Path, gpu_flag: list[str], settings: dict | None = None) -> dict:
+    """`copt advise --task infer --json` for batch 1, 64 and 256, greedy and sampled (6 at a time), with the
+    server's --max-batch-size when --copt-args sets it."""
+    extra = ["--max-batch-size", str(settings["max_batch_size"])] if (settings or {}).get("max_batch_size") else []
+
     def one(batch: int, mode: str) -> tuple[str, dict]:
         cmd = [sys.executable, "-m", "clusteropt_cli", "advise", "-m", str(model_dir), "--task", "infer", "--batch",
-               str(batch), "--prompt-len", str(CFG["prompt_len"]), "--gen-len", str(CFG["out_tokens"]),
+               str(batch), "--prompt-len", str(CFG["prompt_len"]), "--gen-len", str(CFG["out_tokens"]), *extra,
                "--temperature", str(MODES[mode]["temperature"]),
                *(["--top-p", str(MODES[mode]["top_p"])] if "top_p" in MODES[mode] else []), "--json", *gpu_flag]
         done = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -653,6 +680,7 @@ def comparisons(results: dict, shape: str) -> dict:
     copt = (results.get("copt") or {}).get(shape) or {}
     prof = (results.get("profile_endpoint") or {}).get(shape) or {}
     gl = (results.get("guidellm") or {}).get(shape) or {}
+    eng = (results.get("engine") or {}).get(shape) or {}
     rows = {}
     for mode in MODES:
         p = adv.get(f"c1_{mode}") or {}
@@ -682,6 +710,14 @@ def comparisons(results: dict, shape: str) -> dict:
                     if val:
                         row[f"{name}_{fig}"] = val
                         row[f"pred_over_{name}_{fig}"] = ratio(p.get(fig), val)
+            # through HTTP ÷ the in-process engine with the same settings (the front end's cost), per client
+            ceiling = ((eng.get(f"c{n}_{mode}") or {}).get("output_tokens_per_s"))
+            if ceiling:
+                row["engine_output_tokens_per_s"] = ceiling
+                for name in ("copt_client", "profile_endpoint", "guidellm"):
+                    val = row.get(f"{name}_output_tokens_per_s")
+                    if val:
+                        row[f"{name}_over_engine"] = round(val / ceiling, 3)
             rows[f"c{n}_{mode}"] = row
     return rows
 
@@ -802,8 +838,8 @@ def main() -> None:
     if "advise" not in skip and dirs:
         def adv() -> None:
             for shape in dirs:
-                results.setdefault("advise", {})[shape] = advise_predictions(dirs[shape], [] if cuda else
-                                                                             ["--gpu", "h200"])
+                results.setdefault("advise", {})[shape] = advise_predictions(
+                    dirs[shape], [] if cuda else ["--gpu", "h200"], shared_settings(args.copt_args))
             if not cuda:
                 results["advise_note"] = "no GPU here: predictions for --gpu h200 (checks the plumbing only)"
             results["comparison"] = {shape: comparisons(results, shape) for shape in dirs}
@@ -812,7 +848,8 @@ def main() -> None:
     for shape in sorted(dirs, key=lambda x: x != "1b"):  # the 1B engine first: cheaper
         if "engine" not in skip:
             if budget.allows(70 if shape == "8b" else 30):
-                timed(f"engine_{shape}", case_engine, shape, dirs[shape], stream(shape), budget, results, save)
+                timed(f"engine_{shape}", case_engine, shape, dirs[shape], stream(shape), budget, results, save,
+                      shared_settings(args.copt_args))
             else:
                 results.setdefault("engine", {})[shape] = {"skipped": "time budget"}
     results["comparison"] = {shape: comparisons(results, shape) for shape in dirs}
