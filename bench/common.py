@@ -205,9 +205,18 @@ async def http_load(url: str, prompts: list[list[int]], max_tokens: int, stream:
         itl = [b - a for o in out for a, b in zip(o["times"], o["times"][1:], strict=False)]
         res["ttft_s"] = percentiles(ttft)
         res["itl_s"] = percentiles(itl)
-        res["tpot_s"] = percentiles([(o["times"][-1] - o["times"][0]) / (len(o["times"]) - 1) for o in out
-                                     if len(o["times"]) > 1])
+        res["tpot_s"] = percentiles([t for t in map(per_token_tpot, out) if t is not None])
     return res
+
+
+def per_token_tpot(result: dict) -> float | None:
+    """A streamed request's TPOT per output token: first to last text chunk over the tokens between them (its
+    usage's count). A chunk can carry several tokens (text held back until it decodes, deltas that queued in the
+    server), so chunk gaps over-state it."""
+    times, tokens = result["times"], result["tokens"]
+    if len(times) < 2 or tokens < 2:
+        return None
+    return (times[-1] - times[0]) / (tokens - 1)
 
 
 KERNEL_CATEGORIES = [  # first match wins; matched against the lower-cased kernel name

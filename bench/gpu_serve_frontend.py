@@ -46,7 +46,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import free_gpu, free_port, http_request, log, make_model_dir, percentiles, wait_healthy  # noqa: E402
+from common import (  # noqa: E402
+    free_gpu,
+    free_port,
+    http_request,
+    log,
+    make_model_dir,
+    per_token_tpot,
+    percentiles,
+    wait_healthy,
+)
 
 MODES = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0, "top_p": 0.95}}
 CFG = {"requests": 256, "prompt_len": 256, "out_tokens": 128, "max_model_len": 512, "kv_gib": 16.0,
@@ -143,8 +152,7 @@ def http_load(url: str, prompts: list[list[int]], max_tokens: int, params: dict,
     tokens = sum(r["tokens"] for r in results)
     return {"requests": len(results), "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
             "ttft_s": percentiles([r["times"][0] for r in results if r["times"]]),
-            "tpot_s": percentiles([(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in results
-                                   if len(r["times"]) > 1]),
+            "tpot_s": percentiles([t for t in map(per_token_tpot, results) if t is not None]),
             # per request: start (perf_counter, the engine trace's clock), first and last text chunk after it, tokens
             "per_request": [[round(r["start"], 4), round(r["times"][0], 4) if r["times"] else None,
                              round(r["times"][-1], 4) if r["times"] else None, r["tokens"]] for r in results]}

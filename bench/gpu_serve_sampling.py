@@ -56,6 +56,7 @@ from common import (  # noqa: E402
     http_request,
     log,
     make_model_dir,
+    per_token_tpot,
     start_server,
     wait_healthy,
     workload,
@@ -250,7 +251,7 @@ async def _load(url: str, prompts: list[list[int]], max_tokens: int, params: dic
         out = await asyncio.gather(*[http_request(client, url, p, max_tokens, True, params) for p in prompts])
         wall = time.perf_counter() - t0
     tokens = sum(o["tokens"] for o in out)
-    tpot = sorted((o["times"][-1] - o["times"][0]) / (len(o["times"]) - 1) for o in out if len(o["times"]) > 1)
+    tpot = sorted(t for t in map(per_token_tpot, out) if t is not None)
     return {"requests": len(out), "output_tokens": tokens, "wall_s": round(wall, 3),
             "output_tokens_per_s": tokens / wall, "tpot_ms_p50": 1000 * tpot[len(tpot) // 2] if tpot else None}
 
