@@ -189,18 +189,22 @@ def drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, posit
                        torch.where(noisy_rows, torch.full_like(values, float("-inf")), values))
 
 
-def drawn_token(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position):
-    """TOP_K_DRAW's token per row: the candidate id with the largest drawn_scores (the first maximum, in sorted
-    order) — the scores, their argmax and the id's gather in one compiled kernel."""
-    scores = drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position)
+def _drawn_id(ids, scores):
+    """The candidate id with the largest score per row (the first maximum, in sorted order)."""
     return ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+
+
+def drawn_token(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position):
+    """TOP_K_DRAW's token per row: the candidate with the largest drawn_scores — the scores, their argmax and the
+    id's gather in one compiled kernel."""
+    return _drawn_id(ids, drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position))
 
 
 def drawn_token_p(values, ids, total, top_k, top_p, min_p, temperature, seed_lo, seed_hi, position):
     """TOP_K_P_DRAW's token per row: drawn_token with the row's mass and top-p (compiled on its own: one argument
     layout per kernel)."""
-    scores = drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position, total, top_p)
-    return ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+    return _drawn_id(ids, drawn_scores(values, ids, top_k, min_p, temperature, seed_lo, seed_hi, position, total,
+                                       top_p))
 
 
 def row_mass(x, top, scale):

@@ -152,7 +152,7 @@ def observe_many(histogram: Any, samples: list[tuple[float, int]]) -> None:
     prometheus_client layout take the samples one by one."""
     import bisect
 
-    bounds, buckets, total = getattr(histogram, "_upper_bounds", None), getattr(histogram, "_buckets", None), None
+    bounds, buckets = getattr(histogram, "_upper_bounds", None), getattr(histogram, "_buckets", None)
     if bounds is None or buckets is None or len(bounds) != len(buckets) or getattr(histogram, "_sum", None) is None:
         for value, count in samples:
             for _ in range(count):
