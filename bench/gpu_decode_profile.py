@@ -3,6 +3,7 @@ greedy tokens (CUDA graphs, compiled layers, merged projections, async schedulin
 grouped by category, per decode step, against the wall time per token.
 
     python3 bench/gpu_decode_profile.py --out $OUT/decode_profile.json      (~1.5 minutes on the H200)
+    python3 bench/gpu_decode_profile.py --shape 8b --compile-mode default --out dp8b.json   (Llama-3.1-8B shape)
     python3 bench/gpu_decode_profile.py --smoke --out /tmp/dp.json          (tiny model on the CPU: checks the script)
 
 Model: the Llama-3.2-1B shape in bf16 with random weights (bench/gpu_serve.py's model dir). The matrix-vector
@@ -34,8 +35,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
-    parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "flex", "math"])
-    parser.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"])
+    parser.add_argument("--decode-attention", default="auto", choices=["auto", "sdpa", "flex", "math", "paged"],
+                        help="default auto: copt serve's own choice")
+    parser.add_argument("--compile-mode", default="default",
+                        choices=["default", "auto", "max-autotune-no-cudagraphs"])
+    parser.add_argument("--shape", default="1b", choices=["1b", "8b"], help="Llama-3.2-1B or Llama-3.1-8B shape")
+    parser.add_argument("--model-dir", type=Path, default=None, help="reuse (or create) the model here")
     args = parser.parse_args()
 
     import torch
@@ -45,9 +50,15 @@ def main() -> None:
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
 
     cuda = torch.cuda.is_available() and not args.smoke
-    work = Path(tempfile.mkdtemp(prefix="copt-decode-profile-"))
-    model_dir = work / "model"
-    make_model_dir(model_dir, small=args.smoke)  # (the returned model is dropped here)
+    model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="copt-decode-profile-")) / "model"
+    if not (model_dir / "config.json").exists():
+        if args.shape == "8b" and not args.smoke:
+            from gpu_serve_models import SHAPES
+            from gpu_serve_models import make_model_dir as make_shape_dir
+
+            make_shape_dir(model_dir, SHAPES["8b"])
+        else:
+            make_model_dir(model_dir, small=args.smoke)  # (the returned model is dropped here)
     if cuda:
         torch.cuda.empty_cache()
     t0 = time.perf_counter()
@@ -74,6 +85,7 @@ def main() -> None:
     report = {
         "bench": "gpu_decode_profile", "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
+        "shape": "smoke" if args.smoke else args.shape,
         "async_scheduling": args.async_scheduling, "decode_attention": args.decode_attention,
         "compile_mode": args.compile_mode, "startup_s": round(startup, 1), "decode_steps": steps,
         "wall_ms_per_token_profiled": round(per_token_ms, 3),
@@ -82,7 +94,8 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    print(f"batch-1 decode on {report['gpu']}: {per_token_unprofiled_ms:.3f} ms/token "
+    print(f"batch-1 decode on {report['gpu']} ({report['shape']}, compile mode {args.compile_mode}, start-up "
+          f"{startup:.1f} s): {per_token_unprofiled_ms:.3f} ms/token "
           f"({per_token_ms:.3f} under the profiler); GPU kernels {report['gpu_kernel_ms_per_step']:.3f} ms/step, "
           f"{report['kernels_per_step']:.1f} kernels/step")
     for name, ms in report["by_category_ms_per_step"].items():

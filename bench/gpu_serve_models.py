@@ -812,7 +812,11 @@ def main() -> None:
     def build(shape: str) -> None:
         spec = SMOKE_SHAPE if args.smoke else SHAPES[shape]
         dirs[shape] = work / f"llama-{shape}-shape"
-        made_by[shape] = make_model_dir(dirs[shape], spec)
+        if (dirs[shape] / "config.json").exists():  # a --work-dir of an earlier run: the same weights again
+            made_by[shape] = {"weight_bytes": sum(f.stat().st_size for f in dirs[shape].glob("*.safetensors")),
+                              "build_and_save_s": 0.0, "reused": True, "vocab": spec["vocab_size"]}
+        else:
+            made_by[shape] = make_model_dir(dirs[shape], spec)
         results["models"][shape] = {**made_by[shape], "shape": spec}
         vocab_of[shape] = spec["vocab_size"]
         log(f"model {shape}: {made_by[shape]['weight_bytes'] / 1e9:.2f} GB of weights, built and saved in "
