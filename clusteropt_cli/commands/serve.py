@@ -69,8 +69,10 @@ def serve(
                                                   help="torch.compile the decoder layers for decode steps "
                                                        "(default: on with CUDA graphs).")] = None,
     compile_mode: Annotated[str | None, typer.Option("--compile-mode",
-                                                     help="default | max-autotune-no-cudagraphs (autotuned "
-                                                          "Triton GEMV/GEMM templates; slower start).")] = None,
+                                                     help="auto | default | max-autotune-no-cudagraphs: "
+                                                          "autotuned Triton GEMV/GEMM templates (slower start) for "
+                                                          "batch-1 steps (auto, on CUDA), none (default) or every "
+                                                          "batch.")] = None,
     async_scheduling: Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling", hidden=True,
                                                           help="Launch the next greedy decode step before handling "
                                                                "the current one's tokens (default: on; vLLM: its "

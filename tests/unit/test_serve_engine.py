@@ -286,10 +286,45 @@ def test_compile_mode_reaches_torch_compile_of_the_decode_layers(fixtures, monke
     modes.clear()
     ModelRunner(str(fixtures.teacher), device="cpu", num_slots=2, max_len=64, compile_decode=True)
     assert modes == [None] * 4  # torch.compile's default mode
+    modes.clear()
+    ModelRunner(str(fixtures.teacher), device="cpu", num_slots=2, max_len=64, compile_decode=True, compile_mode="auto")
+    assert modes == [None] * 4  # auto autotunes batch-1 steps on CUDA only
     settings = load_settings("serve", None, ["compile_mode=max-autotune-no-cudagraphs"], {"model": "m"})
     assert settings.compile_mode == "max-autotune-no-cudagraphs"
+    assert load_settings("serve", None, ["compile_mode=auto"], {"model": "m"}).compile_mode == "auto"
     with pytest.raises(RecipeError, match="compile_mode"):
         load_settings("serve", None, ["compile_mode=max-autotune-no-cudagraphs", "engine=vllm"], {"model": "m"})
+
+
+def test_auto_compile_mode_sends_batch_one_decode_steps_to_the_autotuned_layers(fixtures, monkeypatch):
+    import torch
+
+    from clusteropt_cli.core.serve import runner as runner_module
+    from clusteropt_cli.core.serve.runner import ModelRunner, decode_compile_modes
+
+    assert decode_compile_modes("auto", "cuda") == (None, "max-autotune-no-cudagraphs")
+    assert decode_compile_modes("auto", "cpu") == (None, None)
+    assert decode_compile_modes("default", "cuda") == (None, None)
+    assert decode_compile_modes("max-autotune-no-cudagraphs", "cuda") == ("max-autotune-no-cudagraphs",) * 2
+    calls = []
+
+    def recording_compile(fn, mode=None, **kwargs):
+        def run(*args, **kw):
+            calls.append((mode, (args[0] if args else kw["hidden_states"]).shape[0]))
+            return fn(*args, **kw)
+        return run
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    monkeypatch.setattr(runner_module, "decode_compile_modes", lambda *_: (None, "max-autotune-no-cudagraphs"))
+    runner = ModelRunner(str(fixtures.teacher), device="cpu", num_slots=2, max_len=64, compile_decode=True,
+                         compile_mode="auto")
+    runner.forward_packed([(0, 0, [5, 6, 7]), (1, 0, [8, 9])], [[2], [1]])
+    assert calls == []  # packed prefill stays eager
+    runner.forward_decode([0], [3], [11])
+    assert {c for c in calls} == {("max-autotune-no-cudagraphs", 1)} and len(calls) == runner.compiled_layers
+    calls.clear()
+    runner.forward_decode([0, 1], [4, 2], [12, 13])
+    assert {c for c in calls} == {(None, 2)} and len(calls) == runner.compiled_layers
 
 
 def test_decode_attention_setting_reaches_the_runner(fixtures):

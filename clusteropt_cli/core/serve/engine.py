@@ -262,7 +262,7 @@ class EngineConfig:
     speculative_max_batch: int = 4
     cuda_graphs: bool | None = None
     compile: bool | None = None  # None: with CUDA graphs
-    compile_mode: str = "default"  # torch.compile mode of the decode layers
+    compile_mode: str = "auto"  # torch.compile mode of the decode layers (runner.decode_compile_modes)
     async_scheduling: bool = True  # greedy decode stretches: launch step k+1 before handling step k's tokens
     # decode-step attention of the compiled layers: "sdpa" (masked SDPA), "flex" (FlexAttention) or "math" (plain
     # tensor ops the compiler fuses); "auto" resolves in resolve_decode_attention

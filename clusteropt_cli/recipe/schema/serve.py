@@ -66,10 +66,11 @@ class ServeRecipe(Strict):
     cuda_graphs: bool | None = Field(None, description="Capture decode steps as CUDA graphs (default: on GPU).")
     compile: bool | None = Field(None, description="torch.compile the decoder layers for decode steps, once for all "
                                                    "layers (default: on with CUDA graphs).")
-    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
-        "default", description="torch.compile mode of the decode layers; max-autotune-no-cudagraphs benchmarks "
-                               "Triton GEMM/GEMV templates at start-up (slower start; copt captures the CUDA "
-                               "graphs itself). copt engine only.")
+    compile_mode: Literal["auto", "default", "max-autotune-no-cudagraphs"] = Field(
+        "auto", description="torch.compile mode of the decode layers: max-autotune-no-cudagraphs benchmarks "
+                            "Triton GEMM/GEMV templates against cuBLAS at start-up (slower start; copt captures "
+                            "the CUDA graphs itself); auto (the default) does so for batch-1 steps on CUDA only, "
+                            "default never. copt engine only.")
     async_scheduling: bool | None = Field(
         None, description="Launch the next greedy decode step before handling the current one's tokens (stretches "
         "of pure greedy decoding). None = on for the copt engine (H200, 1B: batch-1 decode 1.70 -> 1.40 "
@@ -125,7 +126,7 @@ class ServeRecipe(Strict):
         if self.draft_model and self.prompt_lookup:
             problems.append("draft_model: choose a draft model or prompt_lookup, not both")
         no_compiled_layers = self.engine == "vllm" or self.compile is False
-        if self.compile_mode != "default" and no_compiled_layers:
+        if self.compile_mode not in ("auto", "default") and no_compiled_layers:
             problems.append("compile_mode: applies to the copt engine's compiled decode layers "
                             "(not with engine vllm or compile false)")
         if self.decode_attention in ("flex", "math") and no_compiled_layers:
