@@ -296,7 +296,7 @@ def _infer_settings(model: str | None, recipe: str | None, overrides: list[str] 
     plan = InferPlan(batch=v["batch"] or 1, prompt_len=v["prompt_len"] or 512, gen_len=v["gen_len"] or 256,
                      weights=v["weights"] or "bf16", kv_cache=kv_dtype, tp=s.tensor_parallel,
                      engine="vllm" if s.engine == "vllm" else "copt", continuous_batching=True,
-                     chunked_prefill=s.max_batch_tokens, decode_autotune=s.compile_mode != "default",
+                     chunked_prefill=s.max_batch_tokens, compile_mode=s.compile_mode,
                      speculative_tokens=s.num_speculative_tokens if (s.prompt_lookup or s.draft_model) else 0,
                      temperature=v["temperature"] or 0.0, top_p=1.0 if v["top_p"] is None else v["top_p"],
                      top_k=v["top_k"] or 0, shared_prefix_len=v["shared_prefix_len"] or 0,

@@ -146,24 +146,26 @@ SAMPLED_DECODE_STEP_S = 34e-6
 SAMPLED_DECODE_PER_SEQ_S = 0.85e-6
 # What top-k / top-p truncation adds on top of that: the sampling step of copt's engine alone, captured as a CUDA
 # graph on a 128,256-token vocabulary, for 1, 64 and 256 rows (µs), per selection mode the engine runs
-# (device_sampling.selection_for). H200, 2026-12-02, bench/gpu_serve_sampling.py (docs/benchmarks.md#serve): the
+# (device_sampling.selection_for). H200, 2026-12-02, bench/gpu_serve_sampling.py --skip engine,http, e14634f (the draw
+# modes' temperature and draw fused into their kernels; docs/benchmarks.md#serve): the
 # difference to the temperature-only mode ("plain"), interpolated linearly in the rows, is added per decode step.
-# Checked at batch 1 in the same run: 1.221 ms/token at temperature 1.0, 1.243 with top_p 0.95 (+14.6 µs of graph
-# → 1.236 predicted), 1.261 with top_k 50 (+29.1 → 1.250).
+# Checked at batch 1 against the engine at af4ec2b (same kernels): 1.236 ms/token at temperature 1.0, 1.257 with top_p
+# 0.95 (+13.7 µs of graph → 1.250 predicted), 1.269 with top_k 50 (+21.7 → 1.258).
 SAMPLING_GRAPH_US = {
-    "plain": ((1, 17.3), (64, 77.6), (256, 254.5)),
-    "top_p": ((1, 31.9), (64, 275.8), (256, 685.9)),
-    "top_k_draw": ((1, 46.4), (64, 270.3), (256, 945.3)),  # every sampled row top_k <= 64
-    "top_k_p_draw": ((1, 50.2), (64, 285.1), (256, 998.2)),
-    "top_k_wide": ((1, 81.8), (64, 562.7), (256, 1352.3)),  # top_k up to 1,024 (one row sorts on CUDA)
-    "top_k_wide_p": ((1, 81.7), (64, 592.8), (256, 1456.1)),
-    "sort": ((1, 81.6), (64, 1003.0), (256, 3292.6)),  # a larger top_k
+    "plain": ((1, 17.4), (64, 77.2), (256, 249.9)),
+    "top_p": ((1, 31.1), (64, 272.3), (256, 681.5)),
+    "top_k_draw": ((1, 39.1), (64, 240.2), (256, 856.8)),  # every sampled row top_k <= 64
+    "top_k_p_draw": ((1, 43.7), (64, 253.4), (256, 912.7)),
+    "top_k_wide": ((1, 80.8), (64, 555.7), (256, 1337.1)),  # top_k up to 1,024 (one row sorts on CUDA)
+    "top_k_wide_p": ((1, 81.3), (64, 588.2), (256, 1443.0)),
+    "sort": ((1, 81.5), (64, 996.9), (256, 3264.6)),  # a larger top_k
 }
-# What `copt serve --compile-mode max-autotune-no-cudagraphs` saves per decode step (inductor's autotuned Triton
-# GEMV/GEMM templates instead of cuBLAS in the compiled decode layers). H200, 1B shape, batch 1: 1.220 → 1.126
-# ms/token in-process on one host (decode profile), 1.22 → 1.11 through the server (docs/benchmarks.md#serve)
-# → 0.1 ms. Measured at batch 1 only; applied per step.
-AUTOTUNED_DECODE_STEP_S = 0.10e-3
+# What inductor's autotuned kernels save per batch-1 decode step (copt serve's default --compile-mode auto; the
+# SERVING_ENGINES step costs above were fitted with cuBLAS products), as a share of the weights-over-bandwidth floor.
+# H200, in-process decode profile, one host (docs/benchmarks.md#serve): 8B shape 4.701 → 4.379 ms/token (0.322 ms,
+# 9.6% of advise's 3.35 ms floor), 1B 1.201 → 1.171 (0.030 ms, 5.8% of 0.51 ms). Not measured above batch 1: not
+# applied there.
+AUTOTUNED_B1_FLOOR_SHARE = 0.08
 # Fraction of link bandwidth NCCL collectives reach (bus bandwidth / link bandwidth, large messages).
 COMM_EFFICIENCY = 0.80
 # Fraction of ZeRO/DP communication hidden behind backward compute (overlap_comm, bucketed all-reduce).

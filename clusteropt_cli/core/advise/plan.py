@@ -107,7 +107,8 @@ class InferPlan:
     speculative_tokens: int = 0  # draft tokens per step (0 = off)
     speculative_acceptance: float = 0.7
     engine: Literal["copt", "vllm"] = "copt"  # the serving stack continuous batching runs on
-    decode_autotune: bool = False  # copt serve --compile-mode max-autotune-no-cudagraphs (autotuned decode kernels)
+    # copt serve --compile-mode: auto (the default) autotunes batch-1 decode kernels on CUDA, default never
+    compile_mode: Literal["auto", "default", "max-autotune-no-cudagraphs"] = "auto"
     temperature: float = 0.0  # of the requests: 0 = greedy; > 0 = sampled (the OpenAI default is 1)
     top_p: float = 1.0  # of the sampled requests: nucleus truncation (1 = off, the OpenAI default)
     top_k: int = 0  # of the sampled requests: top-k truncation (0 = off)

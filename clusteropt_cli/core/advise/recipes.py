@@ -97,8 +97,8 @@ def serve_recipe_data(plan: InferPlan, model_arg: str, quantize_method: str | No
         data["kv_cache_blocks"] = max(1, int(plan.kv_cache_tokens) // int(plan.block_size))
     if data["engine"] == "copt" and plan.kv_layout != "auto":
         data["kv_layout"] = plan.kv_layout
-    if plan.decode_autotune and data["engine"] == "copt":
-        data["compile_mode"] = "max-autotune-no-cudagraphs"
+    if plan.compile_mode != "auto" and data["engine"] == "copt":
+        data["compile_mode"] = plan.compile_mode
     if plan.speculative_tokens:
         data["prompt_lookup"] = 3
         data["num_speculative_tokens"] = int(plan.speculative_tokens)

@@ -35,7 +35,7 @@ MATRIX: dict[str, list[str]] = {
             "awq", "gptq", "quantized-kernels", "kv-cache-quantization", "fp8-w8a8", "expandable-segments"],
     "high-ttft": ["chunked-prefill", "prefix-caching", "tensor-parallel", "fp8-w8a8", "operator-fusion"],
     "slow-tpot": ["speculative-decoding", "awq", "gptq", "quantized-kernels", "fp8-w8a8", "kv-cache-quantization",
-                  "operator-fusion", "tensor-parallel", "distillation", "autotuned-decode"],
+                  "operator-fusion", "tensor-parallel", "distillation"],
     "low-throughput": ["continuous-batching", "kv-cache-quantization", "awq", "quantized-kernels", "fp8-w8a8", "gptq",
                        "chunked-prefill", "operator-fusion", "larger-micro-batch", "fp8"],
     "comm-bound": ["gradient-accumulation", "gradient-compression", "zero-1", "tensor-parallel", "pipeline-parallel"],
@@ -298,14 +298,6 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
             add("tensor-parallel", f"Tensor parallelism over {t} GPUs", "splits weights, KV and FLOPs per token",
                 f"prefill and decode up to {t}× faster (NVLink)", "Megatron-LM arXiv:1909.08053",
                 "all-reduces per layer", p.with_(tp=t, engine="vllm"), [f"--tensor-parallel {t}", "--engine vllm"])
-    if p.engine == "copt" and not p.decode_autotune and target.gpu is not None:  # copt serve's engine only
-        add("autotuned-decode", "Autotuned decode kernels (copt serve --compile-mode max-autotune-no-cudagraphs)",
-            "the decode layers' matrix-vector products run cuBLAS kernels below the copy bandwidth; inductor "
-            "benchmarks Triton templates against them at start-up",
-            "batch-1 1.22 → 1.11 ms/token through copt serve (H200, 1B shape)",
-            f"{BENCH}#serve",
-            "start-up 58.6 s instead of 17.4 s (autotuning)", p.with_(decode_autotune=True, continuous_batching=True),
-            ["copt serve --compile-mode max-autotune-no-cudagraphs"])
     add("distillation", "Distill into a smaller student", "every decode step reads all weights",
         "a 1.5–32B student inherits reasoning from trace SFT", SRC_R1, "a training run (copt distill)", p,
         ["copt distill sft"])

@@ -303,8 +303,9 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     tpot = max(floor / cal.DECODE_BANDWIDTH_EFFICIENCY, decode_compute)
     if engine:
         tpot += engine["step_fixed_s"] + engine["step_per_seq_s"] * running
-        if plan.decode_autotune and engine_name == "copt":
-            tpot = max(tpot - cal.AUTOTUNED_DECODE_STEP_S, floor)
+        if plan.compile_mode != "default" and engine_name == "copt" and running == 1:
+            # batch-1 steps run inductor's autotuned kernels (copt serve's default compile mode, "auto")
+            tpot = max(tpot - cal.AUTOTUNED_B1_FLOOR_SHARE * floor, floor)
         if plan.temperature > 0 and engine_name == "copt":
             # sampled requests: one more [batch, vocabulary] pass on the device than the greedy argmax, and the
             # truncation's selection step where top-k or top-p is set
