@@ -26,6 +26,11 @@ LLAMA_1B_SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_head
                       head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
                       rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
                       pad_token_id=128004)
+# Llama-3.1-8B's architecture (random weights)
+LLAMA_8B_SHAPE = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+                      rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
+                      pad_token_id=128004)
 
 
 def log(msg: str) -> None:

@@ -34,10 +34,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import COPY_BW, time_graph  # noqa: E402
+from common import COPY_BW, LLAMA_1B_SHAPE, LLAMA_8B_SHAPE, time_graph  # noqa: E402
 
 # (hidden, intermediate, layers, heads, kv heads, head dim, vocabulary) of the Llama-3.2-1B and Llama-3.1-8B shapes
-MODEL_SHAPES = {"1b": (2048, 8192, 16, 32, 8, 64, 128256), "8b": (4096, 14336, 32, 32, 8, 128, 128256)}
+MODEL_SHAPES = {name: (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["num_attention_heads"],
+                       c["num_key_value_heads"], c["head_dim"], c["vocab_size"])
+                for name, c in (("1b", LLAMA_1B_SHAPE), ("8b", LLAMA_8B_SHAPE))}
 SMOKE = (64, 128, 2, 4, 2, 16, 512)
 PLAN = [(name, rows) for rows in (1, 4) for name in ("cublas", "compiled", "reduction", "fp8_reduction")]
 # autotuning compiles and benchmarks templates per weight shape (minutes): last, so the rest always runs
@@ -208,8 +210,9 @@ def main() -> None:
     torch.manual_seed(0)
     wanted = {c for c in args.cases.split(",") if c}
     plan = [(name, rows) for name, rows in PLAN if not wanted or f"{name}_m{rows}" in wanted]
-    if wanted - {f"{name}_m{rows}" for name, rows in PLAN}:
-        parser.error(f"unknown cases {sorted(wanted - {f'{n}_m{r}' for n, r in PLAN})}")
+    unknown = wanted - {f"{name}_m{rows}" for name, rows in PLAN}
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}")
     dims = shapes(args.cpu_smoke, shape=args.shape)
     weights = [torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02 for o, i in dims]
     results: dict = {"bench": "gpu_decode_b1", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,

@@ -53,10 +53,10 @@ def main() -> None:
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="copt-decode-profile-")) / "model"
     if not (model_dir / "config.json").exists():
         if args.shape == "8b" and not args.smoke:
-            from gpu_serve_models import SHAPES
+            from common import LLAMA_8B_SHAPE
             from gpu_serve_models import make_model_dir as make_shape_dir
 
-            make_shape_dir(model_dir, SHAPES["8b"])
+            make_shape_dir(model_dir, LLAMA_8B_SHAPE)
         else:
             make_model_dir(model_dir, small=args.smoke)  # (the returned model is dropped here)
     if cuda:

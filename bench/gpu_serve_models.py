@@ -81,13 +81,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import COPY_BW, LLAMA_1B_SHAPE, free_gpu, free_port, log, percentiles, wait_healthy  # noqa: E402
+from common import COPY_BW, LLAMA_1B_SHAPE, LLAMA_8B_SHAPE, free_gpu, free_port, log, percentiles, wait_healthy  # noqa: E402
 
-# Llama-3.1-8B's architecture (random weights)
-LLAMA_8B_SHAPE = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
-                      rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
-                      pad_token_id=128004)
 SMOKE_SHAPE = dict(LLAMA_1B_SHAPE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16, intermediate_size=128, vocab_size=8192, max_position_embeddings=2048,
                    bos_token_id=8189, eos_token_id=8190, pad_token_id=8191)
