@@ -85,7 +85,7 @@ def advise(
     shared_prefix_alias: Annotated[int | None, typer.Option("--shared-prefix-tokens", hidden=True, min=0)] = None,
     max_batch_size: Annotated[int | None, typer.Option(
         "--max-batch-size", help="[infer] Sequences the serving engine runs at once at most (copt serve's "
-        "--max-batch-size, vLLM's --max-num-seqs; default: the engine's, 64 for copt serve).", show_default=False,
+        "--max-batch-size, vLLM's --max-num-seqs; default: the engine's, 256 for copt serve).", show_default=False,
         min=1)] = None,
     max_num_seqs_alias: Annotated[int | None, typer.Option("--max-num-seqs", hidden=True, min=1)] = None,
     weights: Annotated[str | None, typer.Option("--weights", help="[infer] bf16 | fp8 | int8 | int4.",

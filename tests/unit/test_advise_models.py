@@ -144,7 +144,7 @@ def test_deepspeed_buffers_1b_on_2_gpus(zero: int) -> None:
         assert mem.per_gpu_bytes / 1e9 == pytest.approx(26.36, abs=0.01)  # 0.9 GB less: 5e7, not 5e8, buckets
 
 
-# `copt serve DIR` with its defaults (--max-batch-size 64) on the H200, bench/gpu_serve_models.py at 81019d3
+# `copt serve DIR` with its defaults of then (--max-batch-size 64) on the H200, bench/gpu_serve_models.py at 81019d3
 # (docs/benchmarks.md#real-model-sizes), 64 and 256 streaming clients sent at once, prompts of 256 tokens, 128 output
 # tokens; copt's own client: output tok/s, TTFT p50 (s), TPOT p50 (s). No serve constant was fitted to these
 # throughputs and TTFTs (the client TPOT's prefill share was chosen after seeing them).
@@ -190,8 +190,8 @@ def _check_held_out(case: tuple, measured: tuple, known_misses: dict, **plan_set
 
 @pytest.mark.parametrize("case", sorted(HELD_OUT))
 def test_serving_predictions_against_the_h200_held_out_loads(case) -> None:
-    """`copt serve DIR` with its defaults (64 running)."""
-    _check_held_out(case, HELD_OUT[case], KNOWN_MISSES)
+    """`copt serve DIR --max-batch-size 64` (the default then)."""
+    _check_held_out(case, HELD_OUT[case], KNOWN_MISSES, max_batch_size=64)
 
 
 @pytest.mark.parametrize("case", sorted(HELD_OUT_256))

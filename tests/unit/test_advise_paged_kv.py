@@ -67,9 +67,9 @@ def test_paged_capacity_on_a_gpu_follows_the_engine_budget():
     # fp8 blocks: half the bytes per token, twice the blocks
     fp8 = serving_capacity(spec, base.with_(kv_cache="fp8"), h200)
     assert fp8.bytes_per_token * 2 == cap.bytes_per_token and abs(fp8.num_blocks - 2 * cap.num_blocks) <= 1
-    # --max-batch-size caps short contexts; the copt default (64) when not given
+    # --max-batch-size caps short contexts; the copt default (256) when not given
     short = serving_capacity(spec, base.with_(prompt_len=512, gen_len=256, max_batch_size=None), h200)
-    assert short.kv_concurrent_seqs > 64 and short.max_concurrent_seqs == 64
+    assert short.kv_concurrent_seqs > 256 and short.max_concurrent_seqs == 256
     # a 2,000-token shared prefix: stored once, so far more sequences of 2,128 + 128 tokens fit
     plain = serving_capacity(spec, base.with_(prompt_len=2128, gen_len=128), h200)
     shared = serving_capacity(spec, base.with_(prompt_len=2128, gen_len=128, shared_prefix_len=2000), h200)

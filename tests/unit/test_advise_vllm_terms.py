@@ -17,9 +17,9 @@ def test_capacity_in_vllm_terms():
     result = advise(spec, target, plan)
     v = result["vllm"]
     assert v["max_model_len"] == 1280 and v["gpu_memory_utilization"] == 0.9
-    # vLLM's own sizing and paging, not copt's engine (whose concurrency its --max-batch-size 64 caps)
-    assert v["max_num_seqs"] > result["time"]["max_concurrent_seqs"] == 64
-    assert result["kv_cache"]["engine"] == "copt" and result["kv_cache"]["kv_concurrent_seqs"] > 64
+    # vLLM's own sizing and paging, not copt's engine (whose concurrency its --max-batch-size, 256 by default, caps)
+    assert v["max_num_seqs"] > result["time"]["max_concurrent_seqs"] == 256
+    assert result["kv_cache"]["engine"] == "copt" and result["kv_cache"]["kv_concurrent_seqs"] > 256
     # N sequences of max_model_len tokens fit in the memory share next to the weights, N + 1 would not
     room = 0.9 * target.memory_bytes - weight_bytes(spec, plan.weights)
     per_seq = kv_cache_bytes(spec, plan.with_(batch=1))
@@ -35,5 +35,5 @@ def test_nothing_fits_says_so(copt):
     assert "vLLM:" in r.stdout and "will refuse to start" in r.stdout
     r = copt("advise", "--task", "infer", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--json")
     doc = json.loads(r.stdout)
-    assert doc["time"]["max_concurrent_seqs"] == min(64, doc["kv_cache"]["kv_concurrent_seqs"])
-    assert doc["vllm"]["max_num_seqs"] > 64
+    assert doc["time"]["max_concurrent_seqs"] == min(256, doc["kv_cache"]["kv_concurrent_seqs"])
+    assert doc["vllm"]["max_num_seqs"] > 256

@@ -117,7 +117,7 @@ class InferPlan:
     shared_prefix_len: int = 0
     # the serving engine's KV-cache settings (copt serve's flags; None: the engine's default)
     prefix_caching: bool = True  # --enable-prefix-caching (on by default in copt's engine and vLLM V1)
-    max_batch_size: int | None = None  # --max-batch-size (vLLM --max-num-seqs); None: 64 (copt), vLLM's default
+    max_batch_size: int | None = None  # --max-batch-size (vLLM --max-num-seqs); None: 256 (copt), vLLM's default
     block_size: int = 16  # --block-size
     kv_cache_memory_gib: float | None = None  # --kv-cache-memory
     kv_cache_tokens: int | None = None  # --kv-cache-blocks × --block-size

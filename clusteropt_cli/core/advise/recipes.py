@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan
+from clusteropt_cli.core.serve.kv_budget import DEFAULT_MAX_BATCH_SIZE
 
 # what the user supplies; each appears verbatim in a printed command when advise was not told
 DATA_PLACEHOLDER = "DATA.txt"
@@ -81,7 +82,7 @@ def serve_recipe_data(plan: InferPlan, model_arg: str, quantize_method: str | No
                             # room for the plan's concurrent requests (never below copt serve's default), unless
                             # the plan sets the cap
                             "max_batch_size": int(plan.max_batch_size) if plan.max_batch_size is not None
-                            else max(64, int(plan.batch)),
+                            else max(DEFAULT_MAX_BATCH_SIZE, int(plan.batch)),
                             # bf16/fp16: the model's own dtype
                             "kv_cache_dtype": {"bf16": "auto", "fp16": "auto"}.get(plan.kv_cache, plan.kv_cache)}
     if plan.chunked_prefill:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from clusteropt_cli.core.serve.kv_blocks import hash_chain as hash_chain_of
-from clusteropt_cli.core.serve.kv_budget import DEFAULT_GPU_MEMORY_FRACTION
+from clusteropt_cli.core.serve.kv_budget import DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_MAX_BATCH_SIZE
 from clusteropt_cli.core.serve.loading import EngineLoading
 from clusteropt_cli.core.serve.requests import (
     EngineDeadError,
@@ -250,7 +250,7 @@ class EngineConfig:
     model: str
     device: str | None = None  # None: cuda when available
     dtype: str = "auto"
-    max_batch_size: int = 64
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_batch_tokens: int | None = None
     max_model_len: int | None = None
     max_queue: int = 1024

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
+from clusteropt_cli.core.serve.kv_budget import DEFAULT_MAX_BATCH_SIZE
 from clusteropt_cli.recipe.schema.base import Prediction, Strict
 
 
@@ -38,8 +39,8 @@ class ServeRecipe(Strict):
     served_model_name: str | None = None
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     max_batch_tokens: PositiveInt | None = Field(None, description="Tokens per step (chunked prefill budget).")
-    max_batch_size: PositiveInt = Field(64, description="Sequences decoded together at most (vLLM --max-num-seqs; "
-                                                        "forwarded to vLLM only when set).")
+    max_batch_size: PositiveInt = Field(DEFAULT_MAX_BATCH_SIZE, description="Sequences decoded together at most "
+                                        "(vLLM --max-num-seqs; forwarded to vLLM only when set).")
     kv_cache_blocks: PositiveInt | None = None
     kv_cache_memory: float | None = Field(None, gt=0, description="GiB for the KV cache.")
     kv_cache_dtype: Literal["auto", "bf16", "fp8", "int8"] = Field(
