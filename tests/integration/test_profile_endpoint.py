@@ -197,6 +197,25 @@ def test_endpoint_server_errors_and_cut_streams_are_counted(fake_server):
     assert timed.levels[0].completed >= 2 and timed.levels[0].errors == {}
 
 
+def test_endpoint_never_sends_a_prompt_twice(fake_server):
+    """A repeated prompt would be served from the server's prefix cache (no prefill): every request of a sweep —
+    warm-up, every level, count- and duration-bounded — carries a prompt no earlier request sent, beyond the pool of
+    bodies made up front (here 3 + 1 warm-up for 1 + 3 + 3 requests and a timed level)."""
+    from clusteropt_cli.core.profile.endpoint import EndpointSettings, profile_endpoint
+
+    RECEIVED.clear()
+    profile_endpoint(EndpointSettings(url=fake_server, model="m", concurrency=[1, 3], num_requests=3, warmup=1,
+                                      gen_len=2, prompt_len=6))
+    counted = [b["prompt"] for b in RECEIVED]
+    assert len(counted) == 7 and len(set(counted)) == 7
+    assert all(len(prompt.split()) == 6 for prompt in counted)
+    RECEIVED.clear()
+    profile_endpoint(EndpointSettings(url=fake_server, model="m", concurrency=[2, 4], duration_s=0.3, warmup=0,
+                                      gen_len=2, prompt_len=6))
+    timed = [b["prompt"] for b in RECEIVED]
+    assert len(timed) > 256 // 64 and len(set(timed)) == len(timed)
+
+
 @pytest.mark.slow
 def test_endpoint_against_copt_serve(fixtures, tmp_path):
     """profile endpoint against a real `copt serve` on the fixture teacher: percentiles for each level."""

@@ -127,7 +127,7 @@ def test_auth_validation_and_engine_metrics(split):
     bad = httpx.post(url + "/v1/completions", headers=AUTH, json={"prompt": "x", "max_tokens": 2, "logprobs": 21})
     assert bad.status_code == 400
     text = httpx.get(url + "/metrics", headers=AUTH).text  # the engine core's stats, through an API process
-    assert "copt_engine_steps_total" in text and "copt_kv_cache_slots 64.0" in text
+    assert "copt_engine_steps_total" in text and "copt_kv_cache_slots 256.0" in text  # --max-batch-size default
     assert 'copt_request_finished_total{reason="length"}' in text
 
 

@@ -84,20 +84,43 @@ def load_dataset_prompts(path: Any) -> list[str]:
 def synthetic_prompts(count: int, prompt_len: int, seed: int, tokenizer: str | None = None) -> list[str]:
     """Distinct random-word prompts; exactly `prompt_len` tokens when a local tokenizer is given, else about
     one word per token (each prompt starts differently so prefix caches cannot serve them)."""
-    rng = random.Random(seed)
-    texts = [" ".join([f"Request {i}:"] + [rng.choice(WORDS) for _ in range(prompt_len + 8)]) for i in range(count)]
-    if tokenizer is None:
-        return [" ".join(t.split()[: max(1, prompt_len)]) for t in texts]
-    from transformers import AutoTokenizer
+    supply = SyntheticPrompts(count, prompt_len, seed, tokenizer)
+    return [supply.next() for _ in range(count)]
 
-    tok = AutoTokenizer.from_pretrained(tokenizer)
-    out = []
-    for text in texts:
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        while len(ids) < prompt_len:
-            ids = ids + ids
-        out.append(tok.decode(ids[:prompt_len]))
-    return out
+
+class SyntheticPrompts:
+    """Random-word prompts that never repeat within a run, however many requests it sends: a pool of `pool` bodies
+    made up front, and each request's prompt a body under its own numbered head ("Request N:"). A prefix cache
+    hashes blocks from the first token on, so a repeated prompt would skip its prefill and inflate throughput and
+    TTFT figures; a new head costs one short encode, not a whole prompt's."""
+
+    def __init__(self, pool: int, prompt_len: int, seed: int, tokenizer: str | None = None):
+        rng = random.Random(seed)
+        self.prompt_len = max(1, prompt_len)
+        self.sent = 0
+        bodies = [[rng.choice(WORDS) for _ in range(self.prompt_len + 8)] for _ in range(max(1, pool))]
+        self.tok = None
+        if tokenizer is None:
+            self.bodies: list = bodies
+            return
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(tokenizer)
+        self.bodies = []
+        for words in bodies:
+            ids = self.tok(" " + " ".join(words), add_special_tokens=False)["input_ids"]
+            while len(ids) < self.prompt_len:
+                ids = ids + ids
+            self.bodies.append(ids[: self.prompt_len])
+
+    def next(self) -> str:
+        """The next prompt: request N's head on body N mod pool (exactly prompt_len tokens with a tokenizer)."""
+        index, self.sent = self.sent, self.sent + 1
+        head, body = f"Request {index}:", self.bodies[index % len(self.bodies)]
+        if self.tok is None:
+            return " ".join((head.split() + body)[: self.prompt_len])
+        ids = self.tok(head, add_special_tokens=False)["input_ids"]
+        return self.tok.decode((ids + body)[: self.prompt_len])
 
 
 def server_message(body: bytes) -> str:
@@ -214,10 +237,10 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], headers: d
 
 # ---- levels ------------------------------------------------------------------------------------------------
 class _Runner:
-    def __init__(self, s: EndpointSettings, client: Any, prompts: list[str]):
+    def __init__(self, s: EndpointSettings, client: Any, prompts: list[str] | SyntheticPrompts):
         self.s = s
         self.client = client
-        self.prompts = prompts
+        self.prompts = prompts  # a --dataset's prompts (cycled), else synthetic ones that never repeat
         self.url = completions_url(s.url)
         self.headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
         self.next_prompt = 0
@@ -226,8 +249,11 @@ class _Runner:
         self.log: Log = lambda _msg: None
 
     def payload(self) -> dict[str, Any]:
-        prompt = self.prompts[self.next_prompt % len(self.prompts)]
-        self.next_prompt += 1
+        if isinstance(self.prompts, SyntheticPrompts):
+            prompt = self.prompts.next()
+        else:
+            prompt = self.prompts[self.next_prompt % len(self.prompts)]
+            self.next_prompt += 1
         body: dict[str, Any] = {"model": self.s.model, "prompt": prompt, "max_tokens": self.s.gen_len,
                                 "temperature": self.s.temperature, "stream": True,
                                 "stream_options": {"include_usage": True}}
@@ -333,7 +359,8 @@ def _server_hardware(url: str) -> HardwareInfo:
     return HardwareInfo(device="remote", name=f"server at {url} (hardware not visible over HTTP)")
 
 
-async def _run(s: EndpointSettings, prompts: list[str], log: Log) -> tuple[list[EndpointLevel], dict[str, Any]]:
+async def _run(s: EndpointSettings, prompts: list[str] | SyntheticPrompts,
+               log: Log) -> tuple[list[EndpointLevel], dict[str, Any]]:
     import httpx
 
     levels: list[EndpointLevel] = []
@@ -383,11 +410,12 @@ def profile_endpoint(s: EndpointSettings, log: Log | None = None) -> ProfileRepo
     that completed requests."""
     log = log or (lambda _msg: None)
     s.validate()
+    prompts: list[str] | SyntheticPrompts
     if s.dataset is not None:
         prompts = load_dataset_prompts(s.dataset)
     else:
         largest = max([s.requests_for(c) or 256 for c in s.concurrency] + [s.requests_for(None) or 256])
-        prompts = synthetic_prompts(min(largest + s.warmup, 4096), s.prompt_len, s.seed, s.tokenizer)
+        prompts = SyntheticPrompts(min(largest + s.warmup, 4096), s.prompt_len, s.seed, s.tokenizer)
     levels, facts = asyncio.run(_run(s, prompts, log))
     metrics: dict[str, float | None] = {}
     done = [lv for lv in levels if lv.completed > 0]
