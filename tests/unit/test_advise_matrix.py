@@ -28,8 +28,10 @@ def test_high_ttft_chunked_prefill_first() -> None:
     result = advise(load_model_spec("llama-3.1-8b"), target, InferPlan(batch=32, prompt_len=2048), ["high-ttft"])
     assert _ids(result)[0] == "chunked-prefill"
     chunked = result["recommendations"][0]
-    # copt serve's measured prefill efficiency (0.13 of peak) vs the static baseline's 0.5: still a > 3x cut
-    assert chunked["predicted"]["ttft_s"] < result["time"]["ttft_s"] / 3
+    # the static batch's first tokens wait for every prompt; chunked, first come first served, the median request
+    # waits for half of them (at copt serve's measured prefill efficiency, 0.13 of peak, against the static
+    # baseline's 0.5): still a ~1.9x cut
+    assert chunked["predicted"]["ttft_s"] < result["time"]["ttft_s"] / 1.8
 
 
 def test_slow_tpot_speculative_quantization_kv() -> None:

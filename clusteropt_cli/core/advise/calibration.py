@@ -115,6 +115,11 @@ STATIC_BATCH_EFFICIENCY = 0.6
 #   of 256 streams: it lagged the engine by 0.1–0.3 s at the end of the load).
 # Batch-1 TTFT: see below. Held out (no constant fitted to them): bench/gpu_serve_models.py's 64- and 256-client
 # loads on the 1B and 8B shapes, batch 1, guidellm and `copt profile endpoint` (docs/benchmarks.md#real-model-sizes).
+# Under load the first tokens of a round also wait for the API process to take the round's requests in: client
+# TTFT p50 minus the engine's own (its step trace, from each request's arrival), copt serve's defaults, H200,
+# 2026-12-02, bench/gpu_serve_models.py: 8B shape 0.04-0.07 s at 64 clients and 0.13-0.16 s at 256, 1B 0.05 s and
+# 0.17-0.28 s → 0.75 ms per request of the round (api_intake_s; fitted to that run, with the half-round prefill
+# wait of timing.infer_time read off the same traces).
 # Without continuous batching the baseline is HF `generate` on a static batch, whose per-step host cost dominates
 # (docs/benchmarks.md#h200-baselines: batch 64 left-padded 2,372 output tok/s = 27 ms/step; batch 1 eager measured
 # 43.5 ms/token, so batch-1 figures from this anchor are optimistic). vLLM is not calibrated here (roofline only).
@@ -133,7 +138,7 @@ SERVING_ENGINES = {
     "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 1.7e-3, "step_fixed_s": 0.57e-3,
              "step_per_seq_s": 3.9e-6, "prefill_graph_tokens": 2048, "prefill_graph_layer_s": 0.185e-3,
              "prefill_graph_request_s": 0.32e-3, "http_request_s": 3.6e-3, "http_stream_s": 1.25e-3,
-             "sampled_first_token_s": 0.86e-3},
+             "sampled_first_token_s": 0.86e-3, "api_intake_s": 0.75e-3},
     "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }
 # What sampled requests (temperature > 0, no top-k/top-p truncation) add per decode step of copt's engine over
