@@ -39,6 +39,10 @@ def main() -> None:
                         help="default auto: copt serve's own choice")
     parser.add_argument("--compile-mode", default="default",
                         choices=["default", "auto", "max-autotune-no-cudagraphs"])
+    parser.add_argument("--b1-options", default=None,
+                        help="comma-separated inductor options set true for the batch-1 decode layers instead of "
+                        "--compile-mode's (e.g. max_autotune: the autotuned products without coordinate descent), "
+                        "to weigh start-up against ms/token")
     parser.add_argument("--shape", default="1b", choices=["1b", "8b"], help="Llama-3.2-1B or Llama-3.1-8B shape")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse (or create) the model here")
     args = parser.parse_args()
@@ -50,6 +54,12 @@ def main() -> None:
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
 
     cuda = torch.cuda.is_available() and not args.smoke
+    if args.b1_options:
+        import clusteropt_cli.core.serve.runner as runner_module
+
+        options = {name.strip(): True for name in args.b1_options.split(",") if name.strip()}
+        base = runner_module.decode_compile_modes
+        runner_module.decode_compile_modes = lambda mode, device_type: (base(mode, device_type)[0], options)
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="copt-decode-profile-")) / "model"
     if not (model_dir / "config.json").exists():
         if args.shape == "8b" and not args.smoke:
@@ -87,14 +97,16 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
         "shape": "smoke" if args.smoke else args.shape,
         "async_scheduling": args.async_scheduling, "decode_attention": args.decode_attention,
-        "compile_mode": args.compile_mode, "startup_s": round(startup, 1), "decode_steps": steps,
+        "compile_mode": args.compile_mode, "b1_options": args.b1_options, "startup_s": round(startup, 1),
+        "decode_steps": steps,
         "wall_ms_per_token_profiled": round(per_token_ms, 3),
         "wall_ms_per_token_unprofiled": round(per_token_unprofiled_ms, 3),
         **summary,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    print(f"batch-1 decode on {report['gpu']} ({report['shape']}, compile mode {args.compile_mode}, start-up "
+    print(f"batch-1 decode on {report['gpu']} ({report['shape']}, compile mode {args.compile_mode}"
+          f"{', batch-1 options ' + args.b1_options if args.b1_options else ''}, start-up "
           f"{startup:.1f} s): {per_token_unprofiled_ms:.3f} ms/token "
           f"({per_token_ms:.3f} under the profiler); GPU kernels {report['gpu_kernel_ms_per_step']:.3f} ms/step, "
           f"{report['kernels_per_step']:.1f} kernels/step")

@@ -460,6 +460,11 @@ def decode_compile_modes(compile_mode: str, device_type: str) -> tuple[str | Non
     return mode, mode
 
 
+def compile_kwargs(mode: str | dict | None) -> dict:
+    """torch.compile's keyword for a decode compile mode: a mode name, or a dict of inductor options."""
+    return {"options": mode} if isinstance(mode, dict) else {"mode": mode}
+
+
 class ModelRunner:
     """One model, its KV cache (a block pool with block tables, or `num_slots` × `max_len` slots) and its forward
     passes. Rows of a decode step are the engine's rows ("slots") in both layouts."""
@@ -656,8 +661,9 @@ class ModelRunner:
             if own is None or func is not own[0]:
                 own = (func, own_code(func) if hasattr(func, "__code__") else None)
             target = eager if own[1] is None else types.MethodType(own[1], layer)
-            compiled = torch.compile(target, dynamic=True, mode=mode)
-            compiled_one = compiled if one_mode == mode else torch.compile(target, dynamic=True, mode=one_mode)
+            compiled = torch.compile(target, dynamic=True, **compile_kwargs(mode))
+            compiled_one = compiled if one_mode == mode else torch.compile(target, dynamic=True,
+                                                                           **compile_kwargs(one_mode))
 
             def forward(*args, _eager=eager, _compiled=compiled, _one=compiled_one, **kwargs):
                 step = kwargs.get("copt_step")
