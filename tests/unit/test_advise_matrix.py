@@ -89,7 +89,7 @@ def test_impossible_plans_name_the_flag() -> None:
 
 def test_batch_one_decode_is_priced_with_copt_serves_autotuned_kernels() -> None:
     """copt serve's default --compile-mode auto autotunes the batch-1 decode kernels: H200, 8B shape, 4.44 ms/token
-    through the server (4.82 with cuBLAS, docs/benchmarks.md#real-model-sizes)."""
+    through the server (4.82 with cuBLAS, docs/benchmarks.md, real model sizes)."""
     from clusteropt_cli.core.advise.recipes import serve_recipe_data
     from clusteropt_cli.core.advise.timing import infer_time
 

@@ -145,7 +145,7 @@ def test_deepspeed_buffers_1b_on_2_gpus(zero: int) -> None:
 
 
 # `copt serve DIR` with its defaults of then (--max-batch-size 64) on the H200, bench/gpu_serve_models.py at 81019d3
-# (docs/benchmarks.md#real-model-sizes), 64 and 256 streaming clients sent at once, prompts of 256 tokens, 128 output
+# (docs/benchmarks.md, real model sizes), 64 and 256 streaming clients sent at once, prompts of 256 tokens, 128 output
 # tokens; copt's own client: output tok/s, TTFT p50 (s), TPOT p50 (s). No serve constant was fitted to these
 # throughputs and TTFTs (the client TPOT's prefill share was chosen after seeing them).
 HELD_OUT = {("llama-3.1-8b", 64, 0.0): (5764, 0.373, 8.01e-3), ("llama-3.1-8b", 64, 1.0): (5631, 0.355, 8.41e-3),
@@ -168,7 +168,7 @@ KNOWN_MISSES_256 = {("llama-3.2-1b", 64, 0.0, "output_tokens_per_s"): 1.17, ("ll
                     ("llama-3.2-1b", 64, 0.0, "ttft_s"): 0.80, ("llama-3.2-1b", 256, 1.0, "ttft_s"): 0.83}
 
 # `copt serve DIR` with today's defaults (--max-batch-size 256), H200, 2026-12-02, bench/gpu_serve_models.py
-# (docs/benchmarks.md#real-model-sizes), copt's own client as above. The TTFT model (half the round's prefill, and
+# (docs/benchmarks.md, real model sizes), copt's own client as above. The TTFT model (half the round's prefill, and
 # the API process's intake per request) was read off this run's engine traces: not held out for TTFT.
 DEFAULTS_256 = {("llama-3.1-8b", 64, 0.0): (5831, 0.404, 8.18e-3), ("llama-3.1-8b", 64, 1.0): (5703, 0.337, 8.41e-3),
                 ("llama-3.1-8b", 256, 0.0): (8072, 1.304, 19.87e-3),
@@ -243,7 +243,7 @@ def test_serving_predictions_against_the_h200_loads_at_256_running(case) -> None
 
 
 # Batch 1 through `copt serve DIR` with its defaults (--compile-mode auto: autotuned batch-1 kernels), H200,
-# bench/gpu_serve_models.py (docs/benchmarks.md#real-model-sizes), ms/token of one streaming request of 128 tokens,
+# bench/gpu_serve_models.py (docs/benchmarks.md, real model sizes), ms/token of one streaming request of 128 tokens,
 # median of 3, greedy and sampled (temperature 1, top_p 0.95). The autotuning's share was fitted to the in-process
 # decode profile, not to these.
 BATCH_ONE = {("llama-3.1-8b", 0.0): 4.438, ("llama-3.1-8b", 1.0): 4.480, ("llama-3.2-1b", 0.0): 1.157,

@@ -114,7 +114,7 @@ STATIC_BATCH_EFFICIENCY = 0.6
 #   engine's model above → 1.25 ms per request (the API process takes the requests in, then streams every token
 #   of 256 streams: it lagged the engine by 0.1–0.3 s at the end of the load).
 # Batch-1 TTFT: see below. Held out (no constant fitted to them): bench/gpu_serve_models.py's 64- and 256-client
-# loads on the 1B and 8B shapes, batch 1, guidellm and `copt profile endpoint` (docs/benchmarks.md#real-model-sizes).
+# loads on the 1B and 8B shapes, batch 1, guidellm and `copt profile endpoint` (docs/benchmarks.md, real model sizes).
 # Under load the first tokens of a round also wait for the API process to take the round's requests in: client
 # TTFT p50 minus the engine's own (its step trace, from each request's arrival), copt serve's defaults, H200,
 # 2026-12-02, bench/gpu_serve_models.py: 8B shape 0.04-0.07 s at 64 clients and 0.13-0.16 s at 256, 1B 0.05 s and

@@ -335,7 +335,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     # what a streaming client measures as TPOT ((last token - first) / (tokens - 1)): the decode steps, and the
     # prefill steps of the other requests that run while it decodes (chunked prefill shares the steps) — about half
     # of a round's prompts when every client's request runs at once, all of them when clients queue and take the
-    # places requests free. H200, bench/gpu_serve_models.py (docs/benchmarks.md#real-model-sizes): the decode step
+    # places requests free. H200, bench/gpu_serve_models.py (docs/benchmarks.md, real model sizes): the decode step
     # alone was 0.36–0.74 of the clients' TPOT p50 on the 1B and 8B shapes at 64 and 256 clients.
     client_tpot = tpot
     if plan.continuous_batching and running > 1 and plan.gen_len > 1:

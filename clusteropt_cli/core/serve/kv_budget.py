@@ -33,8 +33,8 @@ from typing import Any
 DEFAULT_MIN_LEN = 4096
 DEFAULT_GPU_MEMORY_FRACTION = 0.85  # of the GPU memory free after loading, without --gpu-memory-utilization
 # Sequences decoded together at most without --max-batch-size (vLLM V1's --max-num-seqs is 256 on GPUs under 70 GiB,
-# 1024 above): on the H200 the 1B shape at 256 streaming clients served 14,860 output tok/s at a cap of 64 and 21,998
-# at 256, TTFT p50 1.29 -> 0.53 s
+# 1024 above): on the H200 at 256 streaming clients the 1B shape served 14,860 output tok/s at a cap of 64 and 21,598
+# at 256 (TTFT p50 1.29 -> 0.54 s), the 8B shape 5,447 and 8,072 (3.19 -> 1.30 s)
 DEFAULT_MAX_BATCH_SIZE = 256
 SHORTEST_LEN = 128  # the shortest length chosen when the budget forces a length below DEFAULT_MIN_LEN
 
