@@ -37,7 +37,7 @@ def serve(
     max_batch_tokens: Annotated[int | None, typer.Option("--max-batch-tokens", "--max-num-batched-tokens",
                                                          help="Tokens per step (chunked-prefill budget).")] = None,
     max_batch_size: Annotated[int | None, typer.Option("--max-batch-size", "--max-num-seqs",
-                                                       help="Sequences decoded together at most.")] = None,
+                                                       help="Sequences run at once at most (default 256).")] = None,
     kv_cache_blocks: Annotated[int | None, typer.Option("--kv-cache-blocks",
                                                         help="KV-cache size in blocks of --block-size tokens.")] = None,
     kv_cache_memory: Annotated[float | None, typer.Option("--kv-cache-memory", help="KV-cache size in GiB.")] = None,
