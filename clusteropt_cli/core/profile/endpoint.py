@@ -81,11 +81,16 @@ def load_dataset_prompts(path: Any) -> list[str]:
     return prompts
 
 
-def synthetic_prompts(count: int, prompt_len: int, seed: int, tokenizer: str | None = None) -> list[str]:
-    """Distinct random-word prompts; exactly `prompt_len` tokens when a local tokenizer is given, else about
-    one word per token (each prompt starts differently so prefix caches cannot serve them)."""
-    supply = SyntheticPrompts(count, prompt_len, seed, tokenizer)
-    return [supply.next() for _ in range(count)]
+class CycledPrompts:
+    """A --dataset's prompts, sent in order and again from the top when the run needs more."""
+
+    def __init__(self, prompts: list[str]):
+        self.prompts, self.sent = prompts, 0
+
+    def next(self) -> str:
+        prompt = self.prompts[self.sent % len(self.prompts)]
+        self.sent += 1
+        return prompt
 
 
 class SyntheticPrompts:
@@ -237,24 +242,19 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], headers: d
 
 # ---- levels ------------------------------------------------------------------------------------------------
 class _Runner:
-    def __init__(self, s: EndpointSettings, client: Any, prompts: list[str] | SyntheticPrompts):
+    def __init__(self, s: EndpointSettings, client: Any, prompts: list[str] | CycledPrompts | SyntheticPrompts):
         self.s = s
         self.client = client
-        self.prompts = prompts  # a --dataset's prompts (cycled), else synthetic ones that never repeat
+        # a --dataset's prompts (cycled), else synthetic ones that never repeat
+        self.prompts = CycledPrompts(prompts) if isinstance(prompts, list) else prompts
         self.url = completions_url(s.url)
         self.headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
-        self.next_prompt = 0
         self.send_ignore_eos = s.ignore_eos is not False
         self.rejection: str | None = None  # the server's message when it refused ignore_eos
         self.log: Log = lambda _msg: None
 
     def payload(self) -> dict[str, Any]:
-        if isinstance(self.prompts, SyntheticPrompts):
-            prompt = self.prompts.next()
-        else:
-            prompt = self.prompts[self.next_prompt % len(self.prompts)]
-            self.next_prompt += 1
-        body: dict[str, Any] = {"model": self.s.model, "prompt": prompt, "max_tokens": self.s.gen_len,
+        body: dict[str, Any] = {"model": self.s.model, "prompt": self.prompts.next(), "max_tokens": self.s.gen_len,
                                 "temperature": self.s.temperature, "stream": True,
                                 "stream_options": {"include_usage": True}}
         if self.s.top_p is not None:
@@ -359,7 +359,7 @@ def _server_hardware(url: str) -> HardwareInfo:
     return HardwareInfo(device="remote", name=f"server at {url} (hardware not visible over HTTP)")
 
 
-async def _run(s: EndpointSettings, prompts: list[str] | SyntheticPrompts,
+async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | SyntheticPrompts,
                log: Log) -> tuple[list[EndpointLevel], dict[str, Any]]:
     import httpx
 
@@ -410,9 +410,9 @@ def profile_endpoint(s: EndpointSettings, log: Log | None = None) -> ProfileRepo
     that completed requests."""
     log = log or (lambda _msg: None)
     s.validate()
-    prompts: list[str] | SyntheticPrompts
+    prompts: CycledPrompts | SyntheticPrompts
     if s.dataset is not None:
-        prompts = load_dataset_prompts(s.dataset)
+        prompts = CycledPrompts(load_dataset_prompts(s.dataset))
     else:
         largest = max([s.requests_for(c) or 256 for c in s.concurrency] + [s.requests_for(None) or 256])
         prompts = SyntheticPrompts(min(largest + s.warmup, 4096), s.prompt_len, s.seed, s.tokenizer)
