@@ -180,6 +180,11 @@ def _render_endpoint(report: Any, report_path: Path | None = None) -> None:
         console.out.print(f"output lengths: {control}"
                           + (f"; {mean} tokens per request on average (max_tokens {report.workload.get('gen_len')})"
                              if mean is not None else ""), highlight=False, markup=False)
+    hits = [(lv, lv.prefix_cache_hit_rate) for lv in report.levels if lv.prefix_cache_hit_rate is not None]
+    if hits:
+        console.out.print("prefix-cache hits (the server's /metrics): " + ", ".join(
+            f"{'c=' + str(lv.concurrency) if lv.concurrency is not None else str(lv.rate) + '/s'} {rate:.1%}"
+            for lv, rate in hits), highlight=False, markup=False)
     _render_verdict(report, report_path)
 
 
@@ -422,7 +427,9 @@ def endpoint(
     save_guidellm: Annotated[Path | None, typer.Option(
         "--save-guidellm", help="Also write the result as a guidellm benchmarks report JSON (one benchmark per "
                                 "level, in one file).")] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed for prompts and arrivals.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for the synthetic prompts' bodies and the Poisson "
+                                      "arrivals; every run puts its own random head on each prompt, so a second run "
+                                      "is not served from the server's prefix cache.")] = 0,
     from_profile: Annotated[Path | None, typer.Option(
         "--from-profile", help="Take the measurement from this file (a copt endpoint profile, a guidellm report "
                                "or a vllm bench serve result) instead of load-testing a server: check it with "

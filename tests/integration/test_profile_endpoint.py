@@ -30,12 +30,14 @@ def _free_port() -> int:
 
 
 RECEIVED: list[dict] = []  # the bodies /v1/completions got, newest last
+# a prefix cache as /metrics reports it: every prompt word looked up, found when the same prompt came before
+PREFIX_CACHE = {"queries": 0, "hits": 0, "seen": set()}
 
 
 def _fake_openai_app():
     """Streams `max_tokens` one-word chunks as OpenAI SSE; /broken/... answers 500; /cut/... drops mid-stream."""
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
     app = FastAPI()
 
@@ -56,7 +58,18 @@ def _fake_openai_app():
     async def completions(request: Request):
         body = await request.json()
         RECEIVED.append(body)
+        words = len(body["prompt"].split())
+        PREFIX_CACHE["queries"] += words
+        PREFIX_CACHE["hits"] += words if body["prompt"] in PREFIX_CACHE["seen"] else 0
+        PREFIX_CACHE["seen"].add(body["prompt"])
         return StreamingResponse(stream(body, cut=False), media_type="text/event-stream")
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(
+            "# TYPE vllm:prefix_cache_queries_total counter\n"
+            f'vllm:prefix_cache_queries_total{{model_name="m"}} {PREFIX_CACHE["queries"]}.0\n'
+            f'vllm:prefix_cache_hits_total{{model_name="m"}} {PREFIX_CACHE["hits"]}.0\n')
 
     @app.post("/broken/v1/completions")
     async def broken(request: Request):
@@ -200,20 +213,60 @@ def test_endpoint_server_errors_and_cut_streams_are_counted(fake_server):
 def test_endpoint_never_sends_a_prompt_twice(fake_server):
     """A repeated prompt would be served from the server's prefix cache (no prefill): every request of a sweep —
     warm-up, every level, count- and duration-bounded — carries a prompt no earlier request sent, beyond the pool of
-    bodies made up front (here 3 + 1 warm-up for 1 + 3 + 3 requests and a timed level)."""
+    bodies made up front (here 3 + 1 warm-up for 1 + 3 + 3 requests and a timed level), and a second run with the
+    same seed against the same server sends none of the first run's prompts (the server's counters: no hits)."""
     from clusteropt_cli.core.profile.endpoint import EndpointSettings, profile_endpoint
 
     RECEIVED.clear()
-    profile_endpoint(EndpointSettings(url=fake_server, model="m", concurrency=[1, 3], num_requests=3, warmup=1,
-                                      gen_len=2, prompt_len=6))
+    runs = [profile_endpoint(EndpointSettings(url=fake_server, model="m", concurrency=[1, 3], num_requests=3,
+                                              warmup=1, gen_len=2, prompt_len=6)) for _ in range(2)]
     counted = [b["prompt"] for b in RECEIVED]
-    assert len(counted) == 7 and len(set(counted)) == 7
+    assert len(counted) == 14 and len(set(counted)) == 14
     assert all(len(prompt.split()) == 6 for prompt in counted)
+    assert [lv.prefix_cache_hit_rate for run in runs for lv in run.levels] == [0.0] * 4
     RECEIVED.clear()
     profile_endpoint(EndpointSettings(url=fake_server, model="m", concurrency=[2, 4], duration_s=0.3, warmup=0,
                                       gen_len=2, prompt_len=6))
     timed = [b["prompt"] for b in RECEIVED]
     assert len(timed) > 256 // 64 and len(set(timed)) == len(timed)
+
+
+def test_endpoint_reports_the_servers_prefix_cache_hits(fake_server, copt, tmp_path):
+    """A --dataset cycled past its end repeats prompts; the report gives the share of prompt tokens the server found
+    in its prefix cache per level (its /metrics counters) and the table says so; a server without the counters
+    leaves it unset."""
+    dataset = tmp_path / "two.jsonl"
+    dataset.write_text('{"prompt": "hit test alpha beta"}\n{"prompt": "hit test gamma delta epsilon"}\n')
+    report = tmp_path / "r.json"
+    proc = copt("profile", "endpoint", "--url", fake_server, "--model", "m", "--concurrency", "1",
+                "--num-requests", "4", "--warmup", "0", "--gen-len", "2", "--dataset", str(dataset),
+                "--report", str(report))
+    assert proc.returncode == 0, proc.stderr
+    assert "prefix-cache hits (the server's /metrics): c=1 50.0%" in proc.stdout
+    assert "of this level's prompt tokens in its prefix cache" in proc.stderr
+    (level,) = json.loads(report.read_text())["levels"]
+    assert level["prefix_cache_hit_rate"] == pytest.approx(9 / 18)
+
+    from clusteropt_cli.core.profile.endpoint import EndpointSettings, profile_endpoint
+
+    strict = profile_endpoint(EndpointSettings(url=fake_server + "/strict", model="m", concurrency=[1],
+                                               num_requests=1, warmup=0, gen_len=2, prompt_len=4))
+    assert strict.levels[0].completed == 1 and strict.levels[0].prefix_cache_hit_rate is None
+
+
+def test_prefix_cache_counters_sum_label_sets_and_skip_what_is_not_theirs():
+    from clusteropt_cli.core.profile.endpoint import metrics_url, prefix_cache_counters
+
+    text = ("# HELP vllm:prefix_cache_hits_total Prompt tokens found\n"
+            'vllm:prefix_cache_queries_total{engine="0",model_name="a"} 100.0\n'
+            'vllm:prefix_cache_queries_total{engine="1",model_name="a"} 50\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="a"} 30.0\n'
+            "vllm:prefix_cache_hits_created 1.7e9\n"
+            "vllm:prefix_cache_hits_total_bogus{x=\"1\"} 999\n")
+    assert prefix_cache_counters(text) == (150.0, 30.0)
+    assert prefix_cache_counters("vllm:num_requests_running 3\n") is None
+    assert [metrics_url(u) for u in ("http://h:1", "http://h:1/v1/", "http://h:1/v1/completions")] == \
+        ["http://h:1/metrics"] * 3
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 from urllib.parse import urlparse
 
@@ -94,15 +95,17 @@ class CycledPrompts:
 
 
 class SyntheticPrompts:
-    """Random-word prompts that never repeat within a run, however many requests it sends: a pool of `pool` bodies
-    made up front, and each request's prompt a body under its own numbered head ("Request N:"). A prefix cache
-    hashes blocks from the first token on, so a repeated prompt would skip its prefill and inflate throughput and
-    TTFT figures; a new head costs one short encode, not a whole prompt's."""
+    """Random-word prompts that never repeat, within a run or across runs: a pool of `pool` bodies made up front
+    (from `seed`), and each request's prompt a body under its own head — the run's tag (random words drawn anew
+    for every run unless given) and the request's number. A prefix cache hashes blocks from the first token on, so
+    a repeated prompt (another level's, or an earlier run's against the same server) would skip its prefill and
+    inflate throughput and TTFT figures; a new head costs one short encode, not a whole prompt's."""
 
-    def __init__(self, pool: int, prompt_len: int, seed: int, tokenizer: str | None = None):
+    def __init__(self, pool: int, prompt_len: int, seed: int, tokenizer: str | None = None, tag: str | None = None):
         rng = random.Random(seed)
         self.prompt_len = max(1, prompt_len)
         self.sent = 0
+        self.tag = tag if tag is not None else run_tag()
         bodies = [[rng.choice(WORDS) for _ in range(self.prompt_len + 8)] for _ in range(max(1, pool))]
         self.tok = None
         if tokenizer is None:
@@ -121,11 +124,64 @@ class SyntheticPrompts:
     def next(self) -> str:
         """The next prompt: request N's head on body N mod pool (exactly prompt_len tokens with a tokenizer)."""
         index, self.sent = self.sent, self.sent + 1
-        head, body = f"Request {index}:", self.bodies[index % len(self.bodies)]
+        head, body = f"{self.tag} request {index}:", self.bodies[index % len(self.bodies)]
         if self.tok is None:
             return " ".join((head.split() + body)[: self.prompt_len])
         ids = self.tok(head, add_special_tokens=False)["input_ids"]
         return self.tok.decode((ids + body)[: self.prompt_len])
+
+
+def run_tag(words: int = 4) -> str:
+    """Words drawn at random for one run (40^4 ≈ 2.6 million tags): the head that keeps its prompts apart from an
+    earlier run's with the same --seed."""
+    pick = random.SystemRandom()
+    return " ".join(pick.choice(WORDS).capitalize() if i == 0 else pick.choice(WORDS) for i in range(words))
+
+
+# ---- the server's prefix cache -------------------------------------------------------------------------------
+# vLLM's counters of prompt tokens looked up in / served from the prefix cache (copt serve exports the same names)
+PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
+
+
+def metrics_url(base: str) -> str:
+    """The Prometheus /metrics URL of the server behind a root, /v1 or /v1/completions URL."""
+    base = base.rstrip("/")
+    for suffix in ("/completions", "/v1"):
+        if base.endswith(suffix):
+            base = base[: -len(suffix)]
+    return base + "/metrics"
+
+
+def prefix_cache_counters(text: str) -> tuple[float, float] | None:
+    """(prompt tokens looked up, found) in a Prometheus text exposition, summed over label sets; None when the
+    server exports neither counter."""
+    totals = {PREFIX_CACHE_QUERIES: 0.0, PREFIX_CACHE_HITS: 0.0}
+    seen = False
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            try:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+                seen = True
+            except (IndexError, ValueError):
+                continue
+    return (totals[PREFIX_CACHE_QUERIES], totals[PREFIX_CACHE_HITS]) if seen else None
+
+
+async def read_prefix_cache(client: Any, url: str, headers: dict[str, str]) -> tuple[float, float] | None:
+    """The server's prefix-cache counters now, or None (no /metrics, no such counters, or not reachable)."""
+    try:
+        response = await client.get(metrics_url(url), headers=headers, timeout=5.0)
+    except Exception:  # noqa: BLE001 - the counters are descriptive; the load's figures do not depend on them
+        return None
+    return prefix_cache_counters(response.text) if response.status_code == 200 else None
+
+
+def hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """Prompt tokens found in the prefix cache over those looked up between two readings."""
+    if before is None or after is None or after[0] - before[0] <= 0:
+        return None
+    return max(0.0, after[1] - before[1]) / (after[0] - before[0])
 
 
 def server_message(body: bytes) -> str:
@@ -384,19 +440,21 @@ async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | Synthet
                                                            + (f": {warm.detail}" if warm.detail else "") + ")"))
         slo_ttft = s.slo_ttft_ms / 1e3 if s.slo_ttft_ms is not None else None
         slo_tpot = s.slo_tpot_ms / 1e3 if s.slo_tpot_ms is not None else None
-        for c in s.concurrency:
-            log(f"concurrency {c}: sending {s.requests_for(c) or 'for ' + str(s.duration_s) + ' s'}")
-            results, duration = await runner.by_concurrency(c)
+        loads = [(f"concurrency {c}", partial(runner.by_concurrency, c), {"concurrency": c}) for c in s.concurrency]
+        loads += [(f"rate {rate}/s (Poisson)", partial(runner.by_rate, rate), {"rate": rate}) for rate in s.rate]
+        for name, load, kind in loads:
+            log(f"{name}: sending {s.requests_for(kind.get('concurrency')) or 'for ' + str(s.duration_s) + ' s'}")
+            before = await read_prefix_cache(client, s.url, runner.headers)
+            results, duration = await load()
             note(results)
-            levels.append(summarize_level(results, duration, concurrency=c, slo_ttft_s=slo_ttft,
-                                          slo_tpot_s=slo_tpot))
-            log(_level_line(levels[-1]))
-        for rate in s.rate:
-            log(f"rate {rate}/s (Poisson): sending {s.requests_for(None) or 'for ' + str(s.duration_s) + ' s'}")
-            results, duration = await runner.by_rate(rate)
-            note(results)
-            levels.append(summarize_level(results, duration, rate=rate, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot))
-            log(_level_line(levels[-1]))
+            level = summarize_level(results, duration, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, **kind)
+            level.prefix_cache_hit_rate = hit_rate(before, await read_prefix_cache(client, s.url, runner.headers))
+            levels.append(level)
+            log(_level_line(level))
+            if (level.prefix_cache_hit_rate or 0.0) >= 0.01:
+                log(f"  the server found {level.prefix_cache_hit_rate:.0%} of this level's prompt tokens in its prefix "
+                    "cache: its TTFT and throughput include those hits (repeated --dataset prompts, or another "
+                    "client's)")
     return levels, {"length_control": runner.length_control(), "failures": failures}
 
 
@@ -416,6 +474,7 @@ def profile_endpoint(s: EndpointSettings, log: Log | None = None) -> ProfileRepo
     else:
         largest = max([s.requests_for(c) or 256 for c in s.concurrency] + [s.requests_for(None) or 256])
         prompts = SyntheticPrompts(min(largest + s.warmup, 4096), s.prompt_len, s.seed, s.tokenizer)
+        log(f"synthetic prompts: bodies from --seed {s.seed}, each under this run's head \"{prompts.tag} request N:\"")
     levels, facts = asyncio.run(_run(s, prompts, log))
     metrics: dict[str, float | None] = {}
     done = [lv for lv in levels if lv.completed > 0]
