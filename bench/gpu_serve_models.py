@@ -47,7 +47,8 @@ JSON (`--out`), per shape key "1b"/"8b" under each case; tok/s are output tokens
                             on the first request) and first_request (16 tokens alone: ms/token), finish_reasons; a
                             load cut at --tserve-window counts the tokens streamed by then (cut_at_window requests)
   guidellm.<shape>.c<N>     guidellm's report read by copt: output_tokens_per_s, ttft_s, tpot_s (its inter-token
-                            latency), e2e_s, completed/errors, the command and its exit status
+                            latency), e2e_s, completed/errors, the command and its exit status; each run has its
+                            own --seed (guidellm's prompts follow it: one seed twice would repeat them)
   profile_endpoint.<shape>  `copt profile endpoint` per level c1/c64/c256 (sampled): the same figures
   engine.<shape>.c<N>_<mode> the in-process engine's tok/s and TTFT percentiles; startup_s
   advise.<shape>.c<N>_<mode> copt advise's tpot_s, tpot_floor_s, ttft_s, output_tokens_per_s, the command
@@ -56,6 +57,9 @@ JSON (`--out`), per shape key "1b"/"8b" under each case; tok/s are output tokens
                             guidellm — the last two sampled only); engine_output_tokens_per_s and
                             <tester>_over_engine (HTTP ÷ in-process, same settings)
   case_seconds, elapsed_s, errors: time per case, total, and any case that failed (with its traceback)
+Every copt serve load (copt client, guidellm, profile endpoint) records prefix_cache_hit_rate: the prompt tokens the
+server found in its prefix cache over those looked up during the load (its /metrics counters; 0 when no prompt
+repeats an earlier one).
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from common import COPY_BW, LLAMA_1B_SHAPE, LLAMA_8B_SHAPE, free_gpu, free_port, log, percentiles, wait_healthy  # noqa: E402
+
+from clusteropt_cli.core.profile.endpoint import hit_rate  # noqa: E402
 
 SMOKE_SHAPE = dict(LLAMA_1B_SHAPE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16, intermediate_size=128, vocab_size=8192, max_position_embeddings=2048,
@@ -368,6 +374,19 @@ def stop(proc: subprocess.Popen, grace: float = 60) -> object:
     return status
 
 
+def prefix_cache(url: str) -> tuple[float, float] | None:
+    """The server's prefix-cache counters (prompt tokens looked up, found) from its /metrics, or None."""
+    import httpx
+
+    from clusteropt_cli.core.profile.endpoint import metrics_url, prefix_cache_counters
+
+    try:
+        response = httpx.get(metrics_url(url), timeout=5)
+    except httpx.HTTPError:
+        return None
+    return prefix_cache_counters(response.text) if response.status_code == 200 else None
+
+
 def run_loads(url: str, model: str, prompts: PromptStream, ignore_eos: bool, args, pool, window: float,
               budget: Budget, out: dict, save) -> None:  # noqa: ANN001
     for n in CFG["loads"]:
@@ -377,9 +396,11 @@ def run_loads(url: str, model: str, prompts: PromptStream, ignore_eos: bool, arg
                 out[key] = {"skipped": "time budget"}
                 continue
             try:
+                before = prefix_cache(url)
                 out[key] = load_run(url, bodies_for(model, prompts.take(n), mode, ignore_eos, seeded=ignore_eos),
                                     args.client_procs, pool, window)
                 r = out[key]
+                r["prefix_cache_hit_rate"] = hit_rate(before, prefix_cache(url))
                 log(f"  {n} clients {mode}: {r['output_tokens_per_s'] or 0:,.0f} tok/s, TTFT p50 "
                     f"{r['ttft_s']['p50']}, completed {r['completed']}/{r['requests']}, errors {r['errors']}")
             except Exception as exc:  # noqa: BLE001 - recorded, the next load runs
@@ -432,6 +453,12 @@ def case_copt(shape: str, model_dir: Path, made: dict, prompts: PromptStream, ar
         save()
 
 
+def guidellm_seed(shape: str, streams: int) -> int:
+    """guidellm's synthetic prompts follow its seed (42 unless given): two runs with one seed send the same prompts,
+    and the second finds them in the server's prefix cache. Each run of this benchmark gets its own."""
+    return 1000 * (list(SHAPES).index(shape) + 1 if shape in SHAPES else 9) + streams
+
+
 def case_guidellm(url: str, model_dir: Path, args, budget: Budget, work: Path, shape: str) -> dict:  # noqa: ANN001
     import importlib.util
 
@@ -448,13 +475,15 @@ def case_guidellm(url: str, model_dir: Path, args, budget: Budget, work: Path, s
         report = work / f"guidellm-{shape}-c{n}.json"
         cmd = [sys.executable, "-m", "guidellm", "run", "--backend",
                f"kind=openai_http,target={url},model={model_dir},request_format=/v1/completions",
-               "--profile", f"kind=concurrent,streams={n}", "--constraint",
+               "--profile", f"kind=concurrent,streams={n}", "--seed", f"kind=static,value={guidellm_seed(shape, n)}",
+               "--constraint",
                f"kind=max_requests,count={args.guidellm_requests_per_stream * n}",
                "--tokenizer", f"kind=huggingface_auto,model={model_dir}", "--data",
                f"kind=synthetic_text,prompt_tokens={CFG['prompt_len']},output_tokens={CFG['out_tokens']}",
                "--output", f"kind=json,path={report}", "--disable-console-interactive"]
         log("running: " + " ".join(cmd))
         t0 = time.perf_counter()
+        before = prefix_cache(url)
         try:
             done = subprocess.run(cmd, env=_env(), cwd=work, capture_output=True, text=True,
                                   timeout=min(args.guidellm_timeout, max(10.0, budget.left() - 5)))
@@ -462,7 +491,8 @@ def case_guidellm(url: str, model_dir: Path, args, budget: Budget, work: Path, s
             out[key] = {"error": f"timed out after {exc.timeout:.0f} s", "command": cmd}
             continue
         entry: dict = {"command": " ".join(cmd), "exit_status": done.returncode,
-                       "wall_s": round(time.perf_counter() - t0, 1)}
+                       "wall_s": round(time.perf_counter() - t0, 1),
+                       "prefix_cache_hit_rate": hit_rate(before, prefix_cache(url))}
         if done.returncode != 0 or not report.exists():
             entry["error"] = (done.stderr or done.stdout)[-3000:]
         else:
@@ -513,8 +543,9 @@ def case_profile(url: str, model_dir: Path, args, budget: Budget, work: Path, sh
     data = json.loads(report.read_text())
     for lv in data.get("levels", []):
         out[f"c{lv.get('concurrency')}"] = {k: lv.get(k) for k in ("requests", "completed", "errors", "duration_s",
-                                                                  "output_tokens_per_s", "ttft_s", "tpot_s")}
-    out["length_control"] = (data.get("workload") or {}).get("length_control")
+                                                                  "output_tokens_per_s", "ttft_s", "tpot_s",
+                                                                  "prefix_cache_hit_rate")}
+    out["length_control"] = (data.get("workload") or {}).get("output_length_control")
     return out
 
 
