@@ -15,7 +15,7 @@ EXTRAS: dict[str, list[str]] = {
     "train": ["deepspeed"],
     "serve": ["fastapi", "uvicorn"],
     "distill": ["trl", "math-verify"],
-    "profile": ["matplotlib", "httpx"],
+    "profile": ["matplotlib", "aiohttp"],
     "dev": ["pytest", "ruff", "openai"],
 }
 # Backends copt can use but does not install (deprecated or too large for the extras).

@@ -97,7 +97,7 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "fastapi": "serve",
     "uvicorn": "serve",
     "prometheus_client": "serve",
-    "httpx": "profile",
+    "aiohttp": "profile",
     "trl": "distill",
     "math_verify": "distill",
     "matplotlib": "profile",

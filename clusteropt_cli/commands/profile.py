@@ -492,7 +492,7 @@ def endpoint(
         require("matplotlib", "profile")
     from clusteropt_cli.deps import require
 
-    require("httpx", "profile")
+    require("aiohttp", "profile")
     from clusteropt_cli.core.profile.endpoint import profile_endpoint
 
     report = profile_endpoint(settings, log=console.log)
