@@ -48,7 +48,9 @@ JSON (`--out`), per shape key "1b"/"8b" under each case; tok/s are output tokens
                             load cut at --tserve-window counts the tokens streamed by then (cut_at_window requests)
   guidellm.<shape>.c<N>     guidellm's report read by copt: output_tokens_per_s, ttft_s, tpot_s (its inter-token
                             latency), e2e_s, completed/errors, the command and its exit status; each run has its
-                            own --seed (guidellm's prompts follow it: one seed twice would repeat them)
+                            own --seed (guidellm's prompts follow it: one seed twice would repeat them);
+                            ttft_first_round_s / ttft_later_rounds_s: TTFT percentiles of every stream's first
+                            request (sent together) and of the later ones (sent as the stream's previous ended)
   profile_endpoint.<shape>  `copt profile endpoint` per level c1/c64/c256 (sampled): the same figures
   engine.<shape>.c<N>_<mode> the in-process engine's tok/s and TTFT percentiles; startup_s
   advise.<shape>.c<N>_<mode> copt advise's tpot_s, tpot_floor_s, ttft_s, output_tokens_per_s, the command
@@ -459,6 +461,24 @@ def guidellm_seed(shape: str, streams: int) -> int:
     return 1000 * (list(SHAPES).index(shape) + 1 if shape in SHAPES else 9) + streams
 
 
+def guidellm_rounds(data: dict, streams: int) -> dict:
+    """TTFT percentiles of guidellm's first round (the first `streams` requests by start: every stream's first
+    request, sent together) and of the later ones (each sent when its stream's previous request ended: once the
+    streams fall out of step, arrivals spread over the round), from the per-request records of its report."""
+    try:
+        done = data["benchmarks"][0]["requests"]["successful"]
+        rows = sorted((r["info"]["timings"]["request_start"], r["time_to_first_token_ms"] / 1e3) for r in done
+                      if r.get("time_to_first_token_ms") is not None)
+    except (KeyError, IndexError, TypeError):
+        return {}
+    if len(rows) <= streams:
+        return {}
+    first, later = rows[:streams], rows[streams:]
+    return {"ttft_first_round_s": percentiles([t for _, t in first]),
+            "ttft_later_rounds_s": percentiles([t for _, t in later]),
+            "later_rounds_start_spread_s": round(later[-1][0] - later[0][0], 3)}
+
+
 def case_guidellm(url: str, model_dir: Path, args, budget: Budget, work: Path, shape: str) -> dict:  # noqa: ANN001
     import importlib.util
 
@@ -502,7 +522,8 @@ def case_guidellm(url: str, model_dir: Path, args, budget: Budget, work: Path, s
                 lv = prof.levels[-1]
                 entry.update(concurrency=lv.concurrency, requests=lv.requests, completed=lv.completed,
                              errors=lv.errors, duration_s=lv.duration_s, output_tokens_per_s=lv.output_tokens_per_s,
-                             ttft_s=lv.ttft_s, tpot_s=lv.tpot_s, e2e_s=lv.e2e_s, workload=prof.workload)
+                             ttft_s=lv.ttft_s, tpot_s=lv.tpot_s, e2e_s=lv.e2e_s, workload=prof.workload,
+                             **guidellm_rounds(data, n))
                 log(f"  guidellm {n} streams: {lv.output_tokens_per_s:,.0f} tok/s, TTFT p50 {lv.ttft_s.get('p50')}")
             except Exception as exc:  # noqa: BLE001
                 entry["error"] = f"report not read: {type(exc).__name__}: {exc}"
@@ -736,6 +757,12 @@ def comparisons(results: dict, shape: str) -> dict:
                     if val:
                         row[f"{name}_{fig}"] = val
                         row[f"pred_over_{name}_{fig}"] = ratio(p.get(fig), val)
+            rounds = (gl.get(f"c{n}") or {}) if mode == "sampled" else {}
+            for part in ("first_round", "later_rounds"):
+                val = (rounds.get(f"ttft_{part}_s") or {}).get("p50")
+                if val:
+                    row[f"guidellm_ttft_{part}_s"] = val
+                    row[f"pred_over_guidellm_ttft_{part}_s"] = ratio(p.get("ttft_s"), val)
             # through HTTP ÷ the in-process engine with the same settings (the front end's cost), per client
             ceiling = ((eng.get(f"c{n}_{mode}") or {}).get("output_tokens_per_s"))
             if ceiling:
