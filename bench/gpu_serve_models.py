@@ -56,7 +56,8 @@ JSON (`--out`), per shape key "1b"/"8b" under each case; tok/s are output tokens
   advise.<shape>.c<N>_<mode> copt advise's tpot_s, tpot_floor_s, ttft_s, output_tokens_per_s, the command
   comparison.<shape>        b1_<mode> and c<N>_<mode>: predicted_<figure>, <tester>_<figure> and
                             pred_over_<tester>_<figure> (predicted ÷ measured; testers copt_client, profile_endpoint,
-                            guidellm — the last two sampled only); engine_output_tokens_per_s and
+                            guidellm — the last two sampled only; their TPOT also against advise's
+                            tpot_out_of_step_s: pred_out_of_step_over_<tester>_tpot_s); engine_output_tokens_per_s and
                             <tester>_over_engine (HTTP ÷ in-process, same settings)
   case_seconds, elapsed_s, errors: time per case, total, and any case that failed (with its traceback)
 Every copt serve load (copt client, guidellm, profile endpoint) records prefix_cache_hit_rate: the prompt tokens the
@@ -708,8 +709,8 @@ def advise_predictions(model_dir: Path, gpu_flag: list[str], settings: dict | No
         data = json.loads(done.stdout)
         t = data.get("time") or {}
         return key, {"command": "copt " + " ".join(cmd[3:]), "gpu": (data.get("hardware") or {}).get("gpu"),
-                     **{k: t.get(k) for k in ("tpot_s", "tpot_floor_s", "ttft_s", "output_tokens_per_s",
-                                              "max_concurrent_seqs")},
+                     **{k: t.get(k) for k in ("tpot_s", "tpot_out_of_step_s", "tpot_floor_s", "ttft_s",
+                                              "output_tokens_per_s", "max_concurrent_seqs")},
                      "max_batch_size": (data.get("workload") or {}).get("max_batch_size")}
 
     jobs = [(b, m) for b in [1, *CFG["loads"]] for m in MODES]
@@ -757,6 +758,8 @@ def comparisons(results: dict, shape: str) -> dict:
                     if val:
                         row[f"{name}_{fig}"] = val
                         row[f"pred_over_{name}_{fig}"] = ratio(p.get(fig), val)
+                        if fig == "tpot_s":  # closed-loop testers' streams fall out of step after the first round
+                            row[f"pred_out_of_step_over_{name}_tpot_s"] = ratio(p.get("tpot_out_of_step_s"), val)
             rounds = (gl.get(f"c{n}") or {}) if mode == "sampled" else {}
             for part in ("first_round", "later_rounds"):
                 val = (rounds.get(f"ttft_{part}_s") or {}).get("p50")

@@ -370,7 +370,9 @@ def _render(r: dict[str, Any]) -> None:
                        ("bubble_fraction", "pipeline bubble"), ("comm_s", "DP communication"),
                        ("comm_exposed_s", "exposed communication"), ("offload_s", "offload"),
                        ("optimizer_s", "optimizer step (clip + update)"),
-                       ("ttft_s", "TTFT"), ("tpot_s", "TPOT (per request)"), ("decode_step_s", "decode step"),
+                       ("ttft_s", "TTFT"), ("tpot_s", "TPOT (per request)"),
+                       ("tpot_out_of_step_s", "TPOT, closed-loop clients out of step"),
+                       ("decode_step_s", "decode step"),
                        ("tpot_floor_s", "TPOT floor (bytes/bandwidth)"),
                        ("output_tokens_per_s", "output tokens/s"), ("max_concurrent_seqs", "max concurrent seqs"),
                        ("usd_per_million_tokens", "USD per 1M tokens")):
@@ -378,6 +380,8 @@ def _render(r: dict[str, Any]) -> None:
         optional = ("bubble_fraction", "comm_s", "comm_exposed_s", "offload_s", "optimizer_s")
         if value is None or (key in optional and not value):
             continue
+        if key == "tpot_out_of_step_s" and value == tm.get("tpot_s"):
+            continue  # one client, or none decodes through another's prefill
         if key.endswith("_s") and not key.endswith("per_s"):
             text = _fmt_s(value)
         elif key in ("mfu", "bubble_fraction"):

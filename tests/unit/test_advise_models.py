@@ -179,33 +179,43 @@ DEFAULTS_256 = {("llama-3.1-8b", 64, 0.0): (5831, 0.404, 8.18e-3), ("llama-3.1-8
 # the copt client's 1B sampled 256-client load ran slow in that run (guidellm's 24,463 tok/s, the engine's 25,605)
 KNOWN_MISSES_DEFAULTS = {("llama-3.2-1b", 256, 1.0, "output_tokens_per_s"): 1.30,
                          ("llama-3.2-1b", 256, 1.0, "ttft_s"): 0.82, ("llama-3.2-1b", 256, 1.0, "tpot_s"): 0.72}
-# The same servers measured by the third-party tester (guidellm 0.8: temperature 1, no top_p, two requests per stream)
-# and by `copt profile endpoint` (top_p 0.95, closed loop for 5 s). guidellm's streams fall out of step after the
-# first round, so its TTFT p50 at 256 mixes burst and staggered arrivals (lower than one burst's).
-THIRD_PARTY = {("llama-3.1-8b", 64, "guidellm"): (5906, 0.326, 8.11e-3),
-               ("llama-3.1-8b", 256, "guidellm"): (8990, 0.853, 20.83e-3),
-               ("llama-3.1-8b", 64, "profile"): (5794, 0.356, 8.15e-3),
-               ("llama-3.2-1b", 64, "guidellm"): (15586, 0.151, 2.78e-3),
-               ("llama-3.2-1b", 256, "guidellm"): (24463, 0.423, 6.54e-3),
-               ("llama-3.2-1b", 64, "profile"): (15609, 0.158, 2.37e-3),
-               ("llama-3.2-1b", 256, "profile"): (25115, 0.539, 5.06e-3)}
-KNOWN_MISSES_THIRD_PARTY = {("llama-3.1-8b", 256, "guidellm", "ttft_s"): 1.66,
-                            ("llama-3.2-1b", 256, "guidellm", "ttft_s"): 1.37,
-                            ("llama-3.2-1b", 256, "profile", "output_tokens_per_s"): 0.84,
-                            ("llama-3.2-1b", 256, "profile", "tpot_s"): 1.31}
+# The same defaults measured by the third-party tester (guidellm 0.8: temperature 1, no top_p, two requests per
+# stream, its own --seed per run) and by `copt profile endpoint` (top_p 0.95, closed loop for 10 s), H200,
+# 2026-12-02, bench/gpu_serve_models.py at fd577c7 (no prompt served from the prefix cache: the server's counters
+# read 0 hits for every load). Closed-loop clients fall out of step after their first round (the 8B's), so their TPOT
+# is compared with tpot_out_of_step_s (each request decodes through a whole round's prefill); their TTFT p50 is then
+# set by the queue the spread arrivals keep, which advise does not model: the in-step figure overshoots it on the 8B
+# shape (guidellm's first round alone: 1.13).
+THIRD_PARTY = {("llama-3.1-8b", 64, "guidellm"): (5899, 0.151, 9.27e-3),
+               ("llama-3.1-8b", 256, "guidellm"): (8108, 0.478, 26.90e-3),
+               ("llama-3.1-8b", 64, "profile"): (5511, 0.163, 9.64e-3),
+               ("llama-3.1-8b", 256, "profile"): (8025, 0.328, 28.76e-3),
+               ("llama-3.2-1b", 64, "guidellm"): (15035, 0.167, 2.89e-3),
+               ("llama-3.2-1b", 256, "guidellm"): (19935, 0.625, 7.50e-3),
+               ("llama-3.2-1b", 64, "profile"): (14152, 0.132, 3.49e-3),
+               ("llama-3.2-1b", 256, "profile"): (17185, 0.459, 10.69e-3)}
+KNOWN_MISSES_THIRD_PARTY = {("llama-3.1-8b", 64, "guidellm", "ttft_s"): 2.36,
+                            ("llama-3.1-8b", 256, "guidellm", "ttft_s"): 2.96,
+                            ("llama-3.1-8b", 64, "profile", "ttft_s"): 2.19,
+                            ("llama-3.1-8b", 256, "profile", "ttft_s"): 4.31,
+                            # guidellm's 1B streams stayed nearly in step (later rounds started within 0.5 s)
+                            ("llama-3.2-1b", 256, "guidellm", "tpot_out_of_step_s"): 1.23,
+                            ("llama-3.2-1b", 256, "profile", "output_tokens_per_s"): 1.23,
+                            ("llama-3.2-1b", 256, "profile", "ttft_s"): 1.26}
 
 
-def _check_held_out(case: tuple, measured: tuple, known_misses: dict, **plan_settings) -> None:
+def _check_held_out(case: tuple, measured: tuple, known_misses: dict, tpot_key: str = "tpot_s",
+                    **plan_settings) -> None:
     """advise's figures against what the clients measured: within ±15% except the known misses, which stay where
     they were measured (±3%)."""
     from clusteropt_cli.core.advise.timing import infer_time
 
-    model, clients, temperature = case[:3]
+    model, clients, temperature = case
     top_p = plan_settings.pop("top_p", 0.95 if temperature else 1.0)
     plan = InferPlan(batch=clients, prompt_len=256, gen_len=128, continuous_batching=True, temperature=temperature,
                      top_p=top_p, **plan_settings)
     figures = infer_time(load_model_spec(model), plan, Target(get_gpu("h200"))).figures
-    for name, value in zip(("output_tokens_per_s", "ttft_s", "tpot_s"), measured, strict=True):
+    for name, value in zip(("output_tokens_per_s", "ttft_s", tpot_key), measured, strict=True):
         ratio = figures[name] / value
         known = known_misses.get((*case, name))
         if known is None:
@@ -233,7 +243,8 @@ def test_serving_predictions_against_guidellm_and_profile_endpoint(case) -> None
     measured = THIRD_PARTY[case]
     misses = {(model, clients, 1.0, name): ratio for (m, c, t, name), ratio in KNOWN_MISSES_THIRD_PARTY.items()
               if (m, c, t) == case}
-    _check_held_out((model, clients, 1.0), measured, misses, top_p=1.0 if tester == "guidellm" else 0.95)
+    _check_held_out((model, clients, 1.0), measured, misses, tpot_key="tpot_out_of_step_s",
+                    top_p=1.0 if tester == "guidellm" else 0.95)
 
 
 @pytest.mark.parametrize("case", sorted(HELD_OUT_256))
@@ -278,3 +289,16 @@ def test_serving_prediction_reproduces_the_h200_engine_anchor() -> None:
                                       engine="vllm"), target)
     assert vllm.figures["output_tokens_per_s"] > 3 * served.figures["output_tokens_per_s"]
     assert vllm.notes and "roofline" in vllm.notes[0]
+
+
+def test_out_of_step_clients_decode_through_a_whole_rounds_prefill() -> None:
+    """In step, a request decodes through about half of its round's prefill; out of step, through all of it; one
+    client decodes through none."""
+    from clusteropt_cli.core.advise.timing import infer_time
+
+    spec, target = load_model_spec("llama-3.1-8b"), Target(get_gpu("h200"))
+    f = infer_time(spec, InferPlan(batch=256, prompt_len=256, gen_len=128, continuous_batching=True), target).figures
+    assert f["tpot_out_of_step_s"] == pytest.approx((128 * f["decode_step_s"] + f["prefill_s"]) / 127)
+    assert f["tpot_s"] == pytest.approx((128 * f["decode_step_s"] + 0.5 * f["prefill_s"]) / 127)
+    one = infer_time(spec, InferPlan(batch=1, prompt_len=256, gen_len=128, continuous_batching=True), target).figures
+    assert one["tpot_out_of_step_s"] == one["tpot_s"] == one["decode_step_s"]
