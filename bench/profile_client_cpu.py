@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""How fast `copt profile endpoint`'s client can go: a minimal streaming server (raw asyncio, pre-shaped OpenAI SSE
+chunks, one every --gap-ms per stream) in its own process, and profile_endpoint() at each concurrency against it,
+reporting output tok/s, the client process's CPU per streamed token and TPOT p50 (the server's pace is --gap-ms: a
+TPOT well above it, or ITL p50 near zero — chunks read in bursts — means the client fell behind).
+
+    python3 bench/profile_client_cpu.py --concurrency 64,128,256 --out client.json     (any machine)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _serve(port: int, gap_s: float) -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"GET"):  # /metrics and the like: none here
+                    writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    await writer.drain()
+                    continue
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                body = json.loads(await reader.readexactly(length))
+                n = int(body.get("max_tokens", 16))
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for i in range(n):
+                    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                             "choices": [{"index": 0, "text": f" w{i}", "logprobs": None, "finish_reason": None}]}
+                    data = f"data: {json.dumps(chunk)}\n\n".encode()
+                    writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    await writer.drain()
+                    await asyncio.sleep(gap_s)
+                usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": n + 8}
+                data = f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode()
+                writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=4096)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", default="64,128,256")
+    parser.add_argument("--gap-ms", type=float, default=3.0, help="the server's pause between two chunks of a stream")
+    parser.add_argument("--gen-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="requests per stream")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    from clusteropt_cli.core.profile.endpoint import EndpointSettings, profile_endpoint
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = multiprocessing.get_context("spawn").Process(target=_serve, args=(port, args.gap_ms / 1e3), daemon=True)
+    server.start()
+    time.sleep(1.0)
+    rows = []
+    try:
+        for c in (int(x) for x in args.concurrency.split(",")):
+            cpu0 = time.process_time()
+            report = profile_endpoint(EndpointSettings(url=f"http://127.0.0.1:{port}", model="m", concurrency=[c],
+                                                       num_requests=c * args.rounds, warmup=0, gen_len=args.gen_len,
+                                                       prompt_len=8))
+            cpu = time.process_time() - cpu0
+            lv = report.levels[0]
+            tokens = lv.completed * args.gen_len
+            rows.append({"concurrency": c, "output_tokens_per_s": round(lv.output_tokens_per_s),
+                         "client_cpu_us_per_token": round(1e6 * cpu / max(tokens, 1), 1),
+                         "tpot_p50_ms": round(1e3 * lv.tpot_s["p50"], 2), "itl_p50_ms": round(1e3 * lv.itl_s["p50"], 2),
+                         "ideal_tokens_per_s": round(c / (args.gap_ms / 1e3))})
+            print(rows[-1], flush=True)
+    finally:
+        server.terminate()
+    if args.out:
+        args.out.write_text(json.dumps({"gap_ms": args.gap_ms, "gen_len": args.gen_len, "levels": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
