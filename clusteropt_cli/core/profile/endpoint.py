@@ -232,7 +232,7 @@ def _text_of(chunk: dict[str, Any]) -> str:
 
 async def one_request(client: Any, url: str, payload: dict[str, Any], headers: dict[str, str],
                       timeout_s: float) -> RequestResult:
-    """Send one streaming completion over an aiohttp session; never raises for network or server failures."""
+    """Send one streaming completion over an aiohttp client; never raises for network or server failures."""
     import aiohttp
 
     result = RequestResult(ok=False)
@@ -286,7 +286,7 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], headers: d
         result.error = "connect"
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError):
         result.error = "disconnect"
-    except ValueError:  # a line longer than the session's read buffer
+    except ValueError:  # a line longer than the client's read buffer
         result.error = "bad_stream"
     except aiohttp.ClientError as exc:
         result.error = f"http_error:{type(exc).__name__}"
