@@ -803,8 +803,14 @@ def main() -> None:
     parser.add_argument("--keep-reports", action="store_true", help="embed guidellm's whole reports in the JSON")
     parser.add_argument("--work-dir", type=Path, default=None, help="model directories and logs (default: a "
                         "temporary folder, removed at the end)")
+    parser.add_argument("--prompt-len", type=int, default=CFG["prompt_len"], help="prompt tokens (default 256)")
+    parser.add_argument("--out-tokens", type=int, default=CFG["out_tokens"], help="output tokens (default 128)")
+    parser.add_argument("--loads", default=",".join(map(str, CFG["loads"])),
+                        help="streaming clients of the copt client and guidellm loads (default 64,256)")
     parser.add_argument("--smoke", action="store_true", help="tiny model, few clients (checks the script on a CPU)")
     args = parser.parse_args()
+    CFG.update(prompt_len=args.prompt_len, out_tokens=args.out_tokens,
+               loads=[int(n) for n in args.loads.split(",") if n.strip()])
     shapes = [s.strip().lower() for s in args.shapes.split(",") if s.strip()]
     bad = [s for s in shapes if s not in SHAPES]
     skip = set(filter(None, (s.strip() for s in args.skip.split(","))))
