@@ -506,6 +506,30 @@ def test_expect_checks_a_guidellm_report_without_a_server(copt, tmp_path):
     assert "predicted vs measured at concurrency 16" in missed.stdout
 
 
+def test_expect_on_a_closed_loop_bounds_ttft_and_checks_the_out_of_step_tpot(copt, tmp_path):
+    """Closed-loop clients fall out of step after their first round: the measured TPOT is checked against the
+    recipe's tpot_out_of_step_s (not its in-step tpot_s), and TTFT only against the in-step figure as a bound."""
+    recipe = tmp_path / "loop.yaml"
+    recipe.write_text("task: serve\nmodel: /models/x\nprediction:\n  figures:\n    ttft_s: 0.5\n    tpot_s: 0.002\n"
+                      "    tpot_out_of_step_s: 0.0031\n    output_tokens_per_s: 4500.0\n"
+                      "  assumptions:\n    concurrency: 16\n")
+    proc = copt("profile", "endpoint", "--from-profile", str(_DATA / "guidellm_report.json"), "--expect",
+                str(recipe), "--json", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    checks = {f["name"]: f for f in json.loads(proc.stdout)["check"]["figures"]}
+    assert set(checks) == {"ttft_s", "tpot_s", "output_tokens_per_s"}
+    assert checks["tpot_s"]["predicted"] == 0.0031 and checks["tpot_s"]["note"] == "out of step"
+    assert checks["ttft_s"]["note"] == "upper" and checks["ttft_s"]["status"] == "pass"
+    table = copt("profile", "endpoint", "--from-profile", str(_DATA / "guidellm_report.json"), "--expect",
+                 str(recipe), timeout=60)
+    assert "tpot_s (out of step)" in table.stdout and "≤ " in table.stdout
+    slow = tmp_path / "slow.yaml"
+    slow.write_text(recipe.read_text().replace("ttft_s: 0.5", "ttft_s: 0.02"))
+    missed = copt("profile", "endpoint", "--from-profile", str(_DATA / "guidellm_report.json"), "--expect",
+                  str(slow), timeout=60)
+    assert missed.returncode == 6 and "ttft_s" in missed.stderr
+
+
 def test_expect_checks_a_vllm_bench_result_and_refuses_another_concurrency(copt, tmp_path):
     """A vllm bench serve result is checked the same way; a prediction for a concurrency the file did not
     measure is refused (exit 2) rather than compared with another load."""

@@ -150,6 +150,9 @@ def test_emitted_serve_plan_is_a_copt_serve_recipe(tmp_path) -> None:
     recipe = validate_recipe("serve", data, origin="test")
     assert recipe.model_dump(mode="json") == data
     assert data["prediction"]["assumptions"]["temperature"] == 1.0
+    # what `profile endpoint --expect` checks a closed loop's TPOT against (its clients fall out of step)
+    figures = data["prediction"]["figures"]
+    assert figures["tpot_out_of_step_s"] > figures["tpot_s"] > 0
 
 
 def test_one_deepspeed_config_for_prediction_and_emission(tmp_path) -> None:
