@@ -83,6 +83,13 @@ def _fake_openai_app():
             return JSONResponse({"detail": f"Unexpected fields in the request: {extra}"}, status_code=422)
         return StreamingResponse(stream(body, cut=False), media_type="text/event-stream")
 
+    @app.post("/huge/v1/completions")
+    async def huge(request: Request):  # one SSE line of 3 MB: more than the client buffers
+        async def lines():
+            yield "data: " + "x" * 3_000_000 + "\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
     @app.post("/cut/v1/completions")
     async def cut(request: Request):
         body = await request.json()
@@ -229,6 +236,17 @@ def test_endpoint_never_sends_a_prompt_twice(fake_server):
                                       gen_len=2, prompt_len=6))
     timed = [b["prompt"] for b in RECEIVED]
     assert len(timed) > 256 // 64 and len(set(timed)) == len(timed)
+
+
+def test_endpoint_counts_an_oversized_stream_line_as_a_bad_stream(fake_server):
+    """A server streaming a 3 MB line fails that request as bad_stream; the client neither buffers without bound
+    nor crashes, and the run reports it with the rest."""
+    from clusteropt_cli.core.profile.endpoint import EndpointSettings, profile_endpoint
+    from clusteropt_cli.errors import CoptError
+
+    with pytest.raises(CoptError, match="bad_stream"):
+        profile_endpoint(EndpointSettings(url=fake_server + "/huge", model="m", concurrency=[2], num_requests=2,
+                                          warmup=0, gen_len=2, prompt_len=4))
 
 
 def test_endpoint_reports_the_servers_prefix_cache_hits(fake_server, copt, tmp_path):

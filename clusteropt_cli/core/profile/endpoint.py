@@ -286,10 +286,12 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], headers: d
         result.error = "connect"
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError):
         result.error = "disconnect"
-    except ValueError:  # a line longer than the client's read buffer
+    except (ValueError, aiohttp.http_exceptions.HttpProcessingError):  # e.g. a line longer than the client buffers
         result.error = "bad_stream"
     except aiohttp.ClientError as exc:
         result.error = f"http_error:{type(exc).__name__}"
+    except Exception as exc:  # noqa: BLE001 - whatever one response does fails that request alone
+        result.error = f"client_error:{type(exc).__name__}"
     if result.error is not None:
         return result
     result.e2e_s = time.perf_counter() - start
@@ -431,7 +433,9 @@ async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | Synthet
     connector = aiohttp.TCPConnector(limit=max(s.concurrency) + 4 if s.concurrency else 0)
     timeout = aiohttp.ClientTimeout(total=None, connect=min(5.0, s.request_timeout_s),
                                     sock_read=s.request_timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20) as client:
+    # trust_env: HTTP(S)_PROXY, NO_PROXY and .netrc apply, as they did under httpx
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20,
+                                     trust_env=True) as client:
         runner = _Runner(s, client, prompts)
         runner.log = log
         failures: dict[str, str] = {}  # error kind → the server's first message for it
