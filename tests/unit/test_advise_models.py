@@ -236,15 +236,19 @@ def test_serving_predictions_against_copt_serves_defaults(case) -> None:
     _check_held_out(case, DEFAULTS_256[case], KNOWN_MISSES_DEFAULTS)
 
 
-@pytest.mark.parametrize("case", sorted(THIRD_PARTY))
-def test_serving_predictions_against_guidellm_and_profile_endpoint(case) -> None:
-    """Sampled loads as the testers send them: guidellm without top_p, copt profile endpoint with top_p 0.95."""
+def _check_tester(case: tuple, measured: tuple, known_misses: dict, **plan_settings) -> None:
+    """A closed-loop tester's sampled load (guidellm without top_p, copt profile endpoint with top_p 0.95) against
+    advise, its TPOT against the out-of-step figure."""
     model, clients, tester = case
-    measured = THIRD_PARTY[case]
-    misses = {(model, clients, 1.0, name): ratio for (m, c, t, name), ratio in KNOWN_MISSES_THIRD_PARTY.items()
+    misses = {(model, clients, 1.0, name): ratio for (m, c, t, name), ratio in known_misses.items()
               if (m, c, t) == case}
     _check_held_out((model, clients, 1.0), measured, misses, tpot_key="tpot_out_of_step_s",
-                    top_p=1.0 if tester == "guidellm" else 0.95)
+                    top_p=1.0 if tester == "guidellm" else 0.95, **plan_settings)
+
+
+@pytest.mark.parametrize("case", sorted(THIRD_PARTY))
+def test_serving_predictions_against_guidellm_and_profile_endpoint(case) -> None:
+    _check_tester(case, THIRD_PARTY[case], KNOWN_MISSES_THIRD_PARTY)
 
 
 # Held out for tpot_out_of_step_s (predicted at a4294c3, before the run): another workload, prompts of 512 tokens and
@@ -264,11 +268,7 @@ KNOWN_MISSES_512 = {("llama-3.2-1b", 32, "guidellm", "output_tokens_per_s"): 1.2
 @pytest.mark.parametrize("case", sorted(HELD_OUT_512))
 def test_out_of_step_tpot_held_out_on_longer_requests(case) -> None:
     """Closed-loop testers' TPOT on a workload no constant saw: within ±15% of the out-of-step figure."""
-    model, clients, tester = case
-    misses = {(model, clients, 1.0, name): ratio for (m, c, t, name), ratio in KNOWN_MISSES_512.items()
-              if (m, c, t) == case}
-    _check_held_out((model, clients, 1.0), HELD_OUT_512[case], misses, tpot_key="tpot_out_of_step_s",
-                    top_p=1.0 if tester == "guidellm" else 0.95, prompt_len=512, gen_len=256)
+    _check_tester(case, HELD_OUT_512[case], KNOWN_MISSES_512, prompt_len=512, gen_len=256)
 
 
 @pytest.mark.parametrize("case", sorted(HELD_OUT_256))
