@@ -151,16 +151,14 @@ def _endpoint_level(report: ProfileReport, exp: Expectation):
     return report.levels[-1] if report.levels else None
 
 
-def measured_figures(report: ProfileReport, exp: Expectation) -> tuple[dict[str, float | None], str | None]:
-    """The measured figure for each name (endpoint: at the level the prediction speaks of)."""
+def measured_figures(report: ProfileReport, exp: Expectation) -> tuple[dict[str, float | None], Any]:
+    """The measured figure for each name, and the endpoint level they come from (the one the prediction speaks
+    of; None for a model profile)."""
     figures = dict(report.metrics)
-    level_name = None
-    if report.kind == "endpoint":
-        level = _endpoint_level(report, exp)
-        if level is not None:
-            level_name = f"concurrency {level.concurrency}" if level.concurrency is not None else f"rate {level.rate}"
-            figures.update(level_figures(level))
-    return figures, level_name
+    level = _endpoint_level(report, exp) if report.kind == "endpoint" else None
+    if level is not None:
+        figures.update(level_figures(level))
+    return figures, level
 
 
 def level_figures(level: Any) -> dict[str, float | None]:
@@ -175,8 +173,9 @@ def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: fl
     its next request when one ends) falls out of step after its first round: its TPOT is compared with
     tpot_out_of_step_s where the prediction has it, and its TTFT is bounded by the in-step ttft_s (all clients'
     requests together) rather than predicted."""
-    measured, level_name = measured_figures(report, exp)
-    level = _endpoint_level(report, exp) if report.kind == "endpoint" else None
+    measured, level = measured_figures(report, exp)
+    level_name = None if level is None else (f"concurrency {level.concurrency}" if level.concurrency is not None
+                                             else f"rate {level.rate}")
     closed_loop = level is not None and (level.concurrency or 0) > 1
     figures = dict(exp.figures)
     out_of_step = figures.pop("tpot_out_of_step_s", None)
