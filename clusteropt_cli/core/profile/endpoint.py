@@ -97,15 +97,15 @@ class CycledPrompts:
 class SyntheticPrompts:
     """Random-word prompts that never repeat, within a run or across runs: a pool of `pool` bodies made up front
     (from `seed`), and each request's prompt a body under its own head — the run's tag (random words drawn anew
-    for every run unless given) and the request's number. A prefix cache hashes blocks from the first token on, so
+    for every run) and the request's number. A prefix cache hashes blocks from the first token on, so
     a repeated prompt (another level's, or an earlier run's against the same server) would skip its prefill and
     inflate throughput and TTFT figures; a new head costs one short encode, not a whole prompt's."""
 
-    def __init__(self, pool: int, prompt_len: int, seed: int, tokenizer: str | None = None, tag: str | None = None):
+    def __init__(self, pool: int, prompt_len: int, seed: int, tokenizer: str | None = None):
         rng = random.Random(seed)
         self.prompt_len = max(1, prompt_len)
         self.sent = 0
-        self.tag = tag if tag is not None else run_tag()
+        self.tag = run_tag()
         bodies = [[rng.choice(WORDS) for _ in range(self.prompt_len + 8)] for _ in range(max(1, pool))]
         self.tok = None
         if tokenizer is None:
