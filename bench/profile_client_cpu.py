@@ -13,12 +13,14 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import socket
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import free_port  # noqa: E402
 
 
 def _serve(port: int, gap_s: float) -> None:
@@ -68,9 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     from clusteropt_cli.core.profile.endpoint import EndpointSettings, profile_endpoint
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = multiprocessing.get_context("spawn").Process(target=_serve, args=(port, args.gap_ms / 1e3), daemon=True)
     server.start()
     time.sleep(1.0)
