@@ -166,6 +166,7 @@ def advise(
         check_recipe_runnable(task, tp or 1)
 
     measured: dict[str, Any] | None = None
+    closed_loop = None
     if from_profile is not None:
         from clusteropt_cli.core.profile.report import load_profile
 
@@ -176,6 +177,7 @@ def advise(
                  "memory_budget": memory_budget, "compile": compile_, "loss_impl": None, "temperature": temperature,
                  "top_p": top_p, "top_k": top_k}
         task, filled, profile_symptoms, measured = api.defaults_from_profile(report, task, given)
+        closed_loop = api.measured_closed_loop(report)
         symptoms = list(dict.fromkeys(symptoms + profile_symptoms))
         model, micro_batch, seq_len, precision = filled["model"], filled["micro_batch"], filled["seq_len"], \
             filled["precision"]
@@ -200,7 +202,7 @@ def advise(
     model_arg = str(settings.model)
     spec = load_model_spec(model_arg)
     result = api.advise(spec, target, plan, symptoms, model_arg=model_arg, notes=notes, measured=measured,
-                        data=data)
+                        data=data, closed_loop=closed_loop)
 
     written = []
     if emit_recipe is not None:
@@ -372,6 +374,8 @@ def _render(r: dict[str, Any]) -> None:
                        ("optimizer_s", "optimizer step (clip + update)"),
                        ("ttft_s", "TTFT"), ("tpot_s", "TPOT (per request)"),
                        ("tpot_out_of_step_s", "TPOT, closed-loop clients out of step"),
+                       ("closed_loop_ttft_s", "TTFT, closed loop"), ("closed_loop_tpot_s", "TPOT, closed loop"),
+                       ("closed_loop_output_tokens_per_s", "output tokens/s, closed loop"),
                        ("decode_step_s", "decode step"),
                        ("tpot_floor_s", "TPOT floor (bytes/bandwidth)"),
                        ("output_tokens_per_s", "output tokens/s"), ("max_concurrent_seqs", "max concurrent seqs"),

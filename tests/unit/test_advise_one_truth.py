@@ -153,6 +153,14 @@ def test_emitted_serve_plan_is_a_copt_serve_recipe(tmp_path) -> None:
     # what `profile endpoint --expect` checks a closed loop's TPOT against (its clients fall out of step)
     figures = data["prediction"]["figures"]
     assert figures["tpot_out_of_step_s"] > figures["tpot_s"] > 0
+    # speculative decoding (the top plan here) is not replayed; the plan as given is: its 8 clients as the closed
+    # loop `copt profile endpoint --expect` sends (4 requests each)
+    assert not any(name.startswith("closed_loop_") for name in figures)
+    plain = api.advise(spec, target, InferPlan(batch=8, continuous_batching=True, temperature=1.0),
+                       model_arg="llama-3.2-1b")
+    data = yaml.safe_load(api.emit_recipe(plain, "llama-3.2-1b", tmp_path / "plain.yaml").read_text())
+    assert data["prediction"]["assumptions"]["closed_loop_requests"] == 32
+    assert {"closed_loop_tpot_s", "closed_loop_output_tokens_per_s"} <= set(data["prediction"]["figures"])
 
 
 def test_one_deepspeed_config_for_prediction_and_emission(tmp_path) -> None:

@@ -118,6 +118,22 @@ def evaluate_infer(spec: ModelSpec, plan: InferPlan, target: Target) -> dict[str
             "kv_cache": None if capacity is None else capacity.as_dict()}
 
 
+def add_closed_loop(spec: ModelSpec, plan: InferPlan, target: Target, evaluated: dict[str, Any],
+                    load: dict[str, float] | None = None) -> None:
+    """The plan's clients as a closed loop through copt's engine (closed_loop.py): closed_loop_* figures and the
+    load they are for, added to an evaluate_infer result."""
+    from clusteropt_cli.core.advise.closed_loop import closed_loop_figures
+
+    load = load or {}
+    requests = load.get("requests")
+    simulated = closed_loop_figures(spec, plan, target, duration_s=load.get("duration_s"),
+                                    requests=None if requests is None else int(requests))
+    if simulated is not None:
+        figures, workload = simulated
+        evaluated["time"].update(figures)
+        evaluated["time_assumptions"].update(workload)
+
+
 def dequantized_note(plan: InferPlan) -> str:
     """Why an int4/int8 plan on copt's engine is priced at the model dtype."""
     return (f"copt's engine dequantizes {plan.weights} checkpoints to {plan.served_weights} at load (no integer GEMM "
@@ -216,8 +232,10 @@ def _merge(current: Any, changed: Any, original: Any) -> Any:
 
 def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptoms: list[str] | None = None,
            model_arg: str = "MODEL", notes: list[str] | None = None,
-           measured: dict[str, float] | None = None, data: str | None = None) -> dict[str, Any]:
-    """The whole advise result as a `copt.advise/1` dict."""
+           measured: dict[str, float] | None = None, data: str | None = None,
+           closed_loop: dict[str, float] | None = None) -> dict[str, Any]:
+    """The whole advise result as a `copt.advise/1` dict. `closed_loop`: the closed-loop load the serving figures
+    closed_loop_* are for ({"requests": N} or {"duration_s": D}; default: 4 requests per client)."""
     symptoms = list(dict.fromkeys(symptoms or []))
     task = "train" if isinstance(plan, TrainPlan) else "infer"
     if task == "train":
@@ -247,6 +265,9 @@ def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptom
     if task == "infer" and top.serving_engine == "vllm":
         top = top.with_(engine="vllm", continuous_batching=True)
     top_result = evaluate(top)
+    if task == "infer":
+        for planned, evaluated in ((plan, base), (top, top_result)):
+            add_closed_loop(spec, planned, target, evaluated, closed_loop)
     result: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "task": task,
@@ -299,7 +320,8 @@ def prediction_figures(memory: dict[str, Any], time: dict[str, Any], task: str) 
     keys = (("step_time_s", "tokens_per_s", "mfu") if task == "train"
             # no itl_s: under load a streaming client sees tokens in bursts (p50 ITL ~0.03 ms measured on the
             # H200 at 256 concurrent), so only the per-request mean (tpot_s) is comparable
-            else ("ttft_s", "tpot_s", "tpot_out_of_step_s", "output_tokens_per_s", "mbu", "max_concurrent_seqs"))
+            else ("ttft_s", "tpot_s", "tpot_out_of_step_s", "output_tokens_per_s", "mbu", "max_concurrent_seqs",
+                  "closed_loop_ttft_s", "closed_loop_tpot_s", "closed_loop_output_tokens_per_s"))
     for key in keys:
         if time.get(key) is not None:
             figures[key] = float(time[key])
@@ -312,10 +334,14 @@ def prediction_figures(memory: dict[str, Any], time: dict[str, Any], task: str) 
 
 def compare(measured: dict[str, float | None], predicted: dict[str, float]) -> list[dict[str, Any]]:
     """Measured vs predicted for every metric both name, with the error in percent; a measured TPOT is also set
-    against the out-of-step prediction (closed-loop clients out of step) where the plan has one."""
+    against the out-of-step prediction (closed-loop clients out of step), and TTFT, TPOT and output tokens/s
+    against the closed loop's (closed_loop_*), where the plan has them."""
     rows = []
     if measured.get("tpot_s") is not None and "tpot_out_of_step_s" in predicted:
         measured = {**measured, "tpot_out_of_step_s": measured["tpot_s"]}
+    for name in ("ttft_s", "tpot_s", "output_tokens_per_s"):
+        if measured.get(name) is not None and f"closed_loop_{name}" in predicted:
+            measured = {**measured, f"closed_loop_{name}": measured[name]}
     for key, value in measured.items():
         if value is None or key not in predicted:
             continue
@@ -376,6 +402,18 @@ def defaults_from_profile(report: Any, task: str, given: dict[str, Any]
     if values["memory_budget"] is None and wl.get("memory_budget_bytes"):
         values["memory_budget"] = wl["memory_budget_bytes"] / GiB
     return task, values, list(report.verdict.symptoms), dict(report.metrics)
+
+
+def measured_closed_loop(report: Any) -> dict[str, float] | None:
+    """The closed-loop load behind an endpoint profile's metrics (its last completed concurrency level): the
+    duration it ran for (`profile endpoint --duration`), else its request count. None: not a closed loop."""
+    done = [lv for lv in getattr(report, "levels", []) if lv.completed > 0 and (lv.concurrency or 0) > 1]
+    if not done:
+        return None
+    duration = report.workload.get("duration_s")
+    if duration and not report.workload.get("num_requests"):
+        return {"duration_s": float(duration)}
+    return {"requests": int(done[-1].requests)}
 
 
 def _measured_concurrency(report: Any) -> int | None:

@@ -141,6 +141,16 @@ SERVING_ENGINES = {
              "sampled_first_token_s": 0.86e-3, "api_intake_s": 0.75e-3},
     "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }
+# The host's floor under a step of copt's engine that prefills: its eager prefill layers and the work per prompt
+# chunk (scheduling, blocks, the first token's sampling and emission) — the step takes at least this long however
+# fast the GPU is. Read off the engine's step traces of closed loops (copt profile endpoint and guidellm), H200,
+# copt serve's defaults, 2026-12-02 (bench/gpu_serve_models.py, the traces kept with its results): steps with one
+# decode pass and 256+ prompt tokens, 1B shape with 256- and 512-token prompts (586 and 827 steps: 36 and 26 ms
+# median, where the step model gives 25 and 21), 8B shape (345 steps, GPU-bound: unchanged). Fitted, step time =
+# max(the step model, 3 ms per chunk + 0.5 ms per layer): median step predicted ÷ measured 0.95, 0.96 and 1.06.
+# Applied by closed_loop.py's replay.
+PREFILL_STEP_HOST_PER_CHUNK_S = 3.0e-3
+PREFILL_STEP_HOST_PER_LAYER_S = 0.5e-3
 # What sampled requests (temperature > 0, no top-k/top-p truncation) add per decode step of copt's engine over
 # greedy decoding. Sampling runs on the device inside the captured step (Gumbel-max with counter-based noise, async
 # scheduling kept), so the cost is one [batch, vocabulary] pass more than the greedy argmax. H200, Llama-3.2-1B

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from clusteropt_cli.core.advise import calibration as cal
@@ -63,11 +64,29 @@ def truncation_step_s(plan: InferPlan, rows: int) -> float:
     return max(0.0, _interpolated_us(table[mode], rows) - _interpolated_us(table["plain"], rows)) * 1e-6
 
 
+@dataclass(frozen=True)
+class ServeCosts:
+    """What each step of a continuous-batching engine costs under a plan — infer_time's own step model — for
+    running a load through it step by step (closed_loop.py)."""
+
+    decode_step: Callable[[int], float]  # seconds of one decode step over n sequences
+    prefill: Callable[[int, int], float]  # seconds of one prefill pass over t prompt tokens of r requests
+    step_tokens: int  # the engine's token budget per step (--max-batch-tokens): decode rows, then prompt chunks
+    max_running: int  # sequences the engine runs at once
+    prompt_tokens: int  # prompt tokens each request computes (its prompt less the prefix-cache hits)
+    first_token_s: float  # what the server adds to a request's first token (HTTP, tokenization, first event)
+    intake_s: float  # the API process's time to take one request in (serial)
+    stream_s: float  # the API process's time to stream one request's tokens out (serial)
+    # the host's floor under a step that prefills n prompt chunks (calibration.PREFILL_STEP_HOST_*)
+    prefill_step_floor: Callable[[int], float] = lambda chunks: 0.0
+
+
 @dataclass
 class TimeEstimate:
     figures: dict[str, float | None]
     assumptions: dict[str, float | str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    costs: ServeCosts | None = None  # continuous batching on copt's engine: the step costs behind the figures
 
 
 def _dp_link(target: Target, tp: int, pp: int) -> tuple[float, str]:
@@ -246,11 +265,14 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     computed = plan.prompt_len - hit
     flops_per_prompt_token = spec.forward_flops_per_token(hit + computed // 2)
 
-    def prefill_seconds(tokens: int) -> float:
+    def prefill_seconds(tokens: int, requests: int | None = None) -> float:
+        """One prefill pass over `tokens` prompt tokens of `requests` requests (by default: whole prompts)."""
         compute = max(tokens * flops_per_prompt_token / (peak * cal.PREFILL_MFU), w_bytes / bandwidth)
         if not engine:
             return compute
-        return compute + math.ceil(tokens / computed) * engine["prefill_request_s"]
+        if requests is None:
+            requests = math.ceil(tokens / computed)
+        return compute + requests * engine["prefill_request_s"]
 
     # continuous batching runs at most the engine's concurrency (--max-batch-size, or what its KV cache holds);
     # clients beyond it wait for a running request to finish: they add rounds to TTFT, not rows to a decode step
@@ -286,30 +308,37 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         if plan.temperature > 0:  # the first token drawn by the sampling step instead of the greedy argmax
             ttft += engine.get("sampled_first_token_s", 0.0)
     ctx = plan.prompt_len + plan.gen_len / 2
-    kv_read = kv_cache_bytes(spec, plan.with_(batch=running) if running != plan.batch else plan, ctx)
-    # MoE decode reads only the experts the batch routes to: the active parameters (k experts per layer) plus the
-    # other experts some token of the batch picks — E·(1 - (1 - k/E)^B) distinct experts under uniform routing
-    if spec.is_moe:
-        k, experts = spec.experts_per_token, spec.num_experts
-        distinct = experts * (1.0 - (1.0 - k / experts) ** running)
-        expert_share = min(1.0, max(0.0, (distinct - k) / max(1, experts - k)))
-        active_w = w_bytes * (spec.num_active_params + (spec.num_params - spec.num_active_params) * expert_share) \
-            / spec.num_params
-    else:
-        active_w = w_bytes
-    floor = (active_w + kv_read) / bandwidth
-    decode_compute = running * spec.forward_flops_per_token(int(ctx)) / (peak * cal.PREFILL_MFU)
-    tpot = max(floor / cal.DECODE_BANDWIDTH_EFFICIENCY, decode_compute)
-    if engine:
-        tpot += engine["step_fixed_s"] + engine["step_per_seq_s"] * running
-        if plan.compile_mode != "default" and engine_name == "copt" and running == 1:
-            # batch-1 steps run inductor's autotuned kernels (copt serve's default compile mode, "auto")
-            tpot = max(tpot - cal.AUTOTUNED_B1_FLOOR_SHARE * floor, floor)
-        if plan.temperature > 0 and engine_name == "copt":
-            # sampled requests: one more [batch, vocabulary] pass on the device than the greedy argmax, and the
-            # truncation's selection step where top-k or top-p is set
-            tpot += cal.SAMPLED_DECODE_STEP_S + cal.SAMPLED_DECODE_PER_SEQ_S * running
-            tpot += truncation_step_s(plan, running)
+
+    def decode_step(rows: int) -> tuple[float, float, float, float]:
+        """One decode step over `rows` sequences at the mean context: (seconds, floor seconds, bytes read,
+        compute seconds)."""
+        kv_read = kv_cache_bytes(spec, plan.with_(batch=rows) if rows != plan.batch else plan, ctx)
+        # MoE decode reads only the experts the batch routes to: the active parameters (k experts per layer) plus
+        # the other experts some token of the batch picks — E·(1 - (1 - k/E)^B) distinct experts, uniform routing
+        if spec.is_moe:
+            k, experts = spec.experts_per_token, spec.num_experts
+            distinct = experts * (1.0 - (1.0 - k / experts) ** rows)
+            expert_share = min(1.0, max(0.0, (distinct - k) / max(1, experts - k)))
+            active_w = w_bytes * (spec.num_active_params
+                                  + (spec.num_params - spec.num_active_params) * expert_share) / spec.num_params
+        else:
+            active_w = w_bytes
+        floor = (active_w + kv_read) / bandwidth
+        compute = rows * spec.forward_flops_per_token(int(ctx)) / (peak * cal.PREFILL_MFU)
+        seconds = max(floor / cal.DECODE_BANDWIDTH_EFFICIENCY, compute)
+        if engine:
+            seconds += engine["step_fixed_s"] + engine["step_per_seq_s"] * rows
+            if plan.compile_mode != "default" and engine_name == "copt" and rows == 1:
+                # batch-1 steps run inductor's autotuned kernels (copt serve's default compile mode, "auto")
+                seconds = max(seconds - cal.AUTOTUNED_B1_FLOOR_SHARE * floor, floor)
+            if plan.temperature > 0 and engine_name == "copt":
+                # sampled requests: one more [batch, vocabulary] pass on the device than the greedy argmax, and the
+                # truncation's selection step where top-k or top-p is set
+                seconds += cal.SAMPLED_DECODE_STEP_S + cal.SAMPLED_DECODE_PER_SEQ_S * rows
+                seconds += truncation_step_s(plan, rows)
+        return seconds, floor, active_w + kv_read, compute
+
+    tpot, floor, decode_bytes, decode_compute = decode_step(running)
     spec_speedup = 1.0
     if plan.speculative_tokens:
         a, k = plan.speculative_acceptance, plan.speculative_tokens
@@ -353,7 +382,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
                "decode_step_s": tpot, "tpot_floor_s": floor, "itl_s": tpot,
                "prefill_s": prefill_s, "output_tokens_per_s": out_tps,
                "e2e_s": ttft + max(1, plan.gen_len - 1) * client_tpot,
-               "mbu": min(1.0, floor / tpot), "decode_bytes_per_step": active_w + kv_read,
+               "mbu": min(1.0, floor / tpot), "decode_bytes_per_step": decode_bytes,
                "speculative_speedup": spec_speedup, "prefix_hit_rate": hit / plan.prompt_len,
                "running_seqs": running}
     if target.gpu_hour_usd:
@@ -368,4 +397,15 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         assumptions.update({k: v for k, v in engine.items() if v})
     else:
         notes.append(f"{engine_name}: no measured serving overheads; roofline figures (an upper bound)")
-    return TimeEstimate(figures, assumptions, notes=notes)
+    costs = None
+    if engine and engine_name == "copt" and plan.continuous_batching and not plan.speculative_tokens:
+        first_token_s = engine.get("http_request_s", 0.0) + (
+            engine.get("sampled_first_token_s", 0.0) if plan.temperature > 0 else 0.0)
+        costs = ServeCosts(
+            decode_step=lambda rows: decode_step(rows)[0], prefill=prefill_seconds,
+            step_tokens=plan.chunked_prefill or engine["prefill_chunk_tokens"], max_running=running,
+            prompt_tokens=computed, first_token_s=first_token_s, intake_s=engine.get("api_intake_s", 0.0),
+            stream_s=engine.get("http_stream_s", 0.0),
+            prefill_step_floor=lambda chunks: (cal.PREFILL_STEP_HOST_PER_CHUNK_S * chunks
+                                               + cal.PREFILL_STEP_HOST_PER_LAYER_S * spec.num_layers))
+    return TimeEstimate(figures, assumptions, notes=notes, costs=costs)

@@ -1,0 +1,186 @@
+"""Closed-loop clients run through the engine step by step: what load testers measure.
+
+A closed loop is what `copt profile endpoint --concurrency N`, guidellm's concurrent profile and `vllm bench serve
+--max-concurrency` send: N clients, each sending its next request when its previous one ends. The round model of
+timing.infer_time prices every client's request arriving at once (a burst, or clients still in step). After the first
+round the clients fall out of step — each finishes when its own prefill and decode did — and from then on every step
+mixes some prompts' prefill with everyone's decode, and a request waits only for the prefill queued ahead of it. Its
+time to first token then depends on how the arrivals spread, which no closed form gives; this module replays the
+load through copt's scheduler (core/serve/engine.py Engine._step: decode every running sequence, then prefill
+prompt chunks first come, first served with what is left of the step's token budget) with infer_time's own step
+costs (timing.ServeCosts), and measures the replay as the clients would.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from clusteropt_cli.core.advise.timing import ServeCosts
+
+
+@dataclass
+class ClosedLoopFigures:
+    """The replayed load measured as a client measures it (medians over every request; seconds)."""
+
+    clients: int
+    requests: int
+    duration_s: float  # first request sent → last token received
+    output_tokens_per_s: float
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    ttft_first_round_s: float  # the requests each client sent first (the burst the loop starts with)
+    ttft_later_rounds_s: float | None  # every later request (None: one request per client)
+    running_mean: float  # sequences decoding per decode step, on average
+    host_bound_share: float = 0.0  # of the steps that prefilled, those the host's floor set
+    steps: int = 0
+    per_request: list[tuple[float, float, float]] = field(default_factory=list, repr=False)  # (sent, first, last)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+
+
+class _Request:
+    __slots__ = ("client", "round", "sent", "left", "out", "first")
+
+    def __init__(self, client: int, round_: int, sent: float, prompt_tokens: int):
+        self.client, self.round, self.sent = client, round_, sent
+        self.left, self.out, self.first = prompt_tokens, 0, 0.0
+
+
+def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, requests: int | None = None,
+                         duration_s: float | None = None, max_steps: int = 500_000) -> ClosedLoopFigures:
+    """N closed-loop clients through the engine: each sends its first request at time 0 and its next one as soon as
+    the last token of the previous one arrived, while fewer than `requests` were sent in all (copt profile
+    endpoint's --num-requests, 4 per client by default; guidellm's max_requests) and it is before `duration_s` (then
+    the requests in flight finish, as `copt profile endpoint --duration` does). Requests queue for the API process
+    (costs.intake_s each), then for the engine."""
+    if clients < 1 or gen_len < 1:
+        raise ValueError("clients and gen_len must be at least 1")
+    if duration_s is None and requests is None:
+        raise ValueError("a closed loop needs a request count or a duration")
+    decode_s = lru_cache(maxsize=None)(costs.decode_step)
+    api_free = 0.0  # when the API process is next idle
+    arrivals: list[tuple[float, int, _Request]] = []  # (reaches the engine, order, request)
+    order = 0
+    sent_by = [0] * clients
+
+    def send(client: int, at: float) -> None:
+        nonlocal api_free, order
+        if (duration_s is not None and at >= duration_s) or (requests is not None and order >= requests):
+            return
+        request = _Request(client, sent_by[client], at, costs.prompt_tokens)
+        sent_by[client] += 1
+        api_free = max(at, api_free) + costs.intake_s
+        heapq.heappush(arrivals, (api_free, order, request))
+        order += 1
+
+    for client in range(clients):
+        send(client, 0.0)
+    waiting: deque[_Request] = deque()
+    running: list[_Request] = []
+    done: list[tuple[_Request, float]] = []
+    now, steps, decode_rows, decode_steps, prefill_steps, host_bound = 0.0, 0, 0, 0, 0, 0
+    while steps < max_steps:
+        while arrivals and arrivals[0][0] <= now:
+            waiting.append(heapq.heappop(arrivals)[2])
+        while waiting and len(running) < costs.max_running:
+            running.append(waiting.popleft())
+        if not running:
+            if not arrivals:
+                break
+            now = arrivals[0][0]
+            continue
+        decoding = [r for r in running if r.out > 0]
+        budget = max(costs.step_tokens - len(decoding), 16)
+        chunks: list[tuple[_Request, int]] = []
+        for r in running:
+            if budget <= 0:
+                break
+            if r.left > 0:
+                n = min(r.left, budget)
+                chunks.append((r, n))
+                budget -= n
+        step = decode_s(len(decoding)) if decoding else 0.0
+        if chunks:
+            modelled = step + costs.prefill(sum(n for _, n in chunks), len(chunks))
+            floor = costs.prefill_step_floor(len(chunks))
+            prefill_steps += 1
+            host_bound += floor > modelled
+            step = max(modelled, floor)
+        now += step
+        steps += 1
+        if decoding:
+            decode_steps += 1
+            decode_rows += len(decoding)
+        finished = []
+        for r in decoding:
+            r.out += 1
+            if r.out >= gen_len:
+                finished.append(r)
+        for r, n in chunks:
+            r.left -= n
+            if r.left == 0:
+                r.out, r.first = 1, now
+                if gen_len == 1:
+                    finished.append(r)
+        if finished:
+            gone = set(map(id, finished))
+            running = [r for r in running if id(r) not in gone]
+            for r in finished:
+                api_free = max(now, api_free) + costs.stream_s
+                done.append((r, api_free))
+                send(r.client, api_free)
+    if not done:
+        raise ValueError("the closed loop finished no request")
+    ttft = [r.first + costs.first_token_s - r.sent for r, _ in done]
+    first_round = [t for (r, _), t in zip(done, ttft, strict=True) if r.round == 0]
+    later = [t for (r, _), t in zip(done, ttft, strict=True) if r.round > 0]
+    tpot = [(last - r.first) / (gen_len - 1) for r, last in done] if gen_len > 1 else [0.0]
+    end = max(last for _, last in done)
+    return ClosedLoopFigures(
+        clients=clients, requests=len(done), duration_s=end,
+        output_tokens_per_s=len(done) * gen_len / end if end > 0 else 0.0,
+        ttft_s=_median(ttft), tpot_s=max(0.0, _median(tpot)), e2e_s=_median([last - r.sent for r, last in done]),
+        ttft_first_round_s=_median(first_round), ttft_later_rounds_s=_median(later) if later else None,
+        running_mean=decode_rows / decode_steps if decode_steps else 0.0,
+        host_bound_share=host_bound / prefill_steps if prefill_steps else 0.0, steps=steps,
+        per_request=[(r.sent, r.first + costs.first_token_s, last) for r, last in done])
+
+
+# copt profile endpoint's default load per concurrency level: 4 requests per client (ProfileSettings.requests_for)
+REQUESTS_PER_CLIENT = 4
+# the share of host-bound prefilling steps above which the replay's TTFT is not reported (closed_loop_figures)
+HOST_BOUND_TTFT_LIMIT = 0.5
+
+
+def closed_loop_figures(spec, plan, target, *, requests: int | None = None,
+                        duration_s: float | None = None) -> tuple[dict[str, float], dict[str, float]] | None:
+    """The plan's `batch` clients as a closed loop through copt's engine: (figures, workload). Figures are named
+    closed_loop_ttft_s, closed_loop_tpot_s (medians over the requests) and closed_loop_output_tokens_per_s; the
+    workload is `requests` in all (default: REQUESTS_PER_CLIENT per client, as `copt profile endpoint` sends) or
+    `duration_s`. None where the step model does not apply (one client, a static batch, another engine,
+    speculative decoding, no GPU). The TTFT is left out when most prefilling steps are host-bound (a small model):
+    there the measured loops stay in step — prefill bursts, then long decode stretches — which the replay does not
+    reproduce (H200, 1B shape at 128-256 clients: replayed 0.05-0.13 s against 0.15-0.63 measured)."""
+    from clusteropt_cli.core.advise.timing import infer_time
+
+    if plan.batch < 2 or target.gpu is None:
+        return None
+    costs = infer_time(spec, plan, target).costs
+    if costs is None:
+        return None
+    if requests is None and duration_s is None:
+        requests = REQUESTS_PER_CLIENT * plan.batch
+    run = simulate_closed_loop(costs, plan.batch, plan.gen_len, requests=requests, duration_s=duration_s)
+    figures = {"closed_loop_tpot_s": run.tpot_s, "closed_loop_output_tokens_per_s": run.output_tokens_per_s}
+    if run.host_bound_share <= HOST_BOUND_TTFT_LIMIT:
+        figures["closed_loop_ttft_s"] = run.ttft_s
+    workload = {"closed_loop_requests": requests} if requests is not None else {"closed_loop_duration_s": duration_s}
+    return figures, workload

@@ -1,0 +1,173 @@
+"""advise's closed-loop replay (core/advise/closed_loop.py): closed-loop clients run through copt's scheduler with
+the step model's costs, checked for bookkeeping on toy costs and against closed loops measured on the H200."""
+
+from __future__ import annotations
+
+import pytest
+
+from clusteropt_cli.core.advise.closed_loop import closed_loop_figures, simulate_closed_loop
+from clusteropt_cli.core.advise.plan import InferPlan, Target
+from clusteropt_cli.core.advise.timing import ServeCosts, infer_time
+from clusteropt_cli.hardware import get_gpu
+from clusteropt_cli.modelspec import load_model_spec
+
+
+def _toy(**changes) -> ServeCosts:
+    """10 ms decode steps, 1 ms per 100 prompt tokens, a 1,000-token step budget, 100-token prompts."""
+    settings = dict(decode_step=lambda rows: 0.010, prefill=lambda tokens, requests: tokens * 1e-5,
+                    step_tokens=1000, max_running=64, prompt_tokens=100, first_token_s=0.0, intake_s=0.0,
+                    stream_s=0.0)
+    return ServeCosts(**{**settings, **changes})
+
+
+def test_one_client_is_one_request_after_another() -> None:
+    """One client: its prompt in one step (1 ms), then gen_len - 1 decode steps; the next request follows."""
+    run = simulate_closed_loop(_toy(first_token_s=0.002), 1, 11, requests=3)
+    assert run.requests == 3 and run.ttft_first_round_s == pytest.approx(0.003)
+    assert run.ttft_later_rounds_s == pytest.approx(0.003)
+    assert run.tpot_s == pytest.approx(0.010)
+    assert run.duration_s == pytest.approx(3 * (0.001 + 10 * 0.010))
+    assert run.output_tokens_per_s == pytest.approx(33 / run.duration_s)
+
+
+def test_the_step_budget_spreads_a_burst_over_steps_first_come_first_served() -> None:
+    """20 prompts of 100 tokens sent at once with a 1,000-token budget: ten prefilled in the first step, the rest
+    next to their decoding rows (990 tokens: nine whole prompts and one in part), the last in a third step."""
+    run = simulate_closed_loop(_toy(), 20, 5, requests=20)
+    firsts = sorted(round(first - sent, 6) for sent, first, _ in run.per_request)
+    assert firsts[:10] == [pytest.approx(0.010)] * 10  # one 1,000-token prefill step
+    assert firsts[10:19] == [pytest.approx(0.010 + 0.010 + 0.0099)] * 9  # a decode step + 990 prompt tokens
+    assert firsts[19] == pytest.approx(0.0299 + 0.010 + 0.0001)  # its last 10 tokens next to 19 decoding rows
+    assert run.requests == 20 and all(last > first for _, first, last in run.per_request)
+
+
+def test_a_duration_stops_new_requests_and_lets_the_sent_ones_finish() -> None:
+    run = simulate_closed_loop(_toy(), 4, 10, duration_s=0.5)
+    assert all(sent < 0.5 for sent, _, _ in run.per_request)
+    assert max(last for _, _, last in run.per_request) >= 0.5 and run.duration_s >= 0.5
+    assert run.output_tokens_per_s == pytest.approx(run.requests * 10 / run.duration_s)
+
+
+def test_the_api_process_takes_requests_in_one_after_another() -> None:
+    """Requests reach the engine through one API process: 2 ms each, so four sent at once arrive 2, 4, 6, 8 ms."""
+    run = simulate_closed_loop(_toy(intake_s=0.002), 4, 2, requests=4)
+    assert sorted(round(first, 6) for _, first, _ in run.per_request)[-1] >= 0.008
+
+
+def test_the_host_floor_holds_a_prefilling_step() -> None:
+    run = simulate_closed_loop(_toy(prefill_step_floor=lambda chunks: 0.050), 1, 2, requests=1)
+    assert run.ttft_s == pytest.approx(0.050) and run.host_bound_share == 1.0
+
+
+@pytest.mark.parametrize("bad", [dict(clients=0), dict(gen_len=0), dict(requests=None, duration_s=None)])
+def test_bad_loads_are_refused(bad) -> None:
+    args = {"clients": 2, "gen_len": 4, "requests": 4, "duration_s": None, **bad}
+    with pytest.raises(ValueError):
+        simulate_closed_loop(_toy(), args.pop("clients"), args.pop("gen_len"), **args)
+
+
+def _plan(clients: int, prompt: int = 256, gen: int = 128, top_p: float = 0.95) -> InferPlan:
+    return InferPlan(batch=clients, prompt_len=prompt, gen_len=gen, continuous_batching=True, temperature=1.0,
+                     top_p=top_p)
+
+
+def test_the_first_round_is_the_round_models_burst() -> None:
+    """Every client's first request arrives at once: the replay's first-round TTFT is the round model's in-step
+    TTFT (half the round's prefill and the API's intake), within 15% (the replay steps through the prefill chunk
+    by chunk, with the decode rows each step also carries)."""
+    spec, target = load_model_spec("llama-3.1-8b"), Target(get_gpu("h200"))
+    for clients in (64, 256):
+        est = infer_time(spec, _plan(clients), target)
+        run = simulate_closed_loop(est.costs, clients, 128, requests=clients)
+        assert run.ttft_first_round_s == pytest.approx(est.figures["ttft_s"], rel=0.15), clients
+
+
+def test_no_replay_where_the_step_model_does_not_apply() -> None:
+    spec, target = load_model_spec("llama-3.1-8b"), Target(get_gpu("h200"))
+    assert closed_loop_figures(spec, _plan(1), target) is None  # one client: the batch-1 figures say it
+    assert closed_loop_figures(spec, _plan(8).with_(continuous_batching=False), target) is None
+    assert closed_loop_figures(spec, _plan(8).with_(speculative_tokens=4), target) is None
+    assert closed_loop_figures(spec, _plan(8).with_(engine="vllm"), target) is None
+    assert closed_loop_figures(spec, _plan(8), Target(None)) is None
+    figures, load = closed_loop_figures(spec, _plan(8), target)
+    assert load == {"closed_loop_requests": 32}  # copt profile endpoint's default: 4 per client
+    assert set(figures) == {"closed_loop_ttft_s", "closed_loop_tpot_s", "closed_loop_output_tokens_per_s"}
+
+
+# Closed loops measured on the H200 with copt serve's defaults (bench/gpu_serve_models.py; docs/benchmarks.md, real
+# model sizes): guidellm 0.8 (temperature 1, `requests` in all) and `copt profile endpoint` (top_p 0.95, closed loop
+# for `seconds`), client-side tok/s and the TTFT / TPOT medians. (model, prompt, output, clients, tester, requests
+# per client or seconds): (tok/s, TTFT s, TPOT s). 256/128: fd577c7, 2026-12-02 — the 1B and 8B traces of this run
+# gave the host floor (calibration.PREFILL_STEP_HOST_*). 512/128, both shapes: replayed before the run (the
+# replay as committed here; copt serve as at 940c06a), 2026-12-02. 1B 512/256: 61350ef, 2026-12-02.
+MEASURED = {("llama-3.1-8b", 256, 128, 64, "guidellm", 2): (5899, 0.151, 9.27e-3),
+            ("llama-3.1-8b", 256, 128, 256, "guidellm", 2): (8108, 0.478, 26.90e-3),
+            ("llama-3.1-8b", 256, 128, 64, "profile", 10): (5511, 0.163, 9.64e-3),
+            ("llama-3.1-8b", 256, 128, 256, "profile", 10): (8025, 0.328, 28.76e-3),
+            ("llama-3.1-8b", 512, 128, 32, "guidellm", 2): (3044, 0.240, 8.47e-3),
+            ("llama-3.1-8b", 512, 128, 128, "guidellm", 2): (4671, 0.230, 24.81e-3),
+            ("llama-3.1-8b", 512, 128, 32, "profile", 10): (3004, 0.219, 8.91e-3),
+            ("llama-3.1-8b", 512, 128, 128, "profile", 10): (4518, 0.245, 25.65e-3),
+            ("llama-3.2-1b", 256, 128, 64, "guidellm", 2): (15035, 0.167, 2.89e-3),
+            ("llama-3.2-1b", 256, 128, 256, "guidellm", 2): (19935, 0.625, 7.50e-3),
+            ("llama-3.2-1b", 256, 128, 64, "profile", 10): (14152, 0.132, 3.49e-3),
+            ("llama-3.2-1b", 256, 128, 256, "profile", 10): (17185, 0.459, 10.69e-3),
+            ("llama-3.2-1b", 512, 128, 32, "guidellm", 2): (11072, 0.091, 2.15e-3),
+            ("llama-3.2-1b", 512, 128, 128, "guidellm", 2): (16711, 0.179, 6.09e-3),
+            ("llama-3.2-1b", 512, 128, 32, "profile", 10): (10607, 0.087, 2.31e-3),
+            ("llama-3.2-1b", 512, 128, 128, "profile", 10): (16537, 0.119, 6.65e-3),
+            ("llama-3.2-1b", 512, 256, 32, "guidellm", 4): (11551, 0.152, 2.12e-3),
+            ("llama-3.2-1b", 512, 256, 128, "guidellm", 4): (19676, 0.309, 5.40e-3),
+            ("llama-3.2-1b", 512, 256, 32, "profile", 15): (12284, 0.100, 2.19e-3),
+            ("llama-3.2-1b", 512, 256, 128, "profile", 15): (20961, 0.148, 5.39e-3)}
+# Replayed ÷ measured beyond ±15%, pinned (±3%) so that a change in either shows. The 8B's TTFT comes out a step
+# or so short where the measured loop kept a deeper queue (0.65-0.73), and just over once (1.15); the 1B's
+# tok/s and TPOT run over in some.
+KNOWN_MISSES = {("llama-3.1-8b", 256, 128, 64, "guidellm", 2, "ttft"): 1.15,
+                ("llama-3.1-8b", 256, 128, 256, "guidellm", 2, "ttft"): 0.65,
+                ("llama-3.1-8b", 256, 128, 256, "profile", 10, "ttft"): 0.72,
+                ("llama-3.1-8b", 512, 128, 32, "guidellm", 2, "ttft"): 0.73,
+                ("llama-3.1-8b", 512, 128, 32, "profile", 10, "ttft"): 0.68,
+                ("llama-3.2-1b", 256, 128, 256, "guidellm", 2, "tpot"): 1.40,
+                ("llama-3.2-1b", 512, 128, 128, "guidellm", 2, "tpot"): 1.20,
+                ("llama-3.2-1b", 256, 128, 256, "profile", 10, "tok/s"): 1.28,
+                ("llama-3.2-1b", 512, 256, 32, "guidellm", 4, "tok/s"): 1.20,
+                ("llama-3.2-1b", 512, 256, 128, "guidellm", 4, "tok/s"): 1.22}
+
+
+@pytest.mark.parametrize("case", sorted(MEASURED))
+def test_replayed_closed_loops_against_the_h200(case) -> None:
+    model, prompt, gen, clients, tester, amount = case
+    plan = _plan(clients, prompt, gen, top_p=0.95 if tester == "profile" else 1.0)
+    load = {"duration_s": float(amount)} if tester == "profile" else {"requests": amount * clients}
+    figures, _ = closed_loop_figures(load_model_spec(model), plan, Target(get_gpu("h200")), **load)
+    tok_s, ttft, tpot = MEASURED[case]
+    ratios = {"tok/s": figures["closed_loop_output_tokens_per_s"] / tok_s,
+              "tpot": figures["closed_loop_tpot_s"] / tpot}
+    if model == "llama-3.2-1b":  # host-bound prefill steps: the 1B's loops stayed in step, the replay's do not
+        assert "closed_loop_ttft_s" not in figures
+    else:
+        ratios["ttft"] = figures["closed_loop_ttft_s"] / ttft
+    for name, ratio in ratios.items():
+        known = KNOWN_MISSES.get((*case, name))
+        if known is None:
+            assert 0.85 <= ratio <= 1.15, (case, name, ratio)
+        else:
+            assert ratio == pytest.approx(known, rel=0.03), (case, name, ratio)
+
+
+def test_the_measured_load_is_the_one_replayed() -> None:
+    """`advise --from-profile`: a duration-bounded level is replayed for its duration, a counted one for its
+    request count; a profile without a closed loop (one client, a rate) gets the default."""
+    from types import SimpleNamespace
+
+    from clusteropt_cli.core.advise.api import measured_closed_loop
+
+    def report(workload, *levels):
+        return SimpleNamespace(workload=workload, levels=[SimpleNamespace(concurrency=c, requests=n, completed=n)
+                                                          for c, n in levels])
+
+    assert measured_closed_loop(report({"duration_s": 10.0, "num_requests": None}, (1, 9), (64, 472))) == {
+        "duration_s": 10.0}
+    assert measured_closed_loop(report({"tool": "guidellm"}, (16, 64))) == {"requests": 64}
+    assert measured_closed_loop(report({"duration_s": None}, (1, 8))) is None
