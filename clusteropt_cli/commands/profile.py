@@ -189,7 +189,7 @@ def _render_endpoint(report: Any, report_path: Path | None = None) -> None:
 
 
 def _render_check(comparison: Any) -> None:
-    rows = [[c.name + (f" ({c.note})" if c.note == "out of step" else ""),
+    rows = [[c.name + (f" ({c.note})" if c.note in ("out of step", "closed loop") else ""),
              ("≤ " if c.note == "upper" else "") + fmt(c.name, c.predicted), fmt(c.name, c.measured),
              "-" if c.rel_error is None else f"{100 * c.rel_error:+.1f}%",
              {"pass": "[green]pass[/green]", "miss": "[red]MISS[/red]"}.get(c.status, c.status)]

@@ -416,8 +416,11 @@ def test_endpoint_expect_takes_the_serve_recipes_server_and_workload(fake_server
     advised = copt("advise", "--from-profile", str(tmp_path / "p.json"), "--model", "llama-3.2-1b", "--gpu", "h200",
                    "--json", timeout=120)
     assert advised.returncode == 0, advised.stderr
-    sampling = json.loads(advised.stdout)["top_plan"]["assumptions"]["sampling"]
-    assert sampling == "sampled (temperature > 0, top k p draw)"
+    advice = json.loads(advised.stdout)
+    assert advice["top_plan"]["assumptions"]["sampling"] == "sampled (temperature > 0, top k p draw)"
+    # the level's own closed loop (2 clients, 4 requests) replayed, and its figures set against the replay's
+    assert advice["assumptions"]["closed_loop_requests"] == 4
+    assert {"closed_loop_tpot_s", "closed_loop_output_tokens_per_s"} <= {row["metric"] for row in advice["measured"]}
     assert profile["workload"]["url"] == f"http://127.0.0.1:{port}"
     status = {f["name"]: f["status"] for f in check["figures"]}
     assert status["peak_mem_bytes"] == "not-measured"
@@ -546,6 +549,37 @@ def test_expect_on_a_closed_loop_bounds_ttft_and_checks_the_out_of_step_tpot(cop
     missed = copt("profile", "endpoint", "--from-profile", str(_DATA / "guidellm_report.json"), "--expect",
                   str(slow), timeout=60)
     assert missed.returncode == 6 and "ttft_s" in missed.stderr
+
+
+def test_expect_on_a_closed_loop_checks_the_replayed_loop_of_the_same_load(copt, tmp_path):
+    """A recipe with advise's replay of the closed loop (closed_loop_*, for 64 requests of 16 clients) is checked
+    figure by figure against the level that sent that load; a replay of another load falls back to the bound and
+    the out-of-step TPOT."""
+    recipe = tmp_path / "replayed.yaml"
+    recipe.write_text("task: serve\nmodel: /models/x\nprediction:\n  figures:\n    ttft_s: 0.5\n    tpot_s: 0.002\n"
+                      "    tpot_out_of_step_s: 0.0031\n    output_tokens_per_s: 4500.0\n    closed_loop_ttft_s: 0.05\n"
+                      "    closed_loop_tpot_s: 0.003\n    closed_loop_output_tokens_per_s: 4400.0\n"
+                      "  assumptions:\n    concurrency: 16\n    closed_loop_requests: 64\n")
+    report = str(_DATA / "guidellm_report.json")
+    proc = copt("profile", "endpoint", "--from-profile", report, "--expect", str(recipe), "--json", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    checks = {f["name"]: f for f in json.loads(proc.stdout)["check"]["figures"]}
+    assert set(checks) == {"ttft_s", "tpot_s", "output_tokens_per_s"}
+    assert {name: (c["predicted"], c["note"], c["status"]) for name, c in checks.items()} == {
+        "ttft_s": (0.05, "closed loop", "pass"), "tpot_s": (0.003, "closed loop", "pass"),
+        "output_tokens_per_s": (4400.0, "closed loop", "pass")}
+    table = copt("profile", "endpoint", "--from-profile", report, "--expect", str(recipe), timeout=60)
+    assert "ttft_s (closed loop)" in table.stdout and "≤ " not in table.stdout
+    slow = tmp_path / "slow.yaml"
+    slow.write_text(recipe.read_text().replace("closed_loop_ttft_s: 0.05", "closed_loop_ttft_s: 0.02"))
+    missed = copt("profile", "endpoint", "--from-profile", report, "--expect", str(slow), timeout=60)
+    assert missed.returncode == 6 and "ttft_s" in missed.stderr
+    other = tmp_path / "other.yaml"
+    other.write_text(slow.read_text().replace("closed_loop_requests: 64", "closed_loop_requests: 160"))
+    proc = copt("profile", "endpoint", "--from-profile", report, "--expect", str(other), "--json", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    checks = {f["name"]: f for f in json.loads(proc.stdout)["check"]["figures"]}
+    assert checks["ttft_s"]["note"] == "upper" and checks["tpot_s"]["note"] == "out of step"
 
 
 def test_expect_checks_a_vllm_bench_result_and_refuses_another_concurrency(copt, tmp_path):

@@ -34,6 +34,7 @@ class FigureCheck:
     measured: float | None
     rel_error: float | None
     status: Literal["pass", "miss", "not-measured"]
+    # "closed loop": advise's replay of this level's closed loop (closed_loop_*, the same clients and load);
     # "upper": the prediction bounds the figure from above (a closed loop's TTFT: at most the in-step figure);
     # "out of step": the prediction for closed-loop clients out of step (tpot_out_of_step_s)
     note: str | None = None
@@ -168,19 +169,33 @@ def level_figures(level: Any) -> dict[str, float | None]:
             "request_throughput": level.request_throughput, "goodput": level.goodput}
 
 
+def _same_load(report: ProfileReport, level: Any, exp: Expectation) -> bool:
+    """Whether the level sent the closed-loop load the prediction replayed: as many requests, or as long."""
+    requests, duration = (exp.assumptions.get("closed_loop_requests"),
+                          exp.assumptions.get("closed_loop_duration_s"))
+    if requests is not None:
+        return not report.workload.get("duration_s") and int(level.requests) == int(requests)
+    return duration is not None and report.workload.get("duration_s") == duration
+
+
 def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: float) -> Comparison:
     """Predicted vs measured for every predicted figure. A closed-loop endpoint level (N > 1 clients, each sending
-    its next request when one ends) falls out of step after its first round: its TPOT is compared with
-    tpot_out_of_step_s where the prediction has it, and its TTFT is bounded by the in-step ttft_s (all clients'
-    requests together) rather than predicted."""
+    its next request when one ends) is compared with advise's replay of that loop (closed_loop_*) where the
+    prediction has one for the same load; otherwise (an older recipe, another load) its TPOT is compared with
+    tpot_out_of_step_s and its TTFT is bounded by the in-step ttft_s (all clients' requests together)."""
     measured, level = measured_figures(report, exp)
     level_name = None if level is None else (f"concurrency {level.concurrency}" if level.concurrency is not None
                                              else f"rate {level.rate}")
     closed_loop = level is not None and (level.concurrency or 0) > 1
     figures = dict(exp.figures)
     out_of_step = figures.pop("tpot_out_of_step_s", None)
+    replayed = {name: figures.pop(f"closed_loop_{name}") for name in ("ttft_s", "tpot_s", "output_tokens_per_s")
+                if f"closed_loop_{name}" in figures}
     notes: dict[str, str] = {}
-    if closed_loop:
+    if closed_loop and replayed and _same_load(report, level, exp):
+        for name, value in replayed.items():
+            figures[name], notes[name] = value, "closed loop"
+    elif closed_loop:
         notes["ttft_s"] = "upper"
         if out_of_step is not None and "tpot_s" in figures:
             figures["tpot_s"], notes["tpot_s"] = out_of_step, "out of step"
