@@ -368,14 +368,19 @@ def _render(r: dict[str, Any]) -> None:
     out.print(console.grid(f"Memory per {'GPU' if hw['device'] == 'cuda' else 'process'} "
                            f"(peak phase: {mem['peak_phase']})", ["term", "bytes"], rows))
     trows = []
+    a = r["assumptions"]
+    loop = (f"{r['workload'].get('batch')} clients, "
+            + (f"{a['closed_loop_requests']:,} requests" if "closed_loop_requests" in a
+               else f"{a.get('closed_loop_duration_s')} s"))
     for key, label in (("step_time_s", "step time"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"),
                        ("bubble_fraction", "pipeline bubble"), ("comm_s", "DP communication"),
                        ("comm_exposed_s", "exposed communication"), ("offload_s", "offload"),
                        ("optimizer_s", "optimizer step (clip + update)"),
                        ("ttft_s", "TTFT"), ("tpot_s", "TPOT (per request)"),
                        ("tpot_out_of_step_s", "TPOT, closed-loop clients out of step"),
-                       ("closed_loop_ttft_s", "TTFT, closed loop"), ("closed_loop_tpot_s", "TPOT, closed loop"),
-                       ("closed_loop_output_tokens_per_s", "output tokens/s, closed loop"),
+                       ("closed_loop_ttft_s", f"TTFT, closed loop ({loop})"),
+                       ("closed_loop_tpot_s", f"TPOT, closed loop ({loop})"),
+                       ("closed_loop_output_tokens_per_s", f"output tokens/s, closed loop ({loop})"),
                        ("decode_step_s", "decode step"),
                        ("tpot_floor_s", "TPOT floor (bytes/bandwidth)"),
                        ("output_tokens_per_s", "output tokens/s"), ("max_concurrent_seqs", "max concurrent seqs"),

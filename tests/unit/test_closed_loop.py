@@ -59,6 +59,18 @@ def test_the_host_floor_holds_a_prefilling_step() -> None:
     assert run.ttft_s == pytest.approx(0.050) and run.host_bound_share == 1.0
 
 
+def test_a_load_too_long_to_replay_is_cut_and_not_reported() -> None:
+    """max_steps bounds the work whatever the flags say (an hour-long loop, a huge gen_len): the replay stops and
+    says so, and advise reports no closed-loop figure rather than one for part of the load."""
+    cut = simulate_closed_loop(_toy(), 2, 1000, requests=10, max_steps=500)
+    assert cut.truncated and cut.steps == 500 and cut.requests == 0
+    whole = simulate_closed_loop(_toy(), 2, 10, requests=10, max_steps=500)
+    assert not whole.truncated and whole.requests == 10
+    spec, target = load_model_spec("llama-3.1-8b"), Target(get_gpu("h200"))
+    assert closed_loop_figures(spec, _plan(2, gen=100_000), target) is None
+    assert closed_loop_figures(spec, _plan(64), target, duration_s=3600.0) is None
+
+
 @pytest.mark.parametrize("bad", [dict(clients=0), dict(gen_len=0), dict(requests=None, duration_s=None)])
 def test_bad_loads_are_refused(bad) -> None:
     args = {"clients": 2, "gen_len": 4, "requests": 4, "duration_s": None, **bad}

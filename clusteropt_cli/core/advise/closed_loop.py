@@ -14,11 +14,13 @@ costs (timing.ServeCosts), and measures the replay as the clients would.
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from clusteropt_cli.core.advise.plan import InferPlan, Target
 from clusteropt_cli.core.advise.timing import ServeCosts
+from clusteropt_cli.modelspec import ModelSpec
 
 
 @dataclass
@@ -37,6 +39,7 @@ class ClosedLoopFigures:
     running_mean: float  # sequences decoding per decode step, on average
     host_bound_share: float = 0.0  # of the steps that prefilled, those the host's floor set
     steps: int = 0
+    truncated: bool = False  # stopped at max_steps with requests still to run: the figures cover those done
     per_request: list[tuple[float, float, float]] = field(default_factory=list, repr=False)  # (sent, first, last)
 
 
@@ -47,15 +50,15 @@ def _median(values: list[float]) -> float:
 
 
 class _Request:
-    __slots__ = ("client", "round", "sent", "left", "out", "first")
+    __slots__ = ("client", "round", "sent", "left", "first")
 
     def __init__(self, client: int, round_: int, sent: float, prompt_tokens: int):
         self.client, self.round, self.sent = client, round_, sent
-        self.left, self.out, self.first = prompt_tokens, 0, 0.0
+        self.left, self.first = max(1, prompt_tokens), 0.0
 
 
 def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, requests: int | None = None,
-                         duration_s: float | None = None, max_steps: int = 500_000) -> ClosedLoopFigures:
+                         duration_s: float | None = None, max_steps: int = 200_000) -> ClosedLoopFigures:
     """N closed-loop clients through the engine: each sends its first request at time 0 and its next one as soon as
     the last token of the previous one arrived, while fewer than `requests` were sent in all (copt profile
     endpoint's --num-requests, 4 per client by default; guidellm's max_requests) and it is before `duration_s` (then
@@ -83,31 +86,31 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
 
     for client in range(clients):
         send(client, 0.0)
-    waiting: deque[_Request] = deque()
-    running: list[_Request] = []
+    waiting: deque[_Request] = deque()  # arrived, not yet admitted (no free place)
+    prefilling: deque[_Request] = deque()  # admitted, prompt not fully computed: first come, first served
+    finishing: dict[int, list[_Request]] = defaultdict(list)  # step index → the requests whose last token it makes
+    decoding = 0  # requests generating (every one decodes in every step)
     done: list[tuple[_Request, float]] = []
     now, steps, decode_rows, decode_steps, prefill_steps, host_bound = 0.0, 0, 0, 0, 0, 0
     while steps < max_steps:
         while arrivals and arrivals[0][0] <= now:
             waiting.append(heapq.heappop(arrivals)[2])
-        while waiting and len(running) < costs.max_running:
-            running.append(waiting.popleft())
-        if not running:
+        while waiting and len(prefilling) + decoding < costs.max_running:
+            prefilling.append(waiting.popleft())
+        if not prefilling and not decoding:
             if not arrivals:
                 break
             now = arrivals[0][0]
             continue
-        decoding = [r for r in running if r.out > 0]
-        budget = max(costs.step_tokens - len(decoding), 16)
+        budget = max(costs.step_tokens - decoding, 16)
         chunks: list[tuple[_Request, int]] = []
-        for r in running:
+        for r in prefilling:
             if budget <= 0:
                 break
-            if r.left > 0:
-                n = min(r.left, budget)
-                chunks.append((r, n))
-                budget -= n
-        step = decode_s(len(decoding)) if decoding else 0.0
+            n = min(r.left, budget)
+            chunks.append((r, n))
+            budget -= n
+        step = decode_s(decoding) if decoding else 0.0
         if chunks:
             modelled = step + costs.prefill(sum(n for _, n in chunks), len(chunks))
             floor = costs.prefill_step_floor(len(chunks))
@@ -115,30 +118,32 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
             host_bound += floor > modelled
             step = max(modelled, floor)
         now += step
-        steps += 1
         if decoding:
             decode_steps += 1
-            decode_rows += len(decoding)
-        finished = []
-        for r in decoding:
-            r.out += 1
-            if r.out >= gen_len:
-                finished.append(r)
+            decode_rows += decoding
+        finished = finishing.pop(steps, [])
+        decoding -= len(finished)
         for r, n in chunks:
             r.left -= n
-            if r.left == 0:
-                r.out, r.first = 1, now
+            if r.left == 0:  # its first token comes with this step
+                prefilling.popleft()
+                r.first = now
                 if gen_len == 1:
                     finished.append(r)
-        if finished:
-            gone = set(map(id, finished))
-            running = [r for r in running if id(r) not in gone]
-            for r in finished:
-                api_free = max(now, api_free) + costs.stream_s
-                done.append((r, api_free))
-                send(r.client, api_free)
-    if not done:
-        raise ValueError("the closed loop finished no request")
+                else:
+                    finishing[steps + gen_len - 1].append(r)
+                    decoding += 1
+        steps += 1
+        for r in finished:
+            api_free = max(now, api_free) + costs.stream_s
+            done.append((r, api_free))
+            send(r.client, api_free)
+    truncated = bool(arrivals or waiting or prefilling or decoding)
+    if not done:  # max_steps ran out before the first request ended
+        nan = float("nan")
+        return ClosedLoopFigures(clients=clients, requests=0, duration_s=now, output_tokens_per_s=0.0, ttft_s=nan,
+                                 tpot_s=nan, e2e_s=nan, ttft_first_round_s=nan, ttft_later_rounds_s=None,
+                                 running_mean=0.0, steps=steps, truncated=True)
     ttft = [r.first + costs.first_token_s - r.sent for r, _ in done]
     first_round = [t for (r, _), t in zip(done, ttft, strict=True) if r.round == 0]
     later = [t for (r, _), t in zip(done, ttft, strict=True) if r.round > 0]
@@ -150,7 +155,7 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
         ttft_s=_median(ttft), tpot_s=max(0.0, _median(tpot)), e2e_s=_median([last - r.sent for r, last in done]),
         ttft_first_round_s=_median(first_round), ttft_later_rounds_s=_median(later) if later else None,
         running_mean=decode_rows / decode_steps if decode_steps else 0.0,
-        host_bound_share=host_bound / prefill_steps if prefill_steps else 0.0, steps=steps,
+        host_bound_share=host_bound / prefill_steps if prefill_steps else 0.0, steps=steps, truncated=truncated,
         per_request=[(r.sent, r.first + costs.first_token_s, last) for r, last in done])
 
 
@@ -160,15 +165,16 @@ REQUESTS_PER_CLIENT = 4
 HOST_BOUND_TTFT_LIMIT = 0.5
 
 
-def closed_loop_figures(spec, plan, target, *, requests: int | None = None,
+def closed_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, requests: int | None = None,
                         duration_s: float | None = None) -> tuple[dict[str, float], dict[str, float]] | None:
     """The plan's `batch` clients as a closed loop through copt's engine: (figures, workload). Figures are named
     closed_loop_ttft_s, closed_loop_tpot_s (medians over the requests) and closed_loop_output_tokens_per_s; the
     workload is `requests` in all (default: REQUESTS_PER_CLIENT per client, as `copt profile endpoint` sends) or
     `duration_s`. None where the step model does not apply (one client, a static batch, another engine,
-    speculative decoding, no GPU). The TTFT is left out when most prefilling steps are host-bound (a small model):
-    there the measured loops stay in step — prefill bursts, then long decode stretches — which the replay does not
-    reproduce (H200, 1B shape at 128-256 clients: replayed 0.05-0.13 s against 0.15-0.63 measured)."""
+    speculative decoding, no GPU) or the load is too long to replay (over 200,000 steps). The TTFT is left out
+    when most prefilling steps are host-bound (a small model): there the measured loops stay in step — prefill
+    bursts, then long decode stretches — which the replay does not reproduce (H200, 1B shape at 128-256 clients:
+    replayed 0.05-0.13 s against 0.15-0.63 measured)."""
     from clusteropt_cli.core.advise.timing import infer_time
 
     if plan.batch < 2 or target.gpu is None:
@@ -179,6 +185,8 @@ def closed_loop_figures(spec, plan, target, *, requests: int | None = None,
     if requests is None and duration_s is None:
         requests = REQUESTS_PER_CLIENT * plan.batch
     run = simulate_closed_loop(costs, plan.batch, plan.gen_len, requests=requests, duration_s=duration_s)
+    if run.truncated:
+        return None
     figures = {"closed_loop_tpot_s": run.tpot_s, "closed_loop_output_tokens_per_s": run.output_tokens_per_s}
     if run.host_bound_share <= HOST_BOUND_TTFT_LIMIT:
         figures["closed_loop_ttft_s"] = run.ttft_s
