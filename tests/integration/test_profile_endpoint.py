@@ -580,6 +580,11 @@ def test_expect_on_a_closed_loop_checks_the_replayed_loop_of_the_same_load(copt,
     assert proc.returncode == 0, proc.stderr
     checks = {f["name"]: f for f in json.loads(proc.stdout)["check"]["figures"]}
     assert checks["ttft_s"]["note"] == "upper" and checks["tpot_s"]["note"] == "out of step"
+    malformed = tmp_path / "malformed.yaml"  # a hand-edited load: not the level's, so no replay comparison
+    malformed.write_text(slow.read_text().replace("closed_loop_requests: 64", "closed_loop_requests: sixty-four"))
+    proc = copt("profile", "endpoint", "--from-profile", report, "--expect", str(malformed), "--json", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert {f["name"]: f["note"] for f in json.loads(proc.stdout)["check"]["figures"]}["ttft_s"] == "upper"
 
 
 def test_expect_checks_a_vllm_bench_result_and_refuses_another_concurrency(copt, tmp_path):

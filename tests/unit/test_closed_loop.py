@@ -185,3 +185,5 @@ def test_the_measured_load_is_the_one_replayed() -> None:
         "duration_s": 10.0}
     assert measured_closed_loop(report({"tool": "guidellm"}, (16, 64))) == {"requests": 64}
     assert measured_closed_loop(report({"duration_s": None}, (1, 8))) is None
+    for hostile in ("abc", -5, float("nan"), float("inf"), True, [10]):  # a malformed report: its request count
+        assert measured_closed_loop(report({"duration_s": hostile}, (8, 32))) == {"requests": 32}

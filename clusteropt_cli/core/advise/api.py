@@ -6,6 +6,7 @@ The result is a plain dict following the documented `copt.advise/1` schema (docs
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -410,10 +411,17 @@ def measured_closed_loop(report: Any) -> dict[str, float] | None:
     done = [lv for lv in getattr(report, "levels", []) if lv.completed > 0 and (lv.concurrency or 0) > 1]
     if not done:
         return None
-    duration = report.workload.get("duration_s")
-    if duration and not report.workload.get("num_requests"):
-        return {"duration_s": float(duration)}
+    duration = _positive_number(report.workload.get("duration_s"))
+    if duration is not None and not report.workload.get("num_requests"):
+        return {"duration_s": duration}
     return {"requests": int(done[-1].requests)}
+
+
+def _positive_number(value: Any) -> float | None:
+    """A finite positive number from a report or recipe field, else None (missing, malformed, hostile)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
 
 
 def _measured_concurrency(report: Any) -> int | None:

@@ -173,9 +173,9 @@ def _same_load(report: ProfileReport, level: Any, exp: Expectation) -> bool:
     """Whether the level sent the closed-loop load the prediction replayed: as many requests, or as long."""
     requests, duration = (exp.assumptions.get("closed_loop_requests"),
                           exp.assumptions.get("closed_loop_duration_s"))
-    if requests is not None:
-        return not report.workload.get("duration_s") and int(level.requests) == int(requests)
-    return duration is not None and report.workload.get("duration_s") == duration
+    if isinstance(requests, int) and not isinstance(requests, bool):
+        return not report.workload.get("duration_s") and level.requests == requests
+    return isinstance(duration, (int, float)) and report.workload.get("duration_s") == duration
 
 
 def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: float) -> Comparison:
