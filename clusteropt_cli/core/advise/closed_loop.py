@@ -3,9 +3,9 @@
 A closed loop is what `copt profile endpoint --concurrency N`, guidellm's concurrent profile and `vllm bench serve
 --max-concurrency` send: N clients, each sending its next request when its previous one ends. The round model of
 timing.infer_time prices every client's request arriving at once (a burst, or clients still in step). After the first
-round the clients fall out of step — each finishes when its own prefill and decode did — and from then on every step
-mixes some prompts' prefill with everyone's decode, and a request waits only for the prefill queued ahead of it. Its
-time to first token then depends on how the arrivals spread, which no closed form gives; this module replays the
+round the clients drift out of step — each finishes when its own prefill and decode did — so steps mix some prompts'
+prefill with everyone's decode, and a request waits only for the prefill queued ahead of it. Its time to first token
+then depends on how the arrivals spread, which no closed form gives; this module replays the
 load through copt's scheduler (core/serve/engine.py Engine._step: decode every running sequence, then prefill
 prompt chunks first come, first served with what is left of the step's token budget) with infer_time's own step
 costs (timing.ServeCosts), and measures the replay as the clients would.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from clusteropt_cli.core.advise.plan import InferPlan, Target
-from clusteropt_cli.core.advise.timing import ServeCosts
+from clusteropt_cli.core.advise.timing import ServeCosts, infer_time
 from clusteropt_cli.modelspec import ModelSpec
 
 
@@ -175,8 +175,6 @@ def closed_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, req
     when most prefilling steps are host-bound (a small model): there the measured loops stay in step — prefill
     bursts, then long decode stretches — which the replay does not reproduce (H200, 1B shape at 128-256 clients:
     replayed 0.05-0.13 s against 0.15-0.63 measured)."""
-    from clusteropt_cli.core.advise.timing import infer_time
-
     if plan.batch < 2 or target.gpu is None:
         return None
     costs = infer_time(spec, plan, target).costs

@@ -376,7 +376,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         # 10 s closed loops (bench/gpu_serve_models.py, docs/benchmarks.md, real model sizes): 8B shape 9.64 and
         # 28.8 ms at 64 and 256 clients, 1B 3.49 and 10.7 (predicted 10.8, 29.4, 3.44, 9.65). Their TTFT is then
         # below the in-step figure (0.13–0.46 s against 0.15–1.41 predicted in step) and set by the queue the
-        # arrivals keep, which the round model does not give: not predicted.
+        # arrivals keep, which the round model does not give: closed_loop.py replays the loop for it.
         out_of_step_tpot = (plan.gen_len * tpot + prefill_s) / (plan.gen_len - 1)
     figures = {"ttft_s": ttft, "tpot_s": client_tpot, "tpot_out_of_step_s": out_of_step_tpot,
                "decode_step_s": tpot, "tpot_floor_s": floor, "itl_s": tpot,
