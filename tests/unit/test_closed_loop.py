@@ -10,6 +10,7 @@ from clusteropt_cli.core.advise.plan import InferPlan, Target
 from clusteropt_cli.core.advise.timing import ServeCosts, infer_time
 from clusteropt_cli.hardware import get_gpu
 from clusteropt_cli.modelspec import load_model_spec
+from tests.unit.test_advise_models import HELD_OUT_512, THIRD_PARTY
 
 
 def _toy(**changes) -> ServeCosts:
@@ -109,29 +110,21 @@ def test_no_replay_where_the_step_model_does_not_apply() -> None:
 # Closed loops measured on the H200 with copt serve's defaults (bench/gpu_serve_models.py; docs/benchmarks.md, real
 # model sizes): guidellm 0.8 (temperature 1, `requests` in all) and `copt profile endpoint` (top_p 0.95, closed loop
 # for `seconds`), client-side tok/s and the TTFT / TPOT medians. (model, prompt, output, clients, tester, requests
-# per client or seconds): (tok/s, TTFT s, TPOT s). 256/128: fd577c7, 2026-12-02 — the 1B and 8B traces of this run
-# gave the host floor (calibration.PREFILL_STEP_HOST_*). 512/128, both shapes: replayed before the run (the
-# replay as committed here; copt serve as at 940c06a), 2026-12-02. 1B 512/256: 61350ef, 2026-12-02.
-MEASURED = {("llama-3.1-8b", 256, 128, 64, "guidellm", 2): (5899, 0.151, 9.27e-3),
-            ("llama-3.1-8b", 256, 128, 256, "guidellm", 2): (8108, 0.478, 26.90e-3),
-            ("llama-3.1-8b", 256, 128, 64, "profile", 10): (5511, 0.163, 9.64e-3),
-            ("llama-3.1-8b", 256, 128, 256, "profile", 10): (8025, 0.328, 28.76e-3),
+# per client or seconds): (tok/s, TTFT s, TPOT s). 256/128 (THIRD_PARTY, fd577c7): their 1B and 8B engine traces
+# gave the host floor (calibration.PREFILL_STEP_HOST_*). 512/256 (HELD_OUT_512, 61350ef). 512/128, both shapes:
+# replayed before the run (the replay as committed here; copt serve as at 940c06a), 2026-12-02.
+MEASURED = {**{(model, 256, 128, clients, tester, 2 if tester == "guidellm" else 10): figures
+               for (model, clients, tester), figures in THIRD_PARTY.items()},
+            **{(model, 512, 256, clients, tester, 4 if tester == "guidellm" else 15): figures
+               for (model, clients, tester), figures in HELD_OUT_512.items()},
             ("llama-3.1-8b", 512, 128, 32, "guidellm", 2): (3044, 0.240, 8.47e-3),
             ("llama-3.1-8b", 512, 128, 128, "guidellm", 2): (4671, 0.230, 24.81e-3),
             ("llama-3.1-8b", 512, 128, 32, "profile", 10): (3004, 0.219, 8.91e-3),
             ("llama-3.1-8b", 512, 128, 128, "profile", 10): (4518, 0.245, 25.65e-3),
-            ("llama-3.2-1b", 256, 128, 64, "guidellm", 2): (15035, 0.167, 2.89e-3),
-            ("llama-3.2-1b", 256, 128, 256, "guidellm", 2): (19935, 0.625, 7.50e-3),
-            ("llama-3.2-1b", 256, 128, 64, "profile", 10): (14152, 0.132, 3.49e-3),
-            ("llama-3.2-1b", 256, 128, 256, "profile", 10): (17185, 0.459, 10.69e-3),
             ("llama-3.2-1b", 512, 128, 32, "guidellm", 2): (11072, 0.091, 2.15e-3),
             ("llama-3.2-1b", 512, 128, 128, "guidellm", 2): (16711, 0.179, 6.09e-3),
             ("llama-3.2-1b", 512, 128, 32, "profile", 10): (10607, 0.087, 2.31e-3),
-            ("llama-3.2-1b", 512, 128, 128, "profile", 10): (16537, 0.119, 6.65e-3),
-            ("llama-3.2-1b", 512, 256, 32, "guidellm", 4): (11551, 0.152, 2.12e-3),
-            ("llama-3.2-1b", 512, 256, 128, "guidellm", 4): (19676, 0.309, 5.40e-3),
-            ("llama-3.2-1b", 512, 256, 32, "profile", 15): (12284, 0.100, 2.19e-3),
-            ("llama-3.2-1b", 512, 256, 128, "profile", 15): (20961, 0.148, 5.39e-3)}
+            ("llama-3.2-1b", 512, 128, 128, "profile", 10): (16537, 0.119, 6.65e-3)}
 # Replayed ÷ measured beyond ±15%, pinned (±3%) so that a change in either shows. The 8B's TTFT comes out a step
 # or so short where the measured loop kept a deeper queue (0.65-0.73), and just over once (1.15) — a closed loop's
 # TTFT swings run to run (8B 512/128, profile endpoint at 32 clients, same tree, a second run: 0.148 s, replayed
