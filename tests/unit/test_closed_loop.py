@@ -112,7 +112,8 @@ def test_no_replay_where_the_step_model_does_not_apply() -> None:
 # for `seconds`), client-side tok/s and the TTFT / TPOT medians. (model, prompt, output, clients, tester, requests
 # per client or seconds): (tok/s, TTFT s, TPOT s). 256/128 (THIRD_PARTY, fd577c7): their 1B and 8B engine traces
 # gave the host floor (calibration.PREFILL_STEP_HOST_*). 512/256 (HELD_OUT_512, 61350ef). 512/128, both shapes:
-# replayed before the run (the replay as committed here; copt serve as at 940c06a), 2026-12-02.
+# replayed before the run (the replay as committed here; copt serve as at 940c06a), 2026-12-02. 8B 1024/64:
+# replayed at e401a30 before the run, 2026-12-02 (prompts split over steps).
 MEASURED = {**{(model, 256, 128, clients, tester, 2 if tester == "guidellm" else 10): figures
                for (model, clients, tester), figures in THIRD_PARTY.items()},
             **{(model, 512, 256, clients, tester, 4 if tester == "guidellm" else 15): figures
@@ -124,7 +125,11 @@ MEASURED = {**{(model, 256, 128, clients, tester, 2 if tester == "guidellm" else
             ("llama-3.2-1b", 512, 128, 32, "guidellm", 2): (11072, 0.091, 2.15e-3),
             ("llama-3.2-1b", 512, 128, 128, "guidellm", 2): (16711, 0.179, 6.09e-3),
             ("llama-3.2-1b", 512, 128, 32, "profile", 10): (10607, 0.087, 2.31e-3),
-            ("llama-3.2-1b", 512, 128, 128, "profile", 10): (16537, 0.119, 6.65e-3)}
+            ("llama-3.2-1b", 512, 128, 128, "profile", 10): (16537, 0.119, 6.65e-3),
+            ("llama-3.1-8b", 1024, 64, 16, "guidellm", 2): (1085, 0.226, 10.74e-3),
+            ("llama-3.1-8b", 1024, 64, 64, "guidellm", 2): (1430, 0.230, 39.83e-3),
+            ("llama-3.1-8b", 1024, 64, 16, "profile", 10): (1072, 0.157, 12.31e-3),
+            ("llama-3.1-8b", 1024, 64, 64, "profile", 10): (1430, 0.240, 39.79e-3)}
 # Replayed ÷ measured beyond ±15%, pinned (±3%) so that a change in either shows. The 8B's TTFT comes out a step
 # or so short where the measured loop kept a deeper queue (0.65-0.73), and just over once (1.15) — a closed loop's
 # TTFT swings run to run (8B 512/128, profile endpoint at 32 clients, same tree, a second run: 0.148 s, replayed
