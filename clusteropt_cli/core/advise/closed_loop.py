@@ -33,10 +33,8 @@ class ClosedLoopFigures:
     output_tokens_per_s: float
     ttft_s: float
     tpot_s: float
-    e2e_s: float
     ttft_first_round_s: float  # the requests each client sent first (the burst the loop starts with)
     ttft_later_rounds_s: float | None  # every later request (None: one request per client)
-    running_mean: float  # sequences decoding per decode step, on average
     host_bound_share: float = 0.0  # of the steps that prefilled, those the host's floor set
     steps: int = 0
     truncated: bool = False  # stopped at max_steps with requests still to run: the figures cover those done
@@ -91,7 +89,7 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
     finishing: dict[int, list[_Request]] = defaultdict(list)  # step index → the requests whose last token it makes
     decoding = 0  # requests generating (every one decodes in every step)
     done: list[tuple[_Request, float]] = []
-    now, steps, decode_rows, decode_steps, prefill_steps, host_bound = 0.0, 0, 0, 0, 0, 0
+    now, steps, prefill_steps, host_bound = 0.0, 0, 0, 0
     while steps < max_steps:
         while arrivals and arrivals[0][0] <= now:
             waiting.append(heapq.heappop(arrivals)[2])
@@ -118,9 +116,6 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
             host_bound += floor > modelled
             step = max(modelled, floor)
         now += step
-        if decoding:
-            decode_steps += 1
-            decode_rows += decoding
         finished = finishing.pop(steps, [])
         decoding -= len(finished)
         for r, n in chunks:
@@ -142,8 +137,8 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
     if not done:  # max_steps ran out before the first request ended
         nan = float("nan")
         return ClosedLoopFigures(clients=clients, requests=0, duration_s=now, output_tokens_per_s=0.0, ttft_s=nan,
-                                 tpot_s=nan, e2e_s=nan, ttft_first_round_s=nan, ttft_later_rounds_s=None,
-                                 running_mean=0.0, steps=steps, truncated=True)
+                                 tpot_s=nan, ttft_first_round_s=nan, ttft_later_rounds_s=None, steps=steps,
+                                 truncated=True)
     ttft = [r.first + costs.first_token_s - r.sent for r, _ in done]
     first_round = [t for (r, _), t in zip(done, ttft, strict=True) if r.round == 0]
     later = [t for (r, _), t in zip(done, ttft, strict=True) if r.round > 0]
@@ -152,9 +147,8 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
     return ClosedLoopFigures(
         clients=clients, requests=len(done), duration_s=end,
         output_tokens_per_s=len(done) * gen_len / end if end > 0 else 0.0,
-        ttft_s=_median(ttft), tpot_s=max(0.0, _median(tpot)), e2e_s=_median([last - r.sent for r, last in done]),
+        ttft_s=_median(ttft), tpot_s=max(0.0, _median(tpot)),
         ttft_first_round_s=_median(first_round), ttft_later_rounds_s=_median(later) if later else None,
-        running_mean=decode_rows / decode_steps if decode_steps else 0.0,
         host_bound_share=host_bound / prefill_steps if prefill_steps else 0.0, steps=steps, truncated=truncated,
         per_request=[(r.sent, r.first + costs.first_token_s, last) for r, last in done])
 
