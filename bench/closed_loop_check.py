@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """advise's closed-loop replay (clusteropt_cli/core/advise/closed_loop.py) against the closed loops a
 bench/gpu_serve_models.py run measured: for every guidellm level (its request count) and every `copt profile
-endpoint` level (its duration) of each shape, the replay of that exact load next to the clients' tok/s, TTFT p50
-and TPOT p50, with replayed ÷ measured. Runs anywhere (no GPU): it reads the results JSON.
+endpoint` level (its duration) of each shape, greedy and sampled, the replay of that exact load next to the
+clients' tok/s, TTFT p50 and TPOT p50, with replayed ÷ measured; a one-client level against advise's batch-1
+figures. Runs anywhere (no GPU): it reads the results JSON.
 
     python3 bench/closed_loop_check.py RESULTS.json [...] [--json]
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from clusteropt_cli.core.advise.closed_loop import closed_loop_figures
 from clusteropt_cli.core.advise.plan import InferPlan, Target
+from clusteropt_cli.core.advise.timing import infer_time
 from clusteropt_cli.hardware import get_gpu
 from clusteropt_cli.modelspec import load_model_spec
 
@@ -26,36 +28,59 @@ def _profile_duration(command: str) -> float:
     return float(words[words.index("--duration") + 1])
 
 
+def _flag(command: str, name: str, default: float) -> float:
+    words = command.split()
+    return float(words[words.index(name) + 1]) if name in words else default
+
+
 def levels(results: dict) -> list[dict]:
-    """Every closed-loop level of the run: shape, tester, clients, the load, sampling, measured figures."""
+    """Every closed-loop level of the run: shape, tester, clients, the load, sampling, measured figures. Sampled
+    levels are under `guidellm` / `profile_endpoint`, greedy ones (--tester-modes greedy) under `<tester>_greedy`."""
     cfg = results["config"]
     out = []
-    for shape, runs in (results.get("guidellm") or {}).items():
-        for run in runs.values():
-            if isinstance(run, dict) and run.get("completed"):
-                out.append({"shape": shape, "tester": "guidellm", "clients": run["concurrency"],
-                            "load": {"requests": run["requests"]}, "top_p": 1.0, "measured": run})
-    for shape, report in (results.get("profile_endpoint") or {}).items():
-        duration = _profile_duration(report["command"])
-        for key, level in report.items():
-            if key.startswith("c") and isinstance(level, dict) and int(key[1:]) > 1:
-                top_p = 0.95 if "--top-p 0.95" in report["command"] else 1.0
-                out.append({"shape": shape, "tester": "profile endpoint", "clients": int(key[1:]),
-                            "load": {"duration_s": duration}, "top_p": top_p, "measured": level})
+    for key, temperature in (("guidellm", 1.0), ("guidellm_greedy", 0.0)):
+        for shape, runs in (results.get(key) or {}).items():
+            for run in runs.values():
+                if isinstance(run, dict) and run.get("completed"):
+                    out.append({"shape": shape, "tester": "guidellm", "clients": run["concurrency"],
+                                "load": {"requests": run["requests"]}, "temperature": temperature, "top_p": 1.0,
+                                "measured": run})
+    for key in ("profile_endpoint", "profile_endpoint_greedy"):
+        for shape, report in (results.get(key) or {}).items():
+            if "command" not in report:
+                continue
+            duration = _profile_duration(report["command"])
+            temperature = _flag(report["command"], "--temperature", 1.0)
+            top_p = _flag(report["command"], "--top-p", 1.0)
+            for name, level in report.items():
+                if name.startswith("c") and name[1:].isdigit() and isinstance(level, dict) and level.get("completed"):
+                    out.append({"shape": shape, "tester": "profile endpoint", "clients": int(name[1:]),
+                                "load": {"duration_s": duration}, "temperature": temperature, "top_p": top_p,
+                                "measured": level})
     for level in out:
         level["prompt_len"], level["gen_len"] = cfg["prompt_len"], cfg["out_tokens"]
     return out
 
 
-def check(level: dict) -> dict:
+def predicted(level: dict) -> dict[str, float]:
+    """The replay of the level's load (closed_loop_* figures); for one client, infer_time's own batch-1 figures
+    (a lone client's requests never overlap)."""
     plan = InferPlan(batch=level["clients"], prompt_len=level["prompt_len"], gen_len=level["gen_len"],
-                     continuous_batching=True, temperature=1.0, top_p=level["top_p"])
-    figures, _ = closed_loop_figures(load_model_spec(PRESETS[level["shape"]]), plan, Target(get_gpu("h200")),
-                                     **level["load"])
+                     continuous_batching=True, temperature=level["temperature"], top_p=level["top_p"])
+    spec, target = load_model_spec(PRESETS[level["shape"]]), Target(get_gpu("h200"))
+    if level["clients"] == 1:
+        figures = infer_time(spec, plan, target).figures
+        return {f"closed_loop_{name}": figures[name] for name in ("output_tokens_per_s", "ttft_s", "tpot_s")}
+    replay = closed_loop_figures(spec, plan, target, **level["load"])
+    return replay[0] if replay else {}
+
+
+def check(level: dict) -> dict:
+    figures = predicted(level)
     m = level["measured"]
     measured = {"output_tokens_per_s": m["output_tokens_per_s"], "ttft_s": m["ttft_s"]["p50"],
                 "tpot_s": m["tpot_s"]["p50"]}
-    row = {k: level[k] for k in ("shape", "tester", "clients", "load", "prompt_len", "gen_len")}
+    row = {k: level[k] for k in ("shape", "tester", "clients", "load", "prompt_len", "gen_len", "temperature")}
     for name, value in measured.items():
         replayed = figures.get(f"closed_loop_{name}")
         row[name] = {"measured": value, "replayed": replayed,
@@ -80,8 +105,9 @@ def main() -> None:
             shown = f"{f['measured'] * scale:,.0f}" if unit == "tok/s" else f"{f['measured'] * scale:.3g}"
             cells.append(f"{name.split('_')[0]} {shown} {unit} ({'-' if f['ratio'] is None else f['ratio']})")
         load = ", ".join(f"{k} {v}" for k, v in r["load"].items())
-        print(f"  {r['shape']} {r['prompt_len']}/{r['gen_len']} {r['tester']:16s} {r['clients']:4d} clients ({load}): "
-              + "; ".join(cells))
+        mode = "greedy" if r["temperature"] == 0 else "sampled"
+        print(f"  {r['shape']} {r['prompt_len']}/{r['gen_len']} {r['tester']:16s} {mode:7s} {r['clients']:4d} clients "
+              f"({load}): " + "; ".join(cells))
 
 
 if __name__ == "__main__":

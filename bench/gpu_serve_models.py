@@ -21,6 +21,8 @@ Per shape, in --shapes order (cases run most important first; each starts only w
                 copt's own reader (clusteropt_cli/core/profile/external.py). 1B only unless --guidellm-shapes.
     profile     `copt profile endpoint` (copt's tester) at concurrency 1, 64, 256 (sampled as above, --duration-bounded
                 levels), the command a user runs against the server
+    (--tester-modes sampled,greedy runs guidellm and profile endpoint greedy too: temperature 0 in every request;
+    --guidellm-loads 1,64,256 adds guidellm at batch 1; --guidellm-python runs guidellm from its own environment)
   tserve      `transformers serve DIR --continuous-batching` on the same directory with the same clients (it
                 rejects ignore_eos: the tokens it actually returns are counted, and early stops recorded); each load
                 is bounded by --tserve-window seconds, tokens streamed by then count
@@ -52,11 +54,12 @@ JSON (`--out`), per shape key "1b"/"8b" under each case; tok/s are output tokens
                             ttft_first_round_s / ttft_later_rounds_s: TTFT percentiles of every stream's first
                             request (sent together) and of the later ones (sent as the stream's previous ended)
   profile_endpoint.<shape>  `copt profile endpoint` per level c1/c64/c256 (sampled): the same figures
+  guidellm_greedy, profile_endpoint_greedy   the same, greedy (--tester-modes greedy)
   engine.<shape>.c<N>_<mode> the in-process engine's tok/s and TTFT percentiles; startup_s
   advise.<shape>.c<N>_<mode> copt advise's tpot_s, tpot_floor_s, ttft_s, output_tokens_per_s, the command
   comparison.<shape>        b1_<mode> and c<N>_<mode>: predicted_<figure>, <tester>_<figure> and
                             pred_over_<tester>_<figure> (predicted ÷ measured; testers copt_client, profile_endpoint,
-                            guidellm — the last two sampled only; their TPOT also against advise's
+                            guidellm, each greedy and sampled; their TPOT also against advise's
                             tpot_out_of_step_s: pred_out_of_step_over_<tester>_tpot_s); engine_output_tokens_per_s and
                             <tester>_over_engine (HTTP ÷ in-process, same settings)
   case_seconds, elapsed_s, errors: time per case, total, and any case that failed (with its traceback)
@@ -442,13 +445,15 @@ def case_copt(shape: str, model_dir: Path, made: dict, prompts: PromptStream, ar
                 load_run(url, bodies_for(model, prompts.take(16), "greedy", True, False), args.client_procs, pool,
                          60)  # warm-up (and the client processes' imports)
                 run_loads(url, model, prompts, True, args, pool, args.load_window, budget, out, save)
-        if "guidellm" not in skip and shape in args.guidellm_shapes:
-            results.setdefault("guidellm", {})[shape] = case_guidellm(url, model_dir, args, budget, work, shape)
-            save()
-        if "profile" not in skip:
-            results.setdefault("profile_endpoint", {})[shape] = case_profile(url, model_dir, args, budget, work,
-                                                                              shape)
-            save()
+        for mode in args.tester_modes:  # sampled first (the OpenAI default), then greedy when asked
+            if "guidellm" not in skip and shape in args.guidellm_shapes:
+                results.setdefault(tester_key("guidellm", mode), {})[shape] = case_guidellm(
+                    url, model_dir, args, budget, work, shape, mode)
+                save()
+            if "profile" not in skip:
+                results.setdefault(tester_key("profile_endpoint", mode), {})[shape] = case_profile(
+                    url, model_dir, args, budget, work, shape, mode)
+                save()
     finally:
         out["exit_status"] = stop(proc)
         if out["exit_status"] != 0:
@@ -456,10 +461,17 @@ def case_copt(shape: str, model_dir: Path, made: dict, prompts: PromptStream, ar
         save()
 
 
-def guidellm_seed(shape: str, streams: int) -> int:
+def tester_key(tester: str, mode: str) -> str:
+    """Where a tester's results go: `guidellm` / `profile_endpoint` for sampled requests (the OpenAI default),
+    `<tester>_greedy` for temperature 0."""
+    return tester if mode == "sampled" else f"{tester}_{mode}"
+
+
+def guidellm_seed(shape: str, streams: int, mode: str = "sampled") -> int:
     """guidellm's synthetic prompts follow its seed (42 unless given): two runs with one seed send the same prompts,
     and the second finds them in the server's prefix cache. Each run of this benchmark gets its own."""
-    return 1000 * (list(SHAPES).index(shape) + 1 if shape in SHAPES else 9) + streams
+    return 1000 * (list(SHAPES).index(shape) + 1 if shape in SHAPES else 9) + streams + (500 if mode != "sampled"
+                                                                                         else 0)
 
 
 def guidellm_rounds(data: dict, streams: int) -> dict:
@@ -480,23 +492,30 @@ def guidellm_rounds(data: dict, streams: int) -> dict:
             "later_rounds_start_spread_s": round(later[-1][0] - later[0][0], 3)}
 
 
-def case_guidellm(url: str, model_dir: Path, args, budget: Budget, work: Path, shape: str) -> dict:  # noqa: ANN001
+def case_guidellm(url: str, model_dir: Path, args, budget: Budget, work: Path, shape: str,  # noqa: ANN001
+                  mode: str = "sampled") -> dict:
+    """guidellm's concurrent profile at each of --guidellm-loads streams. Sampled: guidellm's own requests (no
+    temperature: the server's default, 1.0); greedy: temperature 0 added to every request body."""
     import importlib.util
 
-    if importlib.util.find_spec("guidellm") is None:
-        return {"skipped": "not installed (python3 -m guidellm)"}
+    python = args.guidellm_python or sys.executable
+    if python == sys.executable and importlib.util.find_spec("guidellm") is None:
+        return {"skipped": "not installed (python3 -m guidellm; or --guidellm-python PATH)"}
     from clusteropt_cli.core.profile.external import external_report
 
-    out: dict = {}
-    for n in CFG["loads"]:
+    out: dict = {"temperature": 0.0 if mode == "greedy" else None}
+    body = ",extras.body.temperature=0" if mode == "greedy" else ""
+    suffix = "" if mode == "sampled" else f"-{mode}"
+    for n in args.guidellm_loads:
         key = f"c{n}"
         if not budget.allows(30):
             out[key] = {"skipped": "time budget"}
             continue
-        report = work / f"guidellm-{shape}-c{n}.json"
-        cmd = [sys.executable, "-m", "guidellm", "run", "--backend",
-               f"kind=openai_http,target={url},model={model_dir},request_format=/v1/completions",
-               "--profile", f"kind=concurrent,streams={n}", "--seed", f"kind=static,value={guidellm_seed(shape, n)}",
+        report = work / f"guidellm-{shape}-c{n}{suffix}.json"
+        cmd = [python, "-m", "guidellm", "run", "--backend",
+               f"kind=openai_http,target={url},model={model_dir},request_format=/v1/completions{body}",
+               "--profile", f"kind=concurrent,streams={n}", "--seed",
+               f"kind=static,value={guidellm_seed(shape, n, mode)}",
                "--constraint",
                f"kind=max_requests,count={args.guidellm_requests_per_stream * n}",
                "--tokenizer", f"kind=huggingface_auto,model={model_dir}", "--data",
@@ -525,7 +544,8 @@ def case_guidellm(url: str, model_dir: Path, args, budget: Budget, work: Path, s
                              errors=lv.errors, duration_s=lv.duration_s, output_tokens_per_s=lv.output_tokens_per_s,
                              ttft_s=lv.ttft_s, tpot_s=lv.tpot_s, e2e_s=lv.e2e_s, workload=prof.workload,
                              **guidellm_rounds(data, n))
-                log(f"  guidellm {n} streams: {lv.output_tokens_per_s:,.0f} tok/s, TTFT p50 {lv.ttft_s.get('p50')}")
+                log(f"  guidellm {n} streams, {mode}: {lv.output_tokens_per_s:,.0f} tok/s, "
+                    f"TTFT p50 {lv.ttft_s.get('p50')}")
             except Exception as exc:  # noqa: BLE001
                 entry["error"] = f"report not read: {type(exc).__name__}: {exc}"
             entry["report_file"] = report.name
@@ -537,17 +557,21 @@ def case_guidellm(url: str, model_dir: Path, args, budget: Budget, work: Path, s
     return out
 
 
-def case_profile(url: str, model_dir: Path, args, budget: Budget, work: Path, shape: str) -> dict:  # noqa: ANN001
-    """`copt profile endpoint` against the running server, sampled as the copt client's loads (temperature 1.0,
-    top_p 0.95), levels bounded in time."""
+def case_profile(url: str, model_dir: Path, args, budget: Budget, work: Path, shape: str,  # noqa: ANN001
+                 mode: str = "sampled") -> dict:
+    """`copt profile endpoint` against the running server with the copt client's settings for `mode` (sampled:
+    temperature 1.0, top_p 0.95; greedy: temperature 0), levels bounded in time."""
     levels = ",".join(str(c) for c in args.profile_levels)
     if not budget.allows(15):
         return {"skipped": "time budget"}
-    report = work / f"profile-endpoint-{shape}.json"
+    suffix = "" if mode == "sampled" else f"-{mode}"
+    report = work / f"profile-endpoint-{shape}{suffix}.json"
+    sampling = ["--temperature", str(MODES[mode]["temperature"])]
+    if "top_p" in MODES[mode]:
+        sampling += ["--top-p", str(MODES[mode]["top_p"])]
     cmd = [sys.executable, "-m", "clusteropt_cli", "profile", "endpoint", "--url", url, "--model", str(model_dir),
            "--concurrency", levels, "--duration", str(args.profile_duration), "--prompt-len", str(CFG["prompt_len"]),
-           "--gen-len", str(CFG["out_tokens"]), "--temperature", str(MODES["sampled"]["temperature"]), "--top-p",
-           str(MODES["sampled"]["top_p"]), "--tokenizer", str(model_dir),
+           "--gen-len", str(CFG["out_tokens"]), *sampling, "--tokenizer", str(model_dir),
            "--report", str(report), "--overwrite"]
     log("running: " + " ".join(cmd))
     t0 = time.perf_counter()
@@ -558,7 +582,7 @@ def case_profile(url: str, model_dir: Path, args, budget: Budget, work: Path, sh
     except subprocess.TimeoutExpired as exc:
         return {"error": f"timed out after {exc.timeout:.0f} s", "command": " ".join(cmd)}
     out: dict = {"command": " ".join(cmd), "exit_status": done.returncode, "wall_s": round(time.perf_counter() - t0, 1),
-                 "temperature": 1.0}
+                 "temperature": MODES[mode]["temperature"]}
     if not report.exists():
         out["error"] = (done.stderr or done.stdout)[-3000:]
         return out
@@ -726,21 +750,26 @@ def comparisons(results: dict, shape: str) -> dict:
     """advise's prediction ÷ each measurement of the same figure (1.00 = exact; the issue's bar: 0.85–1.15)."""
     adv = (results.get("advise") or {}).get(shape) or {}
     copt = (results.get("copt") or {}).get(shape) or {}
-    prof = (results.get("profile_endpoint") or {}).get(shape) or {}
-    gl = (results.get("guidellm") or {}).get(shape) or {}
     eng = (results.get("engine") or {}).get(shape) or {}
     rows = {}
     for mode in MODES:
+        prof = (results.get(tester_key("profile_endpoint", mode)) or {}).get(shape) or {}
+        gl = (results.get(tester_key("guidellm", mode)) or {}).get(shape) or {}
         p = adv.get(f"c1_{mode}") or {}
         m = ((copt.get("b1") or {}).get(mode) or {})
         row = {"predicted_tpot_ms": p.get("tpot_s") and 1e3 * p["tpot_s"], "copt_client_tpot_ms": m.get("ms_per_token")}
         row["pred_over_copt_client"] = ratio(row["predicted_tpot_ms"], row["copt_client_tpot_ms"])
         row["predicted_ttft_s"], row["copt_client_ttft_s"] = p.get("ttft_s"), m.get("ttft_s")
         row["pred_over_copt_client_ttft_s"] = ratio(p.get("ttft_s"), m.get("ttft_s"))
-        if mode == "sampled" and prof.get("c1"):
-            row["profile_endpoint_tpot_ms"] = (prof["c1"].get("tpot_s") or {}).get("p50") and \
-                1e3 * prof["c1"]["tpot_s"]["p50"]
-            row["pred_over_profile_endpoint"] = ratio(row["predicted_tpot_ms"], row["profile_endpoint_tpot_ms"])
+        for name, src in (("profile_endpoint", prof), ("guidellm", gl)):
+            one = src.get("c1") or {}
+            tpot, ttft = (one.get("tpot_s") or {}).get("p50"), (one.get("ttft_s") or {}).get("p50")
+            if tpot:
+                row[f"{name}_tpot_ms"] = 1e3 * tpot
+                row[f"pred_over_{name}"] = ratio(row["predicted_tpot_ms"], row[f"{name}_tpot_ms"])
+            if ttft:
+                row[f"{name}_ttft_s"] = ttft
+                row[f"pred_over_{name}_ttft_s"] = ratio(p.get("ttft_s"), ttft)
         rows[f"b1_{mode}"] = row
         for n in CFG["loads"]:
             p = adv.get(f"c{n}_{mode}") or {}
@@ -751,8 +780,7 @@ def comparisons(results: dict, shape: str) -> dict:
                 row[f"predicted_{fig}"] = p.get(fig)
                 row[f"copt_client_{fig}"] = meas
                 row[f"pred_over_copt_client_{fig}"] = ratio(p.get(fig), meas)
-                for name, src in (("profile_endpoint", prof if mode == "sampled" else {}),
-                                  ("guidellm", gl if mode == "sampled" else {})):
+                for name, src in (("profile_endpoint", prof), ("guidellm", gl)):
                     lv = src.get(f"c{n}") or {}
                     val = lv.get(fig) if mkey is None else (lv.get(fig) or {}).get(mkey)
                     if val:
@@ -760,7 +788,7 @@ def comparisons(results: dict, shape: str) -> dict:
                         row[f"pred_over_{name}_{fig}"] = ratio(p.get(fig), val)
                         if fig == "tpot_s":  # closed-loop testers' streams fall out of step after the first round
                             row[f"pred_out_of_step_over_{name}_tpot_s"] = ratio(p.get("tpot_out_of_step_s"), val)
-            rounds = (gl.get(f"c{n}") or {}) if mode == "sampled" else {}
+            rounds = gl.get(f"c{n}") or {}
             for part in ("first_round", "later_rounds"):
                 val = (rounds.get(f"ttft_{part}_s") or {}).get("p50")
                 if val:
@@ -798,6 +826,12 @@ def main() -> None:
     parser.add_argument("--guidellm-shapes", default="1b", help="shapes guidellm runs on (default 1b)")
     parser.add_argument("--guidellm-requests-per-stream", type=int, default=2)
     parser.add_argument("--guidellm-timeout", type=float, default=120, help="seconds per guidellm run at most")
+    parser.add_argument("--guidellm-loads", default=None, help="guidellm's streams per run (default: --loads), "
+                        "e.g. 1,64,256")
+    parser.add_argument("--guidellm-python", default=None, help="the interpreter that runs guidellm (its own "
+                        "virtual environment: guidellm pins click); default this one")
+    parser.add_argument("--tester-modes", default="sampled", help="what guidellm and copt profile endpoint send: "
+                        "sampled, greedy or both (sampled,greedy; default sampled)")
     parser.add_argument("--profile-levels", default="1,64,256", help="copt profile endpoint concurrencies")
     parser.add_argument("--profile-duration", type=float, default=5, help="copt profile endpoint seconds per level")
     parser.add_argument("--keep-reports", action="store_true", help="embed guidellm's whole reports in the JSON")
@@ -819,12 +853,17 @@ def main() -> None:
         parser.error(f"unknown shapes {bad} / cases {sorted(unknown)}; shapes: 1b, 8b; cases: {', '.join(CASES)}")
     args.guidellm_shapes = {s.strip().lower() for s in args.guidellm_shapes.split(",") if s.strip()}
     args.profile_levels = [int(c) for c in args.profile_levels.split(",") if c.strip()]
+    args.tester_modes = [m.strip() for m in args.tester_modes.split(",") if m.strip()]
+    if not args.tester_modes or set(args.tester_modes) - set(MODES):
+        parser.error(f"--tester-modes: one or more of {', '.join(MODES)}")
     if args.smoke:
         CFG.update(prompt_len=16, out_tokens=8, loads=[4, 8], b1_requests=2)
         args.profile_levels = [1, 4]
         args.profile_duration = min(args.profile_duration, 2)
         args.client_procs = min(args.client_procs, 2)
         args.guidellm_shapes = set(shapes)
+    args.guidellm_loads = ([int(n) for n in args.guidellm_loads.split(",") if n.strip()] if args.guidellm_loads
+                           else list(CFG["loads"]))
     import torch
 
     cuda = torch.cuda.is_available()
@@ -937,8 +976,8 @@ def print_table(results: dict, shapes: list[str]) -> None:
         copt = (results.get("copt") or {}).get(shape) or {}
         ts = (results.get("tserve") or {}).get(shape) or {}
         eng = (results.get("engine") or {}).get(shape) or {}
-        gl = (results.get("guidellm") or {}).get(shape) or {}
-        prof = (results.get("profile_endpoint") or {}).get(shape) or {}
+        gl, prof = ({mode: (results.get(tester_key(name, mode)) or {}).get(shape) or {} for mode in MODES}
+                    for name in ("guidellm", "profile_endpoint"))
         cmp_ = (results.get("comparison") or {}).get(shape) or {}
         b1 = copt.get("b1") or {}
         print(f"[{shape}] start-up: copt serve {_f(copt.get('startup_s'), '.1f')} s, transformers serve "
@@ -959,8 +998,7 @@ def print_table(results: dict, shapes: list[str]) -> None:
                     return f"{_f(tok, ',.0f')} ({_f(ttft, '.2f')})" if tok else r.get("skipped", "-")[:18]
 
                 c, t = copt.get(key) or {}, ts.get(key) or {}
-                gl_r = (gl.get(f"c{n}") or {}) if mode == "sampled" else {}
-                pr_r = (prof.get(f"c{n}") or {}) if mode == "sampled" else {}
+                gl_r, pr_r = gl[mode].get(f"c{n}") or {}, prof[mode].get(f"c{n}") or {}
                 x = ratio(c.get("output_tokens_per_s"), t.get("output_tokens_per_s"))
                 row = cmp_.get(key) or {}
                 print(f"  {str(n) + ' ' + mode:<14}{_f((eng.get(key) or {}).get('output_tokens_per_s'), ',.0f'):>10}"
@@ -968,8 +1006,9 @@ def print_table(results: dict, shapes: list[str]) -> None:
                       f"{cell(pr_r) if pr_r else '-':>20}"
                       f"{_f(row.get('pred_over_copt_client_output_tokens_per_s'), '.2f'):>11}"
                       f"{_f(row.get('pred_over_copt_client_ttft_s'), '.2f'):>10}")
-        for name, src in (("copt serve", copt), ("transformers serve", ts), ("guidellm", gl),
-                          ("profile endpoint", prof)):
+        for name, src in (("copt serve", copt), ("transformers serve", ts), ("guidellm", gl["sampled"]),
+                          ("guidellm greedy", gl["greedy"]), ("profile endpoint", prof["sampled"]),
+                          ("profile endpoint greedy", prof["greedy"])):
             if src.get("skipped") or src.get("error"):
                 print(f"  {name}: {src.get('skipped') or str(src.get('error'))[:200]}")
     for name, err in (results.get("errors") or {}).items():
