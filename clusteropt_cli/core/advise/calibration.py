@@ -131,14 +131,18 @@ STATIC_BATCH_EFFICIENCY = 0.6
 # 4.58, 10.43 and 14.5 ms). Through `copt serve` (one streaming greedy request of 256 prompt tokens at a time,
 # bench/gpu_serve_models.py, H200, 2026-12-02) the first token came 3.8 ms (1B: 8.2 ms against 4.4 in-process at
 # c8431df) and 3.5 ms (8B: 17.0 against 13.6) later: 3.6 ms per request for the server (HTTP, tokenization, the
-# first SSE event), added to every TTFT of copt's engine. A sampled request's first token is drawn by the captured
-# sampling graph after the prefill: in-process, 1B shape, 32-token prompts (bench/gpu_ttft_profile.py, H200,
-# 2026-12-02, 3f29203) greedy 3.65 ms, temperature 1.0 4.64, with top_p 0.95 4.45, with top_k 50 4.45 → 0.86 ms.
+# first SSE event), added to every TTFT of copt's engine. In-process a sampled request's first token costs more (the
+# captured sampling graph after the prefill; 1B shape, 32-token prompts, bench/gpu_ttft_profile.py, H200, 2026-12-02,
+# 3f29203: greedy 3.65 ms, temperature 1.0 4.64, top_p 0.95 4.45, top_k 50 4.45), but through `copt serve` it does
+# not show: one streaming request at a time, 256-token prompts, sampled minus greedy TTFT p50 −1.0 to +0.1 ms (mean
+# −0.2) over 8 pairs — the script's client in two runs, guidellm and `copt profile endpoint`, 1B and 8B shapes (H200,
+# 2026-12-02, bench/gpu_serve_models.py at fd577c7 and with --tester-modes sampled,greedy at 8aee225) — so no
+# sampled term is added.
 SERVING_ENGINES = {
     "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 1.7e-3, "step_fixed_s": 0.57e-3,
              "step_per_seq_s": 3.9e-6, "prefill_graph_tokens": 2048, "prefill_graph_layer_s": 0.185e-3,
              "prefill_graph_request_s": 0.32e-3, "http_request_s": 3.6e-3, "http_stream_s": 1.25e-3,
-             "sampled_first_token_s": 0.86e-3, "api_intake_s": 0.75e-3},
+             "api_intake_s": 0.75e-3},
     "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }
 # The host's floor under a step of copt's engine that prefills: its eager prefill layers and the work per prompt

@@ -304,9 +304,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     else:
         ttft = prefill_s  # static batch: every prompt of the batch is prefilled before the first token
     if engine:  # what the server adds to a request's first token (HTTP, tokenization, the first SSE event)
-        ttft += engine.get("http_request_s", 0.0)
-        if plan.temperature > 0:  # the first token drawn by the sampling step instead of the greedy argmax
-            ttft += engine.get("sampled_first_token_s", 0.0)
+        ttft += engine.get("http_request_s", 0.0)  # the same for sampled requests (cal.SERVING_ENGINES)
     ctx = plan.prompt_len + plan.gen_len / 2
 
     def decode_step(rows: int) -> tuple[float, float, float, float]:
@@ -399,8 +397,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         notes.append(f"{engine_name}: no measured serving overheads; roofline figures (an upper bound)")
     costs = None
     if engine and engine_name == "copt" and plan.continuous_batching and not plan.speculative_tokens:
-        first_token_s = engine.get("http_request_s", 0.0) + (
-            engine.get("sampled_first_token_s", 0.0) if plan.temperature > 0 else 0.0)
+        first_token_s = engine.get("http_request_s", 0.0)
         costs = ServeCosts(
             decode_step=lambda rows: decode_step(rows)[0], prefill=prefill_seconds,
             step_tokens=plan.chunked_prefill or engine["prefill_chunk_tokens"], max_running=running,
