@@ -177,6 +177,7 @@ complete -c copt -n "__fish_seen_subcommand_from profile" -a endpoint
 complete -c copt -n "__fish_seen_subcommand_from profile" -a model
 complete -c copt -n "__fish_seen_subcommand_from profile" -l help
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l api-key
+complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l client-processes
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l concurrency
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l dataset
 complete -c copt -n "__fish_seen_subcommand_from profile ; and __fish_seen_subcommand_from endpoint" -l duration

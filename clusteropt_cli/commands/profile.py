@@ -415,6 +415,9 @@ def endpoint(
     slo_tpot_ms: Annotated[float | None, typer.Option("--slo-tpot-ms", help="TPOT SLO for goodput.")] = None,
     request_timeout: Annotated[float, typer.Option("--request-timeout", help="Seconds per request at most.")] = 60.0,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed requests before the sweep.")] = 1,
+    client_processes: Annotated[int | None, typer.Option(
+        "--client-processes", help="Processes that send each concurrency level, each with its own event loop "
+        "(default: one per 64 streams, at most half the host's cores and 8).", show_default=False)] = None,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="OPENAI_API_KEY", show_envvar=False,
                                                 help="Bearer token for the server.")] = None,
     ignore_eos: Annotated[bool | None, typer.Option(
@@ -456,7 +459,7 @@ def endpoint(
                       "--gen-len": gen_len, "--temperature": temperature, "--top-p": top_p, "--top-k": top_k,
                       "--dataset": dataset,
                       "--tokenizer": tokenizer, "--slo-ttft-ms": slo_ttft_ms, "--slo-tpot-ms": slo_tpot_ms,
-                      "--ignore-eos": ignore_eos}
+                      "--ignore-eos": ignore_eos, "--client-processes": client_processes}
         _endpoint_from_file(from_profile, [flag for flag, value in load_flags.items() if value is not None],
                             expect=expect, tolerance=tolerance, report_path=report_path, plot=plot,
                             save_vllm_bench=save_vllm_bench, save_guidellm=save_guidellm, overwrite=overwrite,
@@ -481,7 +484,7 @@ def endpoint(
         prompt_len=given["prompt_len"] or 128, gen_len=given["gen_len"] or 64, dataset=dataset, tokenizer=tokenizer,
         slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, request_timeout_s=request_timeout, warmup=warmup,
         api_key=api_key, ignore_eos=ignore_eos, seed=seed, temperature=given["temperature"] or 0.0,
-        top_p=given.get("top_p"), top_k=given.get("top_k"))
+        top_p=given.get("top_p"), top_k=given.get("top_k"), client_processes=client_processes)
     settings.validate()
     bench_paths = (_vllm_bench_paths(save_vllm_bench, settings.concurrency, settings.rate)
                    if save_vllm_bench is not None else [])

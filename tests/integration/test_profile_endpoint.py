@@ -238,6 +238,50 @@ def test_endpoint_never_sends_a_prompt_twice(fake_server):
     assert len(timed) > 256 // 64 and len(set(timed)) == len(timed)
 
 
+def test_endpoint_splits_a_level_over_client_processes(fake_server, tmp_path):
+    """--client-processes 2: a level's streams and request count are shared out between two processes, each with
+    its own event loop; every request is counted once, no two carry the same prompt (synthetic: a run head per
+    process), a duration bounds the level, and a --dataset's prompts are shared out, not all sent twice."""
+    from clusteropt_cli.core.profile.endpoint import EndpointSettings, profile_endpoint
+
+    RECEIVED.clear()
+    report = profile_endpoint(EndpointSettings(url=fake_server, model="m", concurrency=[4], num_requests=9,
+                                               warmup=0, gen_len=3, prompt_len=6, client_processes=2))
+    level = report.levels[0]
+    assert level.requests == 9 and level.completed == 9 and level.errors == {}
+    prompts = [b["prompt"] for b in RECEIVED]
+    assert len(prompts) == 9 and len(set(prompts)) == 9
+    assert len({p.split(" request ")[0] for p in prompts}) == 2  # one run head per process
+    assert report.workload["client_processes"] == {"4": 2}
+    assert level.output_tokens_per_s == pytest.approx(9 * 3 / level.duration_s)
+    RECEIVED.clear()
+    start = time.perf_counter()
+    timed = profile_endpoint(EndpointSettings(url=fake_server, model="m", concurrency=[2], duration_s=0.5,
+                                              warmup=0, gen_len=2, prompt_len=4, client_processes=2))
+    assert timed.levels[0].completed >= 2 and 0.5 <= timed.levels[0].duration_s < 3
+    assert time.perf_counter() - start < 30
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": f"prompt number {i}"}) + "\n" for i in range(6)))
+    RECEIVED.clear()
+    profile_endpoint(EndpointSettings(url=fake_server, model="m", concurrency=[2], num_requests=6, warmup=0,
+                                      gen_len=2, dataset=dataset, client_processes=2))
+    assert sorted(b["prompt"] for b in RECEIVED) == [f"prompt number {i}" for i in range(6)]
+
+
+def test_client_processes_default_and_bounds(monkeypatch):
+    from clusteropt_cli.core.profile.settings import EndpointSettings
+    from clusteropt_cli.errors import BadInputError
+
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    auto = EndpointSettings(url="http://x", model="m")
+    assert [auto.client_processes_for(c) for c in (1, 63, 64, 128, 256, 1024)] == [1, 1, 1, 2, 4, 8]
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert auto.client_processes_for(256) == 1  # a 2-core host keeps one event loop
+    assert EndpointSettings(url="http://x", model="m", client_processes=4).client_processes_for(2) == 2
+    with pytest.raises(BadInputError, match="--client-processes"):
+        EndpointSettings(url="http://x", model="m", client_processes=0).validate()
+
+
 def test_endpoint_counts_an_oversized_stream_line_as_a_bad_stream(fake_server):
     """A server streaming a 3 MB line fails that request as bad_stream; the client neither buffers without bound
     nor crashes, and the run reports it with the rest."""

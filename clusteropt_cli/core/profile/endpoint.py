@@ -32,7 +32,7 @@ from clusteropt_cli.core.profile.settings import EndpointSettings
 from clusteropt_cli.core.profile.stats import latency_summary
 from clusteropt_cli.core.profile.verdict import endpoint_verdict
 from clusteropt_cli.core.textfiles import jsonl_rows, string_field
-from clusteropt_cli.errors import BadInputError, CheckFailedError
+from clusteropt_cli.errors import BadInputError, CheckFailedError, CoptError
 
 Log = Callable[[str], None]
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
@@ -349,8 +349,7 @@ class _Runner:
             return f"max_tokens only: the server rejected ignore_eos ({self.rejection})"
         return "max_tokens only (--no-ignore-eos)"
 
-    async def by_concurrency(self, concurrency: int) -> tuple[list[RequestResult], float]:
-        limit = self.s.requests_for(concurrency)
+    async def by_concurrency(self, concurrency: int, limit: int | None) -> tuple[list[RequestResult], float]:
         deadline = None if self.s.duration_s is None else time.perf_counter() + self.s.duration_s
         results: list[RequestResult] = []
         issued = 0
@@ -452,10 +451,13 @@ async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | Synthet
                                                            + (f": {warm.detail}" if warm.detail else "") + ")"))
         slo_ttft = s.slo_ttft_ms / 1e3 if s.slo_ttft_ms is not None else None
         slo_tpot = s.slo_tpot_ms / 1e3 if s.slo_tpot_ms is not None else None
-        loads = [(f"concurrency {c}", partial(runner.by_concurrency, c), {"concurrency": c}) for c in s.concurrency]
+        loads = [(f"concurrency {c}", partial(_concurrency_level, runner, c, prompts), {"concurrency": c})
+                 for c in s.concurrency]
         loads += [(f"rate {rate}/s (Poisson)", partial(runner.by_rate, rate), {"rate": rate}) for rate in s.rate]
         for name, load, kind in loads:
-            log(f"{name}: sending {s.requests_for(kind.get('concurrency')) or 'for ' + str(s.duration_s) + ' s'}")
+            processes = s.client_processes_for(kind["concurrency"]) if "concurrency" in kind else 1
+            log(f"{name}: sending {s.requests_for(kind.get('concurrency')) or 'for ' + str(s.duration_s) + ' s'}"
+                + (f" from {processes} client processes" if processes > 1 else ""))
             before = await read_prefix_cache(client, s.url, runner.headers)
             results, duration = await load()
             note(results)
@@ -468,6 +470,134 @@ async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | Synthet
                     "cache: its TTFT and throughput include those hits (repeated --dataset prompts, or another "
                     "client's)")
     return levels, {"length_control": runner.length_control(), "failures": failures}
+
+
+async def _concurrency_level(runner: _Runner, concurrency: int,
+                             prompts: CycledPrompts | SyntheticPrompts) -> tuple[list[RequestResult], float]:
+    """A concurrency level from one event loop, or split over client processes
+    (EndpointSettings.client_processes_for)."""
+    s = runner.s
+    processes = s.client_processes_for(concurrency)
+    if processes == 1:
+        return await runner.by_concurrency(concurrency, s.requests_for(concurrency))
+    if isinstance(prompts, CycledPrompts):
+        share = [prompts.prompts[(prompts.sent + i) % len(prompts.prompts)] for i in range(len(prompts.prompts))]
+        sources = [_PromptSource(dataset=share[i::processes] or share) for i in range(processes)]
+    else:
+        sources = [_PromptSource(pool=len(prompts.bodies), prompt_len=s.prompt_len, seed=s.seed + i,
+                                 tokenizer=s.tokenizer) for i in range(processes)]
+    outcome = await asyncio.to_thread(_level_in_processes, s, concurrency, sources, runner.send_ignore_eos)
+    if outcome.rejection and runner.send_ignore_eos:
+        runner.send_ignore_eos, runner.rejection = False, outcome.rejection
+        runner.log(f"the server rejected ignore_eos ({outcome.rejection}); sending requests without it: output "
+                   "lengths are bounded by max_tokens only (pass --ignore-eos to insist)")
+    return outcome.results, outcome.duration_s
+
+
+# ---- several client processes per level ---------------------------------------------------------------------
+@dataclass
+class _PromptSource:
+    """How one client process makes its prompts: its share of a --dataset, or synthetic prompts under a run head
+    of its own (SyntheticPrompts draws one per instance), so no two processes send the same prompt."""
+
+    dataset: list[str] | None = None
+    pool: int = 1
+    prompt_len: int = 1
+    seed: int = 0
+    tokenizer: str | None = None
+
+    def build(self) -> CycledPrompts | SyntheticPrompts:
+        if self.dataset is not None:
+            return CycledPrompts(self.dataset)
+        return SyntheticPrompts(self.pool, self.prompt_len, self.seed, self.tokenizer)
+
+
+@dataclass
+class _LevelOutcome:
+    results: list[RequestResult]
+    duration_s: float
+    rejection: str | None = None  # the server's message, where a process saw it reject ignore_eos
+
+
+def _split(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def _client_process(s: EndpointSettings, concurrency: int, limit: int | None, source: _PromptSource,
+                    send_ignore_eos: bool, ready: Any, go: Any, out: Any) -> None:
+    """One client process of a level: prompts and HTTP client first, then ready; sends once the parent says go
+    (every process at once) and puts (results, start, end, rejection) — wall-clock times — on `out`."""
+    import aiohttp
+
+    async def level() -> tuple[list[RequestResult], float, float, str | None]:
+        connector = aiohttp.TCPConnector(limit=concurrency + 4)
+        timeout = aiohttp.ClientTimeout(total=None, connect=min(5.0, s.request_timeout_s),
+                                        sock_read=s.request_timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20,
+                                         trust_env=True) as client:
+            runner = _Runner(s, client, source.build())
+            runner.send_ignore_eos = send_ignore_eos
+            ready.put(True)
+            await asyncio.to_thread(go.wait)
+            start = time.time()
+            results, _ = await runner.by_concurrency(concurrency, limit)
+            return results, start, time.time(), runner.rejection
+
+    try:
+        out.put(("done", *asyncio.run(level())))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the run with it
+        ready.put(False)
+        out.put(("failed", f"{type(exc).__name__}: {exc}"))
+
+
+def _level_in_processes(s: EndpointSettings, concurrency: int, sources: list[_PromptSource],
+                        send_ignore_eos: bool) -> _LevelOutcome:
+    """Split a concurrency level over len(sources) spawned client processes (their streams and the level's request
+    count shared out); the level's span runs from the first process's start to the last one's end."""
+    import multiprocessing
+    import queue
+
+    ctx = multiprocessing.get_context("spawn")  # no fork of the parent's threads and event loop
+    processes = len(sources)
+    shares = _split(concurrency, processes)
+    limit = s.requests_for(concurrency)
+    limits = _split(limit, processes) if limit is not None else [None] * processes
+    ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    workers = [ctx.Process(target=_client_process, daemon=True,
+                           args=(s, shares[i], limits[i], sources[i], send_ignore_eos, ready, go, out))
+               for i in range(processes)]
+    try:
+        for worker in workers:
+            worker.start()
+        for _ in workers:  # prompts (a tokenizer) and HTTP clients are made before any request goes out
+            try:
+                if not ready.get(timeout=300):
+                    break
+            except queue.Empty:
+                break
+        go.set()
+        finished: list[tuple] = []
+        wait_s = (s.duration_s or 0.0) + s.request_timeout_s * ((max(limits) or 1) if limit is not None else 1) + 60
+        deadline = time.time() + wait_s
+        while len(finished) < processes:
+            try:
+                finished.append(out.get(timeout=1.0))
+            except queue.Empty:
+                if time.time() > deadline or not any(w.is_alive() for w in workers) and out.empty():
+                    break
+        failed = [f[1] for f in finished if f[0] == "failed"]
+        if failed or len(finished) < processes:
+            raise CoptError(f"A client process of concurrency {concurrency} failed: "
+                                   + (failed[0] if failed else "it ended without results"),
+                                   hint="Run again with --client-processes 1 (one event loop sends every request).")
+        return _LevelOutcome(results=[r for f in finished for r in f[1]],
+                             duration_s=max(f[3] for f in finished) - min(f[2] for f in finished),
+                             rejection=next((f[4] for f in finished if f[4]), None))
+    finally:
+        for worker in workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.kill()
 
 
 def _level_line(level: EndpointLevel) -> str:
@@ -508,7 +638,8 @@ def profile_endpoint(s: EndpointSettings, log: Log | None = None) -> ProfileRepo
                 "ignore_eos": facts["length_control"].startswith("ignore_eos"),
                 "output_length_control": facts["length_control"],
                 "mean_output_tokens": _mean_output_tokens(levels), "temperature": s.temperature,
-                "top_p": s.top_p, "top_k": s.top_k}
+                "top_p": s.top_p, "top_k": s.top_k,
+                "client_processes": {str(c): s.client_processes_for(c) for c in s.concurrency} or None}
     return ProfileReport(kind="endpoint", mode="endpoint", created_at=datetime.now(UTC).isoformat(timespec="seconds"),
                          copt_version=__version__, hardware=_server_hardware(s.url), model={"name": s.model},
                          workload=workload, metrics=metrics, levels=levels, verdict=verdict)
