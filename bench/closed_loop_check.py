@@ -5,7 +5,10 @@ endpoint` level (its duration) of each shape, greedy and sampled, the replay of 
 clients' tok/s, TTFT p50 and TPOT p50, with replayed ÷ measured; a one-client level against advise's batch-1
 figures. Runs anywhere (no GPU): it reads the results JSON.
 
-    python3 bench/closed_loop_check.py RESULTS.json [...] [--json]
+    python3 bench/closed_loop_check.py RESULTS.json [...] [--json] [--results-after-prefill]
+
+--results-after-prefill replays an engine that handed a step's decoded tokens out only after the step's prefill
+(copt serve before it handed them out early): for results measured on such a tree.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ def levels(results: dict) -> list[dict]:
     return out
 
 
-def predicted(level: dict) -> dict[str, float]:
+def predicted(level: dict, results_before_prefill: bool = True) -> dict[str, float]:
     """The replay of the level's load (closed_loop_* figures); for one client, infer_time's own batch-1 figures
     (a lone client's requests never overlap)."""
     plan = InferPlan(batch=level["clients"], prompt_len=level["prompt_len"], gen_len=level["gen_len"],
@@ -71,12 +74,12 @@ def predicted(level: dict) -> dict[str, float]:
     if level["clients"] == 1:
         figures = infer_time(spec, plan, target).figures
         return {f"closed_loop_{name}": figures[name] for name in ("output_tokens_per_s", "ttft_s", "tpot_s")}
-    replay = closed_loop_figures(spec, plan, target, **level["load"])
+    replay = closed_loop_figures(spec, plan, target, **level["load"], results_before_prefill=results_before_prefill)
     return replay[0] if replay else {}
 
 
-def check(level: dict) -> dict:
-    figures = predicted(level)
+def check(level: dict, results_before_prefill: bool = True) -> dict:
+    figures = predicted(level, results_before_prefill)
     m = level["measured"]
     measured = {"output_tokens_per_s": m["output_tokens_per_s"], "ttft_s": m["ttft_s"]["p50"],
                 "tpot_s": m["tpot_s"]["p50"]}
@@ -92,8 +95,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--results-after-prefill", action="store_true")
     args = parser.parse_args()
-    rows = [check(level) for path in args.results for level in levels(json.loads(path.read_text()))]
+    rows = [check(level, not args.results_after_prefill)
+            for path in args.results for level in levels(json.loads(path.read_text()))]
     if args.json:
         print(json.dumps(rows, indent=1))
         return

@@ -15,8 +15,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 def _engine(fixtures, **kw):
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig
 
+    kw.setdefault("async_scheduling", True)
     return Engine(EngineConfig(model=str(fixtures.teacher), device="cpu", max_batch_size=8, max_model_len=256,
-                               compile=False, async_scheduling=True, **kw))
+                               compile=False, **kw))
 
 
 def test_chained_greedy_decoding_matches_hf(fixtures):
@@ -99,3 +100,54 @@ def test_decode_attention_variants_give_hf_greedy_tokens(fixtures, attention, co
         # flex only inside compiled layers (eager FlexAttention materializes the scores): masked SDPA otherwise
         assert engine.runner.decode_attention == (attention if compiled else "sdpa")
     assert [r.output_ids for r in results] == expected
+
+
+class _StepLog:
+    """Stands in for an event loop and an event in the engine's wake-ups (as the split server's engine core does)
+    and records, in order, each wake-up and each prefill forward with the engine's decode-step count."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.entries = engine, []
+
+    def call_soon_threadsafe(self, fn, *args) -> None:
+        self.entries.append(("wake", self.engine.stats.decode_steps))
+        fn(*args)
+
+    def is_set(self) -> bool:
+        return False  # every push wakes again (a consumer that always took what it was given)
+
+    def set(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_tokens_reach_consumers_before_the_steps_prefill(fixtures, async_scheduling):
+    """In a step that decodes some sequences and prefills a new one, the decoded tokens are handed to their
+    consumers before the prefill runs, not after it (on an 8B model a prefill step takes tens of ms)."""
+    from clusteropt_cli.core.serve.engine import GenerationRequest
+
+    first, second = eval_prompts(fixtures, 2, seed=24)
+    with _engine(fixtures, async_scheduling=async_scheduling) as engine:
+        log = _StepLog(engine)
+        forward_packed = engine.runner.forward_packed
+
+        def logged_prefill(packed, wanted):
+            log.entries.append(("prefill", engine.stats.decode_steps))
+            return forward_packed(packed, wanted)
+
+        engine.runner.forward_packed = logged_prefill
+        running = engine.submit(GenerationRequest(prompt_ids=first, max_new_tokens=40, ignore_eos=True))
+        running.add_step_listener(log, log)
+        for i, _chunk in enumerate(running):
+            if i == 3:
+                break
+        late = engine.submit(GenerationRequest(prompt_ids=second, max_new_tokens=4, ignore_eos=True))
+        late.result(60)
+        running.result(60)
+    prefills = [i for i, entry in enumerate(log.entries) if entry[0] == "prefill"]
+    assert len(prefills) >= 2  # the first request's prefill, then the late one's next to a decode
+    late_prefill = prefills[1]
+    decodes_before = log.entries[late_prefill][1]
+    assert decodes_before > 3
+    # the wake-up just before the late prefill carries the token decoded in the same step
+    assert log.entries[late_prefill - 1] == ("wake", decodes_before)

@@ -7,15 +7,16 @@ round the clients drift out of step — each finishes when its own prefill and d
 prefill with everyone's decode, and a request waits only for the prefill queued ahead of it. Its time to first token
 then depends on how the arrivals spread, which no closed form gives; this module replays the
 load through copt's scheduler (core/serve/engine.py Engine._step: decode every running sequence, then prefill
-prompt chunks first come, first served with what is left of the step's token budget) with infer_time's own step
-costs (timing.ServeCosts), and measures the replay as the clients would.
+prompt chunks first come, first served with what is left of the step's token budget; the decode's tokens and the
+results of the requests it finished go out before the prefill runs) with infer_time's own step costs
+(timing.ServeCosts), and measures the replay as the clients would.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from clusteropt_cli.core.advise.plan import InferPlan, Target
@@ -109,6 +110,7 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
             chunks.append((r, n))
             budget -= n
         step = decode_s(decoding) if decoding else 0.0
+        decoded = now + step  # the decode's tokens (and finished requests' results) go out before the prefill
         if chunks:
             modelled = step + costs.prefill(sum(n for _, n in chunks), len(chunks))
             floor = costs.prefill_step_floor(len(chunks))
@@ -130,7 +132,7 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
                     decoding += 1
         steps += 1
         for r in finished:
-            api_free = max(now, api_free) + costs.stream_s
+            api_free = max(decoded if costs.results_before_prefill else now, api_free) + costs.stream_s
             done.append((r, api_free))
             send(r.client, api_free)
     truncated = bool(arrivals or waiting or prefilling or decoding)
@@ -160,7 +162,8 @@ HOST_BOUND_TTFT_LIMIT = 0.5
 
 
 def closed_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, requests: int | None = None,
-                        duration_s: float | None = None) -> tuple[dict[str, float], dict[str, float]] | None:
+                        duration_s: float | None = None, results_before_prefill: bool = True,
+                        ) -> tuple[dict[str, float], dict[str, float]] | None:
     """The plan's `batch` clients as a closed loop through copt's engine: (figures, workload). Figures are named
     closed_loop_ttft_s, closed_loop_tpot_s (medians over the requests) and closed_loop_output_tokens_per_s; the
     workload is `requests` in all (default: REQUESTS_PER_CLIENT per client, as `copt profile endpoint` sends) or
@@ -168,12 +171,14 @@ def closed_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, req
     speculative decoding, no GPU) or the load is too long to replay (over 200,000 steps). The TTFT is left out
     when most prefilling steps are host-bound (a small model): there the measured loops stay in step — prefill
     bursts, then long decode stretches — which the replay does not reproduce (H200, 1B shape at 128-256 clients:
-    replayed 0.05-0.13 s against 0.15-0.63 measured)."""
+    replayed 0.05-0.13 s against 0.15-0.63 measured). `results_before_prefill` False replays an engine that hands a
+    step's decoded tokens out only after the step's prefill (copt's before it handed them out early)."""
     if plan.batch < 2 or target.gpu is None:
         return None
     costs = infer_time(spec, plan, target).costs
     if costs is None:
         return None
+    costs = replace(costs, results_before_prefill=results_before_prefill)
     if requests is None and duration_s is None:
         requests = REQUESTS_PER_CLIENT * plan.batch
     run = simulate_closed_loop(costs, plan.batch, plan.gen_len, requests=requests, duration_s=duration_s)

@@ -79,6 +79,9 @@ class ServeCosts:
     stream_s: float  # the API process's time to stream one request's tokens out (serial)
     # the host's floor under a step that prefills n prompt chunks (calibration.PREFILL_STEP_HOST_*)
     prefill_step_floor: Callable[[int], float] = lambda chunks: 0.0
+    # a step's decoded tokens and finished results reach the API before the step's prefill runs (copt's engine);
+    # False: after it (engines whose mixed steps are one forward, and copt's before it handed them out early)
+    results_before_prefill: bool = True
 
 
 @dataclass

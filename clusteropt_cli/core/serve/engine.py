@@ -616,6 +616,9 @@ class Engine(EngineLoading, SpeculativeDecoding):
                 self._decode_chain(decoding)
             else:
                 self._decode_step(decoding)
+        if self._wakes:  # the decode's tokens and finished results go out now, not after this step's prefill
+            _wake_all(self._wakes)
+            self._wakes = {}
         # 4. chunked prefill with the remaining token budget
         budget = max(self.max_batch_tokens - len(decoding), 16)
         chunks = []

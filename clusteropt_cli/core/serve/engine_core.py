@@ -3,9 +3,10 @@ device steps) behind ZeroMQ, for API-server processes that do HTTP, tokenization
 EngineCoreProc does).
 
 Threads: the engine's own scheduler thread; the main thread reads the API processes' messages (submit, abort,
-stats) from one ROUTER socket; a sender thread sends one message per engine step and API process with the new
-tokens of every request of that process the step touched (the engine wakes the sender once per step through the
-same per-step wake-up it gives asyncio consumers, RequestHandle.add_step_listener). The wire format is in ipc.py.
+stats) from one ROUTER socket; a sender thread sends one message per engine step phase and API process with the
+new tokens of every request of that process the phase touched (the engine wakes the sender after a step's decode
+and after its prefill, through the wake-up it gives asyncio consumers, RequestHandle.add_step_listener). The wire
+format is in ipc.py.
 
 SIGTERM drains (no new requests; running ones finish within the grace period) and exits 0; SIGINT is left to the
 supervisor. A dead engine (device error) is announced to every API process, then the process exits
@@ -54,7 +55,7 @@ class _Entry:
 
 class _StepLoop:
     """Stands in for an event loop in the engine's wake-ups: the engine calls call_soon_threadsafe once per step
-    with every handle the step touched; that becomes one batch for the sender thread."""
+    phase with every handle the phase touched; that becomes one batch for the sender thread."""
 
     def __init__(self, outbox: queue.SimpleQueue):
         self.outbox = outbox

@@ -7,8 +7,8 @@ API process → engine core (one DEALER per API process, identity = its index, i
     ["abort", [request_id, ...]]
     ["stats", call_id]
 Engine core → API process (one PUSH per API process into the API's PULL; the supervisor pushes "dead" too):
-    ["out", [[request_id, new_ids, logprobs | None, final | None], ...]]   one message per engine step (or per
-                                                                           batch of steps when the sender is behind)
+    ["out", [[request_id, new_ids, logprobs | None, final | None], ...]]   one message per engine step phase (or
+                                                                           per batch when the sender is behind)
     ["ack", call_id, None | error]      error: {"kind": "bad"|"queue_full"|"stopped"|"dead", "message", "param"}
     ["stats", call_id, {EngineStats fields}]
     ["dead", message]                  the engine died: every in-flight request fails, /health answers 503

@@ -128,7 +128,8 @@ class RequestHandle:
     def _push(self, token_ids: list[int], result: GenerationResult | None = None,
               wakes: dict[Any, list[Any]] | None = None) -> None:
         """Hand new tokens (and the final result) to the consumers. With `wakes`, asyncio consumers are not woken
-        here but collected per event loop, so the engine wakes each loop once per step (`_wake_all`)."""
+        here but collected per event loop, so the engine wakes each loop once per step phase (`_wake_all`: after a
+        step's decode, and after its prefill)."""
         with self._cond:
             if token_ids:
                 self._chunks.append(list(token_ids))
@@ -163,7 +164,7 @@ class RequestHandle:
     # another process's consumer (the engine-core process of the split server, engine_core.py)
     def add_step_listener(self, loop: Any, event: Any) -> None:
         """Be told of this handle's new tokens the way an asyncio consumer is: the engine calls
-        `loop.call_soon_threadsafe(fn, *args)` once per step for all the handles it touched, and `fn` calls
+        `loop.call_soon_threadsafe(fn, *args)` once per step phase for all the handles it touched, and `fn` calls
         `event.set()` for each (an object with `is_set()` and `set()`). Tokens pushed before this call are not
         announced: `take()` them once after registering."""
         with self._cond:
