@@ -34,6 +34,18 @@ def test_high_ttft_chunked_prefill_first() -> None:
     assert chunked["predicted"]["ttft_s"] < result["time"]["ttft_s"] / 1.8
 
 
+def test_chunked_prefill_is_not_recommended_to_an_engine_that_already_chunks() -> None:
+    """copt serve chunks prompts within --max-batch-tokens (2048 on CUDA): on its plan the recommendation would change
+    nothing, so it is left out; with a larger step budget it comes back, to 2048."""
+    target, _ = resolve_target("h200")
+    spec = load_model_spec("llama-3.1-8b")
+    served = InferPlan(batch=64, prompt_len=2048, continuous_batching=True)
+    assert "chunked-prefill" not in _ids(advise(spec, target, served, ["high-ttft"]))
+    wide = advise(spec, target, served.with_(chunked_prefill=8192), ["high-ttft"])
+    chunked = next(r for r in wide["recommendations"] if r["id"] == "chunked-prefill")
+    assert "--max-batch-tokens 2048" in chunked["command"]
+
+
 def test_slow_tpot_speculative_quantization_kv() -> None:
     target, _ = resolve_target("h100-sxm")
     # the plan copt serve runs (continuous batching), as `copt advise --task infer` builds it

@@ -230,7 +230,12 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
             "static batches wait for their longest sequence and pad",
             "3–5× serving throughput", "Orca (OSDI '22); vLLM arXiv:2309.06180", "a serving engine (copt serve)",
             p.with_(continuous_batching=True, batch=max(p.batch, _max_seqs(ctx, p))), ["copt serve --max-batch-size"])
-    if not p.chunked_prefill:
+    # copt's engine already chunks prompts within its step budget (--max-batch-tokens, 2048 on CUDA): only a plan off
+    # it (a static batch) or with a larger budget has chunked prefill to gain
+    default_chunk = cal.SERVING_ENGINES["copt"]["prefill_chunk_tokens"]
+    already_chunked = (p.continuous_batching and p.serving_engine == "copt"
+                       and (p.chunked_prefill or default_chunk) <= default_chunk)
+    if not already_chunked:
         add("chunked-prefill", "Chunked prefill", "long prompts stall every running sequence and queue new ones",
             "flattens TTFT spikes: a new request waits for one chunk, not every prompt",
             "Sarathi-Serve arXiv:2403.02310; vLLM docs: chunked prefill",
