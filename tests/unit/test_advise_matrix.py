@@ -34,16 +34,23 @@ def test_high_ttft_chunked_prefill_first() -> None:
     assert chunked["predicted"]["ttft_s"] < result["time"]["ttft_s"] / 1.8
 
 
-def test_chunked_prefill_is_not_recommended_to_an_engine_that_already_chunks() -> None:
-    """copt serve chunks prompts within --max-batch-tokens (2048 on CUDA): on its plan the recommendation would change
-    nothing, so it is left out; with a larger step budget it comes back, to 2048."""
+def test_what_copt_serve_runs_by_default_is_not_recommended_to_it() -> None:
+    """copt serve chunks prompts within --max-batch-tokens (2048 on CUDA) and compiles its decode with CUDA graphs: on
+    its plan those recommendations would change nothing, so they are left out. With a larger step budget chunked
+    prefill comes back (to 2048); a static batch on HF generate gets both, priced on copt serve."""
     target, _ = resolve_target("h200")
     spec = load_model_spec("llama-3.1-8b")
     served = InferPlan(batch=64, prompt_len=2048, continuous_batching=True)
-    assert "chunked-prefill" not in _ids(advise(spec, target, served, ["high-ttft"]))
+    for symptom in ("high-ttft", "slow-tpot"):
+        result = advise(spec, target, served, [symptom])
+        listed = set(_ids(result)) | {n["id"] for n in result["not_applicable"]}
+        assert not listed & {"chunked-prefill", "operator-fusion"}, listed
     wide = advise(spec, target, served.with_(chunked_prefill=8192), ["high-ttft"])
     chunked = next(r for r in wide["recommendations"] if r["id"] == "chunked-prefill")
     assert "--max-batch-tokens 2048" in chunked["command"]
+    static = advise(spec, target, InferPlan(batch=64, prompt_len=2048), ["slow-tpot"])
+    fused = next(r for r in static["recommendations"] if r["id"] == "operator-fusion")
+    assert fused["predicted"]["tpot_s"] < static["time"]["tpot_s"] / 1.5  # 18 against 36 ms
 
 
 def test_slow_tpot_speculative_quantization_kv() -> None:

@@ -306,12 +306,13 @@ def _infer_recs(ctx: Context) -> list[Recommendation]:
     add("distillation", "Distill into a smaller student", "every decode step reads all weights",
         "a 1.5–32B student inherits reasoning from trace SFT", SRC_R1, "a training run (copt distill)", p,
         ["copt distill sft"])
-    if p.engine == "copt":  # vLLM compiles and captures CUDA graphs by default
-        recs.append(Recommendation("operator-fusion", "CUDA graphs / torch.compile for decode",
-                                   "HF eager decode is launch-bound (43.5 ms/token vs a 0.58 ms floor on the H200)",
-                                   "1.80 ms/token compiled vs 43.5 eager (24×) measured on the 1B shape",
-                                   f"{BENCH}#h200-baselines", "compile time; static shapes", plan=p,
-                                   flags=["--cuda-graphs"]))
+    # copt serve compiles its decode layers and captures CUDA graphs by default, and so does vLLM: only a static batch
+    # on HF generate (eager) has them to gain
+    if p.engine == "copt" and not p.continuous_batching:
+        add("operator-fusion", "CUDA graphs / torch.compile for decode",
+            "HF eager decode is launch-bound (43.5 ms/token vs a 0.58 ms floor on the H200)",
+            "1.80 ms/token compiled vs 43.5 eager (24×) measured on the 1B shape", f"{BENCH}#h200-baselines",
+            "compile time; static shapes", p.with_(continuous_batching=True), ["--cuda-graphs"])
     return recs
 
 
