@@ -256,20 +256,6 @@ GREEDY_AND_SAMPLED_MISSES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(GREEDY_AND_SAMPLED))
-def test_greedy_and_sampled_closed_loops_against_the_h200(case) -> None:
-    """Every level of both testers, greedy and sampled, from one to 256 clients: the replay (one client: the batch-1
-    figures) within ±15% or at its pinned miss."""
-    model, clients, tester, temperature = case
-    load = {"duration_s": 10.0} if tester == "profile" else {"requests": 4 * clients}
-    top_p = 0.95 if tester == "profile" and temperature > 0 else 1.0
-    figures = _predicted(model, 256, 128, clients, temperature, top_p, load)
-    if model == "llama-3.2-1b" and clients > 1:
-        assert "closed_loop_ttft_s" not in figures
-    known = {name: ratio for (*key, name), ratio in GREEDY_AND_SAMPLED_MISSES.items() if tuple(key) == case}
-    _check(model, figures, GREEDY_AND_SAMPLED[case], known)
-
-
 # The same 8B levels on copt serve handing a step's decoded tokens and finished results out before the step's prefill
 # (same command; H200, 2026-12-03, 67158b2; predictions written down before the run). The measured loops' clients
 # now come back during the prefill and their requests wait for the rest of it: closed-loop TTFT p50 rose by 58-92%
@@ -302,14 +288,25 @@ RESULTS_BEFORE_PREFILL_MISSES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(RESULTS_BEFORE_PREFILL))
-def test_closed_loops_of_the_engine_that_streams_before_the_prefill(case) -> None:
+# run: (levels, pinned misses, whether that engine streamed a step's decode before its prefill)
+TESTER_RUNS = {"greedy-and-sampled": (GREEDY_AND_SAMPLED, GREEDY_AND_SAMPLED_MISSES, False),
+               "results-before-prefill": (RESULTS_BEFORE_PREFILL, RESULTS_BEFORE_PREFILL_MISSES, True)}
+
+
+@pytest.mark.parametrize(("run", "case"), [(run, case) for run, (levels, _, _) in TESTER_RUNS.items()
+                                           for case in sorted(levels)])
+def test_greedy_and_sampled_closed_loops_against_the_h200(run, case) -> None:
+    """Every level of both testers, greedy and sampled, from one to 256 clients: the replay of the engine the run
+    measured (one client: the batch-1 figures) within ±15% or at its pinned miss."""
+    levels, misses, results_before_prefill = TESTER_RUNS[run]
     model, clients, tester, temperature = case
     load = {"duration_s": 10.0} if tester == "profile" else {"requests": 4 * clients}
     top_p = 0.95 if tester == "profile" and temperature > 0 else 1.0
-    figures = _predicted(model, 256, 128, clients, temperature, top_p, load, results_before_prefill=True)
-    known = {name: ratio for (*key, name), ratio in RESULTS_BEFORE_PREFILL_MISSES.items() if tuple(key) == case}
-    _check(model, figures, RESULTS_BEFORE_PREFILL[case], known)
+    figures = _predicted(model, 256, 128, clients, temperature, top_p, load, results_before_prefill)
+    if model == "llama-3.2-1b" and clients > 1:
+        assert "closed_loop_ttft_s" not in figures
+    known = {name: ratio for (*key, name), ratio in misses.items() if tuple(key) == case}
+    _check(model, figures, levels[case], known)
 
 
 def test_the_measured_load_is_the_one_replayed() -> None:
