@@ -268,6 +268,22 @@ def test_endpoint_splits_a_level_over_client_processes(fake_server, tmp_path):
     assert sorted(b["prompt"] for b in RECEIVED) == [f"prompt number {i}" for i in range(6)]
 
 
+def test_a_failing_client_process_fails_the_level_with_a_hint(fake_server, tmp_path):
+    """A client process that cannot make its prompts (here: a tokenizer folder that is not one) ends the level with
+    a CoptError naming the way out, instead of a hang or a level counted from the other process alone."""
+    from clusteropt_cli.core.profile.endpoint import EndpointSettings, _level_in_processes, _PromptSource
+    from clusteropt_cli.errors import CoptError
+
+    settings = EndpointSettings(url=fake_server, model="m", concurrency=[2], num_requests=4, warmup=0, gen_len=2,
+                                prompt_len=4, client_processes=2)
+    sources = [_PromptSource(pool=2, prompt_len=4), _PromptSource(pool=2, prompt_len=4, tokenizer=str(tmp_path))]
+    start = time.perf_counter()
+    with pytest.raises(CoptError, match="client process of concurrency 2 failed") as failure:
+        _level_in_processes(settings, 2, sources, send_ignore_eos=True)
+    assert "--client-processes 1" in failure.value.hint
+    assert time.perf_counter() - start < 60
+
+
 def test_client_processes_default_and_bounds(monkeypatch):
     from clusteropt_cli.core.profile.settings import EndpointSettings
     from clusteropt_cli.errors import BadInputError

@@ -588,8 +588,8 @@ def _level_in_processes(s: EndpointSettings, concurrency: int, sources: list[_Pr
         failed = [f[1] for f in finished if f[0] == "failed"]
         if failed or len(finished) < processes:
             raise CoptError(f"A client process of concurrency {concurrency} failed: "
-                                   + (failed[0] if failed else "it ended without results"),
-                                   hint="Run again with --client-processes 1 (one event loop sends every request).")
+                            + (failed[0] if failed else "it ended without results"),
+                            hint="Run again with --client-processes 1 (one event loop sends every request).")
         return _LevelOutcome(results=[r for f in finished for r in f[1]],
                              duration_s=max(f[3] for f in finished) - min(f[2] for f in finished),
                              rejection=next((f[4] for f in finished if f[4]), None))
