@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """How fast `copt profile endpoint`'s client can go: a minimal streaming server (raw asyncio, pre-shaped OpenAI SSE
 chunks, one every --gap-ms per stream) in its own process, and profile_endpoint() at each concurrency against it,
-reporting output tok/s, the client process's CPU per streamed token and TPOT p50 (the server's pace is --gap-ms: a
-TPOT well above it, or ITL p50 near zero — chunks read in bursts — means the client fell behind).
+reporting output tok/s, the client process's CPU per streamed token, TPOT p50 (the server's pace is --gap-ms: a
+TPOT well above it, or ITL p50 near zero — chunks read in bursts — means the client fell behind) and TTFT p50 (the
+server sends the first chunk at once: what the client and loopback add to a TTFT). One client process per level
+(--client-processes 1), whose CPU is the one counted.
 
     python3 bench/profile_client_cpu.py --concurrency 64,128,256 --out client.json     (any machine)
 """
@@ -80,13 +82,14 @@ def main() -> None:
             cpu0 = time.process_time()
             report = profile_endpoint(EndpointSettings(url=f"http://127.0.0.1:{port}", model="m", concurrency=[c],
                                                        num_requests=c * args.rounds, warmup=0, gen_len=args.gen_len,
-                                                       prompt_len=8))
+                                                       prompt_len=8, client_processes=1))
             cpu = time.process_time() - cpu0
             lv = report.levels[0]
             tokens = lv.completed * args.gen_len
             rows.append({"concurrency": c, "output_tokens_per_s": round(lv.output_tokens_per_s),
                          "client_cpu_us_per_token": round(1e6 * cpu / max(tokens, 1), 1),
                          "tpot_p50_ms": round(1e3 * lv.tpot_s["p50"], 2), "itl_p50_ms": round(1e3 * lv.itl_s["p50"], 2),
+                         "ttft_p50_ms": round(1e3 * lv.ttft_s["p50"], 3),
                          "ideal_tokens_per_s": round(c / (args.gap_ms / 1e3))})
             print(rows[-1], flush=True)
     finally:

@@ -284,6 +284,31 @@ def test_a_failing_client_process_fails_the_level_with_a_hint(fake_server, tmp_p
     assert time.perf_counter() - start < 60
 
 
+def test_auth_and_proxy_come_from_the_environment_once(monkeypatch, tmp_path):
+    """--api-key as a bearer token, else the host's .netrc entry as basic auth; HTTP_PROXY unless NO_PROXY covers the
+    host — decided once per run (request_options), not by aiohttp for every request."""
+    import base64
+
+    from clusteropt_cli.core.profile.endpoint import request_options
+
+    netrc_file = tmp_path / "netrc"
+    netrc_file.write_text("machine gpu-box login alice password s3cret\n")
+    netrc_file.chmod(0o600)
+    for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    monkeypatch.setenv("http_proxy", "http://proxy.internal:3128")
+    monkeypatch.setenv("no_proxy", "localhost,127.0.0.1")
+    basic = "Basic " + base64.b64encode(b"alice:s3cret").decode()
+    assert request_options("http://gpu-box:8000/v1/completions", None) == {
+        "headers": {"Authorization": basic}, "proxy": "http://proxy.internal:3128"}
+    assert request_options("http://gpu-box:8000/v1/completions", "k1") == {
+        "headers": {"Authorization": "Bearer k1"}, "proxy": "http://proxy.internal:3128"}
+    assert request_options("http://127.0.0.1:8000/v1/completions", None) == {"headers": {}, "proxy": None}
+    netrc_file.write_text("this is not a netrc file machine\n")
+    assert request_options("http://gpu-box:8000", None)["headers"] == {}  # a broken .netrc is ignored
+
+
 def test_client_processes_default_and_bounds(monkeypatch):
     from clusteropt_cli.core.profile.settings import EndpointSettings
     from clusteropt_cli.errors import BadInputError

@@ -168,12 +168,40 @@ def prefix_cache_counters(text: str) -> tuple[float, float] | None:
     return (totals[PREFIX_CACHE_QUERIES], totals[PREFIX_CACHE_HITS]) if seen else None
 
 
-async def read_prefix_cache(client: Any, url: str, headers: dict[str, str]) -> tuple[float, float] | None:
+def request_options(url: str, api_key: str | None) -> dict[str, Any]:
+    """Headers and proxy of every request to `url`, decided once per run: --api-key as a bearer token, else the
+    ~/.netrc ($NETRC) entry of the host as basic auth; the proxy HTTP(S)_PROXY names unless NO_PROXY covers the host.
+    (aiohttp's trust_env looks these up again for every request, the .netrc read in a worker thread: about a
+    millisecond that lands in each measured TTFT.)"""
+    import base64
+    import netrc
+    import os
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    headers: dict[str, str] = {}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    else:
+        try:
+            entry = netrc.netrc(os.environ.get("NETRC") or None).authenticators(host)
+        except (OSError, netrc.NetrcParseError):
+            entry = None
+        if entry and entry[0] is not None:
+            token = base64.b64encode(f"{entry[0]}:{entry[2] or ''}".encode()).decode()
+            headers["Authorization"] = f"Basic {token}"
+    proxy = None if urllib.request.proxy_bypass(host) else urllib.request.getproxies().get(parts.scheme)
+    return {"headers": headers, "proxy": proxy}
+
+
+async def read_prefix_cache(client: Any, url: str, options: dict[str, Any]) -> tuple[float, float] | None:
     """The server's prefix-cache counters now, or None (no /metrics, no such counters, or not reachable)."""
     import aiohttp
 
     try:
-        async with client.get(metrics_url(url), headers=headers, timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+        async with client.get(metrics_url(url), **options, timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
             if resp.status != 200:
                 return None
             return prefix_cache_counters(await resp.text(errors="replace"))
@@ -230,9 +258,10 @@ def _text_of(chunk: dict[str, Any]) -> str:
     return text or ""
 
 
-async def one_request(client: Any, url: str, payload: dict[str, Any], headers: dict[str, str],
+async def one_request(client: Any, url: str, payload: dict[str, Any], options: dict[str, Any],
                       timeout_s: float) -> RequestResult:
-    """Send one streaming completion over an aiohttp client; never raises for network or server failures."""
+    """Send one streaming completion over an aiohttp client (`options`: request_options()); never raises for network
+    or server failures."""
     import aiohttp
 
     result = RequestResult(ok=False)
@@ -243,7 +272,7 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], headers: d
 
     async def consume() -> None:
         nonlocal last, chunks, usage
-        async with client.post(url, json=payload, headers=headers) as resp:
+        async with client.post(url, json=payload, **options) as resp:
             if resp.status != 200:
                 result.error = f"http_{resp.status}"
                 result.detail = server_message(await resp.read())
@@ -312,7 +341,7 @@ class _Runner:
         # a --dataset's prompts (cycled), else synthetic ones that never repeat
         self.prompts = CycledPrompts(prompts) if isinstance(prompts, list) else prompts
         self.url = completions_url(s.url)
-        self.headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
+        self.options = request_options(self.url, s.api_key)
         self.send_ignore_eos = s.ignore_eos is not False
         self.rejection: str | None = None  # the server's message when it refused ignore_eos
         self.log: Log = lambda _msg: None
@@ -331,7 +360,7 @@ class _Runner:
 
     async def request(self) -> RequestResult:
         body = self.payload()
-        result = await one_request(self.client, self.url, body, self.headers, self.s.request_timeout_s)
+        result = await one_request(self.client, self.url, body, self.options, self.s.request_timeout_s)
         if self.s.ignore_eos is None and "ignore_eos" in body and rejects_ignore_eos(result):
             if self.send_ignore_eos:  # the first request to see it switches the run over
                 self.send_ignore_eos = False
@@ -339,7 +368,7 @@ class _Runner:
                 self.log(f"the server rejected ignore_eos ({self.rejection}); sending requests without it: output "
                          "lengths are bounded by max_tokens only (pass --ignore-eos to insist)")
             body.pop("ignore_eos")
-            result = await one_request(self.client, self.url, body, self.headers, self.s.request_timeout_s)
+            result = await one_request(self.client, self.url, body, self.options, self.s.request_timeout_s)
         return result
 
     def length_control(self) -> str:
@@ -432,9 +461,8 @@ async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | Synthet
     connector = aiohttp.TCPConnector(limit=max(s.concurrency) + 4 if s.concurrency else 0)
     timeout = aiohttp.ClientTimeout(total=None, connect=min(5.0, s.request_timeout_s),
                                     sock_read=s.request_timeout_s)
-    # trust_env: HTTP(S)_PROXY, NO_PROXY and .netrc apply, as they did under httpx
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20,
-                                     trust_env=True) as client:
+    # HTTP(S)_PROXY, NO_PROXY and .netrc apply (request_options), looked up once, not per request
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20) as client:
         runner = _Runner(s, client, prompts)
         runner.log = log
         failures: dict[str, str] = {}  # error kind → the server's first message for it
@@ -458,11 +486,11 @@ async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | Synthet
             processes = s.client_processes_for(kind["concurrency"]) if "concurrency" in kind else 1
             log(f"{name}: sending {s.requests_for(kind.get('concurrency')) or 'for ' + str(s.duration_s) + ' s'}"
                 + (f" from {processes} client processes" if processes > 1 else ""))
-            before = await read_prefix_cache(client, s.url, runner.headers)
+            before = await read_prefix_cache(client, s.url, runner.options)
             results, duration = await load()
             note(results)
             level = summarize_level(results, duration, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, **kind)
-            level.prefix_cache_hit_rate = hit_rate(before, await read_prefix_cache(client, s.url, runner.headers))
+            level.prefix_cache_hit_rate = hit_rate(before, await read_prefix_cache(client, s.url, runner.options))
             levels.append(level)
             log(_level_line(level))
             if (level.prefix_cache_hit_rate or 0.0) >= 0.01:
@@ -533,8 +561,7 @@ def _client_process(s: EndpointSettings, concurrency: int, limit: int | None, so
         connector = aiohttp.TCPConnector(limit=concurrency + 4)
         timeout = aiohttp.ClientTimeout(total=None, connect=min(5.0, s.request_timeout_s),
                                         sock_read=s.request_timeout_s)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20,
-                                         trust_env=True) as client:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20) as client:
             runner = _Runner(s, client, source.build())
             runner.send_ignore_eos = send_ignore_eos
             ready.put(True)
