@@ -22,7 +22,9 @@ Per shape, in --shapes order (cases run most important first; each starts only w
     profile     `copt profile endpoint` (copt's tester) at concurrency 1, 64, 256 (sampled as above, --duration-bounded
                 levels), the command a user runs against the server
     (--tester-modes sampled,greedy runs guidellm and profile endpoint greedy too: temperature 0 in every request;
-    --guidellm-loads 1,64,256 adds guidellm at batch 1; --guidellm-python runs guidellm from its own environment)
+    --guidellm-loads 1,64,256 adds guidellm at batch 1; --guidellm-python runs guidellm from its own environment;
+    --profile-rates 20,40 adds open-loop levels to the profile endpoint: Poisson arrivals at those requests/s,
+    reported as r<rate>)
   tserve      `transformers serve DIR --continuous-batching` on the same directory with the same clients (it
                 rejects ignore_eos: the tokens it actually returns are counted, and early stops recorded); each load
                 is bounded by --tserve-window seconds, tokens streamed by then count
@@ -53,7 +55,8 @@ JSON (`--out`), per shape key "1b"/"8b" under each case; tok/s are output tokens
                             own --seed (guidellm's prompts follow it: one seed twice would repeat them);
                             ttft_first_round_s / ttft_later_rounds_s: TTFT percentiles of every stream's first
                             request (sent together) and of the later ones (sent as the stream's previous ended)
-  profile_endpoint.<shape>  `copt profile endpoint` per level c1/c64/c256 (sampled): the same figures
+  profile_endpoint.<shape>  `copt profile endpoint` per level c1/c64/c256 (sampled): the same figures; r<rate> for
+                            --profile-rates (open loop, `rate_command`)
   guidellm_greedy, profile_endpoint_greedy   the same, greedy (--tester-modes greedy)
   engine.<shape>.c<N>_<mode> the in-process engine's tok/s and TTFT percentiles; startup_s
   advise.<shape>.c<N>_<mode> copt advise's tpot_s, tpot_floor_s, ttft_s, output_tokens_per_s, the command
@@ -560,38 +563,46 @@ def case_guidellm(url: str, model_dir: Path, args, budget: Budget, work: Path, s
 def case_profile(url: str, model_dir: Path, args, budget: Budget, work: Path, shape: str,  # noqa: ANN001
                  mode: str = "sampled") -> dict:
     """`copt profile endpoint` against the running server with the copt client's settings for `mode` (sampled:
-    temperature 1.0, top_p 0.95; greedy: temperature 0), levels bounded in time."""
-    levels = ",".join(str(c) for c in args.profile_levels)
-    if not budget.allows(15):
-        return {"skipped": "time budget"}
+    temperature 1.0, top_p 0.95; greedy: temperature 0), levels bounded in time: the concurrency sweep, then (with
+    --profile-rates) the open-loop rates in a second command (the profile endpoint takes one or the other)."""
     suffix = "" if mode == "sampled" else f"-{mode}"
-    report = work / f"profile-endpoint-{shape}{suffix}.json"
     sampling = ["--temperature", str(MODES[mode]["temperature"])]
     if "top_p" in MODES[mode]:
         sampling += ["--top-p", str(MODES[mode]["top_p"])]
-    cmd = [sys.executable, "-m", "clusteropt_cli", "profile", "endpoint", "--url", url, "--model", str(model_dir),
-           "--concurrency", levels, "--duration", str(args.profile_duration), "--prompt-len", str(CFG["prompt_len"]),
-           "--gen-len", str(CFG["out_tokens"]), *sampling, "--tokenizer", str(model_dir),
-           "--report", str(report), "--overwrite"]
-    log("running: " + " ".join(cmd))
-    t0 = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True,
-                              timeout=max(10.0, min(args.profile_duration * len(args.profile_levels) + 120,
-                                                    budget.left() - 5)))
-    except subprocess.TimeoutExpired as exc:
-        return {"error": f"timed out after {exc.timeout:.0f} s", "command": " ".join(cmd)}
-    out: dict = {"command": " ".join(cmd), "exit_status": done.returncode, "wall_s": round(time.perf_counter() - t0, 1),
-                 "temperature": MODES[mode]["temperature"]}
-    if not report.exists():
-        out["error"] = (done.stderr or done.stdout)[-3000:]
-        return out
-    data = json.loads(report.read_text())
-    for lv in data.get("levels", []):
-        out[f"c{lv.get('concurrency')}"] = {k: lv.get(k) for k in ("requests", "completed", "errors", "duration_s",
-                                                                  "output_tokens_per_s", "ttft_s", "tpot_s",
-                                                                  "prefix_cache_hit_rate")}
-    out["length_control"] = (data.get("workload") or {}).get("output_length_control")
+    out: dict = {"temperature": MODES[mode]["temperature"]}
+    sweeps = [("command", "--concurrency", ",".join(str(c) for c in args.profile_levels), len(args.profile_levels),
+               work / f"profile-endpoint-{shape}{suffix}.json")]
+    if args.profile_rates:
+        sweeps.append(("rate_command", "--rate", ",".join(f"{r:g}" for r in args.profile_rates),
+                       len(args.profile_rates), work / f"profile-endpoint-{shape}{suffix}-rates.json"))
+    for key, flag, values, count, report in sweeps:
+        if not budget.allows(15):
+            out.setdefault("skipped", "time budget")
+            break
+        cmd = [sys.executable, "-m", "clusteropt_cli", "profile", "endpoint", "--url", url, "--model",
+               str(model_dir), flag, values, "--duration", str(args.profile_duration), "--prompt-len",
+               str(CFG["prompt_len"]), "--gen-len", str(CFG["out_tokens"]), *sampling, "--tokenizer", str(model_dir),
+               "--report", str(report), "--overwrite"]
+        log("running: " + " ".join(cmd))
+        out[key] = " ".join(cmd)
+        t0 = time.perf_counter()
+        try:
+            done = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True,
+                                  timeout=max(10.0, min(args.profile_duration * count + 120, budget.left() - 5)))
+        except subprocess.TimeoutExpired as exc:
+            out["error"] = f"{flag}: timed out after {exc.timeout:.0f} s"
+            continue
+        out["exit_status"] = max(out.get("exit_status", 0), done.returncode)
+        out["wall_s"] = round(out.get("wall_s", 0.0) + time.perf_counter() - t0, 1)
+        if not report.exists():
+            out["error"] = (done.stderr or done.stdout)[-3000:]
+            continue
+        data = json.loads(report.read_text())
+        for lv in data.get("levels", []):
+            name = f"c{lv['concurrency']}" if lv.get("concurrency") is not None else f"r{lv.get('rate'):g}"
+            out[name] = {k: lv.get(k) for k in ("requests", "completed", "errors", "duration_s",
+                                                "output_tokens_per_s", "ttft_s", "tpot_s", "prefix_cache_hit_rate")}
+        out.setdefault("length_control", (data.get("workload") or {}).get("output_length_control"))
     return out
 
 
@@ -834,6 +845,8 @@ def main() -> None:
                         "sampled, greedy or both (sampled,greedy; default sampled)")
     parser.add_argument("--profile-levels", default="1,64,256", help="copt profile endpoint concurrencies")
     parser.add_argument("--profile-duration", type=float, default=5, help="copt profile endpoint seconds per level")
+    parser.add_argument("--profile-rates", default="", help="open-loop levels of copt profile endpoint: Poisson "
+                        "arrival rates in requests/s (reported as r<rate>; default none)")
     parser.add_argument("--keep-reports", action="store_true", help="embed guidellm's whole reports in the JSON")
     parser.add_argument("--work-dir", type=Path, default=None, help="model directories and logs (default: a "
                         "temporary folder, removed at the end)")
@@ -853,6 +866,7 @@ def main() -> None:
         parser.error(f"unknown shapes {bad} / cases {sorted(unknown)}; shapes: 1b, 8b; cases: {', '.join(CASES)}")
     args.guidellm_shapes = {s.strip().lower() for s in args.guidellm_shapes.split(",") if s.strip()}
     args.profile_levels = [int(c) for c in args.profile_levels.split(",") if c.strip()]
+    args.profile_rates = [float(r) for r in args.profile_rates.split(",") if r.strip()]
     args.tester_modes = [m.strip() for m in args.tester_modes.split(",") if m.strip()]
     if not args.tester_modes or set(args.tester_modes) - set(MODES):
         parser.error(f"--tester-modes: one or more of {', '.join(MODES)}")
