@@ -616,9 +616,7 @@ class Engine(EngineLoading, SpeculativeDecoding):
                 self._decode_chain(decoding)
             else:
                 self._decode_step(decoding)
-        if self._wakes:  # the decode's tokens and finished results go out now, not after this step's prefill
-            _wake_all(self._wakes)
-            self._wakes = {}
+        self._flush_wakes()  # the decode's tokens and finished results go out now, not after this step's prefill
         # 4. chunked prefill with the remaining token budget
         budget = max(self.max_batch_tokens - len(decoding), 16)
         chunks = []
@@ -897,6 +895,10 @@ class Engine(EngineLoading, SpeculativeDecoding):
                 if self.pool is not None:
                     self._register_blocks(s)
             self._emit_one_each([s for s, _ in live], [t for _, t in live])
+        self._flush_wakes()
+
+    def _flush_wakes(self) -> None:
+        """Wake the consumers of the tokens emitted so far in this step, without waiting for the step's end."""
         if self._wakes:
             _wake_all(self._wakes)
             self._wakes = {}
