@@ -161,3 +161,45 @@ def test_expect_recipe_to_settings(tmp_path):
     bare.write_text("task: train\nmodel: m\n")
     with pytest.raises(BadInputError, match="no prediction.figures"):
         load_expectation(str(bare))
+
+
+def test_a_rate_level_keeps_its_poisson_schedule_on_a_busy_loop():
+    """Every request of a --rate level goes out at its own Poisson time, measured from the level's start: a loop that
+    spends 1 ms of CPU on each request (a client busy with its streams) sends late but catches up. Sleeping the gaps
+    one after another (as the profile endpoint did) sent a share fewer in the level's time."""
+    import asyncio
+    import time
+
+    from clusteropt_cli.core.profile.endpoint import _Runner, poisson_send_times
+
+    settings = EndpointSettings(url="http://127.0.0.1:9", model="m", rate=[400.0], duration_s=0.5, warmup=0)
+    runner = _Runner(settings, client=None, prompts=["a prompt"])
+    sent: list[float] = []
+
+    async def busy_request() -> RequestResult:
+        sent.append(time.perf_counter())
+        time.sleep(0.001)  # the loop's own work: not a yield
+        await asyncio.sleep(0.02)
+        return RequestResult(ok=True, ttft_s=0.01, output_tokens=4)
+
+    runner.request = busy_request
+    results, duration = asyncio.run(runner.by_rate(400.0))
+    schedule = list(poisson_send_times(400.0, duration_s=0.5, seed=settings.seed))
+    assert len(results) == len(schedule) > 150
+    assert len(runner.send_lag_s) == len(schedule)
+    assert sorted(runner.send_lag_s)[len(schedule) // 2] < 0.005  # the median request went out on time
+    assert sent[-1] - sent[0] == pytest.approx(schedule[-1], abs=0.05)
+    assert duration >= schedule[-1]
+
+
+def test_poisson_send_times_follow_the_seed_and_the_bounds():
+    from clusteropt_cli.core.profile.endpoint import poisson_send_times
+
+    times = list(poisson_send_times(50.0, duration_s=4.0, seed=3))
+    assert times[0] == 0.0 and times == sorted(times) and times[-1] < 4.0
+    assert 150 < len(times) < 250  # 200 expected
+    assert times == list(poisson_send_times(50.0, duration_s=4.0, seed=3))
+    assert times != list(poisson_send_times(50.0, duration_s=4.0, seed=4))
+    assert list(poisson_send_times(50.0, requests=7, seed=3)) == times[:7]
+    with pytest.raises(ValueError):
+        next(poisson_send_times(0.0, requests=1))

@@ -19,7 +19,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
@@ -344,6 +344,7 @@ class _Runner:
         self.options = request_options(self.url, s.api_key)
         self.send_ignore_eos = s.ignore_eos is not False
         self.rejection: str | None = None  # the server's message when it refused ignore_eos
+        self.send_lag_s: list[float] = []  # the last rate level's: how late each request went out (by_rate)
         self.log: Log = lambda _msg: None
 
     def payload(self) -> dict[str, Any]:
@@ -394,18 +395,35 @@ class _Runner:
         return results, time.perf_counter() - start
 
     async def by_rate(self, rate: float) -> tuple[list[RequestResult], float]:
-        limit = self.s.requests_for(None)
-        rng = random.Random(self.s.seed)
+        """Requests at poisson_send_times, each sent when the run's clock reaches its time (a loop busy with the
+        streams in flight sends late, then catches up: the level keeps its rate); how late they went is
+        `self.send_lag_s`."""
         start = time.perf_counter()
-        deadline = None if self.s.duration_s is None else start + self.s.duration_s
-        tasks = []
-        while limit is None or len(tasks) < limit:
-            if deadline is not None and time.perf_counter() >= deadline:
-                break
+        tasks, lags = [], []
+        for at in poisson_send_times(rate, duration_s=self.s.duration_s, requests=self.s.requests_for(None),
+                                     seed=self.s.seed):
+            wait = start + at - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            lags.append(max(0.0, time.perf_counter() - start - at))
             tasks.append(asyncio.create_task(self.request()))
-            await asyncio.sleep(rng.expovariate(rate))
+        self.send_lag_s = lags
         results = list(await asyncio.gather(*tasks))
         return results, time.perf_counter() - start
+
+
+def poisson_send_times(rate: float, *, duration_s: float | None = None, requests: int | None = None,
+                       seed: int = 0) -> Iterator[float]:
+    """When a --rate level sends its requests, in seconds from its start: the first at 0, then exponential gaps of
+    mean 1/rate from random.Random(seed), until `requests` were sent or the next would be at `duration_s` or later
+    (endless when both are None). advise's open-loop replay sends at the same times."""
+    if rate <= 0:
+        raise ValueError("the rate must be positive")
+    rng, at, sent = random.Random(seed), 0.0, 0
+    while (requests is None or sent < requests) and (duration_s is None or at < duration_s):
+        yield at
+        sent += 1
+        at += rng.expovariate(rate)
 
 
 def summarize_level(results: list[RequestResult], duration_s: float, *, concurrency: int | None = None,
@@ -491,8 +509,14 @@ async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | Synthet
             note(results)
             level = summarize_level(results, duration, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, **kind)
             level.prefix_cache_hit_rate = hit_rate(before, await read_prefix_cache(client, s.url, runner.options))
+            if "rate" in kind and runner.send_lag_s:
+                level.send_lag_s = latency_summary(runner.send_lag_s)
             levels.append(level)
             log(_level_line(level))
+            if level.send_lag_s and level.send_lag_s["p90"] > 0.5 / kind.get("rate", 1.0):
+                log(f"  the client sent late: p90 {level.send_lag_s['p90'] * 1e3:.1f} ms after the request's Poisson "
+                    "time (over half the mean gap): this host's event loop, busy with the streams in flight, bounds "
+                    "the level")
             if (level.prefix_cache_hit_rate or 0.0) >= 0.01:
                 log(f"  the server found {level.prefix_cache_hit_rate:.0%} of this level's prompt tokens in its prefix "
                     "cache: its TTFT and throughput include those hits (repeated --dataset prompts, or another "

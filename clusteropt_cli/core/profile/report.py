@@ -76,6 +76,8 @@ class EndpointLevel(_Model):
     # prompt tokens the server found in its prefix cache over those looked up during the level (its /metrics
     # counters, vLLM's names); None when the server does not export them
     prefix_cache_hit_rate: float | None = None
+    # a rate level's: how late the client sent its requests after their Poisson times (p50/p90/p99/mean, seconds)
+    send_lag_s: dict[str, float] | None = None
 
 
 class ProfileReport(_Model):
