@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""advise's closed-loop replay (clusteropt_cli/core/advise/closed_loop.py) against the closed loops a
+"""advise's closed-loop replay (clusteropt_cli/core/advise/closed_loop.py) against the loads a
 bench/gpu_serve_models.py run measured: for every guidellm level (its request count) and every `copt profile
-endpoint` level (its duration) of each shape, greedy and sampled, the replay of that exact load next to the
-clients' tok/s, TTFT p50 and TPOT p50, with replayed ÷ measured; a one-client level against advise's batch-1
-figures. Runs anywhere (no GPU): it reads the results JSON.
+endpoint` level (its duration; a --rate level: the open-loop replay of its Poisson sends) of each shape, greedy
+and sampled, the replay of that exact load next to the clients' tok/s, TTFT p50 and TPOT p50, with replayed ÷
+measured; a one-client level against advise's batch-1 figures. Runs anywhere (no GPU): it reads the results JSON.
 
     python3 bench/closed_loop_check.py RESULTS.json [...] [--json] [--results-after-prefill]
 
@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from clusteropt_cli.core.advise.closed_loop import closed_loop_figures
+from clusteropt_cli.core.advise.closed_loop import closed_loop_figures, open_loop_figures
 from clusteropt_cli.core.advise.plan import InferPlan, Target
 from clusteropt_cli.core.advise.timing import infer_time
 from clusteropt_cli.hardware import get_gpu
@@ -60,22 +60,30 @@ def levels(results: dict) -> list[dict]:
                     out.append({"shape": shape, "tester": "profile endpoint", "clients": int(name[1:]),
                                 "load": {"duration_s": duration}, "temperature": temperature, "top_p": top_p,
                                 "measured": level})
+                elif name.startswith("r") and isinstance(level, dict) and level.get("completed"):
+                    out.append({"shape": shape, "tester": "profile endpoint", "clients": None,
+                                "load": {"rate": float(name[1:]), "duration_s": duration},
+                                "temperature": temperature, "top_p": top_p, "measured": level})
     for level in out:
         level["prompt_len"], level["gen_len"] = cfg["prompt_len"], cfg["out_tokens"]
     return out
 
 
 def predicted(level: dict, results_before_prefill: bool = True) -> dict[str, float]:
-    """The replay of the level's load (closed_loop_* figures); for one client, infer_time's own batch-1 figures
-    (a lone client's requests never overlap)."""
-    plan = InferPlan(batch=level["clients"], prompt_len=level["prompt_len"], gen_len=level["gen_len"],
+    """The replay of the level's load (output_tokens_per_s, ttft_s, tpot_s): a closed loop's, an open loop's (a
+    rate level, clients None: open_loop_figures with the profile endpoint's default seed) or, for one client,
+    infer_time's own batch-1 figures (a lone client's requests never overlap)."""
+    plan = InferPlan(batch=level["clients"] or 1, prompt_len=level["prompt_len"], gen_len=level["gen_len"],
                      continuous_batching=True, temperature=level["temperature"], top_p=level["top_p"])
     spec, target = load_model_spec(PRESETS[level["shape"]]), Target(get_gpu("h200"))
+    if level["clients"] is None:
+        figures = open_loop_figures(spec, plan, target, **level["load"]) or {}
+        return {name.removeprefix("open_loop_"): value for name, value in figures.items()}
     if level["clients"] == 1:
         figures = infer_time(spec, plan, target).figures
-        return {f"closed_loop_{name}": figures[name] for name in ("output_tokens_per_s", "ttft_s", "tpot_s")}
+        return {name: figures[name] for name in ("output_tokens_per_s", "ttft_s", "tpot_s")}
     replay = closed_loop_figures(spec, plan, target, **level["load"], results_before_prefill=results_before_prefill)
-    return replay[0] if replay else {}
+    return {name.removeprefix("closed_loop_"): value for name, value in (replay[0] if replay else {}).items()}
 
 
 def check(level: dict, results_before_prefill: bool = True) -> dict:
@@ -85,7 +93,7 @@ def check(level: dict, results_before_prefill: bool = True) -> dict:
                 "tpot_s": m["tpot_s"]["p50"]}
     row = {k: level[k] for k in ("shape", "tester", "clients", "load", "prompt_len", "gen_len", "temperature")}
     for name, value in measured.items():
-        replayed = figures.get(f"closed_loop_{name}")
+        replayed = figures.get(name)
         row[name] = {"measured": value, "replayed": replayed,
                      "ratio": None if replayed is None else round(replayed / value, 2)}
     return row
@@ -111,7 +119,8 @@ def main() -> None:
             cells.append(f"{name.split('_')[0]} {shown} {unit} ({'-' if f['ratio'] is None else f['ratio']})")
         load = ", ".join(f"{k} {v}" for k, v in r["load"].items())
         mode = "greedy" if r["temperature"] == 0 else "sampled"
-        print(f"  {r['shape']} {r['prompt_len']}/{r['gen_len']} {r['tester']:16s} {mode:7s} {r['clients']:4d} clients "
+        who = f"{r['clients']:4d} clients" if r["clients"] else f"{r['load']['rate']:g}/s Poisson"
+        print(f"  {r['shape']} {r['prompt_len']}/{r['gen_len']} {r['tester']:16s} {mode:7s} {who} "
               f"({load}): " + "; ".join(cells))
 
 

@@ -601,7 +601,8 @@ def case_profile(url: str, model_dir: Path, args, budget: Budget, work: Path, sh
         for lv in data.get("levels", []):
             name = f"c{lv['concurrency']}" if lv.get("concurrency") is not None else f"r{lv.get('rate'):g}"
             out[name] = {k: lv.get(k) for k in ("requests", "completed", "errors", "duration_s",
-                                                "output_tokens_per_s", "ttft_s", "tpot_s", "prefix_cache_hit_rate")}
+                                                "output_tokens_per_s", "ttft_s", "tpot_s", "prefix_cache_hit_rate",
+                                                "send_lag_s")}
         out.setdefault("length_control", (data.get("workload") or {}).get("output_length_control"))
     return out
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from clusteropt_cli.core.advise.closed_loop import closed_loop_figures, simulate_closed_loop
+from clusteropt_cli.core.advise.closed_loop import (
+    closed_loop_figures,
+    open_loop_figures,
+    simulate_closed_loop,
+    simulate_open_loop,
+)
 from clusteropt_cli.core.advise.plan import InferPlan, Target
 from clusteropt_cli.core.advise.timing import ServeCosts, infer_time
 from clusteropt_cli.hardware import get_gpu
@@ -326,3 +331,40 @@ def test_the_measured_load_is_the_one_replayed() -> None:
     assert measured_closed_loop(report({"duration_s": None}, (1, 8))) is None
     for hostile in ("abc", -5, float("nan"), float("inf"), True, [10]):  # a malformed report: its request count
         assert measured_closed_loop(report({"duration_s": hostile}, (8, 32))) == {"requests": 32}
+
+
+def test_an_open_loop_sends_the_profile_endpoints_poisson_times() -> None:
+    """simulate_open_loop sends what `copt profile endpoint --rate` sends (poisson_send_times, same seed), whatever
+    the answers do: far apart, each request is a lone one (one prefill step, then decode steps of one row)."""
+    from clusteropt_cli.core.profile.endpoint import poisson_send_times
+
+    sends = list(poisson_send_times(2.0, duration_s=20.0, seed=5))
+    run = simulate_open_loop(_toy(first_token_s=0.002), 2.0, 11, duration_s=20.0, seed=5)
+    assert run.requests == run.clients == len(sends) and not run.truncated
+    assert sorted(sent for sent, _, _ in run.per_request) == pytest.approx(sends)
+    assert run.ttft_s == pytest.approx(0.003, abs=0.011)  # at most one decode step ahead of its prefill
+    assert run.tpot_s == pytest.approx(0.010, rel=0.15)
+    with pytest.raises(ValueError):
+        simulate_open_loop(_toy(), 2.0, 11)
+
+
+def test_an_open_loop_queues_past_what_the_engine_serves() -> None:
+    """Below the engine's rate the TTFT stays near one step and every request is served as it comes; past it (64
+    rows, each held 11 steps of at least 10 ms: under 582 requests/s) the requests wait for a free row, the TTFT
+    grows with the load's length and the throughput stays under the rows' bound."""
+    low = simulate_open_loop(_toy(), 100.0, 11, duration_s=2.0)
+    high = simulate_open_loop(_toy(), 1000.0, 11, duration_s=2.0)
+    assert low.ttft_s < 0.02 and high.ttft_s > 10 * low.ttft_s
+    assert low.output_tokens_per_s == pytest.approx(low.requests * 11 / low.duration_s)
+    assert low.requests / low.duration_s == pytest.approx(100.0, rel=0.15)
+    assert high.output_tokens_per_s < 64 * 11 / (11 * 0.010)
+
+
+def test_open_loop_figures_on_the_h200_shapes() -> None:
+    """advise's open loop of the 8B shape: TPOT grows with the rate; one truth with the closed loop's step costs."""
+    plan = InferPlan(prompt_len=256, gen_len=128, continuous_batching=True)
+    spec, target = load_model_spec("llama-3.1-8b"), Target(get_gpu("h200"))
+    slow, fast = (open_loop_figures(spec, plan, target, rate=r, duration_s=10.0) for r in (8.0, 48.0))
+    assert slow and fast and fast["open_loop_tpot_s"] > slow["open_loop_tpot_s"]
+    assert slow["open_loop_output_tokens_per_s"] == pytest.approx(8 * 128, rel=0.15)
+    assert open_loop_figures(spec, plan, Target(None), rate=8.0, duration_s=10.0) is None

@@ -67,6 +67,34 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
         raise ValueError("clients and gen_len must be at least 1")
     if duration_s is None and requests is None:
         raise ValueError("a closed loop needs a request count or a duration")
+    return _replay(costs, gen_len, [(0.0, client) for client in range(clients)], closed=True, requests=requests,
+                   duration_s=duration_s, max_steps=max_steps)
+
+
+def simulate_open_loop(costs: ServeCosts, rate: float, gen_len: int, *, requests: int | None = None,
+                       duration_s: float | None = None, seed: int = 0,
+                       max_steps: int = 200_000) -> ClosedLoopFigures:
+    """Requests sent at Poisson times whatever the answers do (`copt profile endpoint --rate`: the same times, from
+    its poisson_send_times; guidellm's poisson profile and `vllm bench serve --request-rate` send the same way),
+    through the same API queue and engine steps as simulate_closed_loop; `clients` of the figures is the number of
+    requests."""
+    from clusteropt_cli.core.profile.endpoint import poisson_send_times
+
+    if gen_len < 1:
+        raise ValueError("gen_len must be at least 1")
+    if duration_s is None and requests is None:
+        raise ValueError("an open loop needs a request count or a duration")
+    sends = list(poisson_send_times(rate, duration_s=duration_s, requests=requests, seed=seed))
+    return _replay(costs, gen_len, [(at, i) for i, at in enumerate(sends)], closed=False, requests=None,
+                   duration_s=None, max_steps=max_steps)
+
+
+def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, int]], *, closed: bool,
+            requests: int | None, duration_s: float | None, max_steps: int) -> ClosedLoopFigures:
+    """Step the engine through the planned sends (time, client), in time order; closed: a client sends again when
+    its request's last token arrived."""
+    clients = len(planned_sends)
+    planned = deque(sorted(planned_sends))
     decode_s = lru_cache(maxsize=None)(costs.decode_step)
     api_free = 0.0  # when the API process is next idle
     arrivals: list[tuple[float, int, _Request]] = []  # (reaches the engine, order, request)
@@ -83,8 +111,6 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
         heapq.heappush(arrivals, (api_free, order, request))
         order += 1
 
-    for client in range(clients):
-        send(client, 0.0)
     waiting: deque[_Request] = deque()  # arrived, not yet admitted (no free place)
     prefilling: deque[_Request] = deque()  # admitted, prompt not fully computed: first come, first served
     finishing: dict[int, list[_Request]] = defaultdict(list)  # step index → the requests whose last token it makes
@@ -92,14 +118,16 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
     done: list[tuple[_Request, float]] = []
     now, steps, prefill_steps, host_bound = 0.0, 0, 0, 0
     while steps < max_steps:
+        while planned and planned[0][0] <= now:  # sent before the step starts (the API queue decides when it arrives)
+            send(planned[0][1], planned.popleft()[0])
         while arrivals and arrivals[0][0] <= now:
             waiting.append(heapq.heappop(arrivals)[2])
         while waiting and len(prefilling) + decoding < costs.max_running:
             prefilling.append(waiting.popleft())
         if not prefilling and not decoding:
-            if not arrivals:
+            if not arrivals and not planned:
                 break
-            now = arrivals[0][0]
+            now = min(arrivals[0][0] if arrivals else float("inf"), planned[0][0] if planned else float("inf"))
             continue
         budget = max(costs.step_tokens - decoding, 16)
         chunks: list[tuple[_Request, int]] = []
@@ -134,8 +162,9 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
         for r in finished:
             api_free = max(decoded if costs.results_before_prefill else now, api_free) + costs.stream_s
             done.append((r, api_free))
-            send(r.client, api_free)
-    truncated = bool(arrivals or waiting or prefilling or decoding)
+            if closed:
+                send(r.client, api_free)
+    truncated = bool(planned or arrivals or waiting or prefilling or decoding)
     if not done:  # max_steps ran out before the first request ended
         nan = float("nan")
         return ClosedLoopFigures(clients=clients, requests=0, duration_s=now, output_tokens_per_s=0.0, ttft_s=nan,
@@ -189,3 +218,28 @@ def closed_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, req
         figures["closed_loop_ttft_s"] = run.ttft_s
     workload = {"closed_loop_requests": requests} if requests is not None else {"closed_loop_duration_s": duration_s}
     return figures, workload
+
+
+def open_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, rate: float,
+                      duration_s: float | None = None, requests: int | None = None, seed: int = 0,
+                      ) -> dict[str, float] | None:
+    """Requests at `rate` per second (Poisson, as `copt profile endpoint --rate` sends them with its --seed) through
+    copt's engine: open_loop_ttft_s, open_loop_tpot_s (medians) and open_loop_output_tokens_per_s (first send to
+    last token). None where closed_loop_figures gives none (the plan's step model does not apply, or the replay
+    ran out of steps: the rate is past what the engine serves for longer than the load lasts); the TTFT is left
+    out where most prefilling steps are host-bound, as there."""
+    from clusteropt_cli.core.advise.memory import max_concurrent_seqs
+
+    if target.gpu is None:
+        return None
+    engine_rows = max_concurrent_seqs(spec, replace(plan, continuous_batching=True), target) or 2
+    costs = infer_time(spec, replace(plan, batch=max(engine_rows, 2)), target).costs  # as many as the engine runs
+    if costs is None:
+        return None
+    run = simulate_open_loop(costs, rate, plan.gen_len, requests=requests, duration_s=duration_s, seed=seed)
+    if run.truncated or not run.requests:
+        return None
+    figures = {"open_loop_tpot_s": run.tpot_s, "open_loop_output_tokens_per_s": run.output_tokens_per_s}
+    if run.host_bound_share <= HOST_BOUND_TTFT_LIMIT:
+        figures["open_loop_ttft_s"] = run.ttft_s
+    return figures
