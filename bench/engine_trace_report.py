@@ -5,6 +5,13 @@ load's span — in steps (decode only, prefill only, both) or waiting between th
 chained (async scheduling).
 
     python3 bench/engine_trace_report.py TRACE.json [...]     (prints; --json for the numbers)
+    python3 bench/engine_trace_report.py TRACE.json --step-costs llama-3.1-8b [--prompt-len 256] [--gpu h200]
+
+--step-costs PRESET sets every step that ran one decode pass (decode only, or decode and prefill) next to the cost
+advise's replay gives it (timing.ServeCosts of a 256-client sampled plan of PRESET: decode_step(rows), plus
+prefill(tokens, chunks) at least the host's prefill floor): medians per bin of decode rows (by 32) and prompt
+chunks (prompt tokens / --prompt-len). A step's decode rows are its generated tokens less the prompts it finished
+(prompt tokens // --prompt-len): exact when every prompt is --prompt-len tokens and none is split.
 """
 
 from __future__ import annotations
@@ -58,11 +65,58 @@ def summarise(requests: list, steps: list, t0: float, t1: float) -> dict:
     }
 
 
+def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str) -> list[dict]:
+    """Measured one-decode-pass steps against the replay's step cost, binned (see the module text)."""
+    import statistics
+    from collections import defaultdict
+
+    from clusteropt_cli.core.advise.plan import InferPlan, Target
+    from clusteropt_cli.core.advise.timing import infer_time
+    from clusteropt_cli.hardware import get_gpu
+    from clusteropt_cli.modelspec import load_model_spec
+
+    plan = InferPlan(batch=256, prompt_len=prompt_len, gen_len=128, continuous_batching=True, temperature=1.0,
+                     top_p=0.95)
+    costs = infer_time(load_model_spec(preset), plan, Target(get_gpu(gpu))).costs
+    if costs is None:
+        raise SystemExit(f"advise has no step costs for {preset} on {gpu}")
+    bins: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
+    for s in trace["steps"]:
+        if s[4] != 1:
+            continue
+        chunks = -(-s[6] // prompt_len)
+        rows = max(1, s[7] - s[6] // prompt_len)
+        replayed = costs.decode_step(rows)
+        if chunks:
+            replayed = max(replayed + costs.prefill(s[6], chunks), costs.prefill_step_floor(chunks))
+        bins[(rows // 32 * 32, chunks)].append((s[1] - s[0], replayed))
+    return [{"rows_from": rows, "chunks": chunks, "steps": len(v),
+             "measured_ms": round(1e3 * statistics.median(m for m, _ in v), 2),
+             "replayed_ms": round(1e3 * statistics.median(r for _, r in v), 2)}
+            for (rows, chunks), v in sorted(bins.items())]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+", type=Path)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--step-costs", metavar="PRESET", help="measured steps against advise's step costs")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--gpu", default="h200")
     args = parser.parse_args()
+    if args.step_costs:
+        for path in args.traces:
+            rows = step_costs(json.loads(path.read_text()), args.step_costs, args.prompt_len, args.gpu)
+            if args.json:
+                print(json.dumps(rows, indent=1))
+                continue
+            print(f"{path.name}: one-decode-pass steps, measured against advise's step cost ({args.step_costs})")
+            for r in rows:
+                if r["steps"] >= 5:
+                    print(f"  rows {r['rows_from']:3d}-{r['rows_from'] + 31:3d}, {r['chunks']} prompt chunks: "
+                          f"{r['steps']:5d} steps, measured {r['measured_ms']:6.1f} ms, replayed "
+                          f"{r['replayed_ms']:6.1f} ms ({r['replayed_ms'] / r['measured_ms']:.2f})")
+        return
     report = {}
     for path in args.traces:
         trace = json.loads(path.read_text())
