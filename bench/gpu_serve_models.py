@@ -571,7 +571,7 @@ def case_profile(url: str, model_dir: Path, args, budget: Budget, work: Path, sh
         sampling += ["--top-p", str(MODES[mode]["top_p"])]
     out: dict = {"temperature": MODES[mode]["temperature"]}
     sweeps = [("command", "--concurrency", ",".join(str(c) for c in args.profile_levels), len(args.profile_levels),
-               work / f"profile-endpoint-{shape}{suffix}.json")]
+               work / f"profile-endpoint-{shape}{suffix}.json")] if args.profile_levels else []
     if args.profile_rates:
         sweeps.append(("rate_command", "--rate", ",".join(f"{r:g}" for r in args.profile_rates),
                        len(args.profile_rates), work / f"profile-endpoint-{shape}{suffix}-rates.json"))
@@ -844,7 +844,8 @@ def main() -> None:
                         "virtual environment: guidellm pins click); default this one")
     parser.add_argument("--tester-modes", default="sampled", help="what guidellm and copt profile endpoint send: "
                         "sampled, greedy or both (sampled,greedy; default sampled)")
-    parser.add_argument("--profile-levels", default="1,64,256", help="copt profile endpoint concurrencies")
+    parser.add_argument("--profile-levels", default="1,64,256",
+                        help="copt profile endpoint concurrencies ('' : none, e.g. with --profile-rates alone)")
     parser.add_argument("--profile-duration", type=float, default=5, help="copt profile endpoint seconds per level")
     parser.add_argument("--profile-rates", default="", help="open-loop levels of copt profile endpoint: Poisson "
                         "arrival rates in requests/s (reported as r<rate>; default none)")
