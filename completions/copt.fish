@@ -47,6 +47,7 @@ complete -c copt -n "__fish_seen_subcommand_from advise" -l pipeline-micro-batch
 complete -c copt -n "__fish_seen_subcommand_from advise" -l pipeline-stages
 complete -c copt -n "__fish_seen_subcommand_from advise" -l precision
 complete -c copt -n "__fish_seen_subcommand_from advise" -l prompt-len
+complete -c copt -n "__fish_seen_subcommand_from advise" -l rate
 complete -c copt -n "__fish_seen_subcommand_from advise" -l recipe
 complete -c copt -n "__fish_seen_subcommand_from advise" -l seq-len
 complete -c copt -n "__fish_seen_subcommand_from advise" -l shared-prefix-len

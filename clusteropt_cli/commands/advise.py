@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -78,6 +79,11 @@ def advise(
                                                    show_default=False)] = None,
     gen_len: Annotated[int | None, typer.Option("--gen-len", help="[infer] Generated tokens.",
                                                 show_default=False)] = None,
+    rate: Annotated[float | None, typer.Option(
+        "--rate", help="[infer] Requests per second sent whatever the answers do (Poisson: copt profile endpoint "
+        "--rate, vllm bench serve --request-rate, guidellm's poisson profile): adds the open loop's TTFT, TPOT and "
+        "output tokens/s, replayed through copt serve's scheduler for 60 s of such arrivals.",
+        show_default=False)] = None,
     shared_prefix_len: Annotated[int | None, typer.Option(
         "--shared-prefix-len", help="[infer] Leading prompt tokens every request shares (a system prompt, few-shot "
         "examples): with prefix caching (copt serve's and vLLM's default) their KV blocks are stored once and "
@@ -152,6 +158,8 @@ def advise(
                      "--nodes": nodes})
     if zero is not None and zero not in (0, 1, 2, 3):
         raise BadInputError(f"--zero must be 0, 1, 2 or 3 (got {zero}).")
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        raise BadInputError(f"--rate must be a positive number of requests per second (got {rate}).")
     from clusteropt_cli.core.io import check_output
 
     for flag, out in (("--emit-recipe", emit_recipe), ("--emit-ds-config", emit_ds_config)):
@@ -188,6 +196,11 @@ def advise(
         top_p, top_k = filled.get("top_p"), filled.get("top_k")
         if filled["loss_impl"] and not any(o.startswith("loss_impl=") for o in overrides or []):
             overrides = [*(overrides or []), f"loss_impl={filled['loss_impl']}"]
+    if rate is not None and task != "infer":  # after --from-profile, which makes an endpoint's profile infer
+        raise BadInputError("--rate needs --task infer.", hint="It is the request rate of a serving load.")
+    if rate is not None:  # the rate asked for, over the measured open loop's bound (else OPEN_LOOP_DURATION_S)
+        bound = {k: v for k, v in (closed_loop or {}).items() if k in ("duration_s", "requests", "seed")}
+        closed_loop = {"rate": rate, **(bound if closed_loop and "rate" in closed_loop else {})}
 
     target, notes = api.resolve_target(gpu, gpus, nodes, memory_budget, gpu_hour_usd)
     if model is None and not recipe:
@@ -372,6 +385,9 @@ def _render(r: dict[str, Any]) -> None:
     loop = (f"{r['workload'].get('batch')} clients, "
             + (f"{a['closed_loop_requests']:,} requests" if "closed_loop_requests" in a
                else f"{a.get('closed_loop_duration_s')} s"))
+    open_loop = (f"{a.get('open_loop_rate', 0):g} requests/s Poisson, "
+                 + (f"{a['open_loop_requests']:,} requests" if "open_loop_requests" in a
+                    else f"{a.get('open_loop_duration_s')} s"))
     for key, label in (("step_time_s", "step time"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"),
                        ("bubble_fraction", "pipeline bubble"), ("comm_s", "DP communication"),
                        ("comm_exposed_s", "exposed communication"), ("offload_s", "offload"),
@@ -381,6 +397,9 @@ def _render(r: dict[str, Any]) -> None:
                        ("closed_loop_ttft_s", f"TTFT, closed loop ({loop})"),
                        ("closed_loop_tpot_s", f"TPOT, closed loop ({loop})"),
                        ("closed_loop_output_tokens_per_s", f"output tokens/s, closed loop ({loop})"),
+                       ("open_loop_ttft_s", f"TTFT, open loop ({open_loop})"),
+                       ("open_loop_tpot_s", f"TPOT, open loop ({open_loop})"),
+                       ("open_loop_output_tokens_per_s", f"output tokens/s, open loop ({open_loop})"),
                        ("decode_step_s", "decode step"),
                        ("tpot_floor_s", "TPOT floor (bytes/bandwidth)"),
                        ("output_tokens_per_s", "output tokens/s"), ("max_concurrent_seqs", "max concurrent seqs"),

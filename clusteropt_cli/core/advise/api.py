@@ -119,14 +119,32 @@ def evaluate_infer(spec: ModelSpec, plan: InferPlan, target: Target) -> dict[str
             "kv_cache": None if capacity is None else capacity.as_dict()}
 
 
+# the load an open loop (--rate without a measured profile's bound) is replayed for
+OPEN_LOOP_DURATION_S = 60.0
+
+
 def add_closed_loop(spec: ModelSpec, plan: InferPlan, target: Target, evaluated: dict[str, Any],
                     load: dict[str, float] | None = None) -> None:
     """The plan's clients as a closed loop through copt's engine (closed_loop.py): closed_loop_* figures and the
-    load they are for, added to an evaluate_infer result."""
-    from clusteropt_cli.core.advise.closed_loop import closed_loop_figures
+    load they are for, added to an evaluate_infer result. A load with a `rate` is an open loop instead (Poisson
+    sends at that rate, `seed` as the client's): open_loop_* figures."""
+    from clusteropt_cli.core.advise.closed_loop import closed_loop_figures, open_loop_figures
 
     load = load or {}
     requests = load.get("requests")
+    if load.get("rate"):
+        duration = load.get("duration_s")
+        if duration is None and requests is None:
+            duration = OPEN_LOOP_DURATION_S
+        figures = open_loop_figures(spec, plan, target, rate=float(load["rate"]), duration_s=duration,
+                                    requests=None if requests is None else int(requests),
+                                    seed=int(load.get("seed", 0)))
+        if figures is not None:
+            evaluated["time"].update(figures)
+            evaluated["time_assumptions"].update(
+                {"open_loop_rate": float(load["rate"]),
+                 **({"open_loop_duration_s": duration} if duration is not None else {"open_loop_requests": requests})})
+        return
     simulated = closed_loop_figures(spec, plan, target, duration_s=load.get("duration_s"),
                                     requests=None if requests is None else int(requests))
     if simulated is not None:
@@ -236,7 +254,8 @@ def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptom
            measured: dict[str, float] | None = None, data: str | None = None,
            closed_loop: dict[str, float] | None = None) -> dict[str, Any]:
     """The whole advise result as a `copt.advise/1` dict. `closed_loop`: the closed-loop load the serving figures
-    closed_loop_* are for ({"requests": N} or {"duration_s": D}; default: 4 requests per client)."""
+    closed_loop_* are for ({"requests": N} or {"duration_s": D}; default: 4 requests per client), or an open loop
+    ({"rate": R, the same bound or none (OPEN_LOOP_DURATION_S), "seed"}): open_loop_* figures instead."""
     symptoms = list(dict.fromkeys(symptoms or []))
     task = "train" if isinstance(plan, TrainPlan) else "infer"
     if task == "train":
@@ -310,8 +329,13 @@ def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptom
                                "tensor parallelism")
     if data:
         result["data"] = data
+    open_loop = bool(task == "infer" and closed_loop and closed_loop.get("rate"))
+    if open_loop and "open_loop_tpot_s" not in base["time"]:
+        result["notes"].append(f"the open loop at {closed_loop['rate']:g} requests/s was not replayed: the plan's step "
+                               "model does not apply (another engine, speculative decoding, no GPU) or the rate is "
+                               "past what the engine serves for longer than the load lasts")
     if measured:
-        result["measured"] = compare(measured, prediction_figures(base["memory"], base["time"], task))
+        result["measured"] = compare(measured, prediction_figures(base["memory"], base["time"], task), open_loop)
     return result
 
 
@@ -322,7 +346,8 @@ def prediction_figures(memory: dict[str, Any], time: dict[str, Any], task: str) 
             # no itl_s: under load a streaming client sees tokens in bursts (p50 ITL ~0.03 ms measured on the
             # H200 at 256 concurrent), so only the per-request mean (tpot_s) is comparable
             else ("ttft_s", "tpot_s", "tpot_out_of_step_s", "output_tokens_per_s", "mbu", "max_concurrent_seqs",
-                  "closed_loop_ttft_s", "closed_loop_tpot_s", "closed_loop_output_tokens_per_s"))
+                  "closed_loop_ttft_s", "closed_loop_tpot_s", "closed_loop_output_tokens_per_s",
+                  "open_loop_ttft_s", "open_loop_tpot_s", "open_loop_output_tokens_per_s"))
     for key in keys:
         if time.get(key) is not None:
             figures[key] = float(time[key])
@@ -333,11 +358,17 @@ def prediction_figures(memory: dict[str, Any], time: dict[str, Any], task: str) 
     return figures
 
 
-def compare(measured: dict[str, float | None], predicted: dict[str, float]) -> list[dict[str, Any]]:
+def compare(measured: dict[str, float | None], predicted: dict[str, float],
+            open_loop: bool = False) -> list[dict[str, Any]]:
     """Measured vs predicted for every metric both name, with the error in percent; a measured TPOT is also set
     against the out-of-step prediction (closed-loop clients out of step), and TTFT, TPOT and output tokens/s
-    against the closed loop's (closed_loop_*), where the plan has them."""
+    against the closed loop's (closed_loop_*), where the plan has them. `open_loop` (a rate was measured): TTFT,
+    TPOT and output tokens/s only against the open loop's replay (open_loop_*), never the burst's figures."""
     rows = []
+    if open_loop or any(key.startswith("open_loop_") for key in predicted):
+        measured = {(f"open_loop_{key}" if f"open_loop_{key}" in predicted else key): value
+                    for key, value in measured.items()}
+        measured = {k: v for k, v in measured.items() if k not in ("ttft_s", "tpot_s", "output_tokens_per_s")}
     if measured.get("tpot_s") is not None and "tpot_out_of_step_s" in predicted:
         measured = {**measured, "tpot_out_of_step_s": measured["tpot_s"]}
     for name in ("ttft_s", "tpot_s", "output_tokens_per_s"):
@@ -406,13 +437,23 @@ def defaults_from_profile(report: Any, task: str, given: dict[str, Any]
 
 
 def measured_closed_loop(report: Any) -> dict[str, float] | None:
-    """The closed-loop load behind an endpoint profile's metrics (its last completed concurrency level): the
-    duration it ran for (`profile endpoint --duration`), else its request count. None: not a closed loop."""
-    done = [lv for lv in getattr(report, "levels", []) if lv.completed > 0 and (lv.concurrency or 0) > 1]
+    """The load behind an endpoint profile's metrics: its last completed concurrency level's closed loop (the
+    duration it ran for, `profile endpoint --duration`, else its request count) or, when the last completed level
+    is a rate without a concurrency (`profile endpoint --rate`, guidellm's poisson or constant profile, `vllm bench
+    serve --request-rate`), that open loop: {"rate", the same bound, the client's "seed"}. None: neither."""
+    completed = [lv for lv in getattr(report, "levels", []) if lv.completed > 0]
+    duration = _positive_number(report.workload.get("duration_s"))
+    by_duration = duration is not None and not report.workload.get("num_requests")
+    last = completed[-1] if completed else None
+    rate = None if last is None or last.concurrency is not None else _positive_number(last.rate)
+    if rate is not None:
+        seed = report.workload.get("seed")
+        return {"rate": rate, **({"duration_s": duration} if by_duration else {"requests": int(last.requests)}),
+                **({"seed": seed} if isinstance(seed, int) and not isinstance(seed, bool) else {})}
+    done = [lv for lv in completed if (lv.concurrency or 0) > 1]
     if not done:
         return None
-    duration = _positive_number(report.workload.get("duration_s"))
-    if duration is not None and not report.workload.get("num_requests"):
+    if by_duration:
         return {"duration_s": duration}
     return {"requests": int(done[-1].requests)}
 

@@ -689,7 +689,7 @@ def profile_endpoint(s: EndpointSettings, log: Log | None = None) -> ProfileRepo
                 "ignore_eos": facts["length_control"].startswith("ignore_eos"),
                 "output_length_control": facts["length_control"],
                 "mean_output_tokens": _mean_output_tokens(levels), "temperature": s.temperature,
-                "top_p": s.top_p, "top_k": s.top_k,
+                "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed,
                 "client_processes": {str(c): s.client_processes_for(c) for c in s.concurrency} or None}
     return ProfileReport(kind="endpoint", mode="endpoint", created_at=datetime.now(UTC).isoformat(timespec="seconds"),
                          copt_version=__version__, hardware=_server_hardware(s.url), model={"name": s.model},
