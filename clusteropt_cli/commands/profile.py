@@ -189,7 +189,7 @@ def _render_endpoint(report: Any, report_path: Path | None = None) -> None:
 
 
 def _render_check(comparison: Any) -> None:
-    rows = [[c.name + (f" ({c.note})" if c.note in ("out of step", "closed loop") else ""),
+    rows = [[c.name + (f" ({c.note})" if c.note in ("out of step", "closed loop", "open loop") else ""),
              ("≤ " if c.note == "upper" else "") + fmt(c.name, c.predicted), fmt(c.name, c.measured),
              "-" if c.rel_error is None else f"{100 * c.rel_error:+.1f}%",
              {"pass": "[green]pass[/green]", "miss": "[red]MISS[/red]"}.get(c.status, c.status)]
@@ -351,10 +351,17 @@ def _endpoint_from_file(path: Path, load_flags: list[str], *, expect: str | None
             raise BadInputError(f"--expect {expect}: profile endpoint checks a serve recipe (this one is task "
                                 f"{expectation.task}).")
         want = expectation.assumptions.get("concurrency", expectation.assumptions.get("batch"))
+        open_rate = expectation.assumptions.get("open_loop_rate")
         have = [lv.concurrency for lv in report.levels]
-        if want is not None and want not in have:
-            measured = ", ".join(f"concurrency {c}" if c is not None else f"rate {lv.rate}/s"
-                                 for c, lv in zip(have, report.levels, strict=True))
+        measured = ", ".join(f"concurrency {c}" if c is not None else f"rate {lv.rate}/s"
+                             for c, lv in zip(have, report.levels, strict=True))
+        if open_rate is not None:
+            if open_rate not in [lv.rate for lv in report.levels if lv.concurrency is None]:
+                raise BadInputError(
+                    f"--expect {expect} predicts an open loop at {open_rate} requests/s; {path} measured {measured}.",
+                    hint=f"Measure it: copt profile endpoint --expect {expect} (it sends the recipe's rate for its "
+                         f"duration), or guidellm --profile poisson --rate {open_rate}.")
+        elif want is not None and want not in have:
             raise BadInputError(f"--expect {expect} predicts concurrency {want}; {path} measured {measured}.",
                                 hint=f"Measure concurrency {want} (copt profile endpoint --expect {expect}, or "
                                      f"guidellm --profile concurrent --rate {want}).")
@@ -480,7 +487,9 @@ def endpoint(
                                                                         "or pass --expect with a serve recipe.")
     settings = EndpointSettings(
         url=given["url"], model=given["model"], concurrency=given["concurrency"],
-        rate=_float_list(rate, "--rate"), num_requests=num_requests, duration_s=duration,
+        rate=_float_list(rate, "--rate") or given.get("rate", []),
+        num_requests=num_requests if num_requests is not None else given.get("num_requests"),
+        duration_s=duration if duration is not None else given.get("duration_s"),
         prompt_len=given["prompt_len"] or 128, gen_len=given["gen_len"] or 64, dataset=dataset, tokenizer=tokenizer,
         slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, request_timeout_s=request_timeout, warmup=warmup,
         api_key=api_key, ignore_eos=ignore_eos, seed=seed, temperature=given["temperature"] or 0.0,

@@ -699,3 +699,70 @@ def test_from_profile_converts_between_formats(copt, tmp_path):
         doc = json.loads((tmp_path / name).read_text())
         assert doc["max_concurrency"] == level["concurrency"]
         assert doc["median_ttft_ms"] == pytest.approx(level["ttft_s"]["p50"] * 1e3)
+
+
+def _rate_report(path, rate: float = 48.0, duration: float = 10.0):
+    """A `copt profile endpoint --rate RATE --duration D` report (the 8B shape's figures on the H200)."""
+    level = {"concurrency": None, "rate": rate, "requests": 452, "completed": 452, "duration_s": 11.2,
+             "request_throughput": 40.4, "output_tokens_per_s": 5167.0, "ttft_s": {"p50": 0.0504},
+             "tpot_s": {"p50": 0.0199}, "itl_s": {"p50": 0.019}, "e2e_s": {"p50": 2.6}}
+    path.write_text(json.dumps({
+        "schema_version": "copt.profile/1", "kind": "endpoint", "mode": "endpoint",
+        "created_at": "2026-12-03T00:00:00Z", "copt_version": "0", "hardware": {"device": "remote"},
+        "model": {"name": "m"}, "workload": {"url": "http://127.0.0.1:8000", "rate": [rate], "duration_s": duration,
+                                             "prompt_len": 256, "gen_len": 128, "temperature": 1.0, "seed": 0},
+        "metrics": {"ttft_s": 0.0504, "tpot_s": 0.0199, "output_tokens_per_s": 5167.0}, "levels": [level],
+        "verdict": {"bottleneck": "unknown"}}))
+    return path
+
+
+def test_expect_on_an_open_loop_checks_the_replayed_rate_of_the_same_load(copt, tmp_path):
+    """A recipe from `advise --rate` (open_loop_*, for 48 requests/s over 10 s) is checked against the rate level that
+    sent that load, never against the burst's batch figures; another load, or a closed-loop recipe, is refused with
+    what to run."""
+    report = str(_rate_report(tmp_path / "rates.json"))
+    recipe = tmp_path / "open.yaml"
+    recipe.write_text("task: serve\nmodel: /models/x\nprediction:\n  figures:\n    ttft_s: 0.017\n    tpot_s: 0.0045\n"
+                      "    output_tokens_per_s: 217.0\n    open_loop_tpot_s: 0.019\n"
+                      "    open_loop_output_tokens_per_s: 5300.0\n"
+                      "  assumptions:\n    concurrency: 1\n    open_loop_rate: 48.0\n    open_loop_duration_s: 10.0\n")
+    proc = copt("profile", "endpoint", "--from-profile", report, "--expect", str(recipe), "--json", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    checks = {f["name"]: f for f in doc["check"]["figures"]}
+    assert doc["check"]["level"] == "rate 48.0"
+    assert {name: (c["predicted"], c["note"], c["status"]) for name, c in checks.items()} == {
+        "tpot_s": (0.019, "open loop", "pass"), "output_tokens_per_s": (5300.0, "open loop", "pass")}
+    far = tmp_path / "far.yaml"
+    far.write_text(recipe.read_text().replace("open_loop_tpot_s: 0.019", "open_loop_tpot_s: 0.012"))
+    missed = copt("profile", "endpoint", "--from-profile", report, "--expect", str(far), timeout=60)
+    assert missed.returncode == 6 and "tpot_s" in missed.stderr
+    other = tmp_path / "other.yaml"
+    other.write_text(recipe.read_text().replace("open_loop_duration_s: 10.0", "open_loop_duration_s: 60.0"))
+    refused = copt("profile", "endpoint", "--from-profile", report, "--expect", str(other), timeout=60)
+    assert refused.returncode == 2 and "open loop is 48.0 requests/s for 60 s" in refused.stderr
+    elsewhere = tmp_path / "elsewhere.yaml"
+    elsewhere.write_text(recipe.read_text().replace("open_loop_rate: 48.0", "open_loop_rate: 12.0"))
+    refused = copt("profile", "endpoint", "--from-profile", report, "--expect", str(elsewhere), timeout=60)
+    assert refused.returncode == 2 and "predicts an open loop at 12.0 requests/s" in refused.stderr
+    closed = _serve_recipe(tmp_path / "closed.yaml", 16, 0.05, 0.003, 4500.0)
+    refused = copt("profile", "endpoint", "--from-profile", report, "--expect", str(closed), timeout=60)
+    assert refused.returncode == 2 and "predicts concurrency 16" in refused.stderr
+
+
+def test_expect_sends_the_recipes_open_loop(tmp_path):
+    """`profile endpoint --expect R.yaml` with no load flags sends the recipe's rate for its duration."""
+    from clusteropt_cli.core.profile.expect import endpoint_values_from_recipe, load_expectation
+
+    recipe = tmp_path / "open.yaml"
+    recipe.write_text("task: serve\nmodel: /models/x\nprediction:\n  figures:\n    open_loop_tpot_s: 0.019\n"
+                      "  assumptions:\n    concurrency: 1\n    open_loop_rate: 48.0\n    open_loop_duration_s: 10.0\n"
+                      "    prompt_len: 256\n    gen_len: 128\n")
+    exp = load_expectation(str(recipe))
+    given = {"url": None, "model": None, "concurrency": [], "prompt_len": None, "gen_len": None, "temperature": None}
+    values = endpoint_values_from_recipe(exp, given)
+    assert (values["concurrency"], values["rate"], values["duration_s"]) == ([], [48.0], 10.0)
+    assert (values["prompt_len"], values["gen_len"]) == (256, 128)
+    typed = endpoint_values_from_recipe(exp, {**given, "concurrency": [8]})
+    assert typed["concurrency"] == [8] and "rate" not in typed
+    assert "rate" not in endpoint_values_from_recipe(exp, given, rate_given=True)

@@ -36,7 +36,8 @@ class FigureCheck:
     status: Literal["pass", "miss", "not-measured"]
     # "closed loop": advise's replay of this level's closed loop (closed_loop_*, the same clients and load);
     # "upper": the prediction bounds the figure from above (a closed loop's TTFT: at most the in-step figure);
-    # "out of step": the prediction for closed-loop clients out of step (tpot_out_of_step_s)
+    # "out of step": the prediction for closed-loop clients out of step (tpot_out_of_step_s);
+    # "open loop": advise's replay of this rate level's Poisson sends (open_loop_*, the same rate and load)
     note: str | None = None
 
 
@@ -133,7 +134,15 @@ def endpoint_values_from_recipe(exp: Expectation, given: dict[str, Any], rate_gi
         host = "127.0.0.1" if r.host in ("0.0.0.0", "::", "") else r.host
         values["url"] = f"http://{host}:{r.port}"
     values["model"] = values.get("model") or r.served_model_name or r.model
-    if not values.get("concurrency") and not rate_given:
+    open_rate = a.get("open_loop_rate")
+    if not values.get("concurrency") and not rate_given and _positive(open_rate):
+        # an open loop priced (advise --rate): send that rate for the load it was replayed for
+        values["concurrency"], values["rate"] = [], [float(open_rate)]
+        if _positive(a.get("open_loop_duration_s")):
+            values.setdefault("duration_s", float(a["open_loop_duration_s"]))
+        elif _positive(a.get("open_loop_requests")):
+            values.setdefault("num_requests", int(a["open_loop_requests"]))
+    elif not values.get("concurrency") and not rate_given:
         want = a.get("concurrency", a.get("batch"))
         values["concurrency"] = [int(want)] if want else []
     for key in ("prompt_len", "gen_len", "temperature", "top_p", "top_k"):
@@ -142,8 +151,18 @@ def endpoint_values_from_recipe(exp: Expectation, given: dict[str, Any], rate_gi
     return values
 
 
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+
+
 def _endpoint_level(report: ProfileReport, exp: Expectation):
-    """The endpoint level a prediction speaks of: assumptions.concurrency (or batch), else the last level."""
+    """The endpoint level a prediction speaks of: the open loop's rate (open_loop_rate), else
+    assumptions.concurrency (or batch), else the last level."""
+    rate = exp.assumptions.get("open_loop_rate")
+    if _positive(rate):
+        for level in report.levels:
+            if level.concurrency is None and level.rate == rate:
+                return level
     want = exp.assumptions.get("concurrency", exp.assumptions.get("batch"))
     if want is not None:
         for level in report.levels:
@@ -178,6 +197,16 @@ def _same_load(report: ProfileReport, level: Any, exp: Expectation) -> bool:
     return isinstance(duration, (int, float)) and report.workload.get("duration_s") == duration
 
 
+def _same_open_load(report: ProfileReport, level: Any, exp: Expectation) -> bool:
+    """Whether a rate level sent the open loop the prediction replayed: that rate, as long or as many requests."""
+    a = exp.assumptions
+    if level.rate != a.get("open_loop_rate"):
+        return False
+    if _positive(a.get("open_loop_duration_s")):
+        return report.workload.get("duration_s") == a["open_loop_duration_s"]
+    return not report.workload.get("duration_s") and level.requests == a.get("open_loop_requests")
+
+
 def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: float) -> Comparison:
     """Predicted vs measured for every predicted figure. A closed-loop endpoint level (N > 1 clients, each sending
     its next request when one ends) is compared with advise's replay of that loop (closed_loop_*) where the
@@ -191,8 +220,17 @@ def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: fl
     out_of_step = figures.pop("tpot_out_of_step_s", None)
     replayed = {name: figures.pop(f"closed_loop_{name}") for name in ("ttft_s", "tpot_s", "output_tokens_per_s")
                 if f"closed_loop_{name}" in figures}
+    open_replayed = {name: figures.pop(f"open_loop_{name}") for name in ("ttft_s", "tpot_s", "output_tokens_per_s")
+                     if f"open_loop_{name}" in figures}
     notes: dict[str, str] = {}
-    if closed_loop and replayed and _same_load(report, level, exp):
+    if level is not None and level.concurrency is None and level.rate is not None:
+        # a rate level: only the open loop's replay of the same load speaks of it, never the burst's figures
+        for name in ("ttft_s", "tpot_s", "output_tokens_per_s"):
+            figures.pop(name, None)
+        if open_replayed and _same_open_load(report, level, exp):
+            for name, value in open_replayed.items():
+                figures[name], notes[name] = value, "open loop"
+    elif closed_loop and replayed and _same_load(report, level, exp):
         for name, value in replayed.items():
             figures[name], notes[name] = value, "closed loop"
     elif closed_loop:
@@ -209,6 +247,22 @@ def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: fl
         ok = err <= tolerance if notes.get(name) == "upper" else abs(err) <= tolerance
         checks.append(FigureCheck(name, float(predicted), float(value), err, "pass" if ok else "miss",
                                   notes.get(name)))
+    if not any(c.status != "not-measured" for c in checks) and level is not None and level.concurrency is None \
+            and level.rate is not None:
+        a = exp.assumptions
+        if open_replayed:
+            bound = (f"{a['open_loop_duration_s']:g} s" if _positive(a.get("open_loop_duration_s"))
+                     else f"{a.get('open_loop_requests')} requests")
+            raise BadInputError(
+                f"--expect {exp.path}: the recipe's open loop is {a.get('open_loop_rate')} requests/s for {bound}; "
+                f"the profile's level sent {level.rate}/s for {report.workload.get('duration_s') or level.requests}"
+                f"{' s' if report.workload.get('duration_s') else ' requests'}.",
+                hint="Measure the recipe's load: copt profile endpoint --expect R.yaml with no --rate, --duration "
+                     "or --num-requests (they come from the recipe).")
+        raise BadInputError(
+            f"--expect {exp.path}: the recipe predicts a closed loop of {a.get('concurrency', a.get('batch'))} "
+            f"clients; the profile's level sent {level.rate} requests/s whatever the answers did.",
+            hint="Measure with --concurrency, or emit the recipe with copt advise --rate R.")
     if not any(c.status != "not-measured" for c in checks):
         offered = sorted(k for k, v in measured.items() if v is not None)
         if report.kind == "endpoint" and exp.task == "serve":
