@@ -12,6 +12,11 @@ advise's replay gives it (timing.ServeCosts of a 256-client sampled plan of PRES
 prefill(tokens, chunks) at least the host's prefill floor): medians per bin of decode rows (by 32) and prompt
 chunks (prompt tokens / --prompt-len). A step's decode rows are its generated tokens less the prompts it finished
 (prompt tokens // --prompt-len): exact when every prompt is --prompt-len tokens and none is split.
+
+--replay-arrivals PRESET replays each load of the trace (requests separated from the next load by an idle engine)
+from the engine's own arrival times (closed_loop.simulate_sends, API and HTTP costs left out) and sets the engine's
+TTFT (arrival to first token) and TPOT next to the replay's: the step model on the measured arrivals, apart from
+how a closed loop's clients come back (--temperature: the sampling the steps are priced for, default 1).
 """
 
 from __future__ import annotations
@@ -70,16 +75,7 @@ def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str) -> list[dict
     import statistics
     from collections import defaultdict
 
-    from clusteropt_cli.core.advise.plan import InferPlan, Target
-    from clusteropt_cli.core.advise.timing import infer_time
-    from clusteropt_cli.hardware import get_gpu
-    from clusteropt_cli.modelspec import load_model_spec
-
-    plan = InferPlan(batch=256, prompt_len=prompt_len, gen_len=128, continuous_batching=True, temperature=1.0,
-                     top_p=0.95)
-    costs = infer_time(load_model_spec(preset), plan, Target(get_gpu(gpu))).costs
-    if costs is None:
-        raise SystemExit(f"advise has no step costs for {preset} on {gpu}")
+    costs = _costs(preset, prompt_len, gpu)
     bins: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
     for s in trace["steps"]:
         if s[4] != 1:
@@ -96,6 +92,52 @@ def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str) -> list[dict
             for (rows, chunks), v in sorted(bins.items())]
 
 
+def _costs(preset: str, prompt_len: int, gpu: str, temperature: float = 1.0):
+    from clusteropt_cli.core.advise.plan import InferPlan, Target
+    from clusteropt_cli.core.advise.timing import infer_time
+    from clusteropt_cli.hardware import get_gpu
+    from clusteropt_cli.modelspec import load_model_spec
+
+    plan = InferPlan(batch=256, prompt_len=prompt_len, gen_len=128, continuous_batching=True,
+                     temperature=temperature, top_p=0.95 if temperature else 1.0)
+    costs = infer_time(load_model_spec(preset), plan, Target(get_gpu(gpu))).costs
+    if costs is None:
+        raise SystemExit(f"advise has no step costs for {preset} on {gpu}")
+    return costs
+
+
+def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, temperature: float) -> list[dict]:
+    """Each load of the trace replayed from its measured engine arrivals (see the module text)."""
+    import statistics
+    from dataclasses import replace
+
+    from clusteropt_cli.core.advise.closed_loop import simulate_sends
+
+    costs = replace(_costs(preset, prompt_len, gpu, temperature), intake_s=0.0, stream_s=0.0, first_token_s=0.0)
+    groups: list[list] = []
+    busy_until = float("-inf")
+    for r in sorted(trace["requests"], key=lambda r: r[0]):
+        if r[0] > busy_until:  # every request before it had finished: the engine went idle, a new load
+            groups.append([])
+        groups[-1].append(r)
+        busy_until = max(busy_until, r[2])
+    out = []
+    for group in groups:
+        t0, gen = group[0][0], max(1, round(statistics.median(r[4] for r in group)))
+        run = simulate_sends(costs, gen, [r[0] - t0 for r in group])
+        ttft = [r[1] - r[0] for r in group]
+        replayed = [first - sent for sent, first, _ in run.per_request]
+        tpot = [(r[2] - r[1]) / (r[4] - 1) for r in group if r[4] > 1]
+        out.append({"requests": len(group), "arrivals_over_s": round(group[-1][0] - t0, 2),
+                    "ttft_p50_ms": round(1e3 * statistics.median(ttft), 1),
+                    "replayed_ttft_p50_ms": round(1e3 * run.ttft_s, 1),
+                    "ttft_mean_ms": round(1e3 * statistics.mean(ttft), 1),
+                    "replayed_ttft_mean_ms": round(1e3 * statistics.mean(replayed), 1),
+                    "tpot_p50_ms": round(1e3 * statistics.median(tpot), 2) if tpot else None,
+                    "replayed_tpot_p50_ms": round(1e3 * run.tpot_s, 2)})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+", type=Path)
@@ -103,7 +145,25 @@ def main() -> None:
     parser.add_argument("--step-costs", metavar="PRESET", help="measured steps against advise's step costs")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--gpu", default="h200")
+    parser.add_argument("--replay-arrivals", metavar="PRESET", help="the step model on each load's measured arrivals")
+    parser.add_argument("--temperature", type=float, default=1.0)
     args = parser.parse_args()
+    if args.replay_arrivals:
+        for path in args.traces:
+            rows = replay_arrivals(json.loads(path.read_text()), args.replay_arrivals, args.prompt_len, args.gpu,
+                                   args.temperature)
+            if args.json:
+                print(json.dumps(rows, indent=1))
+                continue
+            print(f"{path.name}: each load from its engine arrivals, measured against the replay "
+                  f"({args.replay_arrivals}, temperature {args.temperature:g})")
+            for r in rows:
+                if r["requests"] >= 32:
+                    print(f"  {r['requests']:5d} requests over {r['arrivals_over_s']:6.2f} s: engine TTFT p50 "
+                          f"{r['ttft_p50_ms']:7.1f} ms, replayed {r['replayed_ttft_p50_ms']:7.1f} (mean "
+                          f"{r['ttft_mean_ms']:7.1f}, replayed {r['replayed_ttft_mean_ms']:7.1f}); TPOT p50 "
+                          f"{r['tpot_p50_ms']} ms, replayed {r['replayed_tpot_p50_ms']}")
+        return
     if args.step_costs:
         for path in args.traces:
             rows = step_costs(json.loads(path.read_text()), args.step_costs, args.prompt_len, args.gpu)

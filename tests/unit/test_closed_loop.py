@@ -10,6 +10,7 @@ from clusteropt_cli.core.advise.closed_loop import (
     open_loop_figures,
     simulate_closed_loop,
     simulate_open_loop,
+    simulate_sends,
 )
 from clusteropt_cli.core.advise.plan import InferPlan, Target
 from clusteropt_cli.core.advise.timing import ServeCosts, infer_time
@@ -415,3 +416,16 @@ def test_open_loop_figures_on_the_h200_shapes() -> None:
     assert slow and fast and fast["open_loop_tpot_s"] > slow["open_loop_tpot_s"]
     assert slow["open_loop_output_tokens_per_s"] == pytest.approx(8 * 128, rel=0.15)
     assert open_loop_figures(spec, plan, Target(None), rate=8.0, duration_s=10.0) is None
+
+
+def test_measured_arrivals_replay_in_time_order() -> None:
+    """simulate_sends replays a measured load's own arrivals (an engine trace's): two requests 1 s apart are two lone
+    requests; a burst of three queues first come, first served within the step budget."""
+    lone = simulate_sends(_toy(), 11, [1.0, 0.0])
+    assert lone.requests == 2 and lone.ttft_s == pytest.approx(0.001)
+    assert sorted(sent for sent, _, _ in lone.per_request) == [0.0, 1.0]
+    burst = simulate_sends(_toy(step_tokens=100), 11, [0.0, 0.0, 0.0])
+    firsts = sorted(first for _, first, _ in burst.per_request)
+    assert firsts[0] < firsts[1] < firsts[2]  # one prompt per step (100-token budget)
+    with pytest.raises(ValueError):
+        simulate_sends(_toy(), 0, [0.0])

@@ -84,9 +84,20 @@ def simulate_open_loop(costs: ServeCosts, rate: float, gen_len: int, *, requests
         raise ValueError("gen_len must be at least 1")
     if duration_s is None and requests is None:
         raise ValueError("an open loop needs a request count or a duration")
-    sends = list(poisson_send_times(rate, duration_s=duration_s, requests=requests, seed=seed))
-    return _replay(costs, gen_len, [(at, i) for i, at in enumerate(sends)], closed=False, requests=None,
-                   duration_s=None, max_steps=max_steps)
+    return simulate_sends(costs, gen_len,
+                          list(poisson_send_times(rate, duration_s=duration_s, requests=requests, seed=seed)),
+                          max_steps=max_steps)
+
+
+def simulate_sends(costs: ServeCosts, gen_len: int, send_times: list[float], *,
+                   max_steps: int = 200_000) -> ClosedLoopFigures:
+    """Requests sent at the given times (seconds from the load's start) whatever the answers do, through the API
+    queue and engine steps: the open loop of simulate_open_loop, or a measured load's own arrivals (an engine
+    trace's, bench/engine_trace_report.py --replay-arrivals)."""
+    if gen_len < 1:
+        raise ValueError("gen_len must be at least 1")
+    return _replay(costs, gen_len, [(at, i) for i, at in enumerate(sorted(send_times))], closed=False,
+                   requests=None, duration_s=None, max_steps=max_steps)
 
 
 def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, int]], *, closed: bool,
