@@ -50,11 +50,12 @@ def levels(results: dict) -> list[dict]:
                                 "measured": run})
     for key in ("profile_endpoint", "profile_endpoint_greedy"):
         for shape, report in (results.get(key) or {}).items():
-            if "command" not in report:
+            command = report.get("command") or report.get("rate_command")  # a rates-only run has only the latter
+            if command is None:
                 continue
-            duration = _profile_duration(report["command"])
-            temperature = _flag(report["command"], "--temperature", 1.0)
-            top_p = _flag(report["command"], "--top-p", 1.0)
+            duration = _profile_duration(command)
+            temperature = _flag(command, "--temperature", 1.0)
+            top_p = _flag(command, "--top-p", 1.0)
             for name, level in report.items():
                 if name.startswith("c") and name[1:].isdigit() and isinstance(level, dict) and level.get("completed"):
                     out.append({"shape": shape, "tester": "profile endpoint", "clients": int(name[1:]),
