@@ -105,3 +105,22 @@ def test_advise_rate_from_the_command_line(tmp_path) -> None:
         assert done.returncode == 2 and "--rate must be a positive number" in done.stderr, (bad, done.stderr)
     done = run_copt("advise", "-m", "llama-3.1-8b", "--gpu", "h200", "--rate", "4")
     assert done.returncode == 2 and "--rate needs --task infer" in done.stderr
+
+
+def test_a_vllm_bench_serve_request_rate_is_an_open_loop(tmp_path) -> None:
+    """`vllm bench serve --request-rate 8` without --max-concurrency: an open loop of its request count; with
+    --max-concurrency the load is bounded by it and stays a closed loop."""
+    from clusteropt_cli.core.profile.report import load_profile
+
+    data = json.loads((Path(__file__).resolve().parents[1] / "data" / "vllm_bench_serve.json").read_text())
+    rated = tmp_path / "rated.json"
+    rated.write_text(json.dumps({**data, "request_rate": 8.0, "max_concurrency": None}))
+    assert api.measured_closed_loop(load_profile(str(rated))) == {"rate": 8.0, "requests": 256}
+    capped = tmp_path / "capped.json"
+    capped.write_text(json.dumps({**data, "request_rate": 8.0, "max_concurrency": 64}))
+    assert api.measured_closed_loop(load_profile(str(capped))) == {"requests": 256}
+    done = run_copt("advise", "--from-profile", str(rated), "--model", "llama-3.2-1b", "--gpu", "h200", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["assumptions"]["open_loop_rate"] == 8.0 and result["assumptions"]["open_loop_requests"] == 256
+    assert {row["metric"] for row in result["measured"]} >= {"open_loop_tpot_s", "open_loop_output_tokens_per_s"}
