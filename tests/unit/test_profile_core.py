@@ -203,3 +203,39 @@ def test_poisson_send_times_follow_the_seed_and_the_bounds():
     assert list(poisson_send_times(50.0, requests=7, seed=3)) == times[:7]
     with pytest.raises(ValueError):
         next(poisson_send_times(0.0, requests=1))
+
+
+@pytest.mark.parametrize("load", [{"rate": [200.0]}, {"concurrency": [4]}])
+def test_a_level_runs_with_the_heap_out_of_the_collectors_way(monkeypatch, load):
+    """While a level runs, what existed before it (tokenizer, prompts, earlier results) is frozen out of the garbage
+    collector's full collections, which stop the loop that sends and times every request (on the H200 host one held
+    a rate level's sends up to 0.28 s); the run gives it back when it ends, also when it fails."""
+    import gc
+
+    import clusteropt_cli.core.profile.endpoint as endpoint
+
+    frozen: list[int] = []
+
+    async def fake_request(client, url, payload, options, timeout_s):
+        frozen.append(gc.get_freeze_count())
+        return RequestResult(ok=True, ttft_s=0.001, e2e_s=0.002, output_tokens=2)
+
+    async def no_metrics(client, url, options):
+        return None
+
+    monkeypatch.setattr(endpoint, "one_request", fake_request)
+    monkeypatch.setattr(endpoint, "read_prefix_cache", no_metrics)
+    settings = EndpointSettings(url="http://127.0.0.1:9", model="m", num_requests=6, warmup=0, gen_len=2,
+                                client_processes=1, **load)
+    report = endpoint.profile_endpoint(settings)
+    assert report.levels[0].completed == 6 and len(frozen) == 6
+    assert min(frozen) > 1000  # the run's objects, frozen
+    assert gc.get_freeze_count() == 0
+
+    async def failing(client, url, payload, options, timeout_s):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(endpoint, "one_request", failing)
+    with pytest.raises(RuntimeError):
+        endpoint.profile_endpoint(settings)
+    assert gc.get_freeze_count() == 0
