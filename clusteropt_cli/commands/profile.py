@@ -488,8 +488,9 @@ def endpoint(
     settings = EndpointSettings(
         url=given["url"], model=given["model"], concurrency=given["concurrency"],
         rate=_float_list(rate, "--rate") or given.get("rate", []),
-        num_requests=num_requests if num_requests is not None else given.get("num_requests"),
-        duration_s=duration if duration is not None else given.get("duration_s"),
+        # a typed bound replaces the recipe's open-loop bound (both typed: both apply, as without a recipe)
+        num_requests=num_requests if num_requests is not None or duration is not None else given.get("num_requests"),
+        duration_s=duration if duration is not None or num_requests is not None else given.get("duration_s"),
         prompt_len=given["prompt_len"] or 128, gen_len=given["gen_len"] or 64, dataset=dataset, tokenizer=tokenizer,
         slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, request_timeout_s=request_timeout, warmup=warmup,
         api_key=api_key, ignore_eos=ignore_eos, seed=seed, temperature=given["temperature"] or 0.0,
