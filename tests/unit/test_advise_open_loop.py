@@ -124,3 +124,19 @@ def test_a_vllm_bench_serve_request_rate_is_an_open_loop(tmp_path) -> None:
     result = json.loads(done.stdout)
     assert result["assumptions"]["open_loop_rate"] == 8.0 and result["assumptions"]["open_loop_requests"] == 256
     assert {row["metric"] for row in result["measured"]} >= {"open_loop_tpot_s", "open_loop_output_tokens_per_s"}
+
+
+@pytest.mark.parametrize(("model", "load", "loop"), [
+    ("llama-3.2-1b", None, "closed loop"), ("llama-3.1-8b", {"rate": 24.0, "duration_s": 10.0}, "open loop")])
+def test_a_loop_ttft_left_out_says_why(model, load, loop) -> None:
+    """Where most prefilling steps are host-bound the replay's TTFT is left out, and a note says so and what to
+    measure instead; a replayed TTFT gets no such note."""
+    spec, target = load_model_spec(model), api.resolve_target("h200")[0]
+    plan = InferPlan(batch=256 if load is None else 1, prompt_len=256, gen_len=128, continuous_batching=True)
+    result = api.advise(spec, target, plan, closed_loop=load)
+    prefix = "closed_loop" if load is None else "open_loop"
+    assert f"{prefix}_tpot_s" in result["time"] and f"{prefix}_ttft_s" not in result["time"]
+    assert sum(note.startswith(f"no {loop} TTFT") for note in result["notes"]) == 1
+    replayed = api.advise(load_model_spec("llama-3.1-8b"), target, plan.with_(batch=256))
+    assert "closed_loop_ttft_s" in replayed["time"]
+    assert not any(note.startswith("no closed loop TTFT") for note in replayed["notes"])

@@ -144,6 +144,8 @@ def add_closed_loop(spec: ModelSpec, plan: InferPlan, target: Target, evaluated:
             evaluated["time_assumptions"].update(
                 {"open_loop_rate": float(load["rate"]),
                  **({"open_loop_duration_s": duration} if duration is not None else {"open_loop_requests": requests})})
+            if "open_loop_ttft_s" not in figures:
+                evaluated.setdefault("time_notes", []).append(_HOST_BOUND_TTFT_NOTE.format(loop="open loop"))
         return
     simulated = closed_loop_figures(spec, plan, target, duration_s=load.get("duration_s"),
                                     requests=None if requests is None else int(requests))
@@ -151,6 +153,14 @@ def add_closed_loop(spec: ModelSpec, plan: InferPlan, target: Target, evaluated:
         figures, workload = simulated
         evaluated["time"].update(figures)
         evaluated["time_assumptions"].update(workload)
+        if "closed_loop_ttft_s" not in figures:
+            evaluated.setdefault("time_notes", []).append(_HOST_BOUND_TTFT_NOTE.format(loop="closed loop"))
+
+
+_HOST_BOUND_TTFT_NOTE = (
+    "no {loop} TTFT: most of the replay's prefilling steps are bound by the host's work, not the GPU's (a small "
+    "model on a fast GPU), where measured loads keep prefill bursts the replay does not reproduce (H200, 1B shape, "
+    "64-256 clients: TTFT p50 0.12-0.57 s measured); measure it with copt profile endpoint")
 
 
 def dequantized_note(plan: InferPlan) -> str:
