@@ -199,7 +199,7 @@ def advise(
     if rate is not None and task != "infer":  # after --from-profile, which makes an endpoint's profile infer
         raise BadInputError("--rate needs --task infer.", hint="It is the request rate of a serving load.")
     if rate is not None:  # the rate asked for, over the measured open loop's bound (else OPEN_LOOP_DURATION_S)
-        bound = {k: v for k, v in (closed_loop or {}).items() if k in ("duration_s", "requests", "seed")}
+        bound = {k: v for k, v in (closed_loop or {}).items() if k in ("duration_s", "requests", "seed", "arrivals")}
         closed_loop = {"rate": rate, **(bound if closed_loop and "rate" in closed_loop else {})}
 
     target, notes = api.resolve_target(gpu, gpus, nodes, memory_budget, gpu_hour_usd)
@@ -385,7 +385,8 @@ def _render(r: dict[str, Any]) -> None:
     loop = (f"{r['workload'].get('batch')} clients, "
             + (f"{a['closed_loop_requests']:,} requests" if "closed_loop_requests" in a
                else f"{a.get('closed_loop_duration_s')} s"))
-    open_loop = (f"{a.get('open_loop_rate', 0):g} requests/s Poisson, "
+    open_loop = (f"{a.get('open_loop_rate', 0):g} requests/s "
+                 f"{'evenly spaced' if a.get('open_loop_arrivals') == 'constant' else 'Poisson'}, "
                  + (f"{a['open_loop_requests']:,} requests" if "open_loop_requests" in a
                     else f"{a.get('open_loop_duration_s')} s"))
     for key, label in (("step_time_s", "step time"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"),

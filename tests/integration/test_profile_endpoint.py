@@ -740,7 +740,7 @@ def test_expect_on_an_open_loop_checks_the_replayed_rate_of_the_same_load(copt, 
     other = tmp_path / "other.yaml"
     other.write_text(recipe.read_text().replace("open_loop_duration_s: 10.0", "open_loop_duration_s: 60.0"))
     refused = copt("profile", "endpoint", "--from-profile", report, "--expect", str(other), timeout=60)
-    assert refused.returncode == 2 and "open loop is 48.0 requests/s for 60 s" in refused.stderr
+    assert refused.returncode == 2 and "open loop is 48.0 requests/s (Poisson) for 60 s" in refused.stderr
     elsewhere = tmp_path / "elsewhere.yaml"
     elsewhere.write_text(recipe.read_text().replace("open_loop_rate: 48.0", "open_loop_rate: 12.0"))
     refused = copt("profile", "endpoint", "--from-profile", report, "--expect", str(elsewhere), timeout=60)
@@ -766,3 +766,16 @@ def test_expect_sends_the_recipes_open_loop(tmp_path):
     typed = endpoint_values_from_recipe(exp, {**given, "concurrency": [8]})
     assert typed["concurrency"] == [8] and "rate" not in typed
     assert "rate" not in endpoint_values_from_recipe(exp, given, rate_given=True)
+
+
+def test_a_constant_rate_recipe_is_not_checked_against_poisson_sends(copt, tmp_path):
+    """An open loop replayed with evenly spaced sends (guidellm's constant profile) speaks of that load only: a
+    Poisson level of the same rate and duration is refused, saying which spacing each had."""
+    report = str(_rate_report(tmp_path / "rates.json"))
+    recipe = tmp_path / "constant.yaml"
+    recipe.write_text("task: serve\nmodel: /models/x\nprediction:\n  figures:\n    open_loop_tpot_s: 0.019\n"
+                      "  assumptions:\n    concurrency: 1\n    open_loop_rate: 48.0\n    open_loop_duration_s: 10.0\n"
+                      "    open_loop_arrivals: constant\n")
+    refused = copt("profile", "endpoint", "--from-profile", report, "--expect", str(recipe), timeout=60)
+    assert refused.returncode == 2
+    assert "48.0 requests/s (evenly spaced) for 10 s; the profile's level sent 48.0/s (Poisson)" in refused.stderr

@@ -140,3 +140,32 @@ def test_a_loop_ttft_left_out_says_why(model, load, loop) -> None:
     replayed = api.advise(load_model_spec("llama-3.1-8b"), target, plan.with_(batch=256))
     assert "closed_loop_ttft_s" in replayed["time"]
     assert not any(note.startswith("no closed loop TTFT") for note in replayed["notes"])
+
+
+def test_a_guidellm_constant_profile_is_replayed_evenly_spaced(tmp_path) -> None:
+    """guidellm's constant profile spaces its requests evenly: read as such, replayed as such (fewer bunched
+    arrivals than Poisson at the same rate: never a longer TTFT on the same steps), and written back as such."""
+    from clusteropt_cli.core.advise.closed_loop import simulate_open_loop
+    from clusteropt_cli.core.profile.external import guidellm_report
+    from clusteropt_cli.core.profile.report import load_profile
+    from tests.unit.test_closed_loop import _toy
+
+    data = json.loads((Path(__file__).resolve().parents[1] / "data" / "guidellm_report.json").read_text())
+    bench = data["benchmarks"][-1]
+    bench["config"]["strategy"] = {"type_": "constant", "rate": 6.0}
+    path = tmp_path / "constant.json"
+    path.write_text(json.dumps({**data, "benchmarks": [bench]}))
+    report = load_profile(str(path))
+    assert (report.levels[-1].rate, report.levels[-1].arrivals) == (6.0, "constant")
+    load = api.measured_closed_loop(report)
+    assert load["rate"] == 6.0 and load["arrivals"] == "constant"
+    written = guidellm_report(report)
+    assert written["benchmarks"][0]["config"]["strategy"] == {"type_": "constant", "rate": 6.0}
+    assert written["args"]["profile"] == "constant"
+    even = simulate_open_loop(_toy(), 80.0, 11, duration_s=2.0, arrivals="constant")
+    assert even.requests == 160
+    assert sorted(s for s, _, _ in even.per_request) == pytest.approx([i / 80.0 for i in range(160)])
+    bursty = simulate_open_loop(_toy(), 80.0, 11, duration_s=2.0)
+    assert even.ttft_s <= bursty.ttft_s
+    with pytest.raises(ValueError):
+        simulate_open_loop(_toy(), 80.0, 11, duration_s=2.0, arrivals="gamma")

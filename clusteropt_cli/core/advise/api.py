@@ -136,13 +136,14 @@ def add_closed_loop(spec: ModelSpec, plan: InferPlan, target: Target, evaluated:
         duration = load.get("duration_s")
         if duration is None and requests is None:
             duration = OPEN_LOOP_DURATION_S
+        arrivals = "constant" if load.get("arrivals") == "constant" else "poisson"
         figures = open_loop_figures(spec, plan, target, rate=float(load["rate"]), duration_s=duration,
                                     requests=None if requests is None else int(requests),
-                                    seed=int(load.get("seed", 0)))
+                                    seed=int(load.get("seed", 0)), arrivals=arrivals)
         if figures is not None:
             evaluated["time"].update(figures)
             evaluated["time_assumptions"].update(
-                {"open_loop_rate": float(load["rate"]),
+                {"open_loop_rate": float(load["rate"]), "open_loop_arrivals": arrivals,
                  **({"open_loop_duration_s": duration} if duration is not None else {"open_loop_requests": requests})})
             if "open_loop_ttft_s" not in figures:
                 evaluated.setdefault("time_notes", []).append(_HOST_BOUND_TTFT_NOTE.format(loop="open loop"))
@@ -450,7 +451,8 @@ def measured_closed_loop(report: Any) -> dict[str, float] | None:
     """The load behind an endpoint profile's metrics: its last completed concurrency level's closed loop (the
     duration it ran for, `profile endpoint --duration`, else its request count) or, when the last completed level
     is a rate without a concurrency (`profile endpoint --rate`, guidellm's poisson or constant profile, `vllm bench
-    serve --request-rate`), that open loop: {"rate", the same bound, the client's "seed"}. None: neither."""
+    serve --request-rate`), that open loop: {"rate", the same bound, the client's "seed", "arrivals": "constant" for
+    evenly spaced sends}. None: neither."""
     completed = [lv for lv in getattr(report, "levels", []) if lv.completed > 0]
     duration = _positive_number(report.workload.get("duration_s"))
     by_duration = duration is not None and not report.workload.get("num_requests")
@@ -459,7 +461,8 @@ def measured_closed_loop(report: Any) -> dict[str, float] | None:
     if rate is not None:
         seed = report.workload.get("seed")
         return {"rate": rate, **({"duration_s": duration} if by_duration else {"requests": int(last.requests)}),
-                **({"seed": seed} if isinstance(seed, int) and not isinstance(seed, bool) else {})}
+                **({"seed": seed} if isinstance(seed, int) and not isinstance(seed, bool) else {}),
+                **({"arrivals": "constant"} if getattr(last, "arrivals", None) == "constant" else {})}
     done = [lv for lv in completed if (lv.concurrency or 0) > 1]
     if not done:
         return None

@@ -15,6 +15,7 @@ results of the requests it finished go out before the prefill runs) with infer_t
 from __future__ import annotations
 
 import heapq
+import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -72,21 +73,30 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
 
 
 def simulate_open_loop(costs: ServeCosts, rate: float, gen_len: int, *, requests: int | None = None,
-                       duration_s: float | None = None, seed: int = 0,
+                       duration_s: float | None = None, seed: int = 0, arrivals: str = "poisson",
                        max_steps: int = 200_000) -> ClosedLoopFigures:
-    """Requests sent at Poisson times whatever the answers do (`copt profile endpoint --rate`: the same times, from
-    its poisson_send_times; guidellm's poisson profile and `vllm bench serve --request-rate` send the same way),
-    through the same API queue and engine steps as simulate_closed_loop; `clients` of the figures is the number of
-    requests."""
+    """Requests sent at `rate` whatever the answers do — at Poisson times (`copt profile endpoint --rate`: the same
+    times, from its poisson_send_times; guidellm's poisson profile and `vllm bench serve --request-rate` send the
+    same way) or, `arrivals="constant"`, evenly (guidellm's constant profile) — through the same API queue and
+    engine steps as simulate_closed_loop; `clients` of the figures is the number of requests."""
     from clusteropt_cli.core.profile.endpoint import poisson_send_times
 
     if gen_len < 1:
         raise ValueError("gen_len must be at least 1")
     if duration_s is None and requests is None:
         raise ValueError("an open loop needs a request count or a duration")
-    return simulate_sends(costs, gen_len,
-                          list(poisson_send_times(rate, duration_s=duration_s, requests=requests, seed=seed)),
-                          max_steps=max_steps)
+    if arrivals == "constant":
+        if rate <= 0:
+            raise ValueError("the rate must be positive")
+        count = requests if requests is not None else int(math.ceil(duration_s * rate))  # type: ignore[operator]
+        if duration_s is not None:
+            count = min(count, int(math.ceil(duration_s * rate)))
+        sends = [i / rate for i in range(count)]
+    elif arrivals == "poisson":
+        sends = list(poisson_send_times(rate, duration_s=duration_s, requests=requests, seed=seed))
+    else:
+        raise ValueError(f"arrivals must be poisson or constant (got {arrivals!r})")
+    return simulate_sends(costs, gen_len, sends, max_steps=max_steps)
 
 
 def simulate_sends(costs: ServeCosts, gen_len: int, send_times: list[float], *,
@@ -233,8 +243,9 @@ def closed_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, req
 
 def open_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, rate: float,
                       duration_s: float | None = None, requests: int | None = None, seed: int = 0,
-                      ) -> dict[str, float] | None:
-    """Requests at `rate` per second (Poisson, as `copt profile endpoint --rate` sends them with its --seed) through
+                      arrivals: str = "poisson") -> dict[str, float] | None:
+    """Requests at `rate` per second (Poisson, as `copt profile endpoint --rate` sends them with its --seed, or
+    evenly spaced: `arrivals`, simulate_open_loop) through
     copt's engine: open_loop_ttft_s, open_loop_tpot_s (medians) and open_loop_output_tokens_per_s (first send to
     last token). None where closed_loop_figures gives none (the plan's step model does not apply, or the replay
     ran out of steps: the rate is past what the engine serves for longer than the load lasts); the TTFT is left
@@ -247,7 +258,8 @@ def open_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, rate:
     costs = infer_time(spec, replace(plan, batch=max(engine_rows, 2)), target).costs  # as many as the engine runs
     if costs is None:
         return None
-    run = simulate_open_loop(costs, rate, plan.gen_len, requests=requests, duration_s=duration_s, seed=seed)
+    run = simulate_open_loop(costs, rate, plan.gen_len, requests=requests, duration_s=duration_s, seed=seed,
+                             arrivals=arrivals)
     if run.truncated or not run.requests:
         return None
     figures = {"open_loop_tpot_s": run.tpot_s, "open_loop_output_tokens_per_s": run.output_tokens_per_s}

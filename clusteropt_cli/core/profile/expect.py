@@ -200,7 +200,8 @@ def _same_load(report: ProfileReport, level: Any, exp: Expectation) -> bool:
 def _same_open_load(report: ProfileReport, level: Any, exp: Expectation) -> bool:
     """Whether a rate level sent the open loop the prediction replayed: that rate, as long or as many requests."""
     a = exp.assumptions
-    if level.rate != a.get("open_loop_rate"):
+    if level.rate != a.get("open_loop_rate") or (level.arrivals or "poisson") != a.get("open_loop_arrivals",
+                                                                                         "poisson"):
         return False
     if _positive(a.get("open_loop_duration_s")):
         return report.workload.get("duration_s") == a["open_loop_duration_s"]
@@ -253,9 +254,12 @@ def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: fl
         if open_replayed:
             bound = (f"{a['open_loop_duration_s']:g} s" if _positive(a.get("open_loop_duration_s"))
                      else f"{a.get('open_loop_requests')} requests")
+            spacing = {"constant": "evenly spaced", "poisson": "Poisson"}
             raise BadInputError(
-                f"--expect {exp.path}: the recipe's open loop is {a.get('open_loop_rate')} requests/s for {bound}; "
-                f"the profile's level sent {level.rate}/s for {report.workload.get('duration_s') or level.requests}"
+                f"--expect {exp.path}: the recipe's open loop is {a.get('open_loop_rate')} requests/s "
+                f"({spacing.get(a.get('open_loop_arrivals', 'poisson'), 'Poisson')}) for {bound}; the profile's level "
+                f"sent {level.rate}/s ({spacing[level.arrivals or 'poisson']}) for "
+                f"{report.workload.get('duration_s') or level.requests}"
                 f"{' s' if report.workload.get('duration_s') else ' requests'}.",
                 hint="Measure the recipe's load: copt profile endpoint --expect R.yaml with no --rate, --duration "
                      "or --num-requests (they come from the recipe).")

@@ -64,6 +64,15 @@ def _ms_to_s(summary: dict[str, Any], scale: float = 1e-3) -> dict[str, float]:
     return out
 
 
+def _guidellm_arrivals(bench: dict[str, Any]) -> str | None:
+    """"constant" for a guidellm benchmark whose strategy spaced its requests evenly, else None."""
+    for holder in (bench.get("config"), bench.get("args"), bench):
+        strategy = holder.get("strategy") if isinstance(holder, dict) else None
+        if isinstance(strategy, dict):
+            return "constant" if str(strategy.get("type_") or strategy.get("type") or "") == "constant" else None
+    return None
+
+
 def _guidellm_concurrency(bench: dict[str, Any]) -> tuple[int | None, float | None]:
     """(concurrent streams, request rate) of a guidellm benchmark's scheduling strategy."""
     for holder in (bench.get("config"), bench.get("args"), bench):
@@ -106,7 +115,8 @@ def _from_guidellm(data: dict[str, Any]) -> tuple[list[EndpointLevel], dict[str,
         e2e = _ms_to_s(_guidellm_summary(metrics, "request_latency"), scale=1.0)  # guidellm: seconds
         tpot = _ms_to_s(_guidellm_summary(metrics, "inter_token_latency_ms"))
         levels.append(EndpointLevel(
-            concurrency=concurrency, rate=rate, requests=completed + errored + incomplete, completed=completed,
+            concurrency=concurrency, rate=rate, arrivals=_guidellm_arrivals(bench) if rate is not None else None,
+            requests=completed + errored + incomplete, completed=completed,
             errors=errors, duration_s=max(duration or 0.0, 1e-9), request_throughput=rps or 0.0,
             output_tokens_per_s=out_tps, ttft_s=_ms_to_s(_guidellm_summary(metrics, "time_to_first_token_ms")),
             itl_s=tpot, tpot_s=tpot, e2e_s=e2e))
@@ -227,7 +237,7 @@ def guidellm_report(report: ProfileReport) -> dict[str, Any]:
         if lv.concurrency is not None:
             strategy: dict[str, Any] = {"type_": "concurrent", "streams": lv.concurrency}
         else:
-            strategy = {"type_": "poisson", "rate": lv.rate}
+            strategy = {"type_": lv.arrivals or "poisson", "rate": lv.rate}
         out_tokens = lv.output_tokens_per_s * lv.duration_s
         metrics: dict[str, Any] = {
             "requests_per_second": _guidellm_distribution({"mean": lv.request_throughput}, lv.completed, 1.0),
@@ -250,7 +260,11 @@ def guidellm_report(report: ProfileReport) -> dict[str, Any]:
     concurrent = [lv.concurrency for lv in report.levels if lv.concurrency is not None]
     rates = [lv.rate for lv in report.levels if lv.concurrency is None and lv.rate is not None]
     args: dict[str, Any] = {"target": workload.get("url"), "model": report.model.get("name"),
-                            "profile": "concurrent" if concurrent else "poisson", "rate": concurrent or rates}
+                            "profile": "concurrent" if concurrent else (
+                                "constant" if rates and all(lv.arrivals == "constant" for lv in report.levels
+                                                            if lv.concurrency is None and lv.rate is not None)
+                                else "poisson"),
+                            "rate": concurrent or rates}
     if workload.get("prompt_len") and workload.get("gen_len") and not workload.get("dataset"):
         args["data"] = [f"prompt_tokens={workload['prompt_len']},output_tokens={workload['gen_len']}"]
     return {"metadata": {"version": 1, "source": f"copt profile endpoint {report.copt_version}",

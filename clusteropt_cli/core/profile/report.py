@@ -62,6 +62,9 @@ class EndpointLevel(_Model):
 
     concurrency: int | None = None
     rate: float | None = None
+    # how a rate level's sends were spaced: Poisson (copt's --rate, guidellm's poisson profile, vllm bench serve's
+    # default burstiness) or evenly (guidellm's constant profile); None: Poisson, or not a rate level
+    arrivals: Literal["poisson", "constant"] | None = None
     requests: int
     completed: int
     errors: dict[str, int] = Field(default_factory=dict)
