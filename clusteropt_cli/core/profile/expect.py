@@ -37,7 +37,7 @@ class FigureCheck:
     # "closed loop": advise's replay of this level's closed loop (closed_loop_*, the same clients and load);
     # "upper": the prediction bounds the figure from above (a closed loop's TTFT: at most the in-step figure);
     # "out of step": the prediction for closed-loop clients out of step (tpot_out_of_step_s);
-    # "open loop": advise's replay of this rate level's Poisson sends (open_loop_*, the same rate and load)
+    # "open loop": advise's replay of this rate level's sends (open_loop_*, the same rate, spacing and load)
     note: str | None = None
 
 

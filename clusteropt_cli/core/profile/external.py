@@ -14,6 +14,7 @@ metrics are those of its highest completed level, like `copt profile endpoint`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -64,32 +65,26 @@ def _ms_to_s(summary: dict[str, Any], scale: float = 1e-3) -> dict[str, float]:
     return out
 
 
-def _guidellm_arrivals(bench: dict[str, Any]) -> str | None:
-    """"constant" for a guidellm benchmark whose strategy spaced its requests evenly, else None."""
+def _guidellm_strategies(bench: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(kind, fields) of each scheduling strategy a guidellm benchmark states (in its config, args, itself)."""
     for holder in (bench.get("config"), bench.get("args"), bench):
         strategy = holder.get("strategy") if isinstance(holder, dict) else None
         if isinstance(strategy, dict):
-            return "constant" if str(strategy.get("type_") or strategy.get("type") or "") == "constant" else None
-    return None
+            yield str(strategy.get("type_") or strategy.get("type") or ""), strategy
 
 
-def _guidellm_concurrency(bench: dict[str, Any]) -> tuple[int | None, float | None]:
-    """(concurrent streams, request rate) of a guidellm benchmark's scheduling strategy."""
-    for holder in (bench.get("config"), bench.get("args"), bench):
-        if not isinstance(holder, dict):
-            continue
-        strategy = holder.get("strategy")
-        if isinstance(strategy, dict):
-            kind = str(strategy.get("type_") or strategy.get("type") or "")
-            streams = _num(strategy.get("streams"))
-            rate = _num(strategy.get("rate"))
-            if streams is not None:
-                return int(streams), None
-            if kind == "synchronous":
-                return 1, None
-            if rate is not None:
-                return None, rate
-    return None, None
+def _guidellm_concurrency(bench: dict[str, Any]) -> tuple[int | None, float | None, str | None]:
+    """(concurrent streams, request rate, "constant" when that rate's requests were evenly spaced) of a guidellm
+    benchmark's scheduling strategy."""
+    for kind, strategy in _guidellm_strategies(bench):
+        streams, rate = _num(strategy.get("streams")), _num(strategy.get("rate"))
+        if streams is not None:
+            return int(streams), None, None
+        if kind == "synchronous":
+            return 1, None, None
+        if rate is not None:
+            return None, rate, "constant" if kind == "constant" else None
+    return None, None, None
 
 
 def _from_guidellm(data: dict[str, Any]) -> tuple[list[EndpointLevel], dict[str, Any], str | None]:
@@ -97,7 +92,7 @@ def _from_guidellm(data: dict[str, Any]) -> tuple[list[EndpointLevel], dict[str,
     model = None
     for bench in data["benchmarks"]:
         metrics = bench.get("metrics") or {}
-        concurrency, rate = _guidellm_concurrency(bench)
+        concurrency, rate, arrivals = _guidellm_concurrency(bench)
         totals = ((bench.get("scheduler_metrics") or {}).get("requests_made") or metrics.get("request_totals")
                   or bench.get("request_totals") or {})
         completed = int(_num(totals.get("successful")) or _num(_guidellm_summary(metrics, "request_latency")
@@ -115,7 +110,7 @@ def _from_guidellm(data: dict[str, Any]) -> tuple[list[EndpointLevel], dict[str,
         e2e = _ms_to_s(_guidellm_summary(metrics, "request_latency"), scale=1.0)  # guidellm: seconds
         tpot = _ms_to_s(_guidellm_summary(metrics, "inter_token_latency_ms"))
         levels.append(EndpointLevel(
-            concurrency=concurrency, rate=rate, arrivals=_guidellm_arrivals(bench) if rate is not None else None,
+            concurrency=concurrency, rate=rate, arrivals=arrivals,
             requests=completed + errored + incomplete, completed=completed,
             errors=errors, duration_s=max(duration or 0.0, 1e-9), request_throughput=rps or 0.0,
             output_tokens_per_s=out_tps, ttft_s=_ms_to_s(_guidellm_summary(metrics, "time_to_first_token_ms")),
