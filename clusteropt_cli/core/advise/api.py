@@ -6,7 +6,6 @@ The result is a plain dict following the documented `copt.advise/1` schema (docs
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan, valida
 from clusteropt_cli.core.advise.recipes import command_for, serve_recipe_data, train_recipe_data
 from clusteropt_cli.core.advise.recommend import Context, Recommendation, recommend, weights_exceed_gpu
 from clusteropt_cli.core.advise.timing import infer_time, train_time
+from clusteropt_cli.core.profile.stats import positive_number
 from clusteropt_cli.errors import BadInputError, CheckFailedError
 from clusteropt_cli.hardware import get_gpu
 from clusteropt_cli.modelspec import ModelSpec
@@ -454,10 +454,10 @@ def measured_closed_loop(report: Any) -> dict[str, float] | None:
     serve --request-rate`), that open loop: {"rate", the same bound, the client's "seed", "arrivals": "constant" for
     evenly spaced sends}. None: neither."""
     completed = [lv for lv in getattr(report, "levels", []) if lv.completed > 0]
-    duration = _positive_number(report.workload.get("duration_s"))
+    duration = positive_number(report.workload.get("duration_s"))
     by_duration = duration is not None and not report.workload.get("num_requests")
     last = completed[-1] if completed else None
-    rate = None if last is None or last.concurrency is not None else _positive_number(last.rate)
+    rate = None if last is None or last.concurrency is not None else positive_number(last.rate)
     if rate is not None:
         seed = report.workload.get("seed")
         return {"rate": rate, **({"duration_s": duration} if by_duration else {"requests": int(last.requests)}),
@@ -469,13 +469,6 @@ def measured_closed_loop(report: Any) -> dict[str, float] | None:
     if by_duration:
         return {"duration_s": duration}
     return {"requests": int(done[-1].requests)}
-
-
-def _positive_number(value: Any) -> float | None:
-    """A finite positive number from a report or recipe field, else None (missing, malformed, hostile)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) and value > 0 else None
 
 
 def _measured_concurrency(report: Any) -> int | None:

@@ -88,10 +88,8 @@ def simulate_open_loop(costs: ServeCosts, rate: float, gen_len: int, *, requests
     if arrivals == "constant":
         if rate <= 0:
             raise ValueError("the rate must be positive")
-        count = requests if requests is not None else int(math.ceil(duration_s * rate))  # type: ignore[operator]
-        if duration_s is not None:
-            count = min(count, int(math.ceil(duration_s * rate)))
-        sends = [i / rate for i in range(count)]
+        bounds = [n for n in (requests, None if duration_s is None else math.ceil(duration_s * rate)) if n is not None]
+        sends = [i / rate for i in range(min(bounds))]  # every send before duration_s, at most `requests`
     elif arrivals == "poisson":
         sends = list(poisson_send_times(rate, duration_s=duration_s, requests=requests, seed=seed))
     else:

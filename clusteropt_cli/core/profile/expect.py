@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from clusteropt_cli.core.profile.report import ProfileReport
+from clusteropt_cli.core.profile.stats import positive_number
 from clusteropt_cli.errors import BadInputError, RecipeError
 
 
@@ -135,12 +136,12 @@ def endpoint_values_from_recipe(exp: Expectation, given: dict[str, Any], rate_gi
         values["url"] = f"http://{host}:{r.port}"
     values["model"] = values.get("model") or r.served_model_name or r.model
     open_rate = a.get("open_loop_rate")
-    if not values.get("concurrency") and not rate_given and _positive(open_rate):
+    if not values.get("concurrency") and not rate_given and positive_number(open_rate):
         # an open loop priced (advise --rate): send that rate for the load it was replayed for
         values["concurrency"], values["rate"] = [], [float(open_rate)]
-        if _positive(a.get("open_loop_duration_s")):
+        if positive_number(a.get("open_loop_duration_s")):
             values.setdefault("duration_s", float(a["open_loop_duration_s"]))
-        elif _positive(a.get("open_loop_requests")):
+        elif positive_number(a.get("open_loop_requests")):
             values.setdefault("num_requests", int(a["open_loop_requests"]))
     elif not values.get("concurrency") and not rate_given:
         want = a.get("concurrency", a.get("batch"))
@@ -151,15 +152,11 @@ def endpoint_values_from_recipe(exp: Expectation, given: dict[str, Any], rate_gi
     return values
 
 
-def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
-
-
 def _endpoint_level(report: ProfileReport, exp: Expectation):
     """The endpoint level a prediction speaks of: the open loop's rate (open_loop_rate), else
     assumptions.concurrency (or batch), else the last level."""
     rate = exp.assumptions.get("open_loop_rate")
-    if _positive(rate):
+    if positive_number(rate):
         for level in report.levels:
             if level.concurrency is None and level.rate == rate:
                 return level
@@ -203,7 +200,7 @@ def _same_open_load(report: ProfileReport, level: Any, exp: Expectation) -> bool
     if level.rate != a.get("open_loop_rate") or (level.arrivals or "poisson") != a.get("open_loop_arrivals",
                                                                                          "poisson"):
         return False
-    if _positive(a.get("open_loop_duration_s")):
+    if positive_number(a.get("open_loop_duration_s")):
         return report.workload.get("duration_s") == a["open_loop_duration_s"]
     return not report.workload.get("duration_s") and level.requests == a.get("open_loop_requests")
 
@@ -252,7 +249,7 @@ def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: fl
             and level.rate is not None:
         a = exp.assumptions
         if open_replayed:
-            bound = (f"{a['open_loop_duration_s']:g} s" if _positive(a.get("open_loop_duration_s"))
+            bound = (f"{a['open_loop_duration_s']:g} s" if positive_number(a.get("open_loop_duration_s"))
                      else f"{a.get('open_loop_requests')} requests")
             spacing = {"constant": "evenly spaced", "poisson": "Poisson"}
             raise BadInputError(

@@ -33,3 +33,11 @@ def latency_summary(values: Sequence[float]) -> dict[str, float]:
         return {}
     return {"p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99),
             "mean": float(sum(values) / len(values))}
+
+
+def positive_number(value: object) -> float | None:
+    """A finite positive number from a report or recipe field, else None (missing, malformed, hostile: a bool, a
+    string, NaN, infinity)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
