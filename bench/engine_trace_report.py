@@ -8,10 +8,12 @@ chained (async scheduling).
     python3 bench/engine_trace_report.py TRACE.json --step-costs llama-3.1-8b [--prompt-len 256] [--gpu h200]
 
 --step-costs PRESET sets every step that ran one decode pass (decode only, or decode and prefill) next to the cost
-advise's replay gives it (timing.ServeCosts of a 256-client sampled plan of PRESET: decode_step(rows), plus
-prefill(tokens, chunks) at least the host's prefill floor): medians per bin of decode rows (by 32) and prompt
-chunks (prompt tokens / --prompt-len). A step's decode rows are its generated tokens less the prompts it finished
-(prompt tokens // --prompt-len): exact when every prompt is --prompt-len tokens and none is split.
+advise's replay gives it (timing.ServeCosts of a 256-client sampled plan of PRESET: decode_step(rows) for a decode
+step — the chained step's cost, which the replay gives every step that does not prefill — and step_with_prefill for
+one that prefills: a step whose prompt tokens are not whole prompts counts as resuming one): medians per bin of
+decode rows (by 32) and prompt chunks (prompt tokens / --prompt-len). A step's decode rows are its generated tokens
+less the prompts it finished (prompt tokens // --prompt-len): exact when every prompt is --prompt-len tokens and
+none is split.
 
 --replay-arrivals PRESET replays each load of the trace (requests separated from the next load by an idle engine)
 from the engine's own arrival times (closed_loop.simulate_sends, API and HTTP costs left out) and sets the engine's
@@ -24,6 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+
+def _read(path: Path) -> dict:
+    """A trace as written (JSON) or as kept with the results (gzipped JSON)."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
 
 
 def loads(trace: dict, gap_s: float = 0.1) -> list[dict]:
@@ -84,7 +95,7 @@ def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str) -> list[dict
         rows = max(1, s[7] - s[6] // prompt_len)
         replayed = costs.decode_step(rows)
         if chunks:
-            replayed = max(replayed + costs.prefill(s[6], chunks), costs.prefill_step_floor(chunks))
+            replayed = costs.step_with_prefill(rows, s[6], chunks, s[6] % prompt_len != 0)[0]
         bins[(rows // 32 * 32, chunks)].append((s[1] - s[0], replayed))
     return [{"rows_from": rows, "chunks": chunks, "steps": len(v),
              "measured_ms": round(1e3 * statistics.median(m for m, _ in v), 2),
@@ -150,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.replay_arrivals:
         for path in args.traces:
-            rows = replay_arrivals(json.loads(path.read_text()), args.replay_arrivals, args.prompt_len, args.gpu,
+            rows = replay_arrivals(_read(path), args.replay_arrivals, args.prompt_len, args.gpu,
                                    args.temperature)
             if args.json:
                 print(json.dumps(rows, indent=1))
@@ -166,7 +177,7 @@ def main() -> None:
         return
     if args.step_costs:
         for path in args.traces:
-            rows = step_costs(json.loads(path.read_text()), args.step_costs, args.prompt_len, args.gpu)
+            rows = step_costs(_read(path), args.step_costs, args.prompt_len, args.gpu)
             if args.json:
                 print(json.dumps(rows, indent=1))
                 continue
@@ -179,7 +190,7 @@ def main() -> None:
         return
     report = {}
     for path in args.traces:
-        trace = json.loads(path.read_text())
+        trace = _read(path)
         if not trace["requests"]:
             continue
         report[path.name] = loads(trace)

@@ -153,8 +153,22 @@ SERVING_ENGINES = {
 # median, where the step model gives 25 and 21), 8B shape (345 steps, GPU-bound: unchanged). Fitted, step time =
 # max(the step model, 3 ms per chunk + 0.5 ms per layer): median step predicted ÷ measured 0.95, 0.96 and 1.06.
 # Applied by closed_loop.py's replay.
+# Since copt's engine captures prefill graphs for packed steps (up to 8 prompts, 1,024 tokens; one prompt up to 2,048)
+# the floor holds only the steps it runs eagerly (timing.infer_time's mixed_step): a resumed prompt, more tokens.
 PREFILL_STEP_HOST_PER_CHUNK_S = 3.0e-3
 PREFILL_STEP_HOST_PER_LAYER_S = 0.5e-3
+# A step of copt's engine that decodes and prefills reads its decode's tokens back and emits them before launching
+# the prefill (its decode is not chained: engine.Engine._step), so the host's work per sequence is not hidden behind
+# the GPU as in a decode chain. Read off the engine's step traces of the closed and open loops of
+# bench/results/serve-models-h200-2026-12-03/open-loop (H200, copt serve's defaults, b9411c3; 1B and 8B shapes,
+# 256/128): every step with one decode pass and prompt chunks the prefill graphs take (7,400 steps) and every
+# unchained pure decode step, less the chained decode step and the prefill of the graph's token bucket as
+# infer_time prices them, least squares over bins of 32 rows: 1.6 ms per step + 18 µs per decoding sequence.
+# Per step then (bench/engine_trace_report.py --step-costs) within ±3 ms of the measured medians (1B 1-chunk
+# steps 6.6-11.3 ms, 8B 19-29 ms), where the earlier floor (11 ms / 19 ms for any step of one chunk) was off by
+# 0.57-1.76×.
+UNCHAINED_STEP_S = 1.6e-3
+UNCHAINED_STEP_PER_SEQ_S = 18e-6
 # What sampled requests (temperature > 0, no top-k/top-p truncation) add per decode step of copt's engine over
 # greedy decoding. Sampling runs on the device inside the captured step (Gumbel-max with counter-based noise, async
 # scheduling kept), so the cost is one [batch, vocabulary] pass more than the greedy argmax. H200, Llama-3.2-1B

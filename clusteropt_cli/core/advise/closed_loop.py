@@ -37,7 +37,7 @@ class ClosedLoopFigures:
     tpot_s: float
     ttft_first_round_s: float  # the requests each client sent first (the burst the loop starts with)
     ttft_later_rounds_s: float | None  # every later request (None: one request per client)
-    host_bound_share: float = 0.0  # of the steps that prefilled, those the host's floor set
+    host_bound_share: float = 0.0  # of the steps that prefilled, the host-bound ones (ServeCosts.step_with_prefill)
     steps: int = 0
     truncated: bool = False  # stopped at max_steps with requests still to run: the figures cover those done
     per_request: list[tuple[float, float, float]] = field(default_factory=list, repr=False)  # (sent, first, last)
@@ -115,6 +115,7 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
     clients = len(planned_sends)
     planned = deque(sorted(planned_sends))
     decode_s = lru_cache(maxsize=None)(costs.decode_step)
+    mixed_s = lru_cache(maxsize=None)(costs.step_with_prefill)
     api_free = 0.0  # when the API process is next idle
     arrivals: list[tuple[float, int, _Request]] = []  # (reaches the engine, order, request)
     order = 0
@@ -159,11 +160,10 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
         step = decode_s(decoding) if decoding else 0.0
         decoded = now + step  # the decode's tokens (and finished requests' results) go out before the prefill
         if chunks:
-            modelled = step + costs.prefill(sum(n for _, n in chunks), len(chunks))
-            floor = costs.prefill_step_floor(len(chunks))
+            continued = any(r.left < costs.prompt_tokens for r, _ in chunks)
+            step, floored = mixed_s(decoding, sum(n for _, n in chunks), len(chunks), continued)
             prefill_steps += 1
-            host_bound += floor > modelled
-            step = max(modelled, floor)
+            host_bound += floored
         now += step
         finished = finishing.pop(steps, [])
         decoding -= len(finished)

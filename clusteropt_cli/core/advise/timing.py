@@ -77,11 +77,20 @@ class ServeCosts:
     first_token_s: float  # what the server adds to a request's first token (HTTP, tokenization, first event)
     intake_s: float  # the API process's time to take one request in (serial)
     stream_s: float  # the API process's time to stream one request's tokens out (serial)
-    # the host's floor under a step that prefills n prompt chunks (calibration.PREFILL_STEP_HOST_*)
-    prefill_step_floor: Callable[[int], float] = lambda chunks: 0.0
+    # a step that decodes `rows` sequences and prefills `tokens` prompt tokens in `chunks` chunks (`continued`: one of
+    # them resumes a prompt an earlier step began): (seconds, whether the host's floor set them). None: the decode
+    # step plus the prefill pass
+    mixed_step: Callable[[int, int, int, bool], tuple[float, bool]] | None = None
     # a step's decoded tokens and finished results reach the API before the step's prefill runs (copt's engine);
     # False: after it (engines whose mixed steps are one forward, and copt's before it handed them out early)
     results_before_prefill: bool = True
+
+    def step_with_prefill(self, rows: int, tokens: int, chunks: int, continued: bool) -> tuple[float, bool]:
+        """Seconds of a step that prefills (next to `rows` decoding sequences, 0: none), and whether the host's
+        floor set them."""
+        if self.mixed_step is not None:
+            return self.mixed_step(rows, tokens, chunks, continued)
+        return (self.decode_step(rows) if rows else 0.0) + self.prefill(tokens, chunks), False
 
 
 @dataclass
@@ -401,11 +410,44 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     costs = None
     if engine and engine_name == "copt" and plan.continuous_batching and not plan.speculative_tokens:
         first_token_s = engine.get("http_request_s", 0.0)
+        from clusteropt_cli.core.serve.runner import (
+            PREFILL_GRAPH_BUCKETS,
+            PREFILL_GRAPH_MAX_PACKED,
+            PREFILL_GRAPH_MAX_TOKENS,
+            PREFILL_GRAPH_SEGMENTS,
+        )
+
+        # copt's engine captures prefill graphs where its paged cache is in the model's dtype and no layer slides a
+        # window (runner.capture_prefill_graphs); a segment with cached keys before it (a prefix-cache hit, a
+        # prompt resumed) runs eagerly
+        graphs = (plan.kv_layout != "slots" and plan.kv_cache in ("bf16", "fp16") and not spec.num_sliding_layers
+                  and hit == 0)
+
+        def mixed_step(rows: int, tokens: int, chunks: int, continued: bool) -> tuple[float, bool]:
+            """A step of copt's engine that prefills: its decode pass (not chained: its tokens are read and
+            emitted before the prefill launches, cal.UNCHAINED_STEP_*), then the prompt chunks — as the captured
+            graph of the token bucket that holds them (its padding computed too), or eagerly, at least the host's
+            floor (cal.PREFILL_STEP_HOST_*). Host-bound: the floor set it, or the host's share of it (the
+            engine's costs per step, sequence and prompt) is larger than the device's (weights, cache and
+            FLOPs)."""
+            device = host = 0.0
+            if rows:
+                seconds, floor_s, _, compute = decode_step(rows)
+                device = max(floor_s / cal.DECODE_BANDWIDTH_EFFICIENCY, compute)
+                host = seconds - device + cal.UNCHAINED_STEP_S + cal.UNCHAINED_STEP_PER_SEQ_S * rows
+            cap = PREFILL_GRAPH_MAX_TOKENS if chunks == 1 else PREFILL_GRAPH_MAX_PACKED
+            graphed = graphs and not continued and chunks <= PREFILL_GRAPH_SEGMENTS and tokens <= cap
+            priced = next(b for b in PREFILL_GRAPH_BUCKETS if b >= tokens) if graphed else tokens
+            per_prompt = chunks * engine["prefill_request_s"]
+            device += prefill_seconds(priced, chunks) - per_prompt
+            host += per_prompt
+            floor = 0.0 if graphed else (cal.PREFILL_STEP_HOST_PER_CHUNK_S * chunks
+                                         + cal.PREFILL_STEP_HOST_PER_LAYER_S * spec.num_layers)
+            return max(device + host, floor), floor > device + host or host > device
+
         costs = ServeCosts(
             decode_step=lambda rows: decode_step(rows)[0], prefill=prefill_seconds,
             step_tokens=plan.chunked_prefill or engine["prefill_chunk_tokens"], max_running=running,
             prompt_tokens=computed, first_token_s=first_token_s, intake_s=engine.get("api_intake_s", 0.0),
-            stream_s=engine.get("http_stream_s", 0.0),
-            prefill_step_floor=lambda chunks: (cal.PREFILL_STEP_HOST_PER_CHUNK_S * chunks
-                                               + cal.PREFILL_STEP_HOST_PER_LAYER_S * spec.num_layers))
+            stream_s=engine.get("http_stream_s", 0.0), mixed_step=mixed_step)
     return TimeEstimate(figures, assumptions, notes=notes, costs=costs)
