@@ -381,10 +381,54 @@ FIXED_CLIENT_MISSES = {
 }
 
 
+# Both shapes again with the step model read off the previous run's traces (calibration.UNCHAINED_STEP_*, prefill
+# graphs priced by their token bucket), `copt profile endpoint` sending each rate level's whole schedule on a frozen
+# heap (H200, 2026-12-03, 5218b2e, bench/results/serve-models-h200-2026-12-03/step-model; predictions written down
+# before the run). Beyond ±15%, pinned (±3%): the 8B's closed-loop TTFT at four levels (0.57-1.20); the 1B's TPOT at
+# guidellm's 256 (1.27, 1.43), at 64 on two levels, and its profile endpoint's tok/s at 256 (1.15, 1.17).
+STEP_MODEL = {
+    ("llama-3.1-8b", 1, "profile", 0.0): (220, 0.0163, 4.45e-3),
+    ("llama-3.1-8b", 1, "profile", 1.0): (218, 0.0171, 4.49e-3),
+    ("llama-3.1-8b", 64, "guidellm", 0.0): (6027, 0.2006, 8.96e-3),
+    ("llama-3.1-8b", 64, "guidellm", 1.0): (5901, 0.2790, 8.57e-3),
+    ("llama-3.1-8b", 64, "profile", 0.0): (6109, 0.1999, 8.88e-3),
+    ("llama-3.1-8b", 64, "profile", 1.0): (5415, 0.2616, 9.48e-3),
+    ("llama-3.1-8b", 256, "guidellm", 0.0): (8254, 0.3435, 27.93e-3),
+    ("llama-3.1-8b", 256, "guidellm", 1.0): (8172, 0.4271, 27.64e-3),
+    ("llama-3.1-8b", 256, "profile", 0.0): (8512, 0.3495, 26.58e-3),
+    ("llama-3.1-8b", 256, "profile", 1.0): (7982, 0.3083, 27.91e-3),
+    ("llama-3.2-1b", 1, "guidellm", 0.0): (874, 0.0081, 1.06e-3),
+    ("llama-3.2-1b", 1, "guidellm", 1.0): (869, 0.0074, 1.08e-3),
+    ("llama-3.2-1b", 1, "profile", 0.0): (892, 0.0081, 1.06e-3),
+    ("llama-3.2-1b", 1, "profile", 1.0): (863, 0.0081, 1.10e-3),
+    ("llama-3.2-1b", 64, "guidellm", 0.0): (17498, 0.1371, 2.47e-3),
+    ("llama-3.2-1b", 64, "guidellm", 1.0): (15065, 0.1602, 2.92e-3),
+    ("llama-3.2-1b", 64, "profile", 0.0): (17848, 0.1049, 2.68e-3),
+    ("llama-3.2-1b", 64, "profile", 1.0): (17836, 0.0989, 2.77e-3),
+    ("llama-3.2-1b", 256, "guidellm", 0.0): (18957, 0.6329, 8.37e-3),
+    ("llama-3.2-1b", 256, "guidellm", 1.0): (23110, 0.4113, 7.56e-3),
+    ("llama-3.2-1b", 256, "profile", 0.0): (19151, 0.3796, 10.60e-3),
+    ("llama-3.2-1b", 256, "profile", 1.0): (18133, 0.4025, 11.13e-3),
+}
+STEP_MODEL_MISSES = {
+    ("llama-3.1-8b", 64, "guidellm", 0.0, "ttft"): 1.20,
+    ("llama-3.1-8b", 64, "profile", 0.0, "ttft"): 1.19,
+    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.71,
+    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.57,
+    ("llama-3.2-1b", 64, "guidellm", 0.0, "tpot"): 1.21,
+    ("llama-3.2-1b", 64, "profile", 1.0, "tpot"): 1.18,
+    ("llama-3.2-1b", 256, "guidellm", 0.0, "tpot"): 1.27,
+    ("llama-3.2-1b", 256, "guidellm", 1.0, "tpot"): 1.43,
+    ("llama-3.2-1b", 256, "profile", 0.0, "tok/s"): 1.15,
+    ("llama-3.2-1b", 256, "profile", 1.0, "tok/s"): 1.17,
+}
+
+
 # run: (levels, pinned misses, whether that engine streamed a step's decode before its prefill)
 TESTER_RUNS = {"greedy-and-sampled": (GREEDY_AND_SAMPLED, GREEDY_AND_SAMPLED_MISSES, False),
                "results-before-prefill": (RESULTS_BEFORE_PREFILL, RESULTS_BEFORE_PREFILL_MISSES, True),
-               "fixed-client": (FIXED_CLIENT, FIXED_CLIENT_MISSES, True)}
+               "fixed-client": (FIXED_CLIENT, FIXED_CLIENT_MISSES, True),
+               "step-model": (STEP_MODEL, STEP_MODEL_MISSES, True)}
 
 
 @pytest.mark.parametrize(("run", "case"), [(run, case) for run, (levels, _, _) in TESTER_RUNS.items()
@@ -457,6 +501,55 @@ def test_open_loop_figures_on_the_h200_shapes() -> None:
     assert slow and fast and fast["open_loop_tpot_s"] > slow["open_loop_tpot_s"]
     assert slow["open_loop_output_tokens_per_s"] == pytest.approx(8 * 128, rel=0.15)
     assert open_loop_figures(spec, plan, Target(None), rate=8.0, duration_s=10.0) is None
+
+
+# The same run's open loops (`copt profile endpoint --rate`, Poisson sends, seed 0, 10 s per level): (model, rate,
+# temperature): (tok/s, TTFT s, TPOT s). Beyond ±15%, pinned (±3%): the 8B's TPOT at 24/s sampled and at 48/s
+# (0.74-0.84) and its TTFT at four levels (0.53-0.81); the 1B's TPOT at 120/s (its greedy level saturated in this run:
+# TPOT 10.9 ms, 4.1 and 5.4 ms in the two runs before). The 1B's TTFT is not replayed (host-bound steps).
+STEP_MODEL_RATES = {
+    ("llama-3.1-8b", 24.0, 0.0): (2719, 0.0312, 7.97e-3),
+    ("llama-3.1-8b", 24.0, 1.0): (2704, 0.0324, 8.32e-3),
+    ("llama-3.1-8b", 48.0, 0.0): (5374, 0.0450, 17.91e-3),
+    ("llama-3.1-8b", 48.0, 1.0): (5345, 0.0488, 19.42e-3),
+    ("llama-3.1-8b", 64.0, 0.0): (6648, 0.1034, 31.15e-3),
+    ("llama-3.1-8b", 64.0, 1.0): (6151, 0.2139, 34.87e-3),
+    ("llama-3.2-1b", 40.0, 0.0): (4880, 0.0115, 1.71e-3),
+    ("llama-3.2-1b", 40.0, 1.0): (4874, 0.0121, 1.86e-3),
+    ("llama-3.2-1b", 80.0, 0.0): (10118, 0.0139, 2.45e-3),
+    ("llama-3.2-1b", 80.0, 1.0): (10143, 0.0134, 2.82e-3),
+    ("llama-3.2-1b", 120.0, 0.0): (14574, 0.0536, 10.90e-3),
+    ("llama-3.2-1b", 120.0, 1.0): (14950, 0.0218, 6.02e-3),
+    ("llama-3.2-1b", 160.0, 0.0): (16054, 1.4218, 15.07e-3),
+    ("llama-3.2-1b", 160.0, 1.0): (17566, 0.7224, 13.80e-3),
+}
+STEP_MODEL_RATE_MISSES = {
+    ("llama-3.1-8b", 24.0, 0.0, "ttft"): 0.81,
+    ("llama-3.1-8b", 24.0, 1.0, "tpot"): 0.84,
+    ("llama-3.1-8b", 24.0, 1.0, "ttft"): 0.78,
+    ("llama-3.1-8b", 48.0, 0.0, "tpot"): 0.74,
+    ("llama-3.1-8b", 48.0, 1.0, "tpot"): 0.74,
+    ("llama-3.1-8b", 48.0, 1.0, "ttft"): 0.79,
+    ("llama-3.1-8b", 64.0, 1.0, "ttft"): 0.53,
+    ("llama-3.2-1b", 120.0, 0.0, "tpot"): 0.36,
+    ("llama-3.2-1b", 120.0, 1.0, "tpot"): 0.83,
+}
+
+
+@pytest.mark.parametrize("case", sorted(STEP_MODEL_RATES))
+def test_replayed_open_loops_against_the_h200(case) -> None:
+    """Every rate level of both shapes, greedy and sampled: the open-loop replay of the profile endpoint's Poisson
+    sends within ±15% of what it measured, or at its pinned miss."""
+    model, rate, temperature = case
+    plan = InferPlan(prompt_len=256, gen_len=128, continuous_batching=True, temperature=temperature,
+                     top_p=0.95 if temperature > 0 else 1.0)
+    figures = open_loop_figures(load_model_spec(model), plan, Target(get_gpu("h200")), rate=rate, duration_s=10.0)
+    assert figures is not None
+    if model == "llama-3.2-1b":
+        assert "open_loop_ttft_s" not in figures
+    known = {name: ratio for (*key, name), ratio in STEP_MODEL_RATE_MISSES.items() if tuple(key) == case}
+    _check(model, {name.replace("open_loop", "closed_loop"): value for name, value in figures.items()},
+           STEP_MODEL_RATES[case], known)
 
 
 def test_measured_arrivals_replay_in_time_order() -> None:
