@@ -8,9 +8,9 @@ chained (async scheduling).
     python3 bench/engine_trace_report.py TRACE.json --step-costs llama-3.1-8b [--prompt-len 256] [--gpu h200]
 
 --step-costs PRESET sets every step that ran one decode pass (decode only, or decode and prefill) next to the cost
-advise's replay gives it (timing.ServeCosts of a 256-client sampled plan of PRESET: decode_step(rows) for a decode
-step — the chained step's cost, which the replay gives every step that does not prefill — and step_with_prefill for
-one that prefills: a step whose prompt tokens are not whole prompts counts as resuming one): medians per bin of
+advise's replay gives it (timing.ServeCosts of a 256-client sampled plan of PRESET: decode_step(rows) +
+chain_start(rows) for a decode pass run alone — a chain of one pass — and step_with_prefill for one that
+prefills: a step whose prompt tokens are not whole prompts counts as resuming one): medians per bin of
 decode rows (by 32) and prompt chunks (prompt tokens / --prompt-len). A step's decode rows are its generated tokens
 less the prompts it finished (prompt tokens // --prompt-len): exact when every prompt is --prompt-len tokens and
 none is split.
@@ -93,9 +93,10 @@ def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str) -> list[dict
             continue
         chunks = -(-s[6] // prompt_len)
         rows = max(1, s[7] - s[6] // prompt_len)
-        replayed = costs.decode_step(rows)
         if chunks:
             replayed = costs.step_with_prefill(rows, s[6], chunks, s[6] % prompt_len != 0)[0]
+        else:  # a decode pass alone: a chain that ended after it (a sequence finished, a request arrived)
+            replayed = costs.decode_step(rows) + costs.chain_start(rows)
         bins[(rows // 32 * 32, chunks)].append((s[1] - s[0], replayed))
     return [{"rows_from": rows, "chunks": chunks, "steps": len(v),
              "measured_ms": round(1e3 * statistics.median(m for m, _ in v), 2),

@@ -167,6 +167,8 @@ PREFILL_STEP_HOST_PER_LAYER_S = 0.5e-3
 # Per step then (bench/engine_trace_report.py --step-costs) within ±3 ms of the measured medians (1B 1-chunk
 # steps 6.6-11.3 ms, 8B 19-29 ms), where the earlier floor (11 ms / 19 ms for any step of one chunk) was off by
 # 0.57-1.76×.
+# The same host work prices a pure decode step while requests wait for a place (the engine does not chain then), and
+# bounds what a decode chain's first pass adds (the shorter of it and the device's pass: timing's chain_start).
 UNCHAINED_STEP_S = 1.6e-3
 UNCHAINED_STEP_PER_SEQ_S = 18e-6
 # What sampled requests (temperature > 0, no top-k/top-p truncation) add per decode step of copt's engine over

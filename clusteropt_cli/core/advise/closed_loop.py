@@ -116,6 +116,8 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
     planned = deque(sorted(planned_sends))
     decode_s = lru_cache(maxsize=None)(costs.decode_step)
     mixed_s = lru_cache(maxsize=None)(costs.step_with_prefill)
+    chain_start_s = lru_cache(maxsize=None)(costs.chain_start)
+    unchained_s = lru_cache(maxsize=None)(costs.unchained_s)
     api_free = 0.0  # when the API process is next idle
     arrivals: list[tuple[float, int, _Request]] = []  # (reaches the engine, order, request)
     order = 0
@@ -137,6 +139,7 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
     decoding = 0  # requests generating (every one decodes in every step)
     done: list[tuple[_Request, float]] = []
     now, steps, prefill_steps, host_bound = 0.0, 0, 0, 0
+    chained = False  # the previous step decoded and prefilled nothing: this one goes on its chain
     while steps < max_steps:
         while planned and planned[0][0] <= now:  # sent before the step starts (the API queue decides when it arrives)
             send(planned[0][1], planned.popleft()[0])
@@ -158,6 +161,10 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
             chunks.append((r, n))
             budget -= n
         step = decode_s(decoding) if decoding else 0.0
+        if decoding and (chunks or waiting):  # not chained (Engine._can_chain): its tokens read and emitted first
+            step += unchained_s(decoding)
+        elif decoding and not chained:  # a decode chain starts: its first pass overlaps nothing
+            step += chain_start_s(decoding)
         decoded = now + step  # the decode's tokens (and finished requests' results) go out before the prefill
         if chunks:
             continued = any(r.left < costs.prompt_tokens for r, _ in chunks)
@@ -166,6 +173,8 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
             host_bound += floored
         now += step
         finished = finishing.pop(steps, [])
+        # copt's engine ends a decode chain when a request arrives (then prefills) or one of its sequences finishes
+        chained = bool(decoding) and not chunks and not finished
         decoding -= len(finished)
         for r, n in chunks:
             r.left -= n

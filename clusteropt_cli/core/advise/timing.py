@@ -81,6 +81,11 @@ class ServeCosts:
     # them resumes a prompt an earlier step began): (seconds, whether the host's floor set them). None: the decode
     # step plus the prefill pass
     mixed_step: Callable[[int, int, int, bool], tuple[float, bool]] | None = None
+    # what a decode chain of n sequences adds once, at its start, to its passes' decode_step (the host's work and the
+    # GPU's overlap from the second pass on)
+    chain_start: Callable[[int], float] = lambda rows: 0.0
+    # what a decode step of n sequences that is not chained (its tokens read and emitted before the next launch) adds
+    unchained_s: Callable[[int], float] = lambda rows: 0.0
     # a step's decoded tokens and finished results reach the API before the step's prefill runs (copt's engine);
     # False: after it (engines whose mixed steps are one forward, and copt's before it handed them out early)
     results_before_prefill: bool = True
@@ -423,6 +428,10 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         graphs = (plan.kv_layout != "slots" and plan.kv_cache in ("bf16", "fp16") and not spec.num_sliding_layers
                   and hit == 0)
 
+        def unchained(rows: int) -> float:
+            """The host's work of a decode step over `rows` sequences that no GPU work hides (cal.UNCHAINED_STEP_*)."""
+            return cal.UNCHAINED_STEP_S + cal.UNCHAINED_STEP_PER_SEQ_S * rows
+
         def mixed_step(rows: int, tokens: int, chunks: int, continued: bool) -> tuple[float, bool]:
             """A step of copt's engine that prefills: its decode pass (not chained: its tokens are read and
             emitted before the prefill launches, cal.UNCHAINED_STEP_*), then the prompt chunks — as the captured
@@ -434,7 +443,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
             if rows:
                 seconds, floor_s, _, compute = decode_step(rows)
                 device = max(floor_s / cal.DECODE_BANDWIDTH_EFFICIENCY, compute)
-                host = seconds - device + cal.UNCHAINED_STEP_S + cal.UNCHAINED_STEP_PER_SEQ_S * rows
+                host = seconds - device + unchained(rows)
             cap = PREFILL_GRAPH_MAX_TOKENS if chunks == 1 else PREFILL_GRAPH_MAX_PACKED
             graphed = graphs and not continued and chunks <= PREFILL_GRAPH_SEGMENTS and tokens <= cap
             priced = next(b for b in PREFILL_GRAPH_BUCKETS if b >= tokens) if graphed else tokens
@@ -445,9 +454,18 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
                                          + cal.PREFILL_STEP_HOST_PER_LAYER_S * spec.num_layers)
             return max(device + host, floor), floor > device + host or host > device
 
+        def chain_start(rows: int) -> float:
+            """A decode chain runs its passes as a two-stage pipeline — the host emits one pass's tokens while the
+            GPU runs the next — so its stretch takes one stage more than its passes: the shorter of the host's work
+            of an unchained pass (cal.UNCHAINED_STEP_*) and the device's."""
+            seconds, floor_s, _, compute = decode_step(rows)
+            device = max(floor_s / cal.DECODE_BANDWIDTH_EFFICIENCY, compute)
+            return min(unchained(rows), device)
+
         costs = ServeCosts(
             decode_step=lambda rows: decode_step(rows)[0], prefill=prefill_seconds,
             step_tokens=plan.chunked_prefill or engine["prefill_chunk_tokens"], max_running=running,
             prompt_tokens=computed, first_token_s=first_token_s, intake_s=engine.get("api_intake_s", 0.0),
-            stream_s=engine.get("http_stream_s", 0.0), mixed_step=mixed_step)
+            stream_s=engine.get("http_stream_s", 0.0), mixed_step=mixed_step, chain_start=chain_start,
+            unchained_s=unchained)
     return TimeEstimate(figures, assumptions, notes=notes, costs=costs)
