@@ -159,8 +159,8 @@ PREFILL_STEP_HOST_PER_CHUNK_S = 3.0e-3
 PREFILL_STEP_HOST_PER_LAYER_S = 0.5e-3
 # A step of copt's engine that decodes and prefills reads its decode's tokens back and emits them before launching
 # the prefill (its decode is not chained: engine.Engine._step), so the host's work per sequence is not hidden behind
-# the GPU as in a decode chain. Read off the engine's step traces of the closed and open loops of
-# bench/results/serve-models-h200-2026-12-03/open-loop (H200, copt serve's defaults, b9411c3; 1B and 8B shapes,
+# the GPU as in a decode chain. Read off the engine's step traces of the closed and open loops of the b9411c3 run in
+# docs/benchmarks.md#closed-loops-replayed (H200, copt serve's defaults; 1B and 8B shapes,
 # 256/128): every step with one decode pass and prompt chunks the prefill graphs take (7,400 steps) and every
 # unchained pure decode step, less the chained decode step and the prefill of the graph's token bucket as
 # infer_time prices them, least squares over bins of 32 rows: 1.6 ms per step + 18 µs per decoding sequence.
