@@ -54,3 +54,32 @@ def test_an_unwritable_trace_folder_does_not_stop_the_engine_stopping(fixtures, 
     engine.start()
     engine.stop()
     assert "engine trace was not written" in capsys.readouterr().err
+
+
+def test_the_unchained_step_fit_recovers_a_known_cost(tmp_path, monkeypatch):
+    """bench/fit_unchained_step.py on a gzipped trace whose steps cost advise's chained decode, the graph bucket's
+    prefill and 2 ms + 20 µs per decoding sequence: the fit gives those back; --step-costs reads the same file."""
+    import gzip
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    from engine_trace_report import _costs, _read, step_costs
+    from fit_unchained_step import fit, residuals
+
+    costs = _costs("llama-3.2-1b", 256, "h200")
+    steps, t = [], 0.0
+    for rows in range(8, 256, 4):
+        for chunks in (0, 1, 2):
+            tokens = 256 * chunks
+            seconds = costs.decode_step(rows) + 2e-3 + 20e-6 * rows
+            if chunks:
+                seconds += costs.prefill(256 * 2 ** (chunks - 1), chunks)  # the graph bucket above the tokens
+            # [start, end, running, waiting, decode steps, chained, prompt tokens, generated tokens]
+            steps.append([t, t + seconds, rows + chunks, 0, 1, 0, tokens, rows + chunks])
+            t += seconds
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"clock": [0, 0], "steps": steps, "requests": []}, f)
+    a, b, used = fit(residuals(str(path), "llama-3.2-1b", 256, "h200"))
+    assert a == pytest.approx(2e-3, rel=1e-3) and b == pytest.approx(20e-6, rel=1e-3) and used == len(steps)
+    assert len(_read(path)["steps"]) == len(steps)
+    assert step_costs(_read(path), "llama-3.2-1b", 256, "h200")
