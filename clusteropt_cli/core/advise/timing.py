@@ -78,8 +78,8 @@ class ServeCosts:
     intake_s: float  # the API process's time to take one request in (serial)
     stream_s: float  # the API process's time to stream one request's tokens out (serial)
     # a step that decodes `rows` sequences and prefills `tokens` prompt tokens in `chunks` chunks (`continued`: one of
-    # them resumes a prompt an earlier step began): (seconds, whether the host's floor set them). None: the decode
-    # step plus the prefill pass
+    # them resumes a prompt an earlier step began): (seconds, whether the host bounds it). None: the decode step plus
+    # the prefill pass
     mixed_step: Callable[[int, int, int, bool], tuple[float, bool]] | None = None
     # what a decode chain of n sequences adds once, at its start, to its passes' decode_step (the host's work and the
     # GPU's overlap from the second pass on)
@@ -91,8 +91,8 @@ class ServeCosts:
     results_before_prefill: bool = True
 
     def step_with_prefill(self, rows: int, tokens: int, chunks: int, continued: bool) -> tuple[float, bool]:
-        """Seconds of a step that prefills (next to `rows` decoding sequences, 0: none), and whether the host's
-        floor set them."""
+        """Seconds of a step that prefills (next to `rows` decoding sequences, 0: none), and whether the host bounds
+        it."""
         if self.mixed_step is not None:
             return self.mixed_step(rows, tokens, chunks, continued)
         return (self.decode_step(rows) if rows else 0.0) + self.prefill(tokens, chunks), False
@@ -432,6 +432,11 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
             """The host's work of a decode step over `rows` sequences that no GPU work hides (cal.UNCHAINED_STEP_*)."""
             return cal.UNCHAINED_STEP_S + cal.UNCHAINED_STEP_PER_SEQ_S * rows
 
+        def decode_device(rows: int) -> float:
+            """The device's share of a decode step over `rows` sequences: weights and cache read, or its FLOPs."""
+            _, floor_s, _, compute = decode_step(rows)
+            return max(floor_s / cal.DECODE_BANDWIDTH_EFFICIENCY, compute)
+
         def mixed_step(rows: int, tokens: int, chunks: int, continued: bool) -> tuple[float, bool]:
             """A step of copt's engine that prefills: its decode pass (not chained: its tokens are read and
             emitted before the prefill launches, cal.UNCHAINED_STEP_*), then the prompt chunks — as the captured
@@ -441,9 +446,8 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
             FLOPs)."""
             device = host = 0.0
             if rows:
-                seconds, floor_s, _, compute = decode_step(rows)
-                device = max(floor_s / cal.DECODE_BANDWIDTH_EFFICIENCY, compute)
-                host = seconds - device + unchained(rows)
+                device = decode_device(rows)
+                host = decode_step(rows)[0] - device + unchained(rows)
             cap = PREFILL_GRAPH_MAX_TOKENS if chunks == 1 else PREFILL_GRAPH_MAX_PACKED
             graphed = graphs and not continued and chunks <= PREFILL_GRAPH_SEGMENTS and tokens <= cap
             priced = next(b for b in PREFILL_GRAPH_BUCKETS if b >= tokens) if graphed else tokens
@@ -458,9 +462,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
             """A decode chain runs its passes as a two-stage pipeline — the host emits one pass's tokens while the
             GPU runs the next — so its stretch takes one stage more than its passes: the shorter of the host's work
             of an unchained pass (cal.UNCHAINED_STEP_*) and the device's."""
-            seconds, floor_s, _, compute = decode_step(rows)
-            device = max(floor_s / cal.DECODE_BANDWIDTH_EFFICIENCY, compute)
-            return min(unchained(rows), device)
+            return min(unchained(rows), decode_device(rows))
 
         costs = ServeCosts(
             decode_step=lambda rows: decode_step(rows)[0], prefill=prefill_seconds,
