@@ -15,21 +15,19 @@ and fits seconds = a + b × rows by least squares weighted by √steps.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
 from collections import defaultdict
+from pathlib import Path
 
-from engine_trace_report import _costs
+from engine_trace_report import _costs, _read
 
-BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # runner.PREFILL_GRAPH_BUCKETS
+from clusteropt_cli.core.serve.runner import PREFILL_GRAPH_BUCKETS
 
 
 def residuals(path: str, preset: str, prompt_len: int, gpu: str) -> dict[tuple, list[tuple[int, float]]]:
     """(trace, chunks, rows // 32) → [(rows, measured − chained decode − bucket prefill)] of the steps described."""
     costs = _costs(preset, prompt_len, gpu)
-    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
-        trace = json.load(f)
+    trace = _read(Path(path))
     bins: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
     for step in trace["steps"]:
         if step[4] != 1:
@@ -42,7 +40,7 @@ def residuals(path: str, preset: str, prompt_len: int, gpu: str) -> dict[tuple, 
             continue
         rest = step[1] - step[0] - costs.decode_step(rows)
         if chunks:
-            rest -= costs.prefill(next(b for b in BUCKETS if b >= tokens), chunks)
+            rest -= costs.prefill(next(b for b in PREFILL_GRAPH_BUCKETS if b >= tokens), chunks)
         bins[(path, chunks, rows // 32)].append((rows, rest))
     return bins
 
