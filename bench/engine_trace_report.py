@@ -125,7 +125,7 @@ def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, tempera
 
     from clusteropt_cli.core.advise.closed_loop import simulate_sends
 
-    costs = replace(_costs(preset, prompt_len, gpu, temperature), intake_s=0.0, stream_s=0.0, first_token_s=0.0)
+    costs = replace(_costs(preset, prompt_len, gpu, temperature), intake_s=0.0, stream_token_s=0.0, first_token_s=0.0)
     groups: list[list] = []
     busy_until = float("-inf")
     for r in sorted(trace["requests"], key=lambda r: r[0]):

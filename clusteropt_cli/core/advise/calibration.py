@@ -138,11 +138,19 @@ STATIC_BATCH_EFFICIENCY = 0.6
 # −0.2) over 8 pairs — the script's client in two runs, guidellm and `copt profile endpoint`, 1B and 8B shapes (H200,
 # 2026-12-02, bench/gpu_serve_models.py at fd577c7 and with --tester-modes sampled,greedy at 8aee225) — so no
 # sampled term is added.
+# The closed- and open-loop replays (closed_loop.py) stream every decoded token through the API process one after
+# another at http_token_s each, from when the engine emitted it; a request's answer is complete when its last token
+# went out. 16 µs: chosen among 12, 16 and 20 µs on the H200 loads of docs/benchmarks.md#closed-loops-replayed (of the
+# 276 closed-loop cells the tests pin, 223, 232 and 231 within ±15%; 225 with the answers' tokens costing 1.25 ms per
+# request at its end instead, as before); at 16 µs the API
+# process falls 0.6-1.2 ms behind each 256-row decode pass of the 1B (3-3.5 ms), 0.06-0.11 s over a 95-pass chain,
+# within the lag its traces showed (0.05-0.27 s), and keeps up with the 8B's passes. The round model keeps
+# http_stream_s, the lag that showed at a round's end.
 SERVING_ENGINES = {
     "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 1.7e-3, "step_fixed_s": 0.57e-3,
              "step_per_seq_s": 3.9e-6, "prefill_graph_tokens": 2048, "prefill_graph_layer_s": 0.185e-3,
              "prefill_graph_request_s": 0.32e-3, "http_request_s": 3.6e-3, "http_stream_s": 1.25e-3,
-             "api_intake_s": 0.75e-3},
+             "api_intake_s": 0.75e-3, "http_token_s": 16e-6},
     "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
 }
 # The host's floor under a step of copt's engine that prefills: its eager prefill layers and the work per prompt

@@ -173,6 +173,9 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
             host_bound += floored
         now += step
         finished = finishing.pop(steps, [])
+        emitted = decoded if costs.results_before_prefill else now
+        if decoding:  # the API process streams the decode's tokens, one event per sequence, after what it had to do
+            api_free = max(emitted, api_free) + decoding * costs.stream_token_s
         # copt's engine ends a decode chain when a request arrives (then prefills) or one of its sequences finishes
         chained = bool(decoding) and not chunks and not finished
         decoding -= len(finished)
@@ -187,8 +190,7 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
                     finishing[steps + gen_len - 1].append(r)
                     decoding += 1
         steps += 1
-        for r in finished:
-            api_free = max(decoded if costs.results_before_prefill else now, api_free) + costs.stream_s
+        for r in finished:  # its last token has gone out: the client has its answer
             done.append((r, api_free))
             if closed:
                 send(r.client, api_free)

@@ -76,7 +76,7 @@ class ServeCosts:
     prompt_tokens: int  # prompt tokens each request computes (its prompt less the prefix-cache hits)
     first_token_s: float  # what the server adds to a request's first token (HTTP, tokenization, first event)
     intake_s: float  # the API process's time to take one request in (serial)
-    stream_s: float  # the API process's time to stream one request's tokens out (serial)
+    stream_token_s: float  # the API process's time to stream one token out (serial, after the engine emitted it)
     # a step that decodes `rows` sequences and prefills `tokens` prompt tokens in `chunks` chunks (`continued`: one of
     # them resumes a prompt an earlier step began): (seconds, whether the host bounds it). None: the decode step plus
     # the prefill pass
@@ -468,6 +468,6 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
             decode_step=lambda rows: decode_step(rows)[0], prefill=prefill_seconds,
             step_tokens=plan.chunked_prefill or engine["prefill_chunk_tokens"], max_running=running,
             prompt_tokens=computed, first_token_s=first_token_s, intake_s=engine.get("api_intake_s", 0.0),
-            stream_s=engine.get("http_stream_s", 0.0), mixed_step=mixed_step, chain_start=chain_start,
+            stream_token_s=engine.get("http_token_s", 0.0), mixed_step=mixed_step, chain_start=chain_start,
             unchained_s=unchained)
     return TimeEstimate(figures, assumptions, notes=notes, costs=costs)
