@@ -110,6 +110,14 @@ def test_the_api_process_streams_every_token_and_can_fall_behind() -> None:
     (_, first, last), = alone.per_request
     assert first == pytest.approx(0.001) and last == pytest.approx(0.022)  # keeps up: 1 ms after each step
 
+def test_a_one_token_answer_goes_out_after_its_prefill() -> None:
+    """gen_len 1: the answer is the prefill's token, complete once its step ran and the API streamed it (2 ms for
+    two 100-token prompts, then 1 ms of API time each), and each client's next request is sent then."""
+    run = simulate_closed_loop(_toy(stream_token_s=0.001), 2, 1, requests=4)
+    lasts = sorted(last for _, _, last in run.per_request)
+    assert lasts[:2] == [pytest.approx(0.003), pytest.approx(0.004)]
+    assert all(last >= first for _, first, last in run.per_request) and run.duration_s == pytest.approx(lasts[-1])
+
 def test_a_decode_chain_pays_its_start_once() -> None:
     """copt's engine chains pure decode steps: a chain's first pass overlaps nothing (costs.chain_start), the
     passes after it are plain decode steps. One request of 4 tokens: its prompt (1 ms), then three passes, the first

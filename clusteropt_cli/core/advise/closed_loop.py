@@ -179,21 +179,23 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
         # copt's engine ends a decode chain when a request arrives (then prefills) or one of its sequences finishes
         chained = bool(decoding) and not chunks and not finished
         decoding -= len(finished)
+        answered = [(r, api_free) for r in finished]  # their last tokens have gone out: the clients have the answers
         for r, n in chunks:
             r.left -= n
             if r.left == 0:  # its first token comes with this step
                 prefilling.popleft()
                 r.first = now
-                if gen_len == 1:
-                    finished.append(r)
+                if gen_len == 1:  # its one token is its answer: it goes out through the API after the prefill
+                    api_free = max(now, api_free) + costs.stream_token_s
+                    answered.append((r, api_free))
                 else:
                     finishing[steps + gen_len - 1].append(r)
                     decoding += 1
         steps += 1
-        for r in finished:  # its last token has gone out: the client has its answer
-            done.append((r, api_free))
+        for r, at in answered:
+            done.append((r, at))
             if closed:
-                send(r.client, api_free)
+                send(r.client, at)
     truncated = bool(planned or arrivals or waiting or prefilling or decoding)
     if not done:  # max_steps ran out before the first request ended
         nan = float("nan")
