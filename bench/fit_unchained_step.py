@@ -21,7 +21,12 @@ from pathlib import Path
 
 from engine_trace_report import _costs, _read
 
-from clusteropt_cli.core.serve.runner import PREFILL_GRAPH_BUCKETS
+from clusteropt_cli.core.serve.runner import (
+    PREFILL_GRAPH_BUCKETS,
+    PREFILL_GRAPH_MAX_PACKED,
+    PREFILL_GRAPH_MAX_TOKENS,
+    PREFILL_GRAPH_SEGMENTS,
+)
 
 
 def residuals(path: str, preset: str, prompt_len: int, gpu: str) -> dict[tuple, list[tuple[int, float]]]:
@@ -35,7 +40,8 @@ def residuals(path: str, preset: str, prompt_len: int, gpu: str) -> dict[tuple, 
         tokens = step[6]
         chunks = -(-tokens // prompt_len)
         rows = max(1, step[7] - tokens // prompt_len)
-        graphed = tokens % prompt_len == 0 and chunks <= 8 and (tokens <= 1024 or (chunks == 1 and tokens <= 2048))
+        cap = PREFILL_GRAPH_MAX_TOKENS if chunks == 1 else PREFILL_GRAPH_MAX_PACKED
+        graphed = tokens % prompt_len == 0 and chunks <= PREFILL_GRAPH_SEGMENTS and tokens <= cap
         if chunks and not graphed:
             continue
         rest = step[1] - step[0] - costs.decode_step(rows)
