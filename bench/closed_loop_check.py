@@ -6,6 +6,12 @@ and sampled, the replay of that exact load next to the clients' tok/s, TTFT p50 
 measured; a one-client level against advise's batch-1 figures. Runs anywhere (no GPU): it reads the results JSON.
 
     python3 bench/closed_loop_check.py RESULTS.json [...] [--json] [--results-after-prefill]
+    python3 bench/closed_loop_check.py --spread RUN1/*.json RUN2/*.json [...]
+
+--spread: the results are repeated runs of the same levels (a level measured again in another file is another run):
+per level and figure, every run's measurement, how far apart they are (largest ÷ smallest) and the replay's ratio
+to each, then how many figures the replay puts within ±15% of every run, of some run, and how many repeat within
+±15% of their own median.
 
 --results-after-prefill replays an engine that handed a step's decoded tokens out only after the step's prefill
 (copt serve before it handed them out early): for results measured on such a tree.
@@ -100,14 +106,90 @@ def check(level: dict, results_before_prefill: bool = True) -> dict:
     return row
 
 
+FIGURES = ("output_tokens_per_s", "ttft_s", "tpot_s")
+TOLERANCE = 0.15
+
+
+def level_key(row: dict) -> tuple:
+    """What makes two measured levels the same load: shape, tester, sampling, clients or rate, load, lengths."""
+    return (row["shape"], row["tester"], row["temperature"], row["clients"], tuple(sorted(row["load"].items())),
+            row["prompt_len"], row["gen_len"])
+
+
+def spread(rows: list[dict]) -> list[dict]:
+    """Rows of check() from repeated runs, grouped by level: per figure the measurements (in file order), their
+    spread (largest ÷ smallest), the replay and its ratio to each measurement."""
+    by_level: dict[tuple, list[dict]] = {}
+    for row in rows:
+        by_level.setdefault(level_key(row), []).append(row)
+    out = []
+    for group in by_level.values():
+        entry = {k: group[0][k] for k in ("shape", "tester", "clients", "load", "prompt_len", "gen_len", "temperature")}
+        for name in FIGURES:
+            measured = [r[name]["measured"] for r in group]
+            replayed = group[0][name]["replayed"]
+            entry[name] = {"measured": measured, "spread": round(max(measured) / min(measured), 2),
+                           "replayed": replayed,
+                           "ratios": None if replayed is None else [round(replayed / m, 2) for m in measured]}
+        out.append(entry)
+    return out
+
+
+def spread_summary(entries: list[dict]) -> dict[str, int]:
+    """Figures (with a replay, measured more than once) the replay puts within TOLERANCE of every run and of at
+    least one, and figures whose runs all sit within TOLERANCE of their own median."""
+    import statistics
+
+    counts = {"figures": 0, "replay_within_every_run": 0, "replay_within_some_run": 0, "runs_within_their_median": 0}
+    for entry in entries:
+        for name in FIGURES:
+            f = entry[name]
+            if f["replayed"] is None or len(f["measured"]) < 2:
+                continue
+            median = statistics.median(f["measured"])
+            within = [abs(f["replayed"] / m - 1) <= TOLERANCE for m in f["measured"]]
+            counts["figures"] += 1
+            counts["replay_within_every_run"] += all(within)
+            counts["replay_within_some_run"] += any(within)
+            counts["runs_within_their_median"] += all(abs(m / median - 1) <= TOLERANCE for m in f["measured"])
+    return counts
+
+
+def _print_spread(entries: list[dict]) -> None:
+    print("repeated runs of each level: measured (each run), largest ÷ smallest, replay ÷ each run")
+    for e in entries:
+        mode = "greedy" if e["temperature"] == 0 else "sampled"
+        who = f"{e['clients']:4d} clients" if e["clients"] else f"{e['load']['rate']:g}/s Poisson"
+        cells = []
+        for name, scale, fmt in (("output_tokens_per_s", 1, "{:,.0f}"), ("ttft_s", 1e3, "{:.3g}"),
+                                 ("tpot_s", 1e3, "{:.3g}")):
+            f = e[name]
+            shown = "/".join(fmt.format(m * scale) for m in f["measured"])
+            ratios = "-" if f["ratios"] is None else "/".join(f"{r:.2f}" for r in f["ratios"])
+            cells.append(f"{name.split('_')[0]} {shown} (×{f['spread']:.2f}; {ratios})")
+        print(f"  {e['shape']} {e['tester']:16s} {mode:7s} {who}: " + "; ".join(cells))
+    c = spread_summary(entries)
+    print(f"{c['figures']} figures measured more than once and replayed: the replay within ±{TOLERANCE:.0%} of every "
+          f"run for {c['replay_within_every_run']}, of some run for {c['replay_within_some_run']}; the runs within "
+          f"±{TOLERANCE:.0%} of their own median for {c['runs_within_their_median']} (TTFT and TPOT in ms)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--results-after-prefill", action="store_true")
+    parser.add_argument("--spread", action="store_true", help="the results are repeated runs of the same levels")
     args = parser.parse_args()
     rows = [check(level, not args.results_after_prefill)
             for path in args.results for level in levels(json.loads(path.read_text()))]
+    if args.spread:
+        entries = spread(rows)
+        if args.json:
+            print(json.dumps({"levels": entries, "summary": spread_summary(entries)}, indent=1))
+        else:
+            _print_spread(entries)
+        return
     if args.json:
         print(json.dumps(rows, indent=1))
         return
