@@ -12,7 +12,7 @@ Each case is a batch of prompts submitted at once (the prefix cache emptied befo
 
 each with the captured graphs and with the same engine's prefill graphs set aside (eager), per step: the wall time
 from the engine's trace (median of --repeats), and under torch.profiler the GPU kernel time and kernel count of
-one 8x256 step (kernel time well under wall time: the host's launches are the cost).
+one 8x256 step, with its costliest kernels (kernel time well under wall time: the host's launches are the cost).
 
     python3 bench/gpu_prefill_steps.py --shapes 1b --max-packed 2048 --out $OUT/prefill_steps.json   (~2 min, H200)
     python3 bench/gpu_prefill_steps.py --smoke --out /tmp/prefill_steps.json       (tiny model on the CPU)
@@ -125,7 +125,8 @@ def main() -> None:
                 summary = summarize_kernels(prof, wall, 1)
                 out[f"{variant}/8x256_profiled"] = {
                     "wall_ms": round(1e3 * wall, 3), "gpu_kernel_ms": round(summary["gpu_kernel_ms_per_step"], 3),
-                    "kernels": summary["kernels_per_step"], "by_category_ms": summary["by_category_ms_per_step"]}
+                    "kernels": summary["kernels_per_step"], "by_category_ms": summary["by_category_ms_per_step"],
+                    "top_kernels": summary["top_kernels"][:12]}
                 log(f"{shape} {variant} 8x256 profiled: wall {1e3 * wall:.2f} ms, GPU kernels "
                     f"{summary['gpu_kernel_ms_per_step']:.2f} ms in {summary['kernels_per_step']:.0f}")
             runner._prefill_graphs = graphs
