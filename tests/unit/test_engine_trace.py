@@ -83,3 +83,20 @@ def test_the_unchained_step_fit_recovers_a_known_cost(tmp_path, monkeypatch):
     assert a == pytest.approx(2e-3, rel=1e-3) and b == pytest.approx(20e-6, rel=1e-3) and used == len(steps)
     assert len(_read(path)["steps"]) == len(steps)
     assert step_costs(_read(path), "llama-3.2-1b", 256, "h200")
+
+
+def test_the_host_sampler_reads_this_machine(monkeypatch):
+    """bench/host_sampler.py: the busy-time counters only grow, and this process is among the processes it reads."""
+    import os
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    from host_sampler import cpu_times, processes
+
+    total, idle = cpu_times()
+    assert 0 <= idle <= total
+    later = cpu_times()
+    assert later[0] >= total and later[1] >= idle
+    mine = processes()[str(os.getpid())]
+    assert mine[0] >= 0 and "python" in mine[2]
