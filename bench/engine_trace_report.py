@@ -19,11 +19,16 @@ none is split.
 from the engine's own arrival times (closed_loop.simulate_sends, API and HTTP costs left out) and sets the engine's
 TTFT (arrival to first token) and TPOT next to the replay's: the step model on the measured arrivals, apart from
 how a closed loop's clients come back (--temperature: the sampling the steps are priced for, default 1).
+--round-trips: for each closed loop of the trace (a load whose requests in flight peak at --clients, 64 and 256 by
+default), how long after the engine finished a request it received the next one — finishes and later arrivals
+paired in order (the i-th finish with the arrival after the clients' first requests): the clients' and the API's
+round trip, which advise's replay counts only as the API's streaming and intake.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -150,6 +155,52 @@ def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, tempera
     return out
 
 
+def _stays_full(events: list[tuple[float, int]], clients: int) -> bool:
+    """A closed loop keeps about `clients` requests in flight from its first burst until its last round: at least
+    90% of them for half that time or more (H200 runs: 69-100% of it; an open loop whose peak came near `clients`:
+    1-2%)."""
+    arrivals = [t for t, change in events if change > 0]
+    finishes = [t for t, change in events if change < 0]
+    start, end = arrivals[clients - 1], finishes[-clients]
+    if end <= start:
+        return False
+    full = 0.0
+    in_flight, last = 0, events[0][0]
+    for t, change in events:
+        if in_flight >= 0.9 * clients:
+            full += max(0.0, min(t, end) - max(last, start))
+        in_flight += change
+        last = t
+    return full >= 0.5 * (end - start)
+
+
+def round_trips(trace: dict, clients: tuple[int, ...] = (64, 256)) -> list[dict]:
+    """Per closed loop of the trace (see the module text): its requests, clients and the finish → next arrival
+    delays' p10 / p50 / p90 in ms."""
+    requests = sorted(trace["requests"], key=lambda r: r[0])
+    groups: list[list] = []
+    busy_until = float("-inf")
+    for r in requests:
+        if r[0] > busy_until + 0.1:  # a new load (a closed loop's rounds may leave the engine idle a moment)
+            groups.append([])
+        groups[-1].append(r)
+        busy_until = max(busy_until, r[2])
+    out = []
+    for group in groups:
+        events = sorted([(r[0], 1) for r in group] + [(r[2], -1) for r in group])
+        peak = max(itertools.accumulate(change for _, change in events))
+        loop = next((n for n in clients if 0.9 * n <= peak <= n), None)
+        if loop is None or len(group) <= 2 * loop or not _stays_full(events, loop):
+            continue
+        arrivals = sorted(r[0] for r in group)[loop:]
+        finishes = sorted(r[2] for r in group)[: len(arrivals)]
+        delays = sorted(a - f for a, f in zip(arrivals, finishes, strict=True))
+        n = len(delays)
+        out.append({"requests": len(group), "clients": loop,
+                    **{f"p{q}_ms": round(1e3 * delays[min(n - 1, q * n // 100)], 1) for q in (10, 50, 90)}})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+", type=Path)
@@ -159,7 +210,21 @@ def main() -> None:
     parser.add_argument("--gpu", default="h200")
     parser.add_argument("--replay-arrivals", metavar="PRESET", help="the step model on each load's measured arrivals")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--round-trips", action="store_true", help="finish → next arrival in each closed loop")
+    parser.add_argument("--clients", default="64,256", help="--round-trips: the closed loops' client counts")
     args = parser.parse_args()
+    if args.round_trips:
+        clients = tuple(int(x) for x in args.clients.split(","))
+        for path in args.traces:
+            rows = round_trips(_read(path), clients)
+            if args.json:
+                print(json.dumps(rows, indent=1))
+                continue
+            print(f"{path.name}: finish → next arrival in each closed loop (finishes and arrivals paired in order)")
+            for r in rows:
+                print(f"  {r['requests']:5d} requests, {r['clients']:3d} clients: p10 {r['p10_ms']} ms, "
+                      f"p50 {r['p50_ms']} ms, p90 {r['p90_ms']} ms")
+        return
     if args.replay_arrivals:
         for path in args.traces:
             rows = replay_arrivals(_read(path), args.replay_arrivals, args.prompt_len, args.gpu,

@@ -100,3 +100,18 @@ def test_the_host_sampler_reads_this_machine(monkeypatch):
     assert later[0] >= total and later[1] >= idle
     mine = processes()[str(os.getpid())]
     assert mine[0] >= 0 and "python" in mine[2]
+
+
+def test_round_trips_are_read_off_closed_loops_only(monkeypatch):
+    """bench/engine_trace_report.py --round-trips: four clients whose next request reaches the engine 20 ms after
+    their last one finished give 20 ms; an open loop whose requests in flight touch four once is left out."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    from engine_trace_report import round_trips
+
+    closed = [[c * 1e-3 + k * 1.02, c * 1e-3 + k * 1.02 + 0.1, c * 1e-3 + k * 1.02 + 1.0, 8, 4]
+              for k in range(3) for c in range(4)]
+    # 10 s later, an open loop: requests 0.3 s apart lasting 0.25 s, three more beside one of them (four in flight)
+    open_loop = [[10 + 0.3 * i, 10 + 0.3 * i + 0.05, 10 + 0.3 * i + 0.25, 8, 4] for i in range(40)]
+    open_loop += [[10.31 + 0.01 * i, 10.4, 10.5, 8, 4] for i in range(3)]
+    rows = round_trips({"requests": closed + open_loop, "steps": []}, clients=(4,))
+    assert rows == [{"requests": 12, "clients": 4, "p10_ms": 20.0, "p50_ms": 20.0, "p90_ms": 20.0}]
