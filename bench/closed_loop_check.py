@@ -30,6 +30,7 @@ from clusteropt_cli.hardware import get_gpu
 from clusteropt_cli.modelspec import load_model_spec
 
 PRESETS = {"1b": "llama-3.2-1b", "8b": "llama-3.1-8b"}  # the shapes gpu_serve_models.py builds
+FIGURES = ("output_tokens_per_s", "ttft_s", "tpot_s")  # what each level is checked on
 
 
 def _profile_duration(command: str) -> float:
@@ -88,7 +89,7 @@ def predicted(level: dict, results_before_prefill: bool = True) -> dict[str, flo
         return {name.removeprefix("open_loop_"): value for name, value in figures.items()}
     if level["clients"] == 1:
         figures = infer_time(spec, plan, target).figures
-        return {name: figures[name] for name in ("output_tokens_per_s", "ttft_s", "tpot_s")}
+        return {name: figures[name] for name in FIGURES}
     replay = closed_loop_figures(spec, plan, target, **level["load"], results_before_prefill=results_before_prefill)
     return {name.removeprefix("closed_loop_"): value for name, value in (replay[0] if replay else {}).items()}
 
@@ -106,7 +107,6 @@ def check(level: dict, results_before_prefill: bool = True) -> dict:
     return row
 
 
-FIGURES = ("output_tokens_per_s", "ttft_s", "tpot_s")
 TOLERANCE = 0.15
 
 

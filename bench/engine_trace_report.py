@@ -123,6 +123,19 @@ def _costs(preset: str, prompt_len: int, gpu: str, temperature: float = 1.0):
     return costs
 
 
+def idle_separated(trace: dict, idle_s: float = 0.0) -> list[list]:
+    """The trace's requests by load: a request that arrives more than `idle_s` after every earlier one had finished
+    (the engine went idle) starts a new one."""
+    groups: list[list] = []
+    busy_until = float("-inf")
+    for r in sorted(trace["requests"], key=lambda r: r[0]):
+        if r[0] > busy_until + idle_s:
+            groups.append([])
+        groups[-1].append(r)
+        busy_until = max(busy_until, r[2])
+    return groups
+
+
 def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, temperature: float) -> list[dict]:
     """Each load of the trace replayed from its measured engine arrivals (see the module text)."""
     import statistics
@@ -131,15 +144,8 @@ def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, tempera
     from clusteropt_cli.core.advise.closed_loop import simulate_sends
 
     costs = replace(_costs(preset, prompt_len, gpu, temperature), intake_s=0.0, stream_token_s=0.0, first_token_s=0.0)
-    groups: list[list] = []
-    busy_until = float("-inf")
-    for r in sorted(trace["requests"], key=lambda r: r[0]):
-        if r[0] > busy_until:  # every request before it had finished: the engine went idle, a new load
-            groups.append([])
-        groups[-1].append(r)
-        busy_until = max(busy_until, r[2])
     out = []
-    for group in groups:
+    for group in idle_separated(trace):
         t0, gen = group[0][0], max(1, round(statistics.median(r[4] for r in group)))
         run = simulate_sends(costs, gen, [r[0] - t0 for r in group])
         ttft = [r[1] - r[0] for r in group]
@@ -177,16 +183,8 @@ def _stays_full(events: list[tuple[float, int]], clients: int) -> bool:
 def round_trips(trace: dict, clients: tuple[int, ...] = (64, 256)) -> list[dict]:
     """Per closed loop of the trace (see the module text): its requests, clients and the finish → next arrival
     delays' p10 / p50 / p90 in ms."""
-    requests = sorted(trace["requests"], key=lambda r: r[0])
-    groups: list[list] = []
-    busy_until = float("-inf")
-    for r in requests:
-        if r[0] > busy_until + 0.1:  # a new load (a closed loop's rounds may leave the engine idle a moment)
-            groups.append([])
-        groups[-1].append(r)
-        busy_until = max(busy_until, r[2])
     out = []
-    for group in groups:
+    for group in idle_separated(trace, idle_s=0.1):  # a closed loop's rounds may leave the engine idle a moment
         events = sorted([(r[0], 1) for r in group] + [(r[2], -1) for r in group])
         peak = max(itertools.accumulate(change for _, change in events))
         loop = next((n for n in clients if 0.9 * n <= peak <= n), None)
