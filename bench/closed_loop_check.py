@@ -5,7 +5,7 @@ endpoint` level (its duration; a --rate level: the open-loop replay of its Poiss
 and sampled, the replay of that exact load next to the clients' tok/s, TTFT p50 and TPOT p50, with replayed ÷
 measured; a one-client level against advise's batch-1 figures. Runs anywhere (no GPU): it reads the results JSON.
 
-    python3 bench/closed_loop_check.py RESULTS.json [...] [--json] [--results-after-prefill]
+    python3 bench/closed_loop_check.py RESULTS.json [...] [--json] [--results-after-prefill] [--masked-prefill-graphs]
     python3 bench/closed_loop_check.py --spread RUN1/*.json RUN2/*.json [...]
 
 --spread: the results are repeated runs of the same levels (a level measured again in another file is another run):
@@ -14,7 +14,9 @@ to each, then how many figures the replay puts within ±15% of every run, of som
 ±15% of their own median.
 
 --results-after-prefill replays an engine that handed a step's decoded tokens out only after the step's prefill
-(copt serve before it handed them out early): for results measured on such a tree.
+(copt serve before it handed them out early): for results measured on such a tree. --masked-prefill-graphs replays
+the engine whose prefill graphs took new prompts only (up to 8, 1,024 tokens packed; before they went through
+FlashAttention's variable-length kernel): for results measured before 2026-12-03's held-out run.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def levels(results: dict) -> list[dict]:
     return out
 
 
-def predicted(level: dict, results_before_prefill: bool = True) -> dict[str, float]:
+def predicted(level: dict, results_before_prefill: bool = True, masked_prefill_graphs: bool = False,
+              ) -> dict[str, float]:
     """The replay of the level's load (output_tokens_per_s, ttft_s, tpot_s): a closed loop's, an open loop's (a
     rate level, clients None: open_loop_figures with the profile endpoint's default seed) or, for one client,
     infer_time's own batch-1 figures (a lone client's requests never overlap)."""
@@ -85,17 +88,19 @@ def predicted(level: dict, results_before_prefill: bool = True) -> dict[str, flo
                      continuous_batching=True, temperature=level["temperature"], top_p=level["top_p"])
     spec, target = load_model_spec(PRESETS[level["shape"]]), Target(get_gpu("h200"))
     if level["clients"] is None:
-        figures = open_loop_figures(spec, plan, target, **level["load"]) or {}
+        figures = open_loop_figures(spec, plan, target, **level["load"],
+                                    masked_prefill_graphs=masked_prefill_graphs) or {}
         return {name.removeprefix("open_loop_"): value for name, value in figures.items()}
     if level["clients"] == 1:
         figures = infer_time(spec, plan, target).figures
         return {name: figures[name] for name in FIGURES}
-    replay = closed_loop_figures(spec, plan, target, **level["load"], results_before_prefill=results_before_prefill)
+    replay = closed_loop_figures(spec, plan, target, **level["load"], results_before_prefill=results_before_prefill,
+                                 masked_prefill_graphs=masked_prefill_graphs)
     return {name.removeprefix("closed_loop_"): value for name, value in (replay[0] if replay else {}).items()}
 
 
-def check(level: dict, results_before_prefill: bool = True) -> dict:
-    figures = predicted(level, results_before_prefill)
+def check(level: dict, results_before_prefill: bool = True, masked_prefill_graphs: bool = False) -> dict:
+    figures = predicted(level, results_before_prefill, masked_prefill_graphs)
     m = level["measured"]
     measured = {"output_tokens_per_s": m["output_tokens_per_s"], "ttft_s": m["ttft_s"]["p50"],
                 "tpot_s": m["tpot_s"]["p50"]}
@@ -179,9 +184,11 @@ def main() -> None:
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--results-after-prefill", action="store_true")
+    parser.add_argument("--masked-prefill-graphs", action="store_true",
+                        help="replay the engine whose prefill graphs took new prompts only (runs before 2026-12-03)")
     parser.add_argument("--spread", action="store_true", help="the results are repeated runs of the same levels")
     args = parser.parse_args()
-    rows = [check(level, not args.results_after_prefill)
+    rows = [check(level, not args.results_after_prefill, args.masked_prefill_graphs)
             for path in args.results for level in levels(json.loads(path.read_text()))]
     if args.spread:
         entries = spread(rows)

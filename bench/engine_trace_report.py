@@ -99,7 +99,8 @@ def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str) -> list[dict
         chunks = -(-s[6] // prompt_len)
         rows = max(1, s[7] - s[6] // prompt_len)
         if chunks:
-            replayed = costs.step_with_prefill(rows, s[6], chunks, s[6] % prompt_len != 0)[0]
+            rest = s[6] % prompt_len  # a resumed prompt's rest: its first prompt_len - rest tokens are cached
+            replayed = costs.step_with_prefill(rows, s[6], chunks, prompt_len - rest if rest else 0)[0]
         else:  # a decode pass alone: a chain that ended after it (a sequence finished, a request arrived)
             replayed = costs.decode_step(rows) + costs.chain_start(rows)
         bins[(rows // 32 * 32, chunks)].append((s[1] - s[0], replayed))

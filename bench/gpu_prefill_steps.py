@@ -1,20 +1,23 @@
 #!/usr/bin/env python3
-"""What a packed prefill step of copt serve's engine costs, eager against a captured graph: the in-process engine on
-a model shape (random weights), prefill graphs captured up to PREFILL_GRAPH_MAX_PACKED = --max-packed tokens (the
-runner's default: 1,024), one output token per request, so every step is one packed prefill and its first tokens.
-Each case is a batch of prompts submitted at once (the prefix cache emptied before each, so nothing is a hit):
+"""What a packed prefill step of copt serve's engine costs, eager against captured graphs: the in-process engine on
+a model shape (random weights), one output token per request, so every step is one packed prefill and its first
+tokens. Each case is a batch of prompts submitted at once (the prefix cache emptied before each, so nothing is a
+hit):
 
     8x256      eight whole prompts, one 2,048-token step of 8 segments
     4x256      four, one 1,024-token step
     1x2048     one prompt, one 2,048-token step of one segment
     split      one 300-token and fifteen 256-token prompts: 2,048-token steps in which a prompt is split and the
-               next step resumes it (eager whatever the graphs: the resumed segment reads cached keys)
+               next step resumes it (the resumed segment reads cached keys)
 
-each with the captured graphs and with the same engine's prefill graphs set aside (eager), per step: the wall time
-from the engine's trace (median of --repeats), and under torch.profiler the GPU kernel time and kernel count of
-one 8x256 step, with its costliest kernels (kernel time well under wall time: the host's launches are the cost).
+Variants of the same engine: "graphs", its prefill graphs as copt serve captures them (on CUDA one per token bucket
+through FlashAttention's variable-length kernel, resumed prompts too); "masked", the graphs without that kernel
+(the segments of a step under a block-diagonal mask, packed up to --max-packed tokens; new prompts only); "eager",
+prefill graphs set aside. Per step: the wall time from the engine's trace (median of --repeats), and under
+torch.profiler the GPU kernel time and kernel count of one 8x256 step, with its costliest kernels (kernel time
+well under wall time: the host's launches are the cost).
 
-    python3 bench/gpu_prefill_steps.py --shapes 1b --max-packed 2048 --out $OUT/prefill_steps.json   (~2 min, H200)
+    python3 bench/gpu_prefill_steps.py --shapes 1b,8b --out $OUT/prefill_steps.json   (~4 min, H200)
     python3 bench/gpu_prefill_steps.py --smoke --out /tmp/prefill_steps.json       (tiny model on the CPU)
 """
 
@@ -69,7 +72,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", default="1b")
     parser.add_argument("--max-packed", type=int, default=2048,
-                        help="capture packed prefill graphs up to this many tokens (the runner's default: 1,024)")
+                        help="masked graphs: packed up to this many tokens (the runner's default: 1,024)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-model-len", type=int, default=2304,
                         help="small: start-up captures fewer decode graphs")
@@ -105,13 +108,19 @@ def main() -> None:
         vocab = made["vocab"]
         runner = engine.runner
         graphs = list(runner._prefill_graphs)
-        out["prefill_graphs"] = sorted({(g.tokens, g.single) for g in graphs})
-        log(f"{shape}: engine started in {out['startup_s']} s; prefill graphs (tokens, one segment) "
-            f"{out['prefill_graphs']}")
+        out["prefill_graphs"] = sorted({(g.tokens, g.single, g.kernel is not None) for g in graphs})
+        out["prefill_graph_error"] = runner.prefill_graph_error
+        variants = {"graphs": graphs, "eager": []}
+        if any(g.kernel is not None for g in graphs):  # the same engine's masked graphs beside them
+            kernel, runner.varlen = runner.varlen, None
+            runner.capture_prefill_graphs(engine.max_batch_tokens)
+            variants["masked"], runner.varlen = list(runner._prefill_graphs), kernel
+        log(f"{shape}: engine started in {out['startup_s']} s; prefill graphs (tokens, one segment, varlen) "
+            f"{out['prefill_graphs']}; variants {list(variants)}")
         windows = []
         try:
-            for variant in ("graphs", "eager"):
-                runner._prefill_graphs = graphs if variant == "graphs" else []
+            for variant, chosen in variants.items():
+                runner._prefill_graphs = chosen
                 for case, lengths in CASES.items():
                     lengths = [min(n, engine.max_model_len - 8) for n in lengths]
                     run_case(engine, vocab, lengths, rng)  # warm-up
@@ -133,7 +142,7 @@ def main() -> None:
             out["graph_steps"] = runner.prefill_graph_steps
         finally:
             engine.stop()
-            del engine
+            del engine, runner, graphs, variants  # the graphs hold the runner: its memory goes with them
             free_gpu()
         trace_files = sorted((work / "trace").glob("engine-trace-*.json"))
         if trace_files:

@@ -79,26 +79,26 @@ def test_a_prefilling_step_costs_what_the_step_model_says() -> None:
     resumes a prompt): a host-bound one counts toward the share that hides the TTFT."""
     calls = []
 
-    def mixed_step(rows: int, tokens: int, chunks: int, continued: bool) -> tuple[float, bool]:
-        calls.append((rows, tokens, chunks, continued))
+    def mixed_step(rows: int, tokens: int, chunks: int, cached: int, masked: bool) -> tuple[float, bool]:
+        calls.append((rows, tokens, chunks, cached))
         return 0.050, True
 
     run = simulate_closed_loop(_toy(mixed_step=mixed_step), 1, 2, requests=1)
     assert run.ttft_s == pytest.approx(0.050) and run.host_bound_share == 1.0
-    assert calls == [(0, 100, 1, False)]
+    assert calls == [(0, 100, 1, 0)]
 
 
 def test_a_prompt_split_over_steps_resumes_in_the_next() -> None:
     """Two 100-token prompts with a 150-token budget: the second is split, and the step that finishes it resumes
-    a prompt begun earlier (copt's engine runs that one eagerly, not as a captured prefill graph)."""
+    a prompt begun earlier: its 50 tokens computed then are cached keys the step reads."""
     calls = []
 
-    def mixed_step(rows: int, tokens: int, chunks: int, continued: bool) -> tuple[float, bool]:
-        calls.append((rows, tokens, chunks, continued))
+    def mixed_step(rows: int, tokens: int, chunks: int, cached: int, masked: bool) -> tuple[float, bool]:
+        calls.append((rows, tokens, chunks, cached))
         return 0.010, False
 
     simulate_closed_loop(_toy(mixed_step=mixed_step, step_tokens=150), 2, 3, requests=2)
-    assert calls[:2] == [(0, 150, 2, False), (1, 50, 1, True)]
+    assert calls[:2] == [(0, 150, 2, 0), (1, 50, 1, 50)]
 
 
 def test_the_api_process_streams_every_token_and_can_fall_behind() -> None:
@@ -139,22 +139,30 @@ def test_a_finished_sequence_ends_the_chain_and_waiting_requests_stop_chaining()
 
 
 def test_copts_step_model_prices_a_graphed_step_by_its_token_bucket() -> None:
-    """A packed step of whole new prompts runs as the captured graph of the token bucket above it (768 tokens:
-    the 1,024 graph); resumed, the same tokens run eagerly, at least the host's floor; an fp8 cache has no
-    graphs."""
+    """On an H200 a packed step runs as the captured graph of the token bucket above its tokens and its resumed
+    chunks' cached keys (768 tokens: the 1,024 graph; 1,100 cached keys: the 2,048 one), through FlashAttention's
+    variable-length kernel; past the largest bucket (cached keys or chunks) it runs eagerly, at least the host's
+    floor. Where that kernel is missing (an AMD GPU) a resumed chunk runs eagerly; an fp8 cache has no graphs."""
     spec, target = load_model_spec("llama-3.1-8b"), Target(get_gpu("h200"))
     costs = infer_time(spec, _plan(256), target).costs
-    graphed, host_bound = costs.step_with_prefill(128, 768, 3, False)
+    graphed, host_bound = costs.step_with_prefill(128, 768, 3, 0)
     assert not host_bound
-    assert graphed == pytest.approx(costs.step_with_prefill(128, 1024, 3, False)[0])
-    assert graphed > costs.step_with_prefill(128, 768, 3, True)[0]  # eager: no padding to the bucket
-    unchained = costs.step_with_prefill(128, 768, 3, True)[0] - costs.decode_step(128) - costs.prefill(768, 3)
+    assert graphed == pytest.approx(costs.step_with_prefill(128, 1024, 3, 0)[0])
+    assert costs.step_with_prefill(128, 768, 3, 200)[0] == pytest.approx(graphed)  # resumed: the same graph
+    assert costs.step_with_prefill(128, 768, 3, 1100)[0] == pytest.approx(costs.step_with_prefill(128, 2048, 3)[0])
+    eager = costs.step_with_prefill(128, 768, 3, 2100)[0]
+    assert graphed > eager  # eager: no padding to the bucket
+    unchained = eager - costs.decode_step(128) - costs.prefill(768, 3)
     assert unchained == pytest.approx(1.6e-3 + 128 * 18e-6)  # calibration.UNCHAINED_STEP_*
+    many, floored = costs.step_with_prefill(0, 33 * 16, 33)  # more chunks than a graph takes: the host's floor
+    assert floored and many == pytest.approx(33 * 3e-3 + 32 * 0.5e-3)  # calibration.PREFILL_STEP_HOST_*
+    masked = infer_time(spec, _plan(256), Target(get_gpu("mi300x"))).costs
+    assert masked.step_with_prefill(128, 768, 3, 200)[0] < masked.step_with_prefill(128, 768, 3, 0)[0]
     fp8 = infer_time(spec, _plan(256).with_(kv_cache="fp8"), target).costs
-    assert fp8.step_with_prefill(128, 768, 3, False)[0] < graphed
+    assert fp8.step_with_prefill(128, 768, 3, 0)[0] < graphed
     small = infer_time(load_model_spec("llama-3.2-1b"), _plan(256), target).costs
-    assert small.step_with_prefill(200, 256, 1, False)[1]  # the 1B's steps: the host's share is larger
-    assert not costs.step_with_prefill(200, 256, 1, False)[1]
+    assert small.step_with_prefill(200, 256, 1, 0)[1]  # the 1B's steps: the host's share is larger
+    assert not costs.step_with_prefill(200, 256, 1, 0)[1]
 
 
 def test_a_load_too_long_to_replay_is_cut_and_not_reported() -> None:
@@ -247,18 +255,21 @@ KNOWN_MISSES = {("llama-3.1-8b", 256, 128, 64, "guidellm", 2, "ttft"): 1.19,
 
 
 def _predicted(model: str, prompt: int, gen: int, clients: int, temperature: float, top_p: float,
-               load: dict, results_before_prefill: bool = False) -> dict[str, float]:
+               load: dict, results_before_prefill: bool = False, masked_prefill_graphs: bool = True,
+               ) -> dict[str, float]:
     """The replay of a closed-loop level's load; for one client, infer_time's batch-1 figures (as
     bench/closed_loop_check.py does). `results_before_prefill`: the engine the level ran on handed a step's
     decoded tokens out before the step's prefill (copt serve since it does; the tables before RESULTS_BEFORE_PREFILL
-    were measured on the engine that handed them out after it)."""
+    were measured on the engine that handed them out after it). `masked_prefill_graphs`: its prefill graphs took
+    new prompts only (every run pinned here before VARLEN_GRAPHS)."""
     plan = InferPlan(batch=clients, prompt_len=prompt, gen_len=gen, continuous_batching=True,
                      temperature=temperature, top_p=top_p)
     spec, target = load_model_spec(model), Target(get_gpu("h200"))
     if clients == 1:
         figures = infer_time(spec, plan, target).figures
         return {f"closed_loop_{name}": figures[name] for name in ("output_tokens_per_s", "ttft_s", "tpot_s")}
-    figures, _ = closed_loop_figures(spec, plan, target, **load, results_before_prefill=results_before_prefill)
+    figures, _ = closed_loop_figures(spec, plan, target, **load, results_before_prefill=results_before_prefill,
+                                     masked_prefill_graphs=masked_prefill_graphs)
     return figures
 
 
@@ -658,7 +669,8 @@ def test_replayed_open_loops_against_the_h200(run, case) -> None:
     model, rate, temperature = case
     plan = InferPlan(prompt_len=256, gen_len=128, continuous_batching=True, temperature=temperature,
                      top_p=0.95 if temperature > 0 else 1.0)
-    figures = open_loop_figures(load_model_spec(model), plan, Target(get_gpu("h200")), rate=rate, duration_s=10.0)
+    figures = open_loop_figures(load_model_spec(model), plan, Target(get_gpu("h200")), rate=rate, duration_s=10.0,
+                                masked_prefill_graphs=True)
     assert figures is not None
     if model == "llama-3.2-1b":
         assert "open_loop_ttft_s" not in figures

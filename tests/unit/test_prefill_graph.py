@@ -111,3 +111,108 @@ def test_engine_output_is_the_same_through_the_graph_step(engine):
         runner._prefill_graphs = saved
     assert calls, "no prefill step went through the graph body"
     assert through == eager
+
+
+def _reference_kernel(calls=None):
+    """runner.reference_varlen in flash_varlen's place (the graph's variable-length kernel on CUDA)."""
+    from clusteropt_cli.core.serve.runner import reference_varlen
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scaling):
+        if calls is not None:
+            calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k))
+        return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling)
+
+    return kernel
+
+
+def test_varlen_graph_steps_match_the_eager_packed_forward(engine):
+    """Through the variable-length kernel the graph takes what the masked graphs send eagerly: a prompt resumed
+    after its first chunk (its 20 cached tokens read from the pool) packed with new prompts, and a continuation
+    alone. Logits and KV writes equal the eager per-segment path's; the padding is one segment over the scratch
+    block and the unused segments are empty."""
+    runner = engine.runner
+    rows_blocks = {1: [40, 41, 42], 2: [50], 3: [60, 61]}
+    used = _blocks(runner, rows_blocks)
+    p1, p2, p3 = _prompts(engine, [37, 12, 23], seed=3)
+    steps = [([(1, 0, p1[:20]), (2, 0, p2)], [[], [11]]),
+             ([(1, 20, p1[20:]), (3, 0, p3)], [[16], [22]]),
+             ([(2, 12, p3[:3])], [[2]])]
+    calls = []
+    graph = PrefillGraph(runner, 64, None, capture=False, kernel=_reference_kernel(calls))
+    assert all(graph.fits(chunks) for chunks, _ in steps)
+
+    def run(through_graph: bool):
+        for k, v in runner.caches:
+            k[used] = 0
+            v[used] = 0
+        with torch.inference_mode():
+            logits = [(graph.run if through_graph else runner.forward_packed)(chunks, wanted).clone()
+                      for chunks, wanted in steps]
+            kv = [(k[used].clone(), v[used].clone()) for k, v in runner.caches]
+        return logits, kv
+
+    got_logits, got_kv = run(True)
+    want_logits, want_kv = run(False)
+    for got, want in zip(got_logits, want_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for (gk, gv), (wk, wv) in zip(got_kv, want_kv, strict=True):
+        torch.testing.assert_close(gk, wk, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(gv, wv, rtol=1e-4, atol=1e-4)
+    cu_q, cu_k, max_q, max_k = calls[runner.num_layers]  # the second step's first layer
+    assert (max_q, max_k) == (64, 128)
+    assert cu_q[:3] == [0, 17, 40] and cu_k[:3] == [0, 37, 60]  # 17 new tokens over 37 keys, then a new prompt
+    assert cu_q[3:-1] == [40] * (len(cu_q) - 4) and cu_q[-1] == 64  # empty segments, then 24 padding tokens
+    assert cu_k[-1] == 60 + 24
+
+
+def test_runner_sends_a_varlen_graph_what_fits_it(engine):
+    from clusteropt_cli.core.serve.runner import PREFILL_GRAPH_VARLEN_SEGMENTS
+
+    runner = engine.runner
+    kernel = _reference_kernel()
+    small, large = (PrefillGraph(runner, t, None, capture=False, kernel=kernel) for t in (16, 64))
+    saved, runner._prefill_graphs = runner._prefill_graphs, [small, large]
+    try:
+        a, b = _prompts(engine, [30, 10], seed=1)
+        pick = runner._prefill_graph_for
+        assert pick([(1, 0, a[:9])], [[8]]) is small
+        assert pick([(1, 0, a), (2, 0, b)], [[29], []]) is large
+        assert pick([(1, 16, a[:10])], [[9]]) is small  # resumed: 16 cached keys, as many as the bucket's tokens
+        assert pick([(1, 17, a[:10])], [[9]]) is large  # 17 cached keys: the next bucket
+        assert pick([(1, 40, a), (2, 30, b)], [[29], [9]]) is None  # 70 cached keys: more than any bucket takes
+        assert pick([(1, 0, a)], [list(range(30))]) is None  # prompt logprobs: every position's logits
+        many = [(i, 0, [5]) for i in range(PREFILL_GRAPH_VARLEN_SEGMENTS)]
+        assert pick(many, [[0]] * len(many)) is large
+        assert pick([*many, (99, 0, [5])], [[0]] * (len(many) + 1)) is None
+    finally:
+        runner._prefill_graphs = saved
+
+
+def test_engine_output_is_the_same_through_varlen_graph_steps(engine, monkeypatch):
+    """Greedy generation with every prefill step through the (eager) varlen graph body equals generation without
+    it, with prompts split over several steps by a small token budget (resumed segments through the graph)."""
+    from clusteropt_cli.core.serve.requests import GenerationRequest
+
+    runner = engine.runner
+    prompts = _prompts(engine, [3, 17, 40, 9, 33], seed=4)
+
+    def run() -> list[list[int]]:
+        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=6, ignore_eos=True) for p in prompts]
+        return [r.output_ids for r in engine.generate(reqs)]
+
+    calls = []
+    graphs = [PrefillGraph(runner, t, None, capture=False, kernel=_reference_kernel(calls)) for t in (16, 32, 64)]
+    monkeypatch.setattr(engine, "max_batch_tokens", 24)
+    saved = runner._prefill_graphs
+    try:
+        runner._prefill_graphs = []
+        eager = run()
+        runner._prefill_graphs = graphs
+        through = run()
+    finally:
+        runner._prefill_graphs = saved
+    def resumed(cu_q: list[int], cu_k: list[int]) -> bool:  # a segment attending to more keys than its queries
+        return any(cu_k[i + 1] - cu_k[i] > cu_q[i + 1] - cu_q[i] for i in range(len(cu_q) - 1))
+
+    assert any(resumed(q, k) for q, k, _, _ in calls), "no resumed prompt went through the graph"
+    assert through == eager

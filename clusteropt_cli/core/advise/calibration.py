@@ -138,6 +138,12 @@ STATIC_BATCH_EFFICIENCY = 0.6
 # −0.2) over 8 pairs — the script's client in two runs, guidellm and `copt profile endpoint`, 1B and 8B shapes (H200,
 # 2026-12-02, bench/gpu_serve_models.py at fd577c7 and with --tester-modes sampled,greedy at 8aee225) — so no
 # sampled term is added.
+# Packed steps run as one such graph per token bucket since the prefill graphs go through FlashAttention's
+# variable-length kernel (timing.infer_time's mixed_step prices them the same way: per chunk prefill_graph_request_s,
+# no per-prompt prefill_request_s). In-process engine, 1B shape, one output token per prompt, H200, 2026-12-03
+# (bench/gpu_prefill_steps.py; docs/benchmarks.md#time-to-first-token), step medians: eight 256-token prompts 15.8 ms
+# (priced 15.8), four 9.5 (9.4), one 2,048-token prompt 15.6 (13.6), a 2,048-token step of nine chunks resuming a
+# split prompt 15.5 (16.1), the 44-token rest of a prompt alone 4.2 (4.6).
 # The closed- and open-loop replays (closed_loop.py) stream every decoded token through the API process one after
 # another at http_token_s each, from when the engine emitted it; a request's answer is complete when its last token
 # went out. 16 µs: chosen among 12, 16 and 20 µs on the H200 loads of docs/benchmarks.md#closed-loops-replayed (of the

@@ -167,8 +167,8 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
             step += chain_start_s(decoding)
         decoded = now + step  # the decode's tokens (and finished requests' results) go out before the prefill
         if chunks:
-            continued = any(r.left < costs.prompt_tokens for r, _ in chunks)
-            step, floored = mixed_s(decoding, sum(n for _, n in chunks), len(chunks), continued)
+            cached = sum(costs.prompt_tokens - r.left for r, _ in chunks)  # resumed prompts' tokens computed earlier
+            step, floored = mixed_s(decoding, sum(n for _, n in chunks), len(chunks), cached)
             prefill_steps += 1
             host_bound += floored
         now += step
@@ -224,7 +224,7 @@ HOST_BOUND_TTFT_LIMIT = 0.5
 
 def closed_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, requests: int | None = None,
                         duration_s: float | None = None, results_before_prefill: bool = True,
-                        ) -> tuple[dict[str, float], dict[str, float]] | None:
+                        masked_prefill_graphs: bool = False) -> tuple[dict[str, float], dict[str, float]] | None:
     """The plan's `batch` clients as a closed loop through copt's engine: (figures, workload). Figures are named
     closed_loop_ttft_s, closed_loop_tpot_s (medians over the requests) and closed_loop_output_tokens_per_s; the
     workload is `requests` in all (default: REQUESTS_PER_CLIENT per client, as `copt profile endpoint` sends) or
@@ -233,13 +233,14 @@ def closed_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, req
     when most prefilling steps are host-bound (a small model): there the measured loops stay in step — prefill
     bursts, then long decode stretches — which the replay does not reproduce (H200, 1B shape at 128-256 clients:
     replayed 0.05-0.13 s against 0.15-0.63 measured). `results_before_prefill` False replays an engine that hands a
-    step's decoded tokens out only after the step's prefill (copt's before it handed them out early)."""
+    step's decoded tokens out only after the step's prefill (copt's before it handed them out early);
+    `masked_prefill_graphs` True one whose prefill graphs took new prompts only (ServeCosts.masked_prefill_graphs)."""
     if plan.batch < 2 or target.gpu is None:
         return None
     costs = infer_time(spec, plan, target).costs
     if costs is None:
         return None
-    costs = replace(costs, results_before_prefill=results_before_prefill)
+    costs = replace(costs, results_before_prefill=results_before_prefill, masked_prefill_graphs=masked_prefill_graphs)
     if requests is None and duration_s is None:
         requests = REQUESTS_PER_CLIENT * plan.batch
     run = simulate_closed_loop(costs, plan.batch, plan.gen_len, requests=requests, duration_s=duration_s)
@@ -254,13 +255,14 @@ def closed_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, req
 
 def open_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, rate: float,
                       duration_s: float | None = None, requests: int | None = None, seed: int = 0,
-                      arrivals: str = "poisson") -> dict[str, float] | None:
+                      arrivals: str = "poisson", masked_prefill_graphs: bool = False) -> dict[str, float] | None:
     """Requests at `rate` per second (Poisson, as `copt profile endpoint --rate` sends them with its --seed, or
     evenly spaced: `arrivals`, simulate_open_loop) through
     copt's engine: open_loop_ttft_s, open_loop_tpot_s (medians) and open_loop_output_tokens_per_s (first send to
     last token). None where closed_loop_figures gives none (the plan's step model does not apply, or the replay
     ran out of steps: the rate is past what the engine serves for longer than the load lasts); the TTFT is left
-    out where most prefilling steps are host-bound, as there."""
+    out where most prefilling steps are host-bound, and `masked_prefill_graphs` replays the earlier engine, as
+    there."""
     from clusteropt_cli.core.advise.memory import max_concurrent_seqs
 
     if target.gpu is None:
@@ -269,6 +271,7 @@ def open_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, rate:
     costs = infer_time(spec, replace(plan, batch=max(engine_rows, 2)), target).costs  # as many as the engine runs
     if costs is None:
         return None
+    costs = replace(costs, masked_prefill_graphs=masked_prefill_graphs)
     run = simulate_open_loop(costs, rate, plan.gen_len, requests=requests, duration_s=duration_s, seed=seed,
                              arrivals=arrivals)
     if run.truncated or not run.requests:

@@ -77,10 +77,10 @@ class ServeCosts:
     first_token_s: float  # what the server adds to a request's first token (HTTP, tokenization, first event)
     intake_s: float  # the API process's time to take one request in (serial)
     stream_token_s: float  # the API process's time to stream one token out (serial, after the engine emitted it)
-    # a step that decodes `rows` sequences and prefills `tokens` prompt tokens in `chunks` chunks (`continued`: one of
-    # them resumes a prompt an earlier step began): (seconds, whether the host bounds it). None: the decode step plus
-    # the prefill pass
-    mixed_step: Callable[[int, int, int, bool], tuple[float, bool]] | None = None
+    # a step that decodes `rows` sequences and prefills `tokens` prompt tokens in `chunks` chunks (`cached`: how many
+    # of their prompts' tokens earlier steps computed — chunks that resume a prompt; then masked_prefill_graphs):
+    # (seconds, whether the host bounds it). None: the decode step plus the prefill pass
+    mixed_step: Callable[[int, int, int, int, bool], tuple[float, bool]] | None = None
     # what a decode chain of n sequences adds once, at its start, to its passes' decode_step (the host's work and the
     # GPU's overlap from the second pass on)
     chain_start: Callable[[int], float] = lambda rows: 0.0
@@ -89,12 +89,15 @@ class ServeCosts:
     # a step's decoded tokens and finished results reach the API before the step's prefill runs (copt's engine);
     # False: after it (engines whose mixed steps are one forward, and copt's before it handed them out early)
     results_before_prefill: bool = True
+    # copt's engine before its prefill graphs went through FlashAttention's variable-length kernel: new prompts only,
+    # up to runner.PREFILL_GRAPH_SEGMENTS of them and PREFILL_GRAPH_MAX_PACKED tokens (the masked graphs)
+    masked_prefill_graphs: bool = False
 
-    def step_with_prefill(self, rows: int, tokens: int, chunks: int, continued: bool) -> tuple[float, bool]:
+    def step_with_prefill(self, rows: int, tokens: int, chunks: int, cached: int = 0) -> tuple[float, bool]:
         """Seconds of a step that prefills (next to `rows` decoding sequences, 0: none), and whether the host bounds
         it."""
         if self.mixed_step is not None:
-            return self.mixed_step(rows, tokens, chunks, continued)
+            return self.mixed_step(rows, tokens, chunks, cached, self.masked_prefill_graphs)
         return (self.decode_step(rows) if rows else 0.0) + self.prefill(tokens, chunks), False
 
 
@@ -420,13 +423,31 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
             PREFILL_GRAPH_MAX_PACKED,
             PREFILL_GRAPH_MAX_TOKENS,
             PREFILL_GRAPH_SEGMENTS,
+            PREFILL_GRAPH_VARLEN_SEGMENTS,
         )
 
         # copt's engine captures prefill graphs where its paged cache is in the model's dtype and no layer slides a
-        # window (runner.capture_prefill_graphs); a segment with cached keys before it (a prefix-cache hit, a
-        # prompt resumed) runs eagerly
-        graphs = (plan.kv_layout != "slots" and plan.kv_cache in ("bf16", "fp16") and not spec.num_sliding_layers
-                  and hit == 0)
+        # window (runner.capture_prefill_graphs). With FlashAttention's variable-length kernel (an NVIDIA GPU of
+        # compute capability 8.0 or later, 16-bit weights, head size a multiple of 8 up to 256: runner.
+        # varlen_kernel_for) one graph per token bucket takes up to PREFILL_GRAPH_VARLEN_SEGMENTS chunks, resumed
+        # ones (a prefix-cache hit, a prompt split over steps) with at most as many cached keys as the bucket's
+        # tokens; without it, only new prompts (up to PREFILL_GRAPH_SEGMENTS, PREFILL_GRAPH_MAX_PACKED tokens)
+        graphs = plan.kv_layout != "slots" and plan.kv_cache in ("bf16", "fp16") and not spec.num_sliding_layers
+        varlen = (target.gpu.vendor == "nvidia" and target.gpu.supports_bf16 and plan.dtype != "fp32"
+                  and spec.head_dim % 8 == 0 and spec.head_dim <= 256)
+
+        def graph_bucket(tokens: int, chunks: int, cached: int, masked: bool) -> int | None:
+            """The token bucket of the captured prefill graph that runs these chunks (None: eager); `masked`: the
+            engine's graphs without the variable-length kernel, whatever the GPU."""
+            if not graphs:
+                return None
+            if varlen and not masked:
+                need = max(tokens, cached)
+                fits = chunks <= PREFILL_GRAPH_VARLEN_SEGMENTS and need <= PREFILL_GRAPH_MAX_TOKENS
+                return next(b for b in PREFILL_GRAPH_BUCKETS if b >= need) if fits else None
+            cap = PREFILL_GRAPH_MAX_TOKENS if chunks == 1 else PREFILL_GRAPH_MAX_PACKED
+            fits = not cached and chunks <= PREFILL_GRAPH_SEGMENTS and tokens <= cap
+            return next(b for b in PREFILL_GRAPH_BUCKETS if b >= tokens) if fits else None
 
         def unchained(rows: int) -> float:
             """The host's work of a decode step over `rows` sequences that no GPU work hides (cal.UNCHAINED_STEP_*)."""
@@ -437,20 +458,28 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
             _, floor_s, _, compute = decode_step(rows)
             return max(floor_s / cal.DECODE_BANDWIDTH_EFFICIENCY, compute)
 
-        def mixed_step(rows: int, tokens: int, chunks: int, continued: bool) -> tuple[float, bool]:
+        def mixed_step(rows: int, tokens: int, chunks: int, cached: int, masked: bool) -> tuple[float, bool]:
             """A step of copt's engine that prefills: its decode pass (not chained: its tokens are read and
             emitted before the prefill launches, cal.UNCHAINED_STEP_*), then the prompt chunks — as the captured
             graph of the token bucket that holds them (its padding computed too), or eagerly, at least the host's
-            floor (cal.PREFILL_STEP_HOST_*). Host-bound: the floor set it, or the host's share of it (the
-            engine's costs per step, sequence and prompt) is larger than the device's (weights, cache and
-            FLOPs)."""
+            floor (cal.PREFILL_STEP_HOST_*). A variable-length graph costs what a lone prompt's graph does
+            (cal.SERVING_ENGINES: its FLOPs or weights, the chain of small kernels per layer on the device, a
+            little host work per chunk); a masked one and an eager step the prefill pass with the engine's work
+            per prompt on the host. Host-bound: the floor set it, or the host's share of it (the engine's costs
+            per step, sequence and prompt) is larger than the device's (weights, cache and FLOPs)."""
             device = host = 0.0
             if rows:
                 device = decode_device(rows)
                 host = decode_step(rows)[0] - device + unchained(rows)
-            cap = PREFILL_GRAPH_MAX_TOKENS if chunks == 1 else PREFILL_GRAPH_MAX_PACKED
-            graphed = graphs and not continued and chunks <= PREFILL_GRAPH_SEGMENTS and tokens <= cap
-            priced = next(b for b in PREFILL_GRAPH_BUCKETS if b >= tokens) if graphed else tokens
+            bucket = graph_bucket(tokens, chunks, cached + hit * chunks, masked)
+            graphed = bucket is not None
+            if graphed and varlen and not masked:
+                device += (max(bucket * flops_per_prompt_token / (peak * cal.PREFILL_MFU),
+                               w_bytes / (bandwidth * cal.DECODE_BANDWIDTH_EFFICIENCY))
+                           + spec.num_layers * engine["prefill_graph_layer_s"])
+                host += chunks * engine["prefill_graph_request_s"]
+                return device + host, host > device
+            priced = bucket or tokens
             per_prompt = chunks * engine["prefill_request_s"]
             device += prefill_seconds(priced, chunks) - per_prompt
             host += per_prompt

@@ -59,6 +59,9 @@ class StepContext:
     # packed, paged, with a variable-length attention kernel (ModelRunner.varlen): (kernel, cu_seq_q, cu_seq_k,
     # max_q, max_k) — every segment attends in one call per layer instead of one SDPA per segment
     varlen: Any = None
+    # fresh (a captured variable-length prefill, PrefillGraph with a kernel): [keys] long, each segment's keys' places
+    # in the pool flattened to [blocks × block_size] (cached ones and this step's), in cu_seq_k's order
+    key_index: Any = None
 
 
 def _slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, copt_step=None,
@@ -296,11 +299,19 @@ def varlen_kernel_for(device: Any, dtype: Any, num_heads: int, kv_heads: int, he
 
 
 def _fresh_attention(query, key, value, step: StepContext, k_pool, v_pool, scaling):
-    """A captured prefill step (PrefillGraph): segments that all start at position 0 attend only to this step's own
-    keys/values, so nothing is read from the pool. The keys/values are written to their blocks (padding tokens to
-    the scratch block) and every query attends under step.mask [1, 1, T, T] (causal within its segment)."""
+    """A captured prefill step (PrefillGraph). The keys/values are written to their blocks (padding tokens to the
+    scratch block); then, with a variable-length kernel (step.varlen), each segment attends to its keys gathered
+    from the pool (step.key_index: a continued prompt's cached ones too); without, the segments all start at
+    position 0 and every query attends to this step's own keys under step.mask [1, 1, T, T] (causal within its
+    segment; None: one segment)."""
     _pool_write(k_pool, step.write_block, step.write_offset, key[0].transpose(0, 1))
     _pool_write(v_pool, step.write_block, step.write_offset, value[0].transpose(0, 1))
+    if step.varlen is not None:  # every segment's keys read back from the pool (cached ones too), one kernel call
+        kernel, cu_q, cu_k, max_q, max_k = step.varlen
+        kv_heads, head_dim = key.shape[1], key.shape[-1]
+        keys = k_pool.view(-1, kv_heads, head_dim).index_select(0, step.key_index).to(query.dtype)
+        values = v_pool.view(-1, kv_heads, head_dim).index_select(0, step.key_index).to(query.dtype)
+        return kernel(query[0].transpose(0, 1), keys, values, cu_q, cu_k, max_q, max_k, scaling)[None]
     # mask None: one segment (its padding after it: causal attention leaves the real tokens alone)
     return _segment_attend(query, key, value, step.mask, query.shape[1] // key.shape[1], scaling).transpose(1, 2)
 
@@ -763,48 +774,54 @@ class ModelRunner:
             return self._logits(picked)
 
     def _prefill_graph_for(self, chunks: list[tuple[int, int, list[int]]], logits_for: list[list[int]]):
-        """The captured prefill graph that can run this packed step, or None (eager): every segment starts at
-        position 0 (no cached keys to read: a new prompt, no prefix-cache hit), wants at most its last token's
-        logits, at most PREFILL_GRAPH_SEGMENTS segments and the smallest token bucket that holds them all."""
-        if not self._prefill_graphs or len(chunks) > PREFILL_GRAPH_SEGMENTS:
+        """The captured prefill graph that can run this packed step, or None (eager): every segment wants at most its
+        last token's logits, and the smallest token bucket whose graph takes the step's segments (PrefillGraph.fits:
+        their number, tokens, and where they start) holds it."""
+        if not self._prefill_graphs:
             return None
-        total = 0
-        for (_slot, start, tokens), wanted in zip(chunks, logits_for, strict=True):
-            if start or (wanted and wanted != [len(tokens) - 1]):
+        for (_slot, _start, tokens), wanted in zip(chunks, logits_for, strict=True):
+            if wanted and wanted != [len(tokens) - 1]:
                 return None
-            total += len(tokens)
-        single = len(chunks) == 1
-        return next((g for g in self._prefill_graphs if g.single == single and g.tokens >= total), None)
+        return next((g for g in self._prefill_graphs if g.fits(chunks)), None)
 
     def capture_prefill_graphs(self, max_tokens: int) -> int:
         """Capture prefill graphs for token buckets up to `max_tokens` (at most PREFILL_GRAPH_MAX_TOKENS): a short
         prompt's prefill is a few ms of GPU work under tens of ms of Python and kernel launches (about 25 ms for 32
-        tokens on the 1B shape on an H200 host), so the time to first token is the host's. Needs the paged cache in
-        the model's dtype, attention without sliding windows and CUDA graphs; returns how many (0: eager prefill)."""
+        tokens on the 1B shape on an H200 host), so the time to first token is the host's; a loaded server's packed
+        2,048-token step took 28 ms eager on the 1B shape for 11 ms of kernels. Needs the paged cache in the model's
+        dtype, attention without sliding windows and CUDA graphs. With the variable-length kernel (runner.varlen)
+        one graph per bucket takes packed, new and resumed prompts alike; if capturing those fails, the masked ones
+        (PrefillGraph) are tried. Returns how many (0: eager prefill)."""
         import torch
 
         self._prefill_graphs = []
         if not (self.use_graphs and self.paged and not self.windows
                 and not self.max_segment and self.kv_dtype == self.dtype):
             return 0
-        pool = torch.cuda.graph_pool_handle()  # their own: a decode graph's temporaries never meet a prefill's
-        graphs = []
-        try:
-            with torch.inference_mode():
-                for single, cap in ((True, PREFILL_GRAPH_MAX_TOKENS), (False, PREFILL_GRAPH_MAX_PACKED)):
-                    for tokens in reversed([b for b in PREFILL_GRAPH_BUCKETS if b <= min(max_tokens, cap)]):
-                        graphs.append(PrefillGraph(self, tokens, pool, single=single))
-            torch.cuda.synchronize()
-        except Exception as exc:  # noqa: BLE001 - the eager prefill still serves
-            import warnings
+        buckets = [b for b in PREFILL_GRAPH_BUCKETS if b <= min(max_tokens, PREFILL_GRAPH_MAX_TOKENS)]
+        kinds = [[(b, False, self.varlen) for b in buckets]] if self.varlen is not None else []
+        kinds.append([(b, single, None) for single, cap in ((True, PREFILL_GRAPH_MAX_TOKENS),
+                                                             (False, PREFILL_GRAPH_MAX_PACKED))
+                      for b in buckets if b <= cap])
+        import warnings
 
-            torch.cuda.synchronize()
-            self.prefill_graph_error = f"{type(exc).__name__}: {exc}"
-            warnings.warn(f"capturing the prefill graphs failed ({self.prefill_graph_error}); prefill runs eagerly",
-                          stacklevel=2)
-            return 0
-        self._prefill_graphs = sorted(graphs, key=lambda g: (g.tokens, g.single))
-        return len(graphs)
+        for kind in kinds:
+            pool = torch.cuda.graph_pool_handle()  # their own: a decode graph's temporaries never meet a prefill's
+            rows = PREFILL_GRAPH_VARLEN_SEGMENTS if kind[0][2] is not None else PREFILL_GRAPH_SEGMENTS
+            try:
+                with torch.inference_mode():  # the largest first: the smaller ones reuse its memory
+                    logits = torch.zeros(rows, self.vocab_size, dtype=torch.float32, device=self.device)
+                    graphs = [PrefillGraph(self, b, pool, single=single, kernel=kernel, logits=logits)
+                              for b, single, kernel in sorted(kind, key=lambda k: -k[0])]
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - the next kind, or the eager prefill, still serves
+                torch.cuda.synchronize()
+                self.prefill_graph_error = f"{type(exc).__name__}: {exc}"
+                warnings.warn(f"capturing the prefill graphs failed ({self.prefill_graph_error})", stacklevel=2)
+                continue
+            self._prefill_graphs = sorted(graphs, key=lambda g: (g.tokens, g.single))
+            return len(graphs)
+        return 0
 
     def _page_packed(self, step: StepContext, positions: list[int]) -> None:
         """A packed step's places in the paged cache: where each token is written (one index for the step) and
@@ -1107,33 +1124,47 @@ class _DecodeGraph:
         return self.logits
 
 
-# captured prefill steps (ModelRunner.capture_prefill_graphs): token buckets; one segment (causal attention) up to
-# PREFILL_GRAPH_MAX_TOKENS, several up to PREFILL_GRAPH_MAX_PACKED (under a block-diagonal mask: slower attention than
-# the causal kernel, a loss past ~1k tokens on the 8B shape, where an eager step's GPU time exceeds its host time);
-# how many segments one step packs
+# captured prefill steps (ModelRunner.capture_prefill_graphs): token buckets. With FlashAttention's variable-length
+# kernel (CUDA) one kind of graph takes up to PREFILL_GRAPH_VARLEN_SEGMENTS segments and PREFILL_GRAPH_MAX_TOKENS
+# tokens, segments that continue a sequence too (their cached keys read from the pool: at most as many as the bucket
+# has tokens). Without it: one segment (causal attention) up to PREFILL_GRAPH_MAX_TOKENS, or up to
+# PREFILL_GRAPH_SEGMENTS segments starting at position 0 up to PREFILL_GRAPH_MAX_PACKED tokens under a block-diagonal
+# mask (slower attention than the causal kernel: a loss past ~1k tokens on the 8B shape, where an eager step's GPU
+# time exceeds its host time).
 PREFILL_GRAPH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 PREFILL_GRAPH_MAX_TOKENS = 2048
 PREFILL_GRAPH_MAX_PACKED = 1024
 PREFILL_GRAPH_SEGMENTS = 8
+PREFILL_GRAPH_VARLEN_SEGMENTS = 32
 
 
 class PrefillGraph:
-    """One captured packed prefill of up to `tokens` tokens in one segment (`single`: causal attention) or at most
-    PREFILL_GRAPH_SEGMENTS segments (a block-diagonal causal mask), all starting at position 0 (paged cache). Per step
-    the host fills one staging row — token ids, positions, segment ids, block and offset of every token, the rows
-    whose logits are wanted — copied to the device in one transfer; padding tokens form one-token segments of their
-    own written to the scratch block. The mask is built in the graph."""
+    """One captured packed prefill of up to `tokens` tokens (paged cache). Per step the host fills one staging row —
+    token ids, positions, block and offset of every token, the rows whose logits are wanted and the attention
+    layout — copied to the device in one transfer.
 
-    def __init__(self, runner: ModelRunner, tokens: int, pool: Any, capture: bool = True, single: bool = False):
+    With a variable-length kernel (`kernel`: runner.varlen) the step holds up to PREFILL_GRAPH_VARLEN_SEGMENTS
+    segments, each starting anywhere (a prompt resumed, a prefix-cache hit) as long as their cached keys are at
+    most `tokens`; the layout is each token's place in the pool for its segment's keys and the cumulative query and
+    key lengths (padding tokens: one segment of their own over the scratch block, then empty segments). Without
+    one, the segments start at position 0 and attend under a mask built in the graph: causal (`single`) or
+    block-diagonal causal (up to PREFILL_GRAPH_SEGMENTS, padding tokens a segment each)."""
+
+    def __init__(self, runner: ModelRunner, tokens: int, pool: Any, capture: bool = True, single: bool = False,
+                 kernel: Any = None, logits: Any = None):
+        """`logits`: the float32 [rows, vocabulary] buffer the step's logits go to (graphs of one kind share one:
+        one step runs at a time, and run() copies its rows out)."""
         import torch
 
-        self.runner, self.tokens, self.single = runner, tokens, single
-        rows = PREFILL_GRAPH_SEGMENTS
+        self.runner, self.tokens, self.single, self.kernel = runner, tokens, single, kernel
+        self.rows = PREFILL_GRAPH_VARLEN_SEGMENTS if kernel is not None else PREFILL_GRAPH_SEGMENTS
+        self.keys = 2 * tokens if kernel is not None else 0  # the step's own keys and as many cached ones
         dev = runner.device
-        width = 5 * tokens + rows
+        width = 5 * tokens + self.keys + 2 * (self.rows + 2) + self.rows
         self.host = torch.zeros(width, dtype=torch.long)
         self.staged = torch.zeros(width, dtype=torch.long, device=dev)
-        self.logits = torch.zeros(rows, runner.vocab_size, dtype=torch.float32, device=dev)
+        self.logits = (logits if logits is not None
+                       else torch.zeros(self.rows, runner.vocab_size, dtype=torch.float32, device=dev))
         self.graph = self.copied = None
         if not capture:  # the same step layout and body, run eagerly (the CPU tests check it against forward_packed)
             return
@@ -1151,13 +1182,37 @@ class PrefillGraph:
         with torch.cuda.graph(self.graph, pool=pool):
             self._body()
 
+    def fits(self, chunks: list[tuple[int, int, list[int]]]) -> bool:
+        """Whether this graph can run the step (the caller checked the logits asked: none or the last token's)."""
+        if len(chunks) > self.rows or sum(len(tokens) for _, _, tokens in chunks) > self.tokens:
+            return False
+        if self.kernel is not None:
+            return sum(start for _, start, _ in chunks) <= self.keys - self.tokens
+        return all(start == 0 for _, start, _ in chunks) and (len(chunks) == 1) == self.single
+
+    def _views(self) -> tuple[Any, ...]:
+        """(ids, pos, seg, block, offset, key_index, cu_q, cu_k, wanted) over the staging row of the device (or
+        host) — seg: the mask's segment ids (masked graphs); key_index, cu_q, cu_k: the kernel's layout."""
+        return self._split(self.staged)
+
+    def _split(self, row: Any) -> tuple[Any, ...]:
+        t, k, r = self.tokens, self.keys, self.rows + 2
+        parts = [row[i * t : (i + 1) * t] for i in range(5)]
+        at = 5 * t
+        key_index, cu_q, cu_k = row[at : at + k], row[at + k : at + k + r], row[at + k + r : at + k + 2 * r]
+        return (*parts, key_index, cu_q, cu_k, row[at + k + 2 * r :])
+
     def _body(self) -> None:
-        t = self.tokens
-        ids, pos, seg, block, offset = (self.staged[i * t : (i + 1) * t] for i in range(5))
-        wanted = self.staged[5 * t :]
-        mask = None if self.single else ((seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None]))[None, None]
-        step = StepContext(caches=self.runner.caches, mode="fresh", mask=mask, paged=True,
+        import torch
+
+        ids, pos, seg, block, offset, key_index, cu_q, cu_k, wanted = self._views()
+        step = StepContext(caches=self.runner.caches, mode="fresh", paged=True,
                            block_tables=self.runner.tables.device, write_block=block, write_offset=offset)
+        if self.kernel is not None:
+            step.varlen = (self.kernel, cu_q.to(torch.int32), cu_k.to(torch.int32), self.tokens, self.keys)
+            step.key_index = key_index
+        elif not self.single:
+            step.mask = ((seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None]))[None, None]
         hidden = self.runner._hidden(ids[None], pos[None], step)[0]
         self.runner._logits(hidden.index_select(0, wanted), out=self.logits)
 
@@ -1166,30 +1221,38 @@ class PrefillGraph:
         import torch
 
         t, runner = self.tokens, self.runner
-        host = self.host
         bs = runner.block_size
         tables = runner.tables.host
-        ids, pos, seg = host[:t], host[t : 2 * t], host[2 * t : 3 * t]
-        block, offset, wanted = host[3 * t : 4 * t], host[4 * t : 5 * t], host[5 * t :]
+        scratch = runner.tables.scratch_block
+        ids, pos, seg, block, offset, key_index, cu_q, cu_k, wanted = self._split(self.host)
         ids.zero_()
         pos.zero_()
-        seg.copy_(torch.arange(-1, -t - 1, -1))  # padding: a segment of its own per token
-        block.fill_(runner.tables.scratch_block)
+        seg.copy_(torch.arange(-1, -t - 1, -1))  # padding: a segment of its own per token (masked graphs)
+        block.fill_(scratch)
         offset.zero_()
+        key_index.fill_(scratch * bs)
         wanted.zero_()
-        at, n_rows = 0, 0
-        for i, ((slot, _start, tokens), rows) in enumerate(zip(chunks, logits_for, strict=True)):
+        at = keys_at = n_rows = 0
+        for i, ((slot, start, tokens), rows) in enumerate(zip(chunks, logits_for, strict=True)):
             n = len(tokens)
-            span = torch.arange(n)
+            span = torch.arange(start, start + n)
             ids[at : at + n] = torch.tensor(tokens, dtype=torch.long)
             pos[at : at + n] = span
             seg[at : at + n] = i
             block[at : at + n] = tables[slot, span // bs]
             offset[at : at + n] = span % bs
+            if self.kernel is not None:
+                cached = torch.arange(start + n)
+                key_index[keys_at : keys_at + start + n] = tables[slot, cached // bs] * bs + cached % bs
+                keys_at += start + n
+                cu_q[i + 1], cu_k[i + 1] = at + n, keys_at
             for r in rows:
                 wanted[n_rows] = at + r
                 n_rows += 1
             at += n
+        if self.kernel is not None:  # empty segments, then the padding over the scratch block's first place
+            cu_q[len(chunks) + 1 : -1], cu_k[len(chunks) + 1 : -1] = at, keys_at
+            cu_q[-1], cu_k[-1] = t, keys_at + t - at
         return n_rows
 
     def run(self, chunks: list[tuple[int, int, list[int]]], logits_for: list[list[int]]):
