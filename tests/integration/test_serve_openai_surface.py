@@ -144,6 +144,13 @@ def test_tokenize_detokenize(server, fixtures):
     assert chat["count"] > 1
     r = httpx.post(server + "/detokenize", json={"tokens": [-1]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    # the most ids it decodes (4 × --max-model-len), pretty-printed: not refused for its size before it is parsed
+    most = [len(tok) - 1] * (4 * 256)
+    r = httpx.post(server + "/detokenize", content=json.dumps({"tokens": most}, indent=8), timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["prompt"] == tok.decode(most)
+    r = httpx.post(server + "/detokenize", json={"tokens": most + [0]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
 
 
 def test_streaming_usage_and_logprobs(server):

@@ -47,6 +47,11 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
     "add_generation_prompt", "continue_final_message"})
 
+# /detokenize: the largest body parsed for --max-model-len × 4 token ids (each id with its separator and spaces, then
+# the request's other fields)
+DETOKENIZE_BYTES_PER_TOKEN = 16
+DETOKENIZE_BODY_EXTRA_BYTES = 64 * 1024
+
 
 def template_variables(tokenizer: Any) -> frozenset[str]:
     """The variables the model's own chat template reads: the only chat_template_kwargs passed on."""
@@ -690,13 +695,17 @@ class OpenAIRoutes:
 
     async def detokenize(self, request: "Request") -> Any:
         """vLLM's /detokenize: {"tokens": [ids]} → {"prompt": text}."""
+        vocab = self.engine.runner.vocab_size
+        most = 4 * self.engine.max_model_len  # decoding holds the GIL: a bounded list keeps the event loop responsive
+        # parsing builds one Python int per id while holding the GIL (seconds for millions of them, /health waits):
+        # a body too large for `most` ids and the other fields is refused before it is parsed
+        if len(await request.body()) > DETOKENIZE_BYTES_PER_TOKEN * most + DETOKENIZE_BODY_EXTRA_BYTES:
+            return self.error(400, f"'tokens' must be a list of at most {most} token ids in [0, {vocab}).",
+                              param="tokens")
         body = await self.json_body(request)
         if _is_reply(body):
             return body
         tokens = body.get("tokens") if isinstance(body, dict) else None
-        vocab = self.engine.runner.vocab_size
-
-        most = 4 * self.engine.max_model_len  # decoding holds the GIL: a bounded list keeps the event loop responsive
 
         def checked_decode() -> str | None:  # on a worker thread: the ids may be many
             if not isinstance(tokens, list) or len(tokens) > most or not all(
