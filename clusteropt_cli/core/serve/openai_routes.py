@@ -19,7 +19,14 @@ from clusteropt_cli.core.serve.openai_extras import (
     echo_entries,
     vllm_prompt_logprobs,
 )
-from clusteropt_cli.core.serve.protocol import ChatBody, ChatMessage, CompletionBody, openai_error, unsupported_field
+from clusteropt_cli.core.serve.protocol import (
+    MAX_PROMPTS,
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    openai_error,
+    unsupported_field,
+)
 from clusteropt_cli.core.serve.requests import (
     EngineDeadError,
     EngineStoppedError,
@@ -49,6 +56,10 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 
 # /detokenize: the largest body parsed for --max-model-len × 4 token ids (each id with its separator and spaces, then
 # the request's other fields)
+# /v1/completions: a body larger than this and six bytes per --max-prompt-chars character cannot be text prompts
+LARGE_BODY_BYTES = 2**20
+LARGE_BODY_OTHER_LISTS = 64  # lists a completions body may hold beside its prompts (stop, stop_token_ids, extras)
+LARGE_BODY_OTHER_ITEMS = 4096  # items of its other fields (logit_bias, stop_token_ids, extras)
 DETOKENIZE_BYTES_PER_TOKEN = 16
 DETOKENIZE_BODY_EXTRA_BYTES = 64 * 1024
 
@@ -281,10 +292,22 @@ class OpenAIRoutes:
             return self.error(400, f"The request body is not valid JSON (UTF-8 text without lone surrogates): {exc}.")
 
     async def parse(self, request: "Request", model: type) -> Any:
-        """The body as `model`, parsed on a worker thread; an error response when it is malformed."""
+        """The body as `model`, parsed on a worker thread; an error response when it is malformed. A large body is
+        read into plain objects first, then validated: pydantic's JSON mode held the GIL about 3× longer on
+        millions of token ids, and the event loop (/health, every stream) waits while the GIL is held."""
         raw = await request.body()
         try:
-            body = await self.off_loop(model.model_validate_json, raw)
+            if len(raw) > LARGE_BODY_BYTES:
+                import pydantic_core
+
+                try:
+                    plain = await self.off_loop(pydantic_core.from_json, raw)
+                except ValueError as exc:
+                    return self.error(400, "The request body is not valid JSON (UTF-8 text without lone surrogates): "
+                                           f"{exc}.")
+                body = await self.off_loop(model.model_validate, plain)
+            else:
+                body = await self.off_loop(model.model_validate_json, raw)
         except ValidationError as exc:
             return self.invalid(list(exc.errors()))
         bad = self.check_model(body.model)
@@ -492,6 +515,20 @@ class OpenAIRoutes:
     # ---- POST /v1/completions ---------------------------------------------------------------------------------
 
     async def completions(self, request: "Request") -> Any:
+        raw = await request.body()
+        # a body past any text prompt's size (--max-prompt-chars) holds token ids: one of more lists or ids than
+        # MAX_PROMPTS prompts of the context length (and a few other fields) hold is refused before parsing builds
+        # its objects holding the GIL (1.2 s for 3M ids on 2 cores, /health waiting)
+        text_bytes = max(LARGE_BODY_BYTES, 6 * self.max_prompt_chars + LARGE_BODY_BYTES)  # "\uXXXX" per character
+        if len(raw) > text_bytes:
+            context = self.engine.max_model_len
+            if raw.count(b"[") > MAX_PROMPTS + LARGE_BODY_OTHER_LISTS:
+                return self.error(400, f"Invalid request: prompt: at most {MAX_PROMPTS} prompts in one request.",
+                                  param="prompt")
+            if raw.count(b",") > MAX_PROMPTS * context + LARGE_BODY_OTHER_ITEMS:
+                return self.error(400, f"This model's maximum context length is {context} tokens; the request "
+                                       f"holds more token ids than {MAX_PROMPTS} prompts of that length.",
+                                  param="prompt")
         body = await self.parse(request, CompletionBody)
         if _is_reply(body):
             return body
@@ -524,21 +561,23 @@ class OpenAIRoutes:
 
     async def completion_prompts(self, body: Any) -> "list[list[int]] | JSONResponse":
         """The prompts' token ids: text (one or a list, tokenized on a worker thread), ids, or lists of ids."""
-        prompt = body.prompt
-        if isinstance(prompt, str) or (prompt and all(isinstance(p, str) for p in prompt)):
+        prompt = body.prompt  # one of the shapes protocol.prompt_shape lets through: its first item tells which
+        if isinstance(prompt, str) or isinstance(prompt[0], str):
             texts = [prompt] if isinstance(prompt, str) else list(prompt)
             chars = sum(len(t) for t in texts)
             if chars > self.max_prompt_chars:
                 return self.too_long_prompt(chars, "prompt")
             prompts = await self.off_loop(self.encode_all, texts, body.add_special_tokens)
-        elif prompt and all(isinstance(p, int) for p in prompt):
-            prompts = [list(prompt)]
-        elif prompt and all(isinstance(p, list) for p in prompt):
-            prompts = [list(p) for p in prompt]
+        elif isinstance(prompt[0], int):
+            prompts = [prompt]
         else:
-            return self.error(400, "The prompt is empty.", param="prompt")
+            prompts = [list(p) for p in prompt]
         if any(not p for p in prompts):
             return self.error(400, "The prompt is empty.", param="prompt")
+        longest = max(len(p) for p in prompts)  # refused here, not after millions of ids went to the engine
+        if longest >= self.engine.max_model_len:
+            return self.error(400, f"This model's maximum context length is {self.engine.max_model_len} tokens; the "
+                                   f"prompt has {longest} tokens.", param="prompt")
         return prompts
 
     async def completion_choices(self, body: Any, results: list[GenerationResult]) -> list[dict[str, Any]]:
