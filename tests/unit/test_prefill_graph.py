@@ -85,30 +85,35 @@ def test_runner_sends_only_steps_the_graph_can_run(engine):
         runner._prefill_graphs = saved
 
 
-def test_engine_output_is_the_same_through_the_graph_step(engine):
-    """Greedy generation with prefill steps through the (eager) graph body equals generation without it; several
-    prompts arrive together, so steps pack several fresh segments."""
+def _generate_eager_and_through(engine, prompts: list[list[int]], graphs: list, new_tokens: int):
+    """Greedy outputs of `prompts` submitted together, without prefill graphs and then through `graphs`."""
     from clusteropt_cli.core.serve.requests import GenerationRequest
 
     runner = engine.runner
-    prompts = _prompts(engine, [3, 17, 40, 9], seed=2)
 
     def run() -> list[list[int]]:
-        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=8, ignore_eos=True) for p in prompts]
+        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=new_tokens, ignore_eos=True) for p in prompts]
         return [r.output_ids for r in engine.generate(reqs)]
 
     saved = runner._prefill_graphs
-    graphs = [PrefillGraph(runner, 128, None, capture=False, single=s) for s in (True, False)]
-    calls = []
-    for g in graphs:
-        g.run = (lambda f: lambda *a: calls.append(1) or f(*a))(g.run)
     try:
         runner._prefill_graphs = []
         eager = run()
         runner._prefill_graphs = graphs
-        through = run()
+        return eager, run()
     finally:
         runner._prefill_graphs = saved
+
+
+def test_engine_output_is_the_same_through_the_graph_step(engine):
+    """Greedy generation with prefill steps through the (eager) graph body equals generation without it; several
+    prompts arrive together, so steps pack several fresh segments."""
+    runner = engine.runner
+    graphs = [PrefillGraph(runner, 128, None, capture=False, single=s) for s in (True, False)]
+    calls = []
+    for g in graphs:
+        g.run = (lambda f: lambda *a: calls.append(1) or f(*a))(g.run)
+    eager, through = _generate_eager_and_through(engine, _prompts(engine, [3, 17, 40, 9], seed=2), graphs, 8)
     assert calls, "no prefill step went through the graph body"
     assert through == eager
 
@@ -191,26 +196,12 @@ def test_runner_sends_a_varlen_graph_what_fits_it(engine):
 def test_engine_output_is_the_same_through_varlen_graph_steps(engine, monkeypatch):
     """Greedy generation with every prefill step through the (eager) varlen graph body equals generation without
     it, with prompts split over several steps by a small token budget (resumed segments through the graph)."""
-    from clusteropt_cli.core.serve.requests import GenerationRequest
-
-    runner = engine.runner
-    prompts = _prompts(engine, [3, 17, 40, 9, 33], seed=4)
-
-    def run() -> list[list[int]]:
-        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=6, ignore_eos=True) for p in prompts]
-        return [r.output_ids for r in engine.generate(reqs)]
-
     calls = []
-    graphs = [PrefillGraph(runner, t, None, capture=False, kernel=_reference_kernel(calls)) for t in (16, 32, 64)]
+    graphs = [PrefillGraph(engine.runner, t, None, capture=False, kernel=_reference_kernel(calls))
+              for t in (16, 32, 64)]
     monkeypatch.setattr(engine, "max_batch_tokens", 24)
-    saved = runner._prefill_graphs
-    try:
-        runner._prefill_graphs = []
-        eager = run()
-        runner._prefill_graphs = graphs
-        through = run()
-    finally:
-        runner._prefill_graphs = saved
+    eager, through = _generate_eager_and_through(engine, _prompts(engine, [3, 17, 40, 9, 33], seed=4), graphs, 6)
+
     def resumed(cu_q: list[int], cu_k: list[int]) -> bool:  # a segment attending to more keys than its queries
         return any(cu_k[i + 1] - cu_k[i] > cu_q[i + 1] - cu_q[i] for i in range(len(cu_q) - 1))
 
