@@ -1190,12 +1190,9 @@ class PrefillGraph:
             return sum(start for _, start, _ in chunks) <= self.keys - self.tokens
         return all(start == 0 for _, start, _ in chunks) and (len(chunks) == 1) == self.single
 
-    def _views(self) -> tuple[Any, ...]:
-        """(ids, pos, seg, block, offset, key_index, cu_q, cu_k, wanted) over the staging row of the device (or
-        host) — seg: the mask's segment ids (masked graphs); key_index, cu_q, cu_k: the kernel's layout."""
-        return self._split(self.staged)
-
     def _split(self, row: Any) -> tuple[Any, ...]:
+        """(ids, pos, seg, block, offset, key_index, cu_q, cu_k, wanted) over a staging row (the pinned host one or
+        the device's) — seg: the mask's segment ids (masked graphs); key_index, cu_q, cu_k: the kernel's layout."""
         t, k, r = self.tokens, self.keys, self.rows + 2
         parts = [row[i * t : (i + 1) * t] for i in range(5)]
         at = 5 * t
@@ -1205,7 +1202,7 @@ class PrefillGraph:
     def _body(self) -> None:
         import torch
 
-        ids, pos, seg, block, offset, key_index, cu_q, cu_k, wanted = self._views()
+        ids, pos, seg, block, offset, key_index, cu_q, cu_k, wanted = self._split(self.staged)
         step = StepContext(caches=self.runner.caches, mode="fresh", paged=True,
                            block_tables=self.runner.tables.device, write_block=block, write_offset=offset)
         if self.kernel is not None:
