@@ -54,12 +54,12 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
     "add_generation_prompt", "continue_final_message"})
 
-# /detokenize: the largest body parsed for --max-model-len × 4 token ids (each id with its separator and spaces, then
-# the request's other fields)
 # /v1/completions: a body larger than this and six bytes per --max-prompt-chars character cannot be text prompts
 LARGE_BODY_BYTES = 2**20
 LARGE_BODY_OTHER_LISTS = 64  # lists a completions body may hold beside its prompts (stop, stop_token_ids, extras)
 LARGE_BODY_OTHER_ITEMS = 4096  # items of its other fields (logit_bias, stop_token_ids, extras)
+# /detokenize: the largest body parsed for --max-model-len × 4 token ids (each id with its separator and spaces, then
+# the request's other fields)
 DETOKENIZE_BYTES_PER_TOKEN = 16
 DETOKENIZE_BODY_EXTRA_BYTES = 64 * 1024
 
@@ -298,13 +298,9 @@ class OpenAIRoutes:
         raw = await request.body()
         try:
             if len(raw) > LARGE_BODY_BYTES:
-                import pydantic_core
-
-                try:
-                    plain = await self.off_loop(pydantic_core.from_json, raw)
-                except ValueError as exc:
-                    return self.error(400, "The request body is not valid JSON (UTF-8 text without lone surrogates): "
-                                           f"{exc}.")
+                plain = await self.json_body(request)
+                if _is_reply(plain):
+                    return plain
                 body = await self.off_loop(model.model_validate, plain)
             else:
                 body = await self.off_loop(model.model_validate_json, raw)
@@ -519,7 +515,7 @@ class OpenAIRoutes:
         # a body past any text prompt's size (--max-prompt-chars) holds token ids: one of more lists or ids than
         # MAX_PROMPTS prompts of the context length (and a few other fields) hold is refused before parsing builds
         # its objects holding the GIL (1.2 s for 3M ids on 2 cores, /health waiting)
-        text_bytes = max(LARGE_BODY_BYTES, 6 * self.max_prompt_chars + LARGE_BODY_BYTES)  # "\uXXXX" per character
+        text_bytes = 6 * self.max_prompt_chars + LARGE_BODY_BYTES  # "\uXXXX" per character
         if len(raw) > text_bytes:
             context = self.engine.max_model_len
             if raw.count(b"[") > MAX_PROMPTS + LARGE_BODY_OTHER_LISTS:
