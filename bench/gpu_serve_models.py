@@ -582,7 +582,7 @@ def case_profile(url: str, model_dir: Path, args, budget: Budget, work: Path, sh
         cmd = [sys.executable, "-m", "clusteropt_cli", "profile", "endpoint", "--url", url, "--model",
                str(model_dir), flag, values, "--duration", str(args.profile_duration), "--prompt-len",
                str(CFG["prompt_len"]), "--gen-len", str(CFG["out_tokens"]), *sampling, "--tokenizer", str(model_dir),
-               "--report", str(report), "--overwrite"]
+               "--report", str(report), "--save-requests", str(report.with_suffix(".requests.jsonl")), "--overwrite"]
         log("running: " + " ".join(cmd))
         out[key] = " ".join(cmd)
         t0 = time.perf_counter()

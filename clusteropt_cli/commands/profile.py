@@ -438,6 +438,9 @@ def endpoint(
     save_guidellm: Annotated[Path | None, typer.Option(
         "--save-guidellm", help="Also write the result as a guidellm benchmarks report JSON (one benchmark per "
                                 "level, in one file).")] = None,
+    save_requests: Annotated[Path | None, typer.Option(
+        "--save-requests", help="Also write every timed request as a line of JSON: level, sent_at (Unix time), ok, "
+                                "error, ttft_s, tpot_s, e2e_s, output_tokens, prompt_tokens.")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed for the synthetic prompts' bodies and the Poisson "
                                       "arrivals; every run puts its own random head on each prompt, so a second run "
                                       "is not served from the server's prefix cache.")] = 0,
@@ -455,12 +458,15 @@ def endpoint(
     from clusteropt_cli.core.profile.settings import EndpointSettings
 
     _check_outputs({"--report": report_path, "--plot": plot, "--save-vllm-bench": save_vllm_bench,
-                    "--save-guidellm": save_guidellm}, overwrite,
+                    "--save-guidellm": save_guidellm, "--save-requests": save_requests}, overwrite,
                    inputs={"--dataset": dataset, "--tokenizer": tokenizer, "--expect": expect,
                            "--from-profile": from_profile})
     if plot is not None and plot.suffix.lower() != ".png":
         raise BadInputError(f"--plot {plot}: the plot is a PNG; name the file *.png.")
     if from_profile is not None:
+        if save_requests is not None:
+            raise BadInputError("--save-requests records the requests of a live run; --from-profile reads a "
+                                "finished one.", hint="Drop --save-requests, or load-test the server with --url.")
         load_flags = {"--url": url, "--model": model_name, "--concurrency": concurrency, "--rate": rate,
                       "--num-requests": num_requests, "--duration": duration, "--prompt-len": prompt_len,
                       "--gen-len": gen_len, "--temperature": temperature, "--top-p": top_p, "--top-k": top_k,
@@ -509,7 +515,15 @@ def endpoint(
     require("aiohttp", "profile")
     from clusteropt_cli.core.profile.endpoint import profile_endpoint
 
-    report = profile_endpoint(settings, log=console.log)
+    requests_out: list[dict[str, Any]] | None = [] if save_requests is not None else None
+    report = profile_endpoint(settings, log=console.log, requests_out=requests_out)
+    if save_requests is not None:
+        import json
+
+        from clusteropt_cli.core.io import atomic_write_text
+
+        atomic_write_text(save_requests, "".join(json.dumps(row) + "\n" for row in requests_out))
+        console.log(f"{len(requests_out)} requests written to {save_requests}")
     _emit_endpoint(report, report_path, bench_paths, save_guidellm, plot, expectation, tolerance, json_out,
                    report_path)
 

@@ -514,15 +514,23 @@ def test_endpoint_expect_takes_the_serve_recipes_server_and_workload(fake_server
 
 def test_endpoint_writes_vllm_bench_serve_json_that_reads_back(fake_server, copt, tmp_path):
     """--save-vllm-bench: one `vllm bench serve --save-result` document per level, which copt's reader of that
-    format turns back into the same figures."""
+    format turns back into the same figures; --save-requests: every timed request, whose TTFTs are the level's."""
     from clusteropt_cli.core.profile.external import detect_tool, external_report
 
     report = tmp_path / "copt.json"
+    started = time.time()
     proc = copt("profile", "endpoint", "--url", fake_server, "--model", "fake", "--concurrency", "1,2",
                 "--num-requests", "4", "--gen-len", "6", "--prompt-len", "8", "--report", str(report),
-                "--save-vllm-bench", str(tmp_path / "bench.json"), timeout=120)
+                "--save-vllm-bench", str(tmp_path / "bench.json"), "--save-requests", str(tmp_path / "req.jsonl"),
+                timeout=120)
     assert proc.returncode == 0, proc.stderr
     ours = json.loads(report.read_text())
+    rows = [json.loads(line) for line in (tmp_path / "req.jsonl").read_text().splitlines()]
+    assert [r["level"] for r in rows] == ["c1"] * 4 + ["c2"] * 4
+    assert all(r["ok"] and r["output_tokens"] == 6 and started < r["sent_at"] < time.time() for r in rows)
+    for level, tag in zip(ours["levels"], ("c1", "c2"), strict=True):
+        ttfts = sorted(r["ttft_s"] for r in rows if r["level"] == tag)
+        assert ttfts[0] <= level["ttft_s"]["p50"] <= ttfts[-1]
     for level, name in zip(ours["levels"], ("bench-c1.json", "bench-c2.json"), strict=True):
         doc = json.loads((tmp_path / name).read_text())
         assert detect_tool(doc) == "vllm-bench" and doc["max_concurrency"] == level["concurrency"]
@@ -535,6 +543,9 @@ def test_endpoint_writes_vllm_bench_serve_json_that_reads_back(fake_server, copt
     again = copt("profile", "endpoint", "--url", fake_server, "--model", "fake", "--concurrency", "1,2",
                  "--save-vllm-bench", str(tmp_path / "bench.json"), timeout=60)
     assert again.returncode == 2 and "bench-c1.json" in again.stderr  # refused before any request
+    read_back = copt("profile", "endpoint", "--from-profile", str(report), "--save-requests",
+                     str(tmp_path / "more.jsonl"), timeout=60)
+    assert read_back.returncode == 2 and "live run" in read_back.stderr and not (tmp_path / "more.jsonl").exists()
 
 
 def test_endpoint_writes_guidellm_report_that_reads_back(fake_server, copt, tmp_path):

@@ -399,3 +399,53 @@ def test_an_internal_error_at_admission_fails_that_request_alone(fixtures, tmp_p
     assert seen["bad"].status_code == 500 and "unexpected" in seen["bad"].json()["error"]["message"]
     assert seen["good"].status_code == 200 and seen["good"].json()["usage"]["completion_tokens"] == 3
     assert code == 0 and codes["core"] == 0
+
+
+def test_api_and_engine_traces_time_each_streamed_request_in_order(fixtures, tmp_path, monkeypatch):
+    """COPT_API_TRACE and COPT_ENGINE_TRACE: every streamed request appears in both under one id, its times in the
+    order a request takes (entered, submitted, engine arrival, engine first token, first token in, first event out,
+    result in, last event out); the event loop's lag is sampled."""
+    import threading
+
+    import torch
+
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig
+    from clusteropt_cli.core.serve.server import run_server
+    from tests.integration.test_serve_helpers import free_port
+
+    monkeypatch.setenv("COPT_API_TRACE", str(tmp_path / "api"))
+    monkeypatch.setenv("COPT_ENGINE_TRACE", str(tmp_path / "engine"))
+    torch.set_num_threads(1)
+    engine = Engine(EngineConfig(model=str(fixtures.teacher), max_batch_size=4, max_model_len=256)).start()
+    core, core_thread, codes, client = _core_in_a_thread(engine, tmp_path)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    outs: list = []
+
+    def load() -> None:
+        _wait_healthy(url)
+        try:
+            with ThreadPoolExecutor(3) as pool:
+                outs.extend(pool.map(lambda i: _stream_any(url, {"prompt": f"def g{i}(x):", "max_tokens": 8,
+                                                                  "ignore_eos": True}), range(3)))
+            httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)  # not streamed
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    assert run_server(client, host="127.0.0.1", port=port, served_model_name="m", grace_period=5) == 0
+    thread.join(10)
+    core.drain()
+    core_thread.join(30)
+    assert len(outs) == 3 and all(o["error"] is None and o["text"] for o in outs)
+    (api_file,) = (tmp_path / "api").glob("api-trace-*.json")
+    (engine_file,) = (tmp_path / "engine").glob("engine-trace-*.json")
+    api, eng = json.loads(api_file.read_text()), json.loads(engine_file.read_text())
+    assert len(api["requests"]) == 3  # the streamed ones
+    in_engine = {r[5]: r for r in eng["requests"]}
+    for entered, submitted, first_in, first_out, final_in, last_out, rid in api["requests"]:
+        arrival, first, finish, *_ = in_engine[rid]
+        assert entered <= submitted <= arrival <= first <= first_in <= first_out <= final_in <= last_out
+        assert finish <= final_in
+    assert api["lag"] and all(lag > -0.002 for _, lag in api["lag"])  # (asyncio may wake up to 1 ms early)

@@ -24,8 +24,9 @@ def test_trace_records_steps_and_requests(fixtures, tmp_path, monkeypatch):
     assert len(files) == 1
     trace = json.loads(files[0].read_text())
     assert len(trace["requests"]) == 3
-    for arrival, first, finish, prompt, output in trace["requests"]:
+    for arrival, first, finish, prompt, output, _rid in trace["requests"]:
         assert arrival <= first <= finish and prompt == 4 and output == 6
+    assert sorted(r[5] for r in trace["requests"]) == sorted(r.request_id for r in results)  # the API trace's ids
     steps = trace["steps"]
     assert all(s[0] <= s[1] for s in steps) and all(a[1] <= b[0] for a, b in zip(steps, steps[1:], strict=False))
     assert sum(s[6] for s in steps) == 12  # every prompt token computed once

@@ -50,6 +50,13 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     detail: str | None = None  # the server's error message (HTTP errors)
+    sent_at: float | None = None  # time.time() when the request went out
+
+    def row(self, level: str) -> dict[str, Any]:
+        """The request as one line of --save-requests."""
+        return {"level": level, "sent_at": self.sent_at, "ok": self.ok, "error": self.error, "ttft_s": self.ttft_s,
+                "tpot_s": self.tpot_s, "e2e_s": self.e2e_s, "output_tokens": self.output_tokens,
+                "prompt_tokens": self.prompt_tokens}
 
     @property
     def tpot_s(self) -> float | None:
@@ -265,7 +272,7 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], options: d
     or server failures."""
     import aiohttp
 
-    result = RequestResult(ok=False)
+    result = RequestResult(ok=False, sent_at=time.time())
     start = time.perf_counter()
     last: float | None = None
     chunks = 0
@@ -470,8 +477,8 @@ def _server_hardware(url: str) -> HardwareInfo:
     return HardwareInfo(device="remote", name=f"server at {url} (hardware not visible over HTTP)")
 
 
-async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | SyntheticPrompts,
-               log: Log) -> tuple[list[EndpointLevel], dict[str, Any]]:
+async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | SyntheticPrompts, log: Log,
+               requests_out: list[dict[str, Any]] | None = None) -> tuple[list[EndpointLevel], dict[str, Any]]:
     import aiohttp
 
     levels: list[EndpointLevel] = []
@@ -502,6 +509,7 @@ async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | Synthet
                  for c in s.concurrency]
         loads += [(f"rate {rate}/s (Poisson)", partial(runner.by_rate, rate), {"rate": rate}) for rate in s.rate]
         for name, load, kind in loads:
+            tag = f"c{kind['concurrency']}" if "concurrency" in kind else f"r{kind['rate']}"
             processes = s.client_processes_for(kind["concurrency"]) if "concurrency" in kind else 1
             log(f"{name}: sending {s.requests_for(kind.get('concurrency')) or 'for ' + str(s.duration_s) + ' s'}"
                 + (f" from {processes} client processes" if processes > 1 else ""))
@@ -509,6 +517,8 @@ async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | Synthet
             quiet_heap()
             results, duration = await load()
             note(results)
+            if requests_out is not None:
+                requests_out.extend(r.row(tag) for r in results)
             level = summarize_level(results, duration, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, **kind)
             level.prefix_cache_hit_rate = hit_rate(before, await read_prefix_cache(client, s.url, runner.options))
             if "rate" in kind and runner.send_lag_s:
@@ -669,9 +679,10 @@ def _level_line(level: EndpointLevel) -> str:
     return f"  {level.completed}/{level.requests} ok, {level.output_tokens_per_s:.1f} output tok/s{errors}"
 
 
-def profile_endpoint(s: EndpointSettings, log: Log | None = None) -> ProfileReport:
+def profile_endpoint(s: EndpointSettings, log: Log | None = None,
+                     requests_out: list[dict[str, Any]] | None = None) -> ProfileReport:
     """Run the sweep and return the ProfileReport (kind=endpoint); metrics are those of the highest load level
-    that completed requests."""
+    that completed requests. `requests_out`: gets every timed request's RequestResult.row()."""
     log = log or (lambda _msg: None)
     s.validate()
     prompts: CycledPrompts | SyntheticPrompts
@@ -682,7 +693,7 @@ def profile_endpoint(s: EndpointSettings, log: Log | None = None) -> ProfileRepo
         prompts = SyntheticPrompts(min(largest + s.warmup, 4096), s.prompt_len, s.seed, s.tokenizer)
         log(f"synthetic prompts: bodies from --seed {s.seed}, each under this run's head \"{prompts.tag} request N:\"")
     try:
-        levels, facts = asyncio.run(_run(s, prompts, log))
+        levels, facts = asyncio.run(_run(s, prompts, log, requests_out))
     finally:
         gc.unfreeze()  # what quiet_heap kept out of the collector's way goes back to it
     metrics: dict[str, float | None] = {}

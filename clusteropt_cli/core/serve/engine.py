@@ -138,8 +138,9 @@ class StepTrace:
     """Where the engine thread's time goes, step by step (a diagnostic: `COPT_ENGINE_TRACE=<folder>` makes every
     Engine record its steps and finished requests and write them to <folder>/engine-trace-<pid>-<n>.json at stop).
     A step: [start, end, running, waiting, decode steps, chained decode steps, prompt tokens, generated tokens];
-    a request: [arrival, first token, finish, prompt tokens, output tokens]. Times are time.perf_counter() seconds
-    (CLOCK_MONOTONIC: comparable between processes of one machine); `clock` pairs one with time.time()."""
+    a request: [arrival, first token, finish, prompt tokens, output tokens, request id]. Times are
+    time.perf_counter() seconds (CLOCK_MONOTONIC: comparable between processes of one machine); `clock` pairs one
+    with time.time()."""
 
     _written = itertools.count()
     MAX_ENTRIES = 1_000_000  # steps and requests kept each (about 100 MB): a long-running server keeps its first ones
@@ -173,7 +174,7 @@ class StepTrace:
 
     def finished(self, seq: _Seq, now: float) -> None:
         if len(self.requests) < self.MAX_ENTRIES:
-            self.requests.append((seq.t_arrival, seq.t_first, now, len(seq.prompt), len(seq.out)))
+            self.requests.append((seq.t_arrival, seq.t_first, now, len(seq.prompt), len(seq.out), seq.rid))
 
     def write(self) -> None:
         """Write the trace (a folder that cannot be written is reported on stderr; stopping goes on)."""

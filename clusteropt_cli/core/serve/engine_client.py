@@ -70,6 +70,8 @@ class RemoteHandle:
         self._done = asyncio.Event()  # result waiters
         self._t_submit = time.perf_counter()
         self._t_last: float | None = None
+        self._t_first: float | None = None  # when the first tokens and the result reached this process
+        self._t_final: float | None = None
 
     # engine-core side (the client's reader task)
     def _add(self, ids: list[int], lps: list | None, now: float, observer: EngineObserver) -> None:
@@ -81,6 +83,7 @@ class RemoteHandle:
         self._chunks.extend(ids)
         try:
             if self._t_last is None:
+                self._t_first = now
                 observer.on_first_token(now - self._t_submit)
                 if len(ids) > 1:
                     observer.on_tokens(0.0, len(ids) - 1)
@@ -326,6 +329,7 @@ class EngineClient:
                 del handles[rid]
                 result = result_from_wire(final, rid, handle.request.prompt_ids)
                 result.latency_s = now - handle._t_submit  # as the API process saw it
+                handle._t_final = now
                 handle._finish(result)
                 try:
                     observer.on_finish(result)

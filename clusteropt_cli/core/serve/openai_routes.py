@@ -455,10 +455,14 @@ class OpenAIRoutes:
 
     # ---- streaming --------------------------------------------------------------------------------------------
 
-    def stream_response(self, handles: list[RequestHandle], body: Any, kind: str,
-                        logprobs: bool = False) -> "StreamingResponse":
+    def stream_response(self, handles: list[RequestHandle], body: Any, kind: str, logprobs: bool = False,
+                        request: "Request | None" = None) -> "StreamingResponse":
         stream = TokenStream(handles, body, kind, logprobs=logprobs, tokenizer=self.tokenizer, text_of=self.text_of,
                              served_model_name=self.served_model_name, decode=self.decode)
+        trace = self.app.state.api_trace
+        if trace is not None:  # COPT_API_TRACE: the request's times, recorded once its stream ends
+            entered = request.scope.get("copt_entered") if request is not None else None
+            return _event_stream(trace.traced(stream.events(), handles, entered))
         return _event_stream(stream.events())
 
     def tool_stream(self, handles: list[RequestHandle], body: Any, mode: str, names: set[str],
@@ -547,7 +551,8 @@ class OpenAIRoutes:
         if not isinstance(handles, list):
             return handles
         if body.stream:
-            return self.stream_response(handles, body, "completion", logprobs=body.logprobs is not None)
+            return self.stream_response(handles, body, "completion", logprobs=body.logprobs is not None,
+                                        request=request)
         results = await self.results_or_error(request, handles)
         if not isinstance(results, list):
             return results
@@ -631,7 +636,7 @@ class OpenAIRoutes:
         if body.stream and tool_mode is not None:
             return self.tool_stream(handles, body, tool_mode, names, top is not None)
         if body.stream:
-            return self.stream_response(handles, body, "chat", logprobs=top is not None)
+            return self.stream_response(handles, body, "chat", logprobs=top is not None, request=request)
         results = await self.results_or_error(request, handles)
         if not isinstance(results, list):
             return results

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from clusteropt_cli.core.serve.api_trace import ApiTrace
 from clusteropt_cli.core.serve.engine import Engine
 from clusteropt_cli.core.serve.requests import (
     EngineObserver,
@@ -273,6 +274,7 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
 
     app = FastAPI(title="copt serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
+    app.state.api_trace = trace = ApiTrace.from_env()  # COPT_API_TRACE=<folder>: streamed requests' times
     metrics = metrics or ServerMetrics(engine, served_model_name)
     limits = limits or ServerLimits()
     # CPU work of the front end (JSON parsing, chat templates, tokenization) runs here, never on the event loop
@@ -305,6 +307,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             if scope["type"] != "http":
                 await self.app(scope, receive, send)
                 return
+            if trace is not None:
+                scope["copt_entered"] = time.perf_counter()
             path = scope.get("path", "")
             endpoint = path if path in endpoints else "other"
 
@@ -571,6 +575,8 @@ def run_server(engine: Engine, *, host: str, port: int, served_model_name: str, 
             await super().startup(sockets)
             if self.started:
                 self._watchdog = asyncio.ensure_future(self._watch_engine())
+                if app.state.api_trace is not None:
+                    self._lag_watch = asyncio.ensure_future(app.state.api_trace.watch_loop())
             if on_ready is not None and self.started:
                 bound = [s.getsockname() for srv in self.servers for s in srv.sockets]
                 actual = bound[0][1] if bound else port
@@ -602,6 +608,8 @@ def run_server(engine: Engine, *, host: str, port: int, served_model_name: str, 
             time.sleep(0.05)
         engine.stop()
         app.state.workers.shutdown(wait=False, cancel_futures=True)
+        if app.state.api_trace is not None:
+            app.state.api_trace.write()
     if dead:
         return ENGINE_DEAD_EXIT
     return 0 if server.started else 1

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Where a streamed request's time goes between a load tester and copt serve's engine, level by level.
+
+Reads what one run left: the API processes' traces (COPT_API_TRACE), the engine-core's trace (COPT_ENGINE_TRACE) and
+the clients' per-request records (`copt profile endpoint --save-requests`, guidellm's benchmarks report). All times
+are put on one clock (each trace pairs time.perf_counter() with time.time()). For each client level: the clients'
+TTFT, the API process's (the HTTP request reaching the app to its first event leaving), the engine's, and the
+segments between — each a median over the level's requests:
+
+  client → app        a request's send to its arrival in the app (the i-th send paired with the i-th arrival)
+  app → submit        body, parsing, tokenization
+  submit → engine     the engine core taking the request in
+  engine TTFT         arrival in the engine to its first token
+  engine → API        the first token reaching the API process
+  API → event out     the stream's first event handed to the HTTP server
+  event → client      that event reaching the client (the i-th first event paired with the i-th first token)
+
+and the API event loop's lag (how late a 10 ms sleep wakes) while the level ran.
+
+    python3 bench/serve_timeline.py --api-trace DIR/api-trace-*.json --engine-trace DIR/engine-trace-*.json \\
+        [--requests profile-requests.jsonl] [--guidellm guidellm-c64.json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def _load(path: Path) -> dict:
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def _to_unix(trace: dict):
+    wall, mono = trace["clock"]
+    return lambda t: None if t is None else t - mono + wall
+
+
+def client_levels(requests: list[Path], guidellm: list[Path]) -> list[dict]:
+    """[{name, sends: [(sent, ttft)]}] from --save-requests lines and guidellm reports (Unix times)."""
+    levels: dict[str, list] = {}
+    for path in requests:
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("ok") and row.get("ttft_s") is not None:
+                levels.setdefault(f"{path.stem} {row['level']}", []).append((row["sent_at"], row["ttft_s"]))
+    for path in guidellm:
+        for bench in _load(path).get("benchmarks", []):
+            rows = []
+            for r in bench.get("requests", {}).get("successful", []):
+                start = (r.get("info") or {}).get("timings", {}).get("request_start")
+                if start is not None and r.get("time_to_first_token_ms") is not None:
+                    rows.append((start, r["time_to_first_token_ms"] / 1e3))
+            if rows:
+                levels[f"{path.stem}"] = rows
+    return [{"name": name, "sends": sorted(rows)} for name, rows in levels.items()]
+
+
+def _p(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def timeline(level: dict, api: list[tuple], engine: dict[str, tuple], lag: list[tuple[float, float]]) -> dict:
+    """The segments of one client level (every time in Unix seconds)."""
+    sends = level["sends"]
+    start, end = sends[0][0], max(s + t for s, t in sends)
+    # a request reaches the app after its send (one clock up to microseconds), and before the level's last
+    # first token: the level before and after it (warm-up requests, another tester) stay out
+    last_entry = min(sends[-1][0] + 1.0, end)
+    mine = sorted((r for r in api if r[0] is not None and start - 1e-3 <= r[0] <= last_entry), key=lambda r: r[0])
+    out: dict = {"name": level["name"], "requests": len(sends), "api_requests": len(mine),
+                 "client_ttft": statistics.median(t for _, t in sends)}
+
+    def seg(key: str, values: list[float]) -> None:
+        out[key] = statistics.median(values) if values else None
+
+    seg("api_ttft", [r[3] - r[0] for r in mine if r[3] is not None])
+    seg("client_to_app", [r[0] - s[0] for s, r in zip(sends, mine, strict=False)])
+    seg("app_to_submit", [r[1] - r[0] for r in mine if r[1] is not None])
+    matched = [(r, engine[r[6]]) for r in mine if r[6] in engine]
+    seg("submit_to_engine", [e[0] - r[1] for r, e in matched if r[1] is not None])
+    seg("engine_ttft", [e[1] - e[0] for _, e in matched if e[1] is not None])
+    seg("engine_to_api", [r[2] - e[1] for r, e in matched if r[2] is not None and e[1] is not None])
+    seg("api_to_event", [r[3] - r[2] for r in mine if r[2] is not None and r[3] is not None])
+    firsts = sorted(s + t for s, t in sends)
+    seg("event_to_client", [c - r for c, r in zip(firsts, sorted(r[3] for r in mine if r[3] is not None),
+                                                  strict=False)])
+    seg("finish_to_api", [r[4] - e[2] for r, e in matched if r[4] is not None])
+    seg("api_result_to_last_event", [r[5] - r[4] for r in mine if r[4] is not None])
+    lags = [v for t, v in lag if start <= t <= end]
+    out["loop_lag_p50"], out["loop_lag_p90"], out["loop_lag_p99"] = (_p(lags, q) for q in (0.5, 0.9, 0.99))
+    return out
+
+
+COLUMNS = ("client_ttft", "api_ttft", "client_to_app", "app_to_submit", "submit_to_engine", "engine_ttft",
+           "engine_to_api", "api_to_event", "event_to_client", "finish_to_api", "api_result_to_last_event",
+           "loop_lag_p50", "loop_lag_p90", "loop_lag_p99")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--api-trace", type=Path, nargs="+", required=True)
+    parser.add_argument("--engine-trace", type=Path, nargs="+", required=True)
+    parser.add_argument("--requests", type=Path, nargs="*", default=[], help="copt profile endpoint --save-requests")
+    parser.add_argument("--guidellm", type=Path, nargs="*", default=[], help="guidellm benchmarks reports")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args()
+    api: list[tuple] = []
+    lag: list[tuple[float, float]] = []
+    for path in args.api_trace:
+        trace = _load(path)
+        unix = _to_unix(trace)
+        api += [(*(unix(t) for t in r[:6]), r[6]) for r in trace["requests"]]
+        lag += [(unix(t), v) for t, v in trace["lag"]]
+    engine: dict[str, tuple] = {}
+    for path in args.engine_trace:
+        trace = _load(path)
+        unix = _to_unix(trace)
+        engine.update({r[5]: (unix(r[0]), unix(r[1]), unix(r[2])) for r in trace["requests"] if len(r) > 5})
+    rows = [timeline(level, api, engine, lag) for level in client_levels(args.requests, args.guidellm)]
+    print("medians in ms: " + ", ".join(COLUMNS))
+    for row in rows:
+        print(f"{row['name']} ({row['requests']} requests, {row['api_requests']} in the API trace)")
+        print("   " + "  ".join(f"{c} {_ms(row[c])}" for c in COLUMNS))
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
