@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from clusteropt_cli.core.serve.batch_encoder import BatchEncoder
 from clusteropt_cli.core.serve.engine import Engine
 from clusteropt_cli.core.serve.openai_extras import (
     TokenText,
@@ -56,6 +57,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 
 # /v1/completions: a body larger than this and six bytes per --max-prompt-chars character cannot be text prompts
 LARGE_BODY_BYTES = 2**20
+INLINE_PARSE_BYTES = 64 * 1024  # a body up to this size is parsed on the event loop, a larger one on a worker thread
 LARGE_BODY_OTHER_LISTS = 64  # lists a completions body may hold beside its prompts (stop, stop_token_ids, extras)
 LARGE_BODY_OTHER_ITEMS = 4096  # items of its other fields (logit_bias, stop_token_ids, extras)
 # /detokenize: the largest body parsed for --max-model-len × 4 token ids (each id with its separator and spaces, then
@@ -279,6 +281,7 @@ class OpenAIRoutes:
         self.text_of = TokenText(self.tokenizer)
         self.decode = plain_decoder(self.tokenizer)  # the streams' detokenizer (tokenizer.decode, skipping specials)
         self.submit_many = getattr(engine, "submit_many", None)  # the split server's EngineClient: one message
+        self.prompt_encoder = BatchEncoder(self.tokenizer, off_loop)  # concurrent requests' text prompts together
 
     # ---- request parsing and checks --------------------------------------------------------------------------
 
@@ -302,8 +305,10 @@ class OpenAIRoutes:
                 if _is_reply(plain):
                     return plain
                 body = await self.off_loop(model.model_validate, plain)
-            else:
+            elif len(raw) > INLINE_PARSE_BYTES:
                 body = await self.off_loop(model.model_validate_json, raw)
+            else:  # tens of microseconds: less than the trip to a worker thread and back under load
+                body = model.model_validate_json(raw)
         except ValidationError as exc:
             return self.invalid(list(exc.errors()))
         bad = self.check_model(body.model)
@@ -444,9 +449,6 @@ class OpenAIRoutes:
 
     # ---- tokenization -----------------------------------------------------------------------------------------
 
-    def encode_all(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-        return [self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
-
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool, kwargs: dict[str, Any],
                     add_special_tokens: bool = False) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
@@ -568,7 +570,7 @@ class OpenAIRoutes:
             chars = sum(len(t) for t in texts)
             if chars > self.max_prompt_chars:
                 return self.too_long_prompt(chars, "prompt")
-            prompts = await self.off_loop(self.encode_all, texts, body.add_special_tokens)
+            prompts = await self.prompt_encoder.encode(texts, body.add_special_tokens)
         elif isinstance(prompt[0], int):
             prompts = [prompt]
         else:

@@ -1,0 +1,74 @@
+"""Text prompts of concurrent requests tokenized together (as vLLM's micro-batching tokenizer does).
+
+One worker-thread call per prompt made every request of a burst queue for the front end's threads and hold the GIL
+for the tokenizer's Python layer once per prompt, against the event loop streaming every other request: on the H200
+(Llama-3.2-1B shape, 64 streaming clients) a request spent a median 22 ms between reaching the app and its
+submission to the engine, parsed and tokenized on those threads. Here whatever waits when the worker frees up goes
+in one call of the tokenizer on a list — a fast tokenizer's encode_batch, which runs in Rust threads with the GIL
+released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+class BatchEncoder:
+    """`await encode(texts, add_special_tokens)`: the token ids of each text, as `tokenizer.encode` gives them.
+
+    `off_loop(fn, *args)` runs fn on a worker thread. Every call waiting when the previous batch ends goes in the
+    next one (no timer: a lone request waits for nothing); a batch the tokenizer fails is retried text by text, so
+    only the request whose text fails gets the exception."""
+
+    def __init__(self, tokenizer: Any, off_loop: Callable[..., Awaitable[Any]]):
+        self.tokenizer, self.off_loop = tokenizer, off_loop
+        self._waiting: list[tuple[list[str], bool, asyncio.Future]] = []
+        self._draining = False
+
+    def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        ids = self.tokenizer(texts, add_special_tokens=add_special_tokens, return_attention_mask=False)["input_ids"]
+        return [list(x) for x in ids]
+
+    async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        if not texts:
+            return []
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((texts, bool(add_special_tokens), future))
+        if not self._draining:
+            self._draining = True
+            asyncio.ensure_future(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting:
+                batch, self._waiting = self._waiting, []
+                for special in (True, False):
+                    group = [(texts, future) for texts, flag, future in batch if flag is special and not future.done()]
+                    if group:
+                        await self._run(group, special)
+        finally:
+            self._draining = False
+
+    async def _run(self, group: list[tuple[list[str], asyncio.Future]], special: bool) -> None:
+        flat = [text for texts, _ in group for text in texts]
+        try:
+            ids = await self.off_loop(self._encode, flat, special)
+        except Exception:  # noqa: BLE001 - one request's text: find it, fail that request alone
+            for texts, future in group:
+                try:
+                    result = await self.off_loop(self._encode, texts, special)
+                except Exception as exc:  # noqa: BLE001
+                    if not future.done():
+                        future.set_exception(exc)
+                else:
+                    if not future.done():
+                        future.set_result(result)
+            return
+        start = 0
+        for texts, future in group:
+            if not future.done():  # (a request whose client went away was cancelled)
+                future.set_result(ids[start:start + len(texts)])
+            start += len(texts)
