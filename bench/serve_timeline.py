@@ -37,6 +37,13 @@ def _load(path: Path) -> dict:
         return json.load(f)
 
 
+def _name(path: Path) -> str:
+    name = path.name
+    for suffix in (".gz", ".jsonl", ".json", ".requests"):
+        name = name.removesuffix(suffix)
+    return name
+
+
 def _to_unix(trace: dict):
     wall, mono = trace["clock"]
     return lambda t: None if t is None else t - mono + wall
@@ -45,11 +52,14 @@ def _to_unix(trace: dict):
 def client_levels(requests: list[Path], guidellm: list[Path]) -> list[dict]:
     """[{name, sends: [(sent, ttft)]}] from --save-requests lines and guidellm reports (Unix times)."""
     levels: dict[str, list] = {}
+    import gzip
+
     for path in requests:
-        for line in path.read_text().splitlines():
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        for line in text.splitlines():
             row = json.loads(line)
             if row.get("ok") and row.get("ttft_s") is not None:
-                levels.setdefault(f"{path.stem} {row['level']}", []).append((row["sent_at"], row["ttft_s"]))
+                levels.setdefault(f"{_name(path)} {row['level']}", []).append((row["sent_at"], row["ttft_s"]))
     for path in guidellm:
         for bench in _load(path).get("benchmarks", []):
             rows = []
@@ -58,7 +68,7 @@ def client_levels(requests: list[Path], guidellm: list[Path]) -> list[dict]:
                 if start is not None and r.get("time_to_first_token_ms") is not None:
                     rows.append((start, r["time_to_first_token_ms"] / 1e3))
             if rows:
-                levels[f"{path.stem}"] = rows
+                levels[_name(path)] = rows
     return [{"name": name, "sends": sorted(rows)} for name, rows in levels.items()]
 
 
