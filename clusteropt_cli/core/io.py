@@ -326,3 +326,14 @@ def disk_full_as_error(path: Path, cleanup: Path | None = None,
         if isinstance(exc, DiskFullError) and not estimate:
             raise
         raise disk_full_error(path, written) from exc
+
+
+def write_diagnostic_json(path: str | Path, document: object, what: str) -> None:
+    """Write a diagnostic file (a trace) atomically; one that cannot be written is reported on stderr and the caller
+    goes on (a server stopping must not fail on its diagnostics)."""
+    import sys
+
+    try:
+        atomic_write_text(Path(path), json.dumps(document))
+    except Exception as exc:  # noqa: BLE001 - a full disk, a folder that is a file, no permission
+        print(f"copt: the {what} was not written to {path}: {exc}", file=sys.stderr)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -61,12 +60,7 @@ class ApiTrace:
 
     def write(self) -> None:
         """Write the trace (a folder that cannot be written is reported on stderr; stopping goes on)."""
-        import json
+        from clusteropt_cli.core.io import write_diagnostic_json
 
-        path = os.path.join(self.folder, f"api-trace-{os.getpid()}.json")
-        try:
-            os.makedirs(self.folder, exist_ok=True)
-            with open(path, "w") as f:
-                json.dump({"clock": self.clock, "requests": self.requests, "lag": self.lag}, f)
-        except OSError as exc:
-            print(f"copt: the API trace was not written to {path}: {exc}", file=sys.stderr)
+        write_diagnostic_json(os.path.join(self.folder, f"api-trace-{os.getpid()}.json"),
+                              {"clock": self.clock, "requests": self.requests, "lag": self.lag}, "API trace")

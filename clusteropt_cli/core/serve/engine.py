@@ -178,16 +178,11 @@ class StepTrace:
 
     def write(self) -> None:
         """Write the trace (a folder that cannot be written is reported on stderr; stopping goes on)."""
-        import json
-        import sys
+        from clusteropt_cli.core.io import write_diagnostic_json
 
         path = os.path.join(self.folder, f"engine-trace-{os.getpid()}-{next(self._written)}.json")
-        try:
-            os.makedirs(self.folder, exist_ok=True)
-            with open(path, "w") as f:
-                json.dump({"clock": self.clock, "steps": self.steps, "requests": self.requests}, f)
-        except OSError as exc:
-            print(f"copt: the engine trace was not written to {path}: {exc}", file=sys.stderr)
+        write_diagnostic_json(path, {"clock": self.clock, "steps": self.steps, "requests": self.requests},
+                              "engine trace")
         self.steps, self.requests = [], []
 
 
