@@ -25,7 +25,7 @@ class BatchEncoder:
     def __init__(self, tokenizer: Any, off_loop: Callable[..., Awaitable[Any]]):
         self.tokenizer, self.off_loop = tokenizer, off_loop
         self._waiting: list[tuple[list[str], bool, asyncio.Future]] = []
-        self._draining = False
+        self._task: asyncio.Future | None = None  # the drain running now (kept: a task no one holds may be collected)
 
     def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         ids = self.tokenizer(texts, add_special_tokens=add_special_tokens, return_attention_mask=False)["input_ids"]
@@ -36,21 +36,17 @@ class BatchEncoder:
             return []
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((texts, bool(add_special_tokens), future))
-        if not self._draining:
-            self._draining = True
-            asyncio.ensure_future(self._drain())
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._drain())
         return await future
 
     async def _drain(self) -> None:
-        try:
-            while self._waiting:
-                batch, self._waiting = self._waiting, []
-                for special in (True, False):
-                    group = [(texts, future) for texts, flag, future in batch if flag is special and not future.done()]
-                    if group:
-                        await self._run(group, special)
-        finally:
-            self._draining = False
+        while self._waiting:
+            batch, self._waiting = self._waiting, []
+            for special in (True, False):
+                group = [(texts, future) for texts, flag, future in batch if flag is special and not future.done()]
+                if group:
+                    await self._run(group, special)
 
     async def _run(self, group: list[tuple[list[str], asyncio.Future]], special: bool) -> None:
         flat = [text for texts, _ in group for text in texts]
