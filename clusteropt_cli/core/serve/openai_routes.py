@@ -727,7 +727,7 @@ class OpenAIRoutes:
         elif isinstance(body.get("prompt"), str):
             if len(body["prompt"]) > self.max_prompt_chars:
                 return self.too_long_prompt(len(body["prompt"]), "prompt")
-            ids = await self.off_loop(self.tokenizer.encode, body["prompt"], add_special_tokens=bool(special))
+            (ids,) = await self.prompt_encoder.encode([body["prompt"]], bool(special))
         else:
             return self.error(400, "Send 'prompt' (a string) or 'messages'.", param="prompt")
         out = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": None}
