@@ -403,8 +403,9 @@ def test_an_internal_error_at_admission_fails_that_request_alone(fixtures, tmp_p
 
 def test_api_and_engine_traces_time_each_streamed_request_in_order(fixtures, tmp_path, monkeypatch):
     """COPT_API_TRACE and COPT_ENGINE_TRACE: every streamed request appears in both under one id, its times in the
-    order a request takes (entered, submitted, engine arrival, engine first token, first token in, first event out,
-    result in, last event out); the event loop's lag is sampled."""
+    order a request takes (entered, body read, parsed, prompt encoded, submitted, engine arrival, engine first token,
+    first token in, first event out, result in, last event out); the event loop's lag and the prompt encoder's
+    batches are recorded."""
     import threading
 
     import torch
@@ -444,8 +445,10 @@ def test_api_and_engine_traces_time_each_streamed_request_in_order(fixtures, tmp
     api, eng = json.loads(api_file.read_text()), json.loads(engine_file.read_text())
     assert len(api["requests"]) == 3  # the streamed ones
     in_engine = {r[5]: r for r in eng["requests"]}
-    for entered, submitted, first_in, first_out, final_in, last_out, rid in api["requests"]:
+    for entered, submitted, first_in, first_out, final_in, last_out, rid, body, parsed, encoded in api["requests"]:
         arrival, first, finish, *_ = in_engine[rid]
-        assert entered <= submitted <= arrival <= first <= first_in <= first_out <= final_in <= last_out
-        assert finish <= final_in
+        assert entered <= body <= parsed <= encoded <= submitted <= arrival <= first <= first_in <= first_out
+        assert first_out <= final_in <= last_out and finish <= final_in
     assert api["lag"] and all(lag > -0.002 for _, lag in api["lag"])  # (asyncio may wake up to 1 ms early)
+    batches = api["encoder_batches"]  # the 3 streamed text prompts and the plain one, 1-4 to a batch
+    assert sum(n for *_, n in batches) == 4 and all(queued <= start <= end for queued, start, end, _ in batches)

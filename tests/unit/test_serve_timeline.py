@@ -25,7 +25,8 @@ def test_segments_of_a_level_on_one_clock(tmp_path):
         first_in, first_out = first + 0.002, first + 0.003
         rows.append({"level": "c2", "sent_at": sent, "ok": True, "ttft_s": first_out + 0.003 - sent})
         rid = f"0-{i}"
-        api.append((entered, submitted, first_in, first_out, first + 0.5, first + 0.501, rid))
+        body, parsed, encoded = entered + 0.001, entered + 0.002, entered + 0.009  # 1 + 1 + 7 (tokenizer) + 1
+        api.append((entered, submitted, first_in, first_out, first + 0.5, first + 0.501, rid, body, parsed, encoded))
         engine[rid] = (arrival, first, first + 0.499)
     rows.append({"level": "c2", "sent_at": wall0, "ok": False, "ttft_s": None})  # failed: not counted
     api.append((wall0 - 5.0, wall0 - 4.99, None, None, None, None, "warm-up"))  # before the level: left out
@@ -33,11 +34,15 @@ def test_segments_of_a_level_on_one_clock(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (level,) = client_levels([path], [])
     assert level["name"] == "p c2" and len(level["sends"]) == 5
-    out = timeline(level, api, engine, [(wall0 + 0.05, 0.002), (wall0 - 9, 1.0)])
+    batches = [(wall0 + 0.006, wall0 + 0.008, wall0 + 0.013, 3), (wall0 + 0.2, wall0 + 0.201, wall0 + 0.206, 1),
+               (wall0 - 5.0, wall0 - 4.99, wall0 - 4.98, 9)]  # the last before the level: left out
+    out = timeline(level, api, engine, [(wall0 + 0.05, 0.002), (wall0 - 9, 1.0)], batches)
     expected = {"client_ttft": 0.051, "api_ttft": 0.044, "client_to_app": 0.004, "app_to_submit": 0.010,
                 "submit_to_engine": 0.001, "engine_ttft": 0.030, "engine_to_api": 0.002, "api_to_event": 0.001,
                 "event_to_client": 0.003, "finish_to_api": 0.001, "api_result_to_last_event": 0.001,
-                "loop_lag_p50": 0.002}
+                "loop_lag_p50": 0.002, "app_to_body": 0.001, "body_to_parsed": 0.001, "parsed_to_encoded": 0.007,
+                "encoded_to_submit": 0.001, "encoder_batch": 0.005, "encoder_wait": 0.0015}
     for key, value in expected.items():
         assert out[key] == pytest.approx(value, abs=1e-6), key
     assert out["api_requests"] == 5
+    assert out["encoder_batches"] == 2 and out["encoder_texts_p50"] == 2

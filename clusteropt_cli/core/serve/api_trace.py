@@ -2,11 +2,14 @@
 `COPT_API_TRACE=<folder>` makes every API process of `copt serve` record its streamed requests and its event loop's
 lag, and write them to <folder>/api-trace-<pid>.json when it stops).
 
-A request: [entered, submitted, first token in, first event out, result in, last event out, request id] — entered:
-the HTTP request reached the app (its body not yet read); submitted: handed to the engine; in: the engine's tokens
-or result reached this process; out: the event was handed to the HTTP server. A lag sample: [time, seconds a 10 ms
-sleep of the event loop overran]. Times are time.perf_counter() seconds (CLOCK_MONOTONIC: comparable with the
-engine trace's and the clients' on one machine); `clock` pairs one with time.time(). Ids match the engine trace's.
+A request: [entered, submitted, first token in, first event out, result in, last event out, request id, body read,
+parsed, prompt encoded] — entered: the HTTP request reached the app (its body not yet read); submitted: handed to the
+engine; in: the engine's tokens or result reached this process; out: the event was handed to the HTTP server; body
+read; parsed: the request checked; prompt encoded: its token ids ready (tokenized, or the chat template rendered). A
+lag sample: [time, seconds a 10 ms sleep of the event loop overran]. A prompt-encoder batch: [its first text queued,
+started, ended, texts] (batch_encoder.py). Times are time.perf_counter() seconds (CLOCK_MONOTONIC: comparable with
+the engine trace's and the clients' on one machine); `clock` pairs one with time.time(). Ids match the engine
+trace's.
 """
 
 from __future__ import annotations
@@ -27,28 +30,34 @@ class ApiTrace:
         self.clock = (time.time(), time.perf_counter())
         self.requests: list[tuple] = []
         self.lag: list[tuple[float, float]] = []
+        self.encoder_batches: list[tuple[float, float, float, int]] = []
 
     @classmethod
     def from_env(cls) -> ApiTrace | None:
         folder = os.environ.get("COPT_API_TRACE")
         return cls(folder) if folder else None
 
-    def record(self, handles: list[Any], entered: float | None, first_out: float | None, last_out: float) -> None:
+    def record(self, handles: list[Any], stamps: dict[str, float], first_out: float | None, last_out: float) -> None:
         if len(self.requests) >= MAX_ENTRIES:
             return
         for h in handles:
-            self.requests.append((entered, getattr(h, "_t_submit", None), getattr(h, "_t_first", None), first_out,
-                                  getattr(h, "_t_final", None), last_out, h.request_id))
+            self.requests.append((stamps.get("entered"), getattr(h, "_t_submit", None), getattr(h, "_t_first", None),
+                                  first_out, getattr(h, "_t_final", None), last_out, h.request_id,
+                                  stamps.get("body"), stamps.get("parsed"), stamps.get("encoded")))
+
+    def encoder_batch(self, queued: float, started: float, ended: float, texts: int) -> None:
+        if len(self.encoder_batches) < MAX_ENTRIES:
+            self.encoder_batches.append((queued, started, ended, texts))
 
     async def traced(self, events: AsyncIterator[str], handles: list[Any],
-                     entered: float | None) -> AsyncIterator[str]:
-        """`events` passed through, the request recorded once they end."""
+                     stamps: dict[str, float]) -> AsyncIterator[str]:
+        """`events` passed through, the request recorded once they end (`stamps`: its intake's times by name)."""
         first_out = None
         async for event in events:
             if first_out is None:
                 first_out = time.perf_counter()
             yield event
-        self.record(handles, entered, first_out, time.perf_counter())
+        self.record(handles, stamps, first_out, time.perf_counter())
 
     async def watch_loop(self) -> None:
         """Sample how late the event loop wakes from a short sleep (a busy loop delays every stream and request)."""
@@ -63,4 +72,5 @@ class ApiTrace:
         from clusteropt_cli.core.io import write_diagnostic_json
 
         write_diagnostic_json(os.path.join(self.folder, f"api-trace-{os.getpid()}.json"),
-                              {"clock": self.clock, "requests": self.requests, "lag": self.lag}, "API trace")
+                              {"clock": self.clock, "requests": self.requests, "lag": self.lag,
+                               "encoder_batches": self.encoder_batches}, "API trace")

@@ -11,6 +11,7 @@ released.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,9 +23,11 @@ class BatchEncoder:
     next one (no timer: a lone request waits for nothing); a batch the tokenizer fails is retried text by text, so
     only the request whose text fails gets the exception."""
 
-    def __init__(self, tokenizer: Any, off_loop: Callable[..., Awaitable[Any]]):
+    def __init__(self, tokenizer: Any, off_loop: Callable[..., Awaitable[Any]],
+                 on_batch: Callable[[float, float, float, int], None] | None = None):
         self.tokenizer, self.off_loop = tokenizer, off_loop
-        self._waiting: list[tuple[list[str], bool, asyncio.Future]] = []
+        self.on_batch = on_batch  # (queued, started, ended, texts) of each batch: the API trace's record
+        self._waiting: list[tuple[list[str], bool, asyncio.Future, float]] = []
         self._task: asyncio.Future | None = None  # the drain running now (kept: a task no one holds may be collected)
 
     def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
@@ -35,7 +38,7 @@ class BatchEncoder:
         if not texts:
             return []
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append((texts, bool(add_special_tokens), future))
+        self._waiting.append((texts, bool(add_special_tokens), future, time.perf_counter()))
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._drain())
         return await future
@@ -44,16 +47,20 @@ class BatchEncoder:
         while self._waiting:
             batch, self._waiting = self._waiting, []
             for special in (True, False):
-                group = [(texts, future) for texts, flag, future in batch if flag is special and not future.done()]
+                group = [(texts, future, queued) for texts, flag, future, queued in batch
+                         if flag is special and not future.done()]
                 if group:
                     await self._run(group, special)
 
-    async def _run(self, group: list[tuple[list[str], asyncio.Future]], special: bool) -> None:
-        flat = [text for texts, _ in group for text in texts]
+    async def _run(self, group: list[tuple[list[str], asyncio.Future, float]], special: bool) -> None:
+        flat = [text for texts, _, _ in group for text in texts]
+        started = time.perf_counter()
         try:
             ids = await self.off_loop(self._encode, flat, special)
+            if self.on_batch is not None:
+                self.on_batch(min(queued for _, _, queued in group), started, time.perf_counter(), len(flat))
         except Exception:  # noqa: BLE001 - one request's text: find it, fail that request alone
-            for texts, future in group:
+            for texts, future, _ in group:
                 try:
                     result = await self.off_loop(self._encode, texts, special)
                 except Exception as exc:  # noqa: BLE001
@@ -64,7 +71,7 @@ class BatchEncoder:
                         future.set_result(result)
             return
         start = 0
-        for texts, future in group:
+        for texts, future, _ in group:
             if not future.done():  # (a request whose client went away was cancelled)
                 future.set_result(ids[start:start + len(texts)])
             start += len(texts)

@@ -281,9 +281,19 @@ class OpenAIRoutes:
         self.text_of = TokenText(self.tokenizer)
         self.decode = plain_decoder(self.tokenizer)  # the streams' detokenizer (tokenizer.decode, skipping specials)
         self.submit_many = getattr(engine, "submit_many", None)  # the split server's EngineClient: one message
-        self.prompt_encoder = BatchEncoder(self.tokenizer, off_loop)  # concurrent requests' text prompts together
+        trace = getattr(app.state, "api_trace", None)
+        # concurrent requests' text prompts together
+        self.prompt_encoder = BatchEncoder(self.tokenizer, off_loop,
+                                           on_batch=trace.encoder_batch if trace is not None else None)
 
     # ---- request parsing and checks --------------------------------------------------------------------------
+
+    @staticmethod
+    def stamp(request: "Request", name: str) -> None:
+        """Time a step of the request's intake (COPT_API_TRACE: the middleware gave it a dict of stamps)."""
+        stamps = request.scope.get("copt_stamps")
+        if stamps is not None and name not in stamps:
+            stamps[name] = time.perf_counter()
 
     async def json_body(self, request: "Request") -> Any:
         """The body as plain JSON, parsed on a worker thread (lone surrogates are invalid JSON here: 400)."""
@@ -299,6 +309,7 @@ class OpenAIRoutes:
         read into plain objects first, then validated: pydantic's JSON mode held the GIL about 3× longer on
         millions of token ids, and the event loop (/health, every stream) waits while the GIL is held."""
         raw = await request.body()
+        self.stamp(request, "body")
         try:
             if len(raw) > LARGE_BODY_BYTES:
                 plain = await self.json_body(request)
@@ -463,8 +474,8 @@ class OpenAIRoutes:
                              served_model_name=self.served_model_name, decode=self.decode)
         trace = self.app.state.api_trace
         if trace is not None:  # COPT_API_TRACE: the request's times, recorded once its stream ends
-            entered = request.scope.get("copt_entered") if request is not None else None
-            return _event_stream(trace.traced(stream.events(), handles, entered))
+            stamps = request.scope.get("copt_stamps", {}) if request is not None else {}
+            return _event_stream(trace.traced(stream.events(), handles, stamps))
         return _event_stream(stream.events())
 
     def tool_stream(self, handles: list[RequestHandle], body: Any, mode: str, names: set[str],
@@ -518,6 +529,7 @@ class OpenAIRoutes:
 
     async def completions(self, request: "Request") -> Any:
         raw = await request.body()
+        self.stamp(request, "body")
         # a body past any text prompt's size (--max-prompt-chars) holds token ids: one of more lists or ids than
         # MAX_PROMPTS prompts of the context length (and a few other fields) hold is refused before parsing builds
         # its objects holding the GIL (1.2 s for 3M ids on 2 cores, /health waiting)
@@ -534,9 +546,11 @@ class OpenAIRoutes:
         body = await self.parse(request, CompletionBody)
         if _is_reply(body):
             return body
+        self.stamp(request, "parsed")
         prompts = await self.completion_prompts(body)
         if _is_reply(prompts):
             return prompts
+        self.stamp(request, "encoded")
         if body.max_tokens == 0 and not body.echo:
             return self.error(400, "max_tokens 0 is only for echo (prompt logprobs); ask for at least 1 token.",
                               param="max_tokens")
@@ -613,6 +627,7 @@ class OpenAIRoutes:
         body = await self.parse(request, ChatBody)
         if _is_reply(body):
             return body
+        self.stamp(request, "parsed")
         from clusteropt_cli.core.serve.structured import StructuredOutputError, check_tools
 
         extra = body.model_extra or {}
@@ -623,6 +638,7 @@ class OpenAIRoutes:
         prompt_ids = await self.chat_prompt(body, functions)
         if _is_reply(prompt_ids):
             return prompt_ids
+        self.stamp(request, "encoded")
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))

@@ -308,7 +308,7 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
                 await self.app(scope, receive, send)
                 return
             if trace is not None:
-                scope["copt_entered"] = time.perf_counter()
+                scope["copt_stamps"] = {"entered": time.perf_counter()}  # the request's intake, timed
             path = scope.get("path", "")
             endpoint = path if path in endpoints else "other"
 
