@@ -1,5 +1,6 @@
-"""copt serve's BatchEncoder: concurrent requests' text prompts tokenized in one call of the tokenizer, each
-getting exactly what tokenizer.encode gives it; a text the tokenizer fails fails its request alone."""
+"""copt serve's BatchEncoder: short prompts tokenized on the event loop as they come, longer concurrent ones in one
+call of the tokenizer on a worker, each getting exactly what tokenizer.encode gives it; a text the tokenizer fails
+fails its request alone."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ TEXTS = ["def f(x):\n    return x + 1", "Hello, world! Ünïcödé — 中文 �
          "<|im_start|>user\nhi<|im_end|>", "a", "\n\n\t", "the " * 300]
 
 
-def _encoder(tokenizer):
+def _encoder(tokenizer, inline_chars: int = 0):
+    """inline_chars 0: every text through the worker's batches."""
     pool = ThreadPoolExecutor(2)
 
     async def off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(pool, lambda: fn(*args))
 
-    return BatchEncoder(tokenizer, off_loop)
+    return BatchEncoder(tokenizer, off_loop, inline_chars=inline_chars)
 
 
 @pytest.mark.parametrize("which", ["fixture", "smollm2"])
@@ -90,3 +92,34 @@ def test_a_cancelled_request_leaves_the_batch_to_the_others():
         return await first, await kept, gone.cancelled()
 
     assert asyncio.run(run()) == ([[1]], [[3]], True)
+
+
+def test_short_prompts_are_tokenized_on_the_loop_and_long_ones_on_the_worker(fixtures):
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from clusteropt_cli.core.serve.batch_encoder import INLINE_ENCODE_CHARS
+
+    tokenizer = AutoTokenizer.from_pretrained(fixtures.teacher)
+    threads = []
+
+    class Recording:
+        def __call__(self, texts, **kw):
+            if any("poison" in t for t in texts):
+                raise ValueError("cannot tokenize poison")
+            threads.append((threading.current_thread() is threading.main_thread(), len(texts)))
+            return tokenizer(texts, **kw)
+
+    encoder = _encoder(Recording(), inline_chars=INLINE_ENCODE_CHARS)
+    long_text = "the " * (INLINE_ENCODE_CHARS // 4 + 1)
+
+    async def run():
+        return await asyncio.gather(encoder.encode(TEXTS[:3]), encoder.encode([long_text], False),
+                                    encoder.encode(["poison"]), return_exceptions=True)
+
+    short, long_ids, bad = asyncio.run(run())
+    assert short == [tokenizer.encode(t) for t in TEXTS[:3]]
+    assert long_ids == [tokenizer.encode(long_text, add_special_tokens=False)]
+    assert isinstance(bad, ValueError)  # raised to that request alone
+    assert threads == [(True, 3), (False, 1)]  # the short request on the loop's thread, the long one on a worker

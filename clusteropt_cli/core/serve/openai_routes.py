@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from clusteropt_cli.core.serve.batch_encoder import BatchEncoder
+from clusteropt_cli.core.serve.batch_encoder import INLINE_ENCODE_CHARS, BatchEncoder
 from clusteropt_cli.core.serve.engine import Engine
 from clusteropt_cli.core.serve.openai_extras import (
     TokenText,
@@ -669,7 +669,8 @@ class OpenAIRoutes:
 
     async def chat_prompt(self, body: Any, functions: list[dict[str, Any]]) -> "list[int] | JSONResponse":
         """The messages rendered by the chat template (the model's own, or the request's when the server trusts
-        them) with the template variables the request may set, tokenized on a worker thread."""
+        them) with the template variables the request may set, and tokenized: on the event loop for short messages
+        and the model's template, else on a worker thread."""
         messages = [{"role": m.role, "content": m.text(),
                      **{k: v for k, v in (m.model_extra or {}).items() if k in ("tool_calls", "tool_call_id", "name")}}
                     for m in body.messages]
@@ -693,6 +694,9 @@ class OpenAIRoutes:
         if functions:  # rendered by the model's chat template (transformers' `tools` argument)
             kwargs["tools"] = [{"type": "function", "function": f} for f in functions]
         try:
+            if chars <= INLINE_ENCODE_CHARS and not functions and "chat_template" not in kwargs:
+                # the model's own template over short messages: on the loop (see batch_encoder.INLINE_ENCODE_CHARS)
+                return self.render_chat(messages, body.add_generation_prompt, kwargs, body.add_special_tokens)
             return await self.off_loop(self.render_chat, messages, body.add_generation_prompt, kwargs,
                                        body.add_special_tokens)
         except Exception as exc:  # noqa: BLE001 - template errors are the client's
