@@ -43,7 +43,9 @@ logs and the testers' reports are copied to <out stem>-logs/ next to --out after
 
 JSON (`--out`), per shape key "1b"/"8b" under each case; tok/s are output tokens per second at the clients:
   models.<shape>            weight_bytes, params, build_and_save_s, the config used (shape), tokenizer vocabulary
-  copt.<shape>              startup_s (Popen → /health 200); b1.{greedy,sampled}.ms_per_token (median), runs_ms,
+  copt.<shape>              startup_s (Popen → /health 200); processes (the server's split into API and engine
+                            processes, from its log; the run stops before it starts without copt serve's speed
+                            packages, launch.SPEED_PACKAGES); b1.{greedy,sampled}.ms_per_token (median), runs_ms,
                             ttft_s, x_floor (÷ b1.floor_ms = weight_bytes / 4.26e12 B/s); c<N>_<mode> per load:
                             output_tokens_per_s, wall_s, ttft_s/tpot_s percentiles (p50/p90/p99, seconds),
                             completed, errors, ended_early (fewer than 128 tokens), cut_at_window; exit_status
@@ -430,7 +432,9 @@ def case_copt(shape: str, model_dir: Path, made: dict, prompts: PromptStream, ar
     try:
         waited = wait_healthy(url, proc, timeout=min(args.startup_timeout, budget.left()), log_tail=tail)
         out["startup_s"] = round(waited, 1)
-        log(f"copt serve {shape}: healthy after {out['startup_s']} s")
+        out["processes"] = next((line.strip() for line in (work / f"copt-serve-{shape}.log").read_text(
+            errors="replace").splitlines() if "API-server process" in line), "one process (HTTP and engine)")
+        log(f"copt serve {shape}: healthy after {out['startup_s']} s; {out['processes']}")
         save()
         if "b1" not in skip:
             floor_ms = 1e3 * made["weight_bytes"] / COPY_BW
@@ -866,6 +870,16 @@ def main() -> None:
     unknown = skip - set(CASES)
     if bad or unknown:
         parser.error(f"unknown shapes {bad} / cases {sorted(unknown)}; shapes: 1b, 8b; cases: {', '.join(CASES)}")
+    if "copt" not in skip and not args.smoke:  # measure the server users install, not a slower fallback
+        import importlib.util
+
+        from clusteropt_cli.core.serve.launch import SPEED_PACKAGES
+
+        missing = [dist for module, dist in SPEED_PACKAGES.items() if importlib.util.find_spec(module) is None]
+        if missing:
+            parser.error(f"{', '.join(missing)} not installed: copt serve would run slower than its defaults "
+                         "(one process without pyzmq/msgpack); install the serve extra (on the GPU machine: their "
+                         "wheels) or --skip copt")
     args.guidellm_shapes = {s.strip().lower() for s in args.guidellm_shapes.split(",") if s.strip()}
     args.profile_levels = [int(c) for c in args.profile_levels.split(",") if c.strip()]
     args.profile_rates = [float(r) for r in args.profile_rates.split(",") if r.strip()]

@@ -207,7 +207,7 @@ def serve(
 
     from clusteropt_cli.core.serve.launch import check_settings, resolve_api_server_count, serve_transformers
 
-    settings = resolve_api_server_count(settings)
+    settings = resolve_api_server_count(settings, warn=console.warn)
     check_settings(settings)
     if dry_run:
         plan = {"engine": "copt", "settings": settings}

@@ -62,3 +62,33 @@ def test_api_server_count_defaults_to_one_on_a_gpu_and_zero_on_a_cpu(monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_api_server_count(unset).api_server_count == 0
     assert resolve_api_server_count(ServeRecipe(model="/m", api_server_count=2)).api_server_count == 2
+
+
+def test_a_gpu_server_without_its_speed_packages_says_so_and_runs_in_one_process(monkeypatch):
+    """On a GPU without pyzmq/msgpack (or uvloop/httptools) copt serve still starts, in one process, and says which
+    packages it lacks and how to get them: a benchmark or a user would otherwise measure a slower server than the
+    defaults without knowing (seen: a GPU run whose wheels lacked them). On a CPU nothing is said."""
+    import importlib.util
+
+    import torch
+
+    from clusteropt_cli.core.serve import launch
+    from clusteropt_cli.recipe.schema.serve import ServeRecipe
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("zmq", "uvloop") else real_find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    said: list[str] = []
+    settings = launch.resolve_api_server_count(ServeRecipe(model="/m"), warn=said.append)
+    assert settings.api_server_count == 0
+    assert len(said) == 1 and "pyzmq, uvloop not installed" in said[0] and "one process" in said[0]
+    assert "pip install 'clusteropt-cli[serve]'" in said[0]
+    said.clear()  # a count the user set is kept; the missing loop is still worth a line
+    assert launch.resolve_api_server_count(ServeRecipe(model="/m", api_server_count=0),
+                                           warn=said.append).api_server_count == 0
+    assert len(said) == 1 and "one process" not in said[0]
+    said.clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert launch.resolve_api_server_count(ServeRecipe(model="/m"), warn=said.append).api_server_count == 0
+    assert said == []

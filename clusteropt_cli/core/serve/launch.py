@@ -62,19 +62,31 @@ def server_limits(settings: ServeRecipe) -> Any:
                         max_connections=settings.max_connections)
 
 
-def resolve_api_server_count(settings: ServeRecipe) -> ServeRecipe:
+# what copt serve's serve extra installs for speed on a GPU: the split server's IPC, uvicorn's fast loop and parser
+SPEED_PACKAGES = {"zmq": "pyzmq", "msgpack": "msgpack", "uvloop": "uvloop", "httptools": "httptools"}
+
+
+def resolve_api_server_count(settings: ServeRecipe, warn: Callable[[str], None] | None = None) -> ServeRecipe:
     """The settings with api_server_count decided when it was left unset: one API-server process in front of the
     engine core when the engine will run on a GPU (on an H200, 256 streaming clients on the 1B shape: 1.6-1.7x the
     single process's output tokens/s, batch-1 decode within 0.5%), none on a CPU, where the two would share the
-    same few cores, or when ZeroMQ/msgpack are missing."""
-    if settings.api_server_count is not None:
-        return settings
+    same few cores, or when ZeroMQ/msgpack are missing. On a GPU, `warn` is told which of SPEED_PACKAGES are
+    missing (a server that silently runs slower than the one measured is worse than a line on stderr)."""
     import importlib.util
 
     import torch
 
-    split = (torch.cuda.is_available() and importlib.util.find_spec("zmq") is not None
-             and importlib.util.find_spec("msgpack") is not None)
+    on_gpu = torch.cuda.is_available()
+    missing = [dist for module, dist in SPEED_PACKAGES.items() if importlib.util.find_spec(module) is None]
+    if on_gpu and missing and warn is not None:
+        single = settings.api_server_count is None and {"pyzmq", "msgpack"} & set(missing)
+        warn(f"{', '.join(missing)} not installed: "
+             + ("one process serves HTTP and runs the engine, " if single else "")
+             + "slower under load than copt serve's defaults on a GPU. pip install 'clusteropt-cli[serve]' "
+             "installs them.")
+    if settings.api_server_count is not None:
+        return settings
+    split = on_gpu and "pyzmq" not in missing and "msgpack" not in missing
     return settings.model_copy(update={"api_server_count": 1 if split else 0})
 
 
