@@ -260,8 +260,13 @@ def test_quantize_then_serve_gives_hf_greedy_tokens(case, quantized, one_torch_t
         choice["token_logprobs"] = choice["logprobs"]["token_logprobs"]
         return choice
 
-    # the server loads while transformers computes the reference
-    with running_server(out, "--max-model-len", "512", startup_timeout=240, wait=False) as (url, proc):
+    # the server loads while transformers computes the reference. Its KV pool is set (64 blocks × 16 tokens: one
+    # 512-token sequence, or these three requests of < 64 tokens each at once, no preemption): sized from the
+    # machine it would allocate 2.2 GiB at every start (5-16 s of CPU, most of it page faults, on a 2-core test
+    # host; the module: 343 -> 283 CPU-s) that none of these checks looks at
+    # (test_serve_adds_the_tokenizers_bos_and_sizes_its_cpu_kv_cache checks that sizing on this model)
+    with running_server(out, "--max-model-len", "512", "--kv-cache-blocks", "64", startup_timeout=240,
+                        wait=False) as (url, proc):
         tok = AutoTokenizer.from_pretrained(out)
         prompts = [tok(t)["input_ids"] for t in texts]
         prompts.append(tok.apply_chat_template(question, add_generation_prompt=True, tokenize=True,

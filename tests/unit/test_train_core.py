@@ -118,7 +118,7 @@ def test_deepspeed_config_uses_deepspeeds_own_mixed_precision(precision, section
 
 
 _DS_DTYPE_PROBE = """
-import json, sys, torch
+import gc, json, sys, torch
 import deepspeed.runtime.torch_autocast as dta
 from clusteropt_cli.core.train.engines import DeepSpeedEngine
 from clusteropt_cli.core.train.deepspeed_config import deepspeed_config
@@ -132,42 +132,60 @@ class CudaSemantics:  # DeepSpeed asks torch.is_autocast_enabled() (CUDA only): 
     def is_autocast_enabled(self, device_type=None):
         return torch.is_autocast_enabled(device_type or "cpu")
 dta.torch = CudaSemantics()
-seen = []
-def loss_fn(model, batch):
-    out = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False)
-    seen.append([str(out.logits.dtype), torch.is_autocast_enabled("cpu")])
-    return out.loss, {}
-options = TrainRecipe(model="m", zero=int(sys.argv[1]), precision="bf16", micro_batch=2, seq_len=32, lr=1e-3)
-torch.manual_seed(0)
-model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, vocab_size=256))
-engine = DeepSpeedEngine(options, model, loss_fn, setup_distributed(1), 2, deepspeed_config(options, 1))
-ids = torch.randint(0, 256, (2, 32))
-losses = []
-for _ in range(2):
-    loss, _ = engine.micro_step({"input_ids": ids, "labels": ids}, True)
-    engine.optimizer_step()
-    losses.append(float(loss))
-print(json.dumps({"seen": seen, "param_dtype": str(next(model.parameters()).dtype), "losses": losses}))
+ctx = setup_distributed(1)
+probes = {}
+for zero in map(int, sys.argv[1].split(",")):  # each stage its own model and engine, in turn
+    seen = []
+    def loss_fn(model, batch, seen=seen):
+        out = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False)
+        seen.append([str(out.logits.dtype), torch.is_autocast_enabled("cpu")])
+        return out.loss, {}
+    options = TrainRecipe(model="m", zero=zero, precision="bf16", micro_batch=2, seq_len=32, lr=1e-3)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    engine = DeepSpeedEngine(options, model, loss_fn, ctx, 2, deepspeed_config(options, 1))
+    ids = torch.randint(0, 256, (2, 32))
+    losses = []
+    for _ in range(2):
+        loss, _ = engine.micro_step({"input_ids": ids, "labels": ids}, True)
+        engine.optimizer_step()
+        losses.append(float(loss))
+    probes[zero] = {"seen": seen, "param_dtype": str(next(model.parameters()).dtype), "losses": losses}
+    engine.engine.destroy()  # the next stage starts from nothing of this one (ZeRO-3's hooks on its model too)
+    del engine, model
+    gc.collect()
+print(json.dumps(probes))
 """
 
 
-@pytest.mark.slow
-@pytest.mark.jit
-@pytest.mark.parametrize("zero", [2, 3])
-def test_deepspeed_bf16_forward_is_bf16_under_gpu_autocast_semantics(tmp_path, zero):
-    """The forward inside DeepSpeed computes in bf16 even where DeepSpeed disables an outer autocast (CUDA): the
-    failure measured on the H200 was a silent fp32 forward there; CPU autocast escapes DeepSpeed's CUDA-only check,
-    so the probe gives DeepSpeed the GPU's view."""
+@pytest.fixture(scope="module")
+def ds_dtype_probes(request) -> dict:
+    """The probe run once for the ZeRO stages of this module's selected dtype tests, one stage after the other in one
+    process (as tests/integration/zero_states_worker.py measures its stages): the interpreter start and the torch,
+    transformers and DeepSpeed imports are most of a probe's time. Returns stage → the probe's findings."""
     import subprocess
     import sys
 
     from tests.conftest import REPO
 
-    proc = subprocess.run([sys.executable, "-c", _DS_DTYPE_PROBE, str(zero)], cwd=REPO, capture_output=True,
-                          text=True, timeout=240)
+    test = "test_deepspeed_bf16_forward_is_bf16_under_gpu_autocast_semantics"
+    stages = sorted({item.callspec.params["zero"] for item in request.session.items
+                     if item.module is request.module and item.originalname == test})
+    proc = subprocess.run([sys.executable, "-c", _DS_DTYPE_PROBE, ",".join(map(str, stages))], cwd=REPO,
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {int(stage): probe for stage, probe in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
+@pytest.mark.slow
+@pytest.mark.jit
+@pytest.mark.parametrize("zero", [2, 3])
+def test_deepspeed_bf16_forward_is_bf16_under_gpu_autocast_semantics(ds_dtype_probes, zero):
+    """The forward inside DeepSpeed computes in bf16 even where DeepSpeed disables an outer autocast (CUDA): the
+    failure measured on the H200 was a silent fp32 forward there; CPU autocast escapes DeepSpeed's CUDA-only check,
+    so the probe gives DeepSpeed the GPU's view."""
+    probe = ds_dtype_probes[zero]
     assert probe["param_dtype"] == "torch.bfloat16"
     assert [dtype for dtype, _ in probe["seen"]] == ["torch.bfloat16"] * 2
     assert probe["losses"][1] < probe["losses"][0]
