@@ -452,3 +452,46 @@ def test_api_and_engine_traces_time_each_streamed_request_in_order(fixtures, tmp
     assert api["lag"] and all(lag > -0.002 for _, lag in api["lag"])  # (asyncio may wake up to 1 ms early)
     batches = api["encoder_batches"]  # the 3 streamed text prompts and the plain one, 1-4 to a batch
     assert sum(n for *_, n in batches) == 4 and all(queued <= start <= end for queued, start, end, _ in batches)
+
+
+def test_the_single_process_servers_api_trace_times_the_intake_up_to_the_engine(fixtures, tmp_path, monkeypatch):
+    """`--api-server-count 0` (one process, the default on a CPU): the API trace's rows carry the submission too, so
+    bench/serve_timeline.py splits the time from the app to the engine there as well."""
+    import threading
+
+    import torch
+
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig
+    from clusteropt_cli.core.serve.server import run_server
+    from tests.integration.test_serve_helpers import free_port
+
+    monkeypatch.setenv("COPT_API_TRACE", str(tmp_path / "api"))
+    monkeypatch.setenv("COPT_ENGINE_TRACE", str(tmp_path / "engine"))
+    torch.set_num_threads(1)
+    engine = Engine(EngineConfig(model=str(fixtures.teacher), max_batch_size=2, max_model_len=128)).start()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    outs: list = []
+
+    def load() -> None:
+        _wait_healthy(url)
+        try:
+            outs.extend(_stream_any(url, {"prompt": f"def h{i}(x):", "max_tokens": 4, "ignore_eos": True})
+                        for i in range(2))
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    assert run_server(engine, host="127.0.0.1", port=port, served_model_name="m", grace_period=5) == 0  # stops it
+    thread.join(10)
+    assert len(outs) == 2 and all(o["error"] is None and o["text"] for o in outs)
+    (api_file,) = (tmp_path / "api").glob("api-trace-*.json")
+    (engine_file,) = (tmp_path / "engine").glob("engine-trace-*.json")
+    api, eng = json.loads(api_file.read_text()), json.loads(engine_file.read_text())
+    in_engine = {r[5]: r for r in eng["requests"]}
+    assert len(api["requests"]) == 2
+    for entered, submitted, _, first_out, _, last_out, rid, body, parsed, encoded in api["requests"]:
+        arrival, first, *_ = in_engine[rid]
+        assert entered <= body <= parsed <= encoded <= submitted <= first <= first_out <= last_out
+        assert abs(submitted - arrival) < 0.5  # one clock: the engine takes the request in as it is handed over

@@ -561,9 +561,9 @@ VARLEN_GRAPHS_MISSES = {
 # The 8B's levels on the split server with prompts tokenized on the API process's event loop as they arrive (H200,
 # 2026-12-04, 8dababc; bench/results/serve-models-h200-2026-12-04/timeline-8b, traces included; the greedy `copt profile
 # endpoint` levels ran out of the run's time): 14 of 18 within ±15%. Replayed from the engine's own arrivals
-# (engine_trace_report.py --replay-arrivals) guidellm's TTFT at 256 clients comes out at 451 ms against the engine's 449:
-# the miss lies in the closed loop's arrivals — through each stretch of mixed steps the engine held about twice the
-# replay's backlog of waiting requests (25-55 against 14-28), its clients turning an answer around in 30 ms (p50,
+# (engine_trace_report.py --replay-arrivals) guidellm's TTFT at 256 clients comes out at 451 ms against the engine's
+# 449: the miss lies in the closed loop's arrivals — through each stretch of mixed steps the engine held about twice
+# the replay's backlog of waiting requests (25-55 against 14-28), its clients turning an answer around in 30 ms (p50,
 # finish to next arrival) where the replay's take about 5. Beyond ±15%, pinned (±3%).
 INTAKE_ON_LOOP_8B = {
     ("llama-3.1-8b", 64, "guidellm", 0.0): (5836, 0.2748, 8.87e-3),

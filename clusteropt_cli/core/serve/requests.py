@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -123,6 +124,7 @@ class RequestHandle:
         self._blocked = 0  # threads waiting on _cond (result(), sync iteration): the only ones notify_all wakes
         # output index → (token id, logprob, top alternatives), filled before the token is pushed (streaming reads it)
         self.logprobs: dict[int, tuple[int, float, list[tuple[int, float]]]] = {}
+        self._t_submit = time.perf_counter()  # handed to the engine (the API trace's "submitted", as RemoteHandle's)
 
     # engine side
     def _push(self, token_ids: list[int], result: GenerationResult | None = None,
