@@ -124,6 +124,31 @@ def workload(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
+def missing_serve_speed_packages() -> list[str]:
+    """On a CUDA machine, the speed packages of copt serve's serve extra that are not installed (launch.SPEED_PACKAGES:
+    without pyzmq/msgpack the server runs in one process, without uvloop/httptools on asyncio's loop and h11). A GPU
+    serving benchmark stops when this is not empty: it would measure a slower server than users install. [] on a
+    CPU, where the single process is copt serve's default anyway."""
+    import importlib.util
+
+    import torch
+
+    from clusteropt_cli.core.serve.launch import SPEED_PACKAGES
+
+    if not torch.cuda.is_available():
+        return []
+    return [dist for module, dist in SPEED_PACKAGES.items() if importlib.util.find_spec(module) is None]
+
+
+def require_serve_speed_packages(parser) -> None:  # noqa: ANN001 - an argparse.ArgumentParser
+    """parser.error (exit 2) naming what missing_serve_speed_packages() found, if anything."""
+    missing = missing_serve_speed_packages()
+    if missing:
+        parser.error(f"{', '.join(missing)} not installed: copt serve would run slower than its defaults (one "
+                     "process without pyzmq/msgpack); install copt's serve extra (on a GPU machine without an index: "
+                     "their wheels)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

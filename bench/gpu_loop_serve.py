@@ -23,6 +23,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import require_serve_speed_packages  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -53,6 +57,7 @@ def main() -> None:
                              "(0 = greedy; 0.7-1.0 = what clients send by default)")
     parser.add_argument("--small", action="store_true", help="tiny model on CPU: checks the script only")
     args = parser.parse_args()
+    require_serve_speed_packages(parser)
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "loop_serve.log"
     log.write_text("")

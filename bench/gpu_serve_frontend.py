@@ -54,6 +54,7 @@ from common import (  # noqa: E402
     make_model_dir,
     per_token_tpot,
     percentiles,
+    require_serve_speed_packages,
     wait_healthy,
 )
 
@@ -301,6 +302,7 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, help="folder for the engine's step traces (COPT_ENGINE_TRACE)")
     parser.add_argument("--py-spy", type=Path, dest="py_spy", help="folder for py-spy samples of the server")
     args = parser.parse_args()
+    require_serve_speed_packages(parser)
     if args.trace:
         os.environ["COPT_ENGINE_TRACE"] = str(args.trace.resolve())
     counts = [int(c) for c in args.api_server_counts.split(",") if c.strip()]

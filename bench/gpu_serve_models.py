@@ -96,7 +96,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import COPY_BW, LLAMA_1B_SHAPE, LLAMA_8B_SHAPE, free_gpu, free_port, log, percentiles, wait_healthy  # noqa: E402
+from common import (  # noqa: E402
+    COPY_BW,
+    LLAMA_1B_SHAPE,
+    LLAMA_8B_SHAPE,
+    free_gpu,
+    free_port,
+    log,
+    percentiles,
+    require_serve_speed_packages,
+    wait_healthy,
+)
 
 from clusteropt_cli.core.profile.endpoint import hit_rate  # noqa: E402
 
@@ -870,16 +880,8 @@ def main() -> None:
     unknown = skip - set(CASES)
     if bad or unknown:
         parser.error(f"unknown shapes {bad} / cases {sorted(unknown)}; shapes: 1b, 8b; cases: {', '.join(CASES)}")
-    if "copt" not in skip and not args.smoke:  # measure the server users install, not a slower fallback
-        import importlib.util
-
-        from clusteropt_cli.core.serve.launch import SPEED_PACKAGES
-
-        missing = [dist for module, dist in SPEED_PACKAGES.items() if importlib.util.find_spec(module) is None]
-        if missing:
-            parser.error(f"{', '.join(missing)} not installed: copt serve would run slower than its defaults "
-                         "(one process without pyzmq/msgpack); install the serve extra (on the GPU machine: their "
-                         "wheels) or --skip copt")
+    if "copt" not in skip:  # measure the server users install, not a slower fallback
+        require_serve_speed_packages(parser)
     args.guidellm_shapes = {s.strip().lower() for s in args.guidellm_shapes.split(",") if s.strip()}
     args.profile_levels = [int(c) for c in args.profile_levels.split(",") if c.strip()]
     args.profile_rates = [float(r) for r in args.profile_rates.split(",") if r.strip()]

@@ -33,7 +33,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import NUM_REQUESTS, OUT_TOKENS, free_port, http_load, log, make_model_dir, wait_healthy, workload  # noqa: E402
+from common import (  # noqa: E402
+    NUM_REQUESTS,
+    OUT_TOKENS,
+    free_port,
+    http_load,
+    log,
+    make_model_dir,
+    require_serve_speed_packages,
+    wait_healthy,
+    workload,
+)
 
 
 def checkout(spec: str, where: Path) -> tuple[Path, str, bool]:
@@ -97,6 +107,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model and workload (runs on a CPU)")
     parser.add_argument("--out", type=Path, required=True, help="JSON results path")
     args = parser.parse_args()
+    require_serve_speed_packages(parser)
 
     n, out_tokens, b1_tokens = (16, 16, 32) if args.smoke else (NUM_REQUESTS, OUT_TOKENS, 256)
     results: dict = {"before": args.before, "after": args.after, "rounds": args.rounds, "smoke": args.smoke,

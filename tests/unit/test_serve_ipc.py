@@ -1,6 +1,9 @@
-"""The split server's wire format (ipc.py): requests, results and engine stats survive msgpack unchanged."""
+"""The split server's wire format (ipc.py): requests, results and engine stats survive msgpack unchanged; when the
+split server is chosen, and what is said (and what a benchmark does) when its packages are missing."""
 
 from __future__ import annotations
+
+import pytest
 
 from clusteropt_cli.core.serve.engine import EngineStats
 from clusteropt_cli.core.serve.ipc import (
@@ -92,3 +95,28 @@ def test_a_gpu_server_without_its_speed_packages_says_so_and_runs_in_one_process
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert launch.resolve_api_server_count(ServeRecipe(model="/m"), warn=said.append).api_server_count == 0
     assert said == []
+
+
+def test_gpu_serving_benchmarks_stop_without_copt_serves_speed_packages(monkeypatch):
+    """bench/common.require_serve_speed_packages: on a CUDA machine without pyzmq (say) a serving benchmark exits 2
+    naming it before it starts (it would measure the single-process fallback); on a CPU nothing is required."""
+    import argparse
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from common import missing_serve_speed_packages, require_serve_speed_packages
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "zmq" else real_find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert missing_serve_speed_packages() == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert missing_serve_speed_packages() == ["pyzmq"]
+    with pytest.raises(SystemExit) as stopped:
+        require_serve_speed_packages(argparse.ArgumentParser(prog="bench"))
+    assert stopped.value.code == 2
