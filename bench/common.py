@@ -129,15 +129,11 @@ def missing_serve_speed_packages() -> list[str]:
     without pyzmq/msgpack the server runs in one process, without uvloop/httptools on asyncio's loop and h11). A GPU
     serving benchmark stops when this is not empty: it would measure a slower server than users install. [] on a
     CPU, where the single process is copt serve's default anyway."""
-    import importlib.util
-
     import torch
 
-    from clusteropt_cli.core.serve.launch import SPEED_PACKAGES
+    from clusteropt_cli.core.serve.launch import missing_speed_packages
 
-    if not torch.cuda.is_available():
-        return []
-    return [dist for module, dist in SPEED_PACKAGES.items() if importlib.util.find_spec(module) is None]
+    return missing_speed_packages() if torch.cuda.is_available() else []
 
 
 def require_serve_speed_packages(parser) -> None:  # noqa: ANN001 - an argparse.ArgumentParser

@@ -66,18 +66,23 @@ def server_limits(settings: ServeRecipe) -> Any:
 SPEED_PACKAGES = {"zmq": "pyzmq", "msgpack": "msgpack", "uvloop": "uvloop", "httptools": "httptools"}
 
 
+def missing_speed_packages() -> list[str]:
+    """The distributions of SPEED_PACKAGES that are not installed (found without importing them)."""
+    import importlib.util
+
+    return [dist for module, dist in SPEED_PACKAGES.items() if importlib.util.find_spec(module) is None]
+
+
 def resolve_api_server_count(settings: ServeRecipe, warn: Callable[[str], None] | None = None) -> ServeRecipe:
     """The settings with api_server_count decided when it was left unset: one API-server process in front of the
     engine core when the engine will run on a GPU (on an H200, 256 streaming clients on the 1B shape: 1.6-1.7x the
     single process's output tokens/s, batch-1 decode within 0.5%), none on a CPU, where the two would share the
     same few cores, or when ZeroMQ/msgpack are missing. On a GPU, `warn` is told which of SPEED_PACKAGES are
     missing (a server that silently runs slower than the one measured is worse than a line on stderr)."""
-    import importlib.util
-
     import torch
 
     on_gpu = torch.cuda.is_available()
-    missing = [dist for module, dist in SPEED_PACKAGES.items() if importlib.util.find_spec(module) is None]
+    missing = missing_speed_packages()
     if on_gpu and missing and warn is not None:
         single = settings.api_server_count is None and {"pyzmq", "msgpack"} & set(missing)
         warn(f"{', '.join(missing)} not installed: "
