@@ -218,6 +218,9 @@ def main() -> None:
                 log(f"{shape}: greedy tokens the same with and without prefill graphs: {out['same_greedy_tokens']}")
         finally:
             engine.stop()
+            # the runner, its graphs and its sampler hold the engine's KV cache: let go of them too, or the next
+            # shape's engine sizes its cache beside this one's and runs out of memory
+            runner = graphs = sampler = None  # noqa: F841
             del engine
             free_gpu()
     args.out.write_text(json.dumps(report, indent=2))

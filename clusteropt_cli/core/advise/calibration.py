@@ -177,8 +177,11 @@ PREFILL_STEP_HOST_PER_LAYER_S = 0.5e-3
 # docs/benchmarks.md#closed-loops-replayed (H200, copt serve's defaults; 1B and 8B shapes,
 # 256/128): every step with one decode pass and prompt chunks the prefill graphs take and every decode pass run
 # alone (6,432 steps), less the chained decode step and the prefill of the graph's token bucket as infer_time prices
-# them, least squares over bins of 32 rows (bench/fit_unchained_step.py): 1.6 ms per step + 18 µs per decoding
-# sequence. The next run's traces (step-model, same section) give 1.64 ms + 14.1 µs.
+# them, least squares over bins of 32 rows (bench/fit_unchained_step.py --masked-graphs): 1.6 ms per step + 18 µs per
+# decoding sequence. The next run's traces (step-model, same section) give 1.64 ms + 14.1 µs. The 1B's traces on the
+# variable-length prefill graphs (ec8528c, 1,703 steps, each less mixed_step's price of its graph) give 2.0 ms + 25 µs;
+# the 8B's a negative intercept and 27 µs (its packed prefill steps priced 2-13% above the measured ones): not
+# refitted yet.
 # Per step then (bench/engine_trace_report.py --step-costs) within ±3 ms of the measured medians (1B 1-chunk
 # steps 6.6-11.3 ms, 8B 19-29 ms), where the earlier floor (11 ms / 19 ms for any step of one chunk) was off by
 # 0.57-1.76×.
