@@ -57,14 +57,16 @@ def test_an_unwritable_trace_folder_does_not_stop_the_engine_stopping(fixtures, 
     assert "engine trace was not written" in capsys.readouterr().err
 
 
-def test_the_unchained_step_fit_recovers_a_known_cost(tmp_path, monkeypatch):
-    """bench/fit_unchained_step.py on a gzipped trace whose steps cost advise's chained decode, the graph bucket's
-    prefill and 2 ms + 20 µs per decoding sequence: the fit gives those back; --step-costs reads the same file."""
+@pytest.mark.parametrize("masked_graphs", [False, True])
+def test_the_unchained_step_fit_recovers_a_known_cost(tmp_path, monkeypatch, masked_graphs):
+    """bench/fit_unchained_step.py on a gzipped trace whose steps cost advise's chained decode, the prefill graph's
+    price (the variable-length graphs as mixed_step prices them, or --masked-graphs: the bucket's prefill pass) and
+    2 ms + 20 µs per decoding sequence: the fit gives those back; --step-costs reads the same file."""
     import gzip
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     from engine_trace_report import _costs, _read, step_costs
-    from fit_unchained_step import fit, residuals
+    from fit_unchained_step import fit, residuals, unchained_s
 
     costs = _costs("llama-3.2-1b", 256, "h200")
     steps, t = [], 0.0
@@ -72,15 +74,18 @@ def test_the_unchained_step_fit_recovers_a_known_cost(tmp_path, monkeypatch):
         for chunks in (0, 1, 2):
             tokens = 256 * chunks
             seconds = costs.decode_step(rows) + 2e-3 + 20e-6 * rows
-            if chunks:
+            if chunks and masked_graphs:
                 seconds += costs.prefill(256 * 2 ** (chunks - 1), chunks)  # the graph bucket above the tokens
+            elif chunks:  # the mixed step's price less its decode and its unchained cost
+                priced, _ = costs.mixed_step(rows, tokens, chunks, 0, False)
+                seconds += priced - costs.decode_step(rows) - unchained_s(rows)
             # [start, end, running, waiting, decode steps, chained, prompt tokens, generated tokens]
             steps.append([t, t + seconds, rows + chunks, 0, 1, 0, tokens, rows + chunks])
             t += seconds
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"clock": [0, 0], "steps": steps, "requests": []}, f)
-    a, b, used = fit(residuals(str(path), "llama-3.2-1b", 256, "h200"))
+    a, b, used = fit(residuals(str(path), "llama-3.2-1b", 256, "h200", masked_graphs))
     assert a == pytest.approx(2e-3, rel=1e-3) and b == pytest.approx(20e-6, rel=1e-3) and used == len(steps)
     assert len(_read(path)["steps"]) == len(steps)
     assert step_costs(_read(path), "llama-3.2-1b", 256, "h200")
