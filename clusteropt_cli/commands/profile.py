@@ -169,9 +169,9 @@ def _render_endpoint(report: Any, report_path: Path | None = None) -> None:
                      f"{ms(lv.ttft_s, 'p50')}/{ms(lv.ttft_s, 'p90')}/{ms(lv.ttft_s, 'p99')}",
                      f"{ms(lv.itl_s, 'p50')}/{ms(lv.itl_s, 'p99')}",
                      f"{ms(lv.tpot_s, 'p50')}/{ms(lv.tpot_s, 'p90')}",
-                     f"{ms(lv.e2e_s, 'p50')}/{ms(lv.e2e_s, 'p99')}", errors])
+                     f"{ms(lv.e2e_s, 'p50')}/{ms(lv.e2e_s, 'p99')}", ms(lv.client_loop_lag_s or {}, "p90"), errors])
     headers = ["load", "ok", "req/s", "out tok/s", "goodput", "TTFT ms p50/90/99", "ITL ms p50/99",
-               "TPOT ms p50/90", "E2E ms p50/99", "errors"]
+               "TPOT ms p50/90", "E2E ms p50/99", "client lag ms p90", "errors"]
     console.out.print(console.grid(f"copt profile endpoint: {report.model.get('name')} @ "
                                    f"{report.workload.get('url') or report.workload.get('tool')}", headers, rows))
     control = report.workload.get("output_length_control")

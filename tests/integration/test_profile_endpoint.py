@@ -254,6 +254,7 @@ def test_endpoint_splits_a_level_over_client_processes(fake_server, tmp_path):
     assert len({p.split(" request ")[0] for p in prompts}) == 2  # one run head per process
     assert report.workload["client_processes"] == {"4": 2}
     assert level.output_tokens_per_s == pytest.approx(9 * 3 / level.duration_s)
+    assert set(level.client_loop_lag_s) == {"p50", "p90", "p99", "mean"}  # both processes' event loops, sampled
     RECEIVED.clear()
     start = time.perf_counter()
     timed = profile_endpoint(EndpointSettings(url=fake_server, model="m", concurrency=[2], duration_s=0.5,
@@ -349,6 +350,7 @@ def test_endpoint_reports_the_servers_prefix_cache_hits(fake_server, copt, tmp_p
     assert "of this level's prompt tokens in its prefix cache" in proc.stderr
     (level,) = json.loads(report.read_text())["levels"]
     assert level["prefix_cache_hit_rate"] == pytest.approx(9 / 18)
+    assert level["client_loop_lag_s"]["p90"] >= 0  # how late the client's own event loop ran while it measured
 
     from clusteropt_cli.core.profile.endpoint import EndpointSettings, profile_endpoint
 

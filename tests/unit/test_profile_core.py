@@ -192,6 +192,60 @@ def test_a_rate_level_keeps_its_poisson_schedule_on_a_busy_loop():
     assert duration >= schedule[-1]
 
 
+def test_the_loop_lag_sampler_sees_a_blocked_event_loop():
+    """LoopLag: a coroutine that holds the event loop for 60 ms (a client parsing a burst of streamed tokens) makes the
+    sampler wake at least ~50 ms late once; a loop that only sleeps wakes late by far less."""
+    import asyncio
+    import time
+
+    from clusteropt_cli.core.profile.endpoint import LoopLag
+
+    async def blocked() -> list[float]:
+        async with LoopLag(interval_s=0.005) as lag:
+            await asyncio.sleep(0.03)
+            time.sleep(0.06)  # not a yield: the loop can do nothing else meanwhile
+            await asyncio.sleep(0.03)
+        return lag.samples
+
+    async def idle() -> list[float]:
+        async with LoopLag(interval_s=0.005) as lag:
+            await asyncio.sleep(0.1)
+        return lag.samples
+
+    samples = asyncio.run(blocked())
+    assert max(samples) >= 0.05 and all(s >= 0 for s in samples)
+    quiet = asyncio.run(idle())
+    assert len(quiet) >= 5 and sorted(quiet)[len(quiet) // 2] < 0.05
+
+
+def test_a_level_on_a_busy_client_loop_records_the_lag_and_says_so(monkeypatch):
+    """A concurrency level whose requests hold the client's event loop (each 30 ms of work without a yield, a TTFT
+    of 5 ms): the level records the loop's lag (`client_loop_lag_s`) and the run warns that its TTFT includes the
+    client's own backlog."""
+    import asyncio
+    import time
+
+    from clusteropt_cli.core.profile import endpoint
+
+    async def busy_request(self) -> RequestResult:
+        time.sleep(0.03)
+        await asyncio.sleep(0.001)
+        return RequestResult(ok=True, ttft_s=0.005, e2e_s=0.02, output_tokens=4)
+
+    async def no_cache(*_args, **_kwargs):
+        return None
+
+    monkeypatch.setattr(endpoint._Runner, "request", busy_request)
+    monkeypatch.setattr(endpoint, "read_prefix_cache", no_cache)
+    lines: list[str] = []
+    settings = EndpointSettings(url="http://127.0.0.1:9", model="m", concurrency=[4], num_requests=12, warmup=0,
+                                client_processes=1)
+    report = endpoint.profile_endpoint(settings, log=lines.append)
+    lag = report.levels[0].client_loop_lag_s
+    assert lag is not None and lag["p90"] >= endpoint.LOOP_LAG_WARN_S
+    assert any("the client's event loop ran late" in line and "--client-processes" in line for line in lines)
+
+
 def test_poisson_send_times_follow_the_seed_and_the_bounds():
     from clusteropt_cli.core.profile.endpoint import poisson_send_times
 

@@ -16,6 +16,7 @@ server's own error message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import random
@@ -342,6 +343,40 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], options: d
 
 
 # ---- levels ------------------------------------------------------------------------------------------------
+class LoopLag:
+    """How late the client's event loop runs while a level sends: a task that sleeps `interval_s` again and again
+    and records how much later than asked it woke. A loop busy parsing streamed tokens wakes late, and so stamps,
+    sends and reads every request late: those delays are in the level's TTFT and ITL, measured by the client and not
+    by the server."""
+
+    def __init__(self, interval_s: float = 0.005):
+        self.interval_s = interval_s
+        self.samples: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    async def _sample(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time()
+            await asyncio.sleep(self.interval_s)
+            self.samples.append(max(0.0, loop.time() - asked - self.interval_s))
+
+    async def __aenter__(self) -> LoopLag:
+        self._task = asyncio.get_running_loop().create_task(self._sample())
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+# a level whose client loop ran this late (p90) and at least this share of its TTFT p50 gets a warning (_run)
+LOOP_LAG_WARN_S = 0.01
+LOOP_LAG_WARN_SHARE = 0.2
+
+
 class _Runner:
     def __init__(self, s: EndpointSettings, client: Any, prompts: list[str] | CycledPrompts | SyntheticPrompts):
         self.s = s
@@ -353,6 +388,7 @@ class _Runner:
         self.send_ignore_eos = s.ignore_eos is not False
         self.rejection: str | None = None  # the server's message when it refused ignore_eos
         self.send_lag_s: list[float] = []  # the last rate level's: how late each request went out (by_rate)
+        self.loop_lag_s: list[float] = []  # the last level's: how late the client's event loop woke (LoopLag)
         self.log: Log = lambda _msg: None
 
     def payload(self) -> dict[str, Any]:
@@ -399,7 +435,9 @@ class _Runner:
                 results.append(await self.request())
 
         start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        async with LoopLag() as lag:
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        self.loop_lag_s = lag.samples
         return results, time.perf_counter() - start
 
     async def by_rate(self, rate: float) -> tuple[list[RequestResult], float]:
@@ -408,15 +446,17 @@ class _Runner:
         `self.send_lag_s`."""
         start = time.perf_counter()
         tasks, lags = [], []
-        for at in poisson_send_times(rate, duration_s=self.s.duration_s, requests=self.s.requests_for(None),
-                                     seed=self.s.seed):
-            wait = start + at - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            lags.append(max(0.0, time.perf_counter() - start - at))
-            tasks.append(asyncio.create_task(self.request()))
-        self.send_lag_s = lags
-        results = list(await asyncio.gather(*tasks))
+        async with LoopLag() as lag:
+            for at in poisson_send_times(rate, duration_s=self.s.duration_s, requests=self.s.requests_for(None),
+                                         seed=self.s.seed):
+                wait = start + at - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                lags.append(max(0.0, time.perf_counter() - start - at))
+                tasks.append(asyncio.create_task(self.request()))
+            self.send_lag_s = lags
+            results = list(await asyncio.gather(*tasks))
+        self.loop_lag_s = lag.samples
         return results, time.perf_counter() - start
 
 
@@ -523,8 +563,14 @@ async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | Synthet
             level.prefix_cache_hit_rate = hit_rate(before, await read_prefix_cache(client, s.url, runner.options))
             if "rate" in kind and runner.send_lag_s:
                 level.send_lag_s = latency_summary(runner.send_lag_s)
+            level.client_loop_lag_s = latency_summary(runner.loop_lag_s) or None
             levels.append(level)
             log(_level_line(level))
+            lagged = (level.client_loop_lag_s or {}).get("p90", 0.0)
+            if lagged >= LOOP_LAG_WARN_S and lagged >= LOOP_LAG_WARN_SHARE * level.ttft_s.get("p50", 0.0):
+                log(f"  the client's event loop ran late: p90 {lagged * 1e3:.1f} ms against a TTFT p50 of "
+                    f"{level.ttft_s.get('p50', 0.0) * 1e3:.1f} ms; this level's TTFT and ITL include the client's own "
+                    "backlog" + (" (more --client-processes share it out)" if "concurrency" in kind else ""))
             if level.send_lag_s and level.send_lag_s["p90"] > 0.5 / kind.get("rate", 1.0):
                 log(f"  the client sent late: p90 {level.send_lag_s['p90'] * 1e3:.1f} ms after the request's Poisson "
                     "time (over half the mean gap): this host's event loop, busy with the streams in flight, bounds "
@@ -561,6 +607,7 @@ async def _concurrency_level(runner: _Runner, concurrency: int,
         sources = [_PromptSource(pool=len(prompts.bodies), prompt_len=s.prompt_len, seed=s.seed + i,
                                  tokenizer=s.tokenizer) for i in range(processes)]
     outcome = await asyncio.to_thread(_level_in_processes, s, concurrency, sources, runner.send_ignore_eos)
+    runner.loop_lag_s = outcome.loop_lag_s
     if outcome.rejection and runner.send_ignore_eos:
         runner.send_ignore_eos, runner.rejection = False, outcome.rejection
         runner.log(f"the server rejected ignore_eos ({outcome.rejection}); sending requests without it: output "
@@ -591,6 +638,7 @@ class _LevelOutcome:
     results: list[RequestResult]
     duration_s: float
     rejection: str | None = None  # the server's message, where a process saw it reject ignore_eos
+    loop_lag_s: list[float] = field(default_factory=list)  # every process's LoopLag samples
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -600,10 +648,11 @@ def _split(total: int, parts: int) -> list[int]:
 def _client_process(s: EndpointSettings, concurrency: int, limit: int | None, source: _PromptSource,
                     send_ignore_eos: bool, ready: Any, go: Any, out: Any) -> None:
     """One client process of a level: prompts and HTTP client first, then ready; sends once the parent says go
-    (every process at once) and puts (results, start, end, rejection) — wall-clock times — on `out`."""
+    (every process at once) and puts (results, start, end, rejection, loop lag samples) — wall-clock times — on
+    `out`."""
     import aiohttp
 
-    async def level() -> tuple[list[RequestResult], float, float, str | None]:
+    async def level() -> tuple[list[RequestResult], float, float, str | None, list[float]]:
         connector = aiohttp.TCPConnector(limit=concurrency + 4)
         timeout = aiohttp.ClientTimeout(total=None, connect=min(5.0, s.request_timeout_s),
                                         sock_read=s.request_timeout_s)
@@ -615,7 +664,7 @@ def _client_process(s: EndpointSettings, concurrency: int, limit: int | None, so
             await asyncio.to_thread(go.wait)
             start = time.time()
             results, _ = await runner.by_concurrency(concurrency, limit)
-            return results, start, time.time(), runner.rejection
+            return results, start, time.time(), runner.rejection, runner.loop_lag_s
 
     try:
         out.put(("done", *asyncio.run(level())))
@@ -666,7 +715,8 @@ def _level_in_processes(s: EndpointSettings, concurrency: int, sources: list[_Pr
                             hint="Run again with --client-processes 1 (one event loop sends every request).")
         return _LevelOutcome(results=[r for f in finished for r in f[1]],
                              duration_s=max(f[3] for f in finished) - min(f[2] for f in finished),
-                             rejection=next((f[4] for f in finished if f[4]), None))
+                             rejection=next((f[4] for f in finished if f[4]), None),
+                             loop_lag_s=[lag for f in finished for lag in f[5]])
     finally:
         for worker in workers:
             worker.join(timeout=5)

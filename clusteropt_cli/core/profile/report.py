@@ -81,6 +81,9 @@ class EndpointLevel(_Model):
     prefix_cache_hit_rate: float | None = None
     # a rate level's: how late the client sent its requests after their Poisson times (p50/p90/p99/mean, seconds)
     send_lag_s: dict[str, float] | None = None
+    # how late the client's event loop woke while the level ran (p50/p90/p99/mean, seconds; copt's own client,
+    # every client process together): what the client's own backlog added to the TTFT and ITL it measured
+    client_loop_lag_s: dict[str, float] | None = None
 
 
 class ProfileReport(_Model):
