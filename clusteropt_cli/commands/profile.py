@@ -208,7 +208,7 @@ def _finish(report: Any, comparison: Any, as_json: bool, render: Any, report_pat
         else:
             console.print_json({"check": {"passed": comparison.passed, "recipe": comparison.recipe,
                                           "tolerance": comparison.tolerance, "level": comparison.level,
-                                          "figures": comparison.checks},
+                                          "figures": comparison.checks, "caveats": comparison.caveats},
                                 "profile": report})
     else:
         render(report, report_path)
@@ -217,6 +217,8 @@ def _finish(report: Any, comparison: Any, as_json: bool, render: Any, report_pat
     for check in (comparison.checks if comparison is not None else []):
         if check.status == "not-measured":
             console.warn(f"--expect: {check.name} is not measured by this profile; not checked")
+    for caveat in (comparison.caveats if comparison is not None else []):
+        console.warn(f"--expect: {caveat}")
     if comparison is not None and not comparison.passed:
         misses = ", ".join(f"{c.name} {100 * c.rel_error:+.1f}%" for c in comparison.misses)
         raise CheckFailedError(f"Prediction missed by more than ±{100 * comparison.tolerance:.0f}%: {misses}.",

@@ -218,10 +218,10 @@ def test_the_loop_lag_sampler_sees_a_blocked_event_loop():
     assert len(quiet) >= 5 and sorted(quiet)[len(quiet) // 2] < 0.05
 
 
-def test_a_level_on_a_busy_client_loop_records_the_lag_and_says_so(monkeypatch):
+def test_a_level_on_a_busy_client_loop_records_the_lag_and_says_so(monkeypatch, tmp_path):
     """A concurrency level whose requests hold the client's event loop (each 30 ms of work without a yield, a TTFT
     of 5 ms): the level records the loop's lag (`client_loop_lag_s`) and the run warns that its TTFT includes the
-    client's own backlog."""
+    client's own backlog, and `--expect` on that level says so too."""
     import asyncio
     import time
 
@@ -244,6 +244,16 @@ def test_a_level_on_a_busy_client_loop_records_the_lag_and_says_so(monkeypatch):
     lag = report.levels[0].client_loop_lag_s
     assert lag is not None and lag["p90"] >= endpoint.LOOP_LAG_WARN_S
     assert any("the client's event loop ran late" in line and "--client-processes" in line for line in lines)
+    # --expect against that level: the comparison carries the caveat (the client's backlog is not predicted)
+    recipe = tmp_path / "serve.yaml"
+    recipe.write_text("task: serve\nmodel: m\nprediction:\n  figures:\n    closed_loop_ttft_s: 0.005\n"
+                      "    closed_loop_tpot_s: 0.005\n    closed_loop_output_tokens_per_s: 100.0\n"
+                      "  assumptions:\n    concurrency: 4\n    closed_loop_requests: 12\n")
+    comparison = compare_to_prediction(report, load_expectation(str(recipe)), 0.15)
+    assert comparison.level == "concurrency 4" and len(comparison.caveats) == 1
+    assert "client's own backlog" in comparison.caveats[0]
+    report.levels[0].client_loop_lag_s = {"p50": 0.0, "p90": 0.001, "p99": 0.002, "mean": 0.0}
+    assert compare_to_prediction(report, load_expectation(str(recipe)), 0.15).caveats == []
 
 
 def test_poisson_send_times_follow_the_seed_and_the_bounds():

@@ -48,6 +48,8 @@ class Comparison:
     tolerance: float
     checks: list[FigureCheck]
     level: str | None = None  # which endpoint level was compared (endpoint mode)
+    # what else the measurement says about the comparison (a client that measured its own backlog)
+    caveats: list[str] = field(default_factory=list)
 
     @property
     def misses(self) -> list[FigureCheck]:
@@ -279,4 +281,19 @@ def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: fl
             f"--expect {exp.path}: none of the predicted figures ({', '.join(exp.figures)}) is measured by this "
             f"profile ({report.kind} {report.mode}: {', '.join(offered)}).",
             hint="Pair a train recipe with 'profile model --mode train', a serve recipe with 'profile endpoint'.")
-    return Comparison(recipe=exp.path, tolerance=tolerance, checks=checks, level=level_name)
+    return Comparison(recipe=exp.path, tolerance=tolerance, checks=checks, level=level_name,
+                      caveats=client_caveats(level))
+
+
+def client_caveats(level: Any) -> list[str]:
+    """A level measured through a client whose event loop ran late (copt's own client, client_loop_lag_s): its
+    TTFT and ITL include the client's backlog, which advise's replay does not price."""
+    from clusteropt_cli.core.profile.endpoint import LOOP_LAG_WARN_S, LOOP_LAG_WARN_SHARE
+
+    lag = (getattr(level, "client_loop_lag_s", None) or {}).get("p90")
+    ttft = (getattr(level, "ttft_s", None) or {}).get("p50")
+    if lag is None or ttft is None or lag < LOOP_LAG_WARN_S or lag < LOOP_LAG_WARN_SHARE * ttft:
+        return []
+    return [f"the client's event loop ran {lag * 1e3:.1f} ms late (p90) against a measured TTFT p50 of "
+            f"{ttft * 1e3:.1f} ms: part of the measured TTFT and ITL is the client's own backlog, which the "
+            "prediction does not include (more --client-processes share the streams out)"]
