@@ -57,8 +57,9 @@ JSON (`--out`), per shape key "1b"/"8b" under each case; tok/s are output tokens
                             own --seed (guidellm's prompts follow it: one seed twice would repeat them);
                             ttft_first_round_s / ttft_later_rounds_s: TTFT percentiles of every stream's first
                             request (sent together) and of the later ones (sent as the stream's previous ended)
-  profile_endpoint.<shape>  `copt profile endpoint` per level c1/c64/c256 (sampled): the same figures; r<rate> for
-                            --profile-rates (open loop, `rate_command`)
+  profile_endpoint.<shape>  `copt profile endpoint` per level c1/c64/c256 (sampled): the same figures and how late
+                            its client's event loop ran (client_loop_lag_s); r<rate> for --profile-rates (open loop,
+                            `rate_command`)
   guidellm_greedy, profile_endpoint_greedy   the same, greedy (--tester-modes greedy)
   engine.<shape>.c<N>_<mode> the in-process engine's tok/s and TTFT percentiles; startup_s
   advise.<shape>.c<N>_<mode> copt advise's tpot_s, tpot_floor_s, ttft_s, output_tokens_per_s, the command
@@ -616,7 +617,11 @@ def case_profile(url: str, model_dir: Path, args, budget: Budget, work: Path, sh
             name = f"c{lv['concurrency']}" if lv.get("concurrency") is not None else f"r{lv.get('rate'):g}"
             out[name] = {k: lv.get(k) for k in ("requests", "completed", "errors", "duration_s",
                                                 "output_tokens_per_s", "ttft_s", "tpot_s", "prefix_cache_hit_rate",
-                                                "send_lag_s")}
+                                                "send_lag_s", "client_loop_lag_s")}
+            lag = (lv.get("client_loop_lag_s") or {}).get("p90")
+            if lag is not None:
+                log(f"  profile endpoint {name} {mode}: {lv.get('output_tokens_per_s') or 0:,.0f} tok/s, TTFT p50 "
+                    f"{(lv.get('ttft_s') or {}).get('p50')}, the client's event loop {lag * 1e3:.1f} ms late (p90)")
         out.setdefault("length_control", (data.get("workload") or {}).get("output_length_control"))
     return out
 
