@@ -288,12 +288,11 @@ def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: fl
 def client_caveats(level: Any) -> list[str]:
     """A level measured through a client whose event loop ran late (copt's own client, client_loop_lag_s): its
     TTFT and ITL include the client's backlog, which advise's replay does not price."""
-    from clusteropt_cli.core.profile.endpoint import LOOP_LAG_WARN_S, LOOP_LAG_WARN_SHARE
+    from clusteropt_cli.core.profile.endpoint import client_backlog_s
 
-    lag = (getattr(level, "client_loop_lag_s", None) or {}).get("p90")
-    ttft = (getattr(level, "ttft_s", None) or {}).get("p50")
-    if lag is None or ttft is None or lag < LOOP_LAG_WARN_S or lag < LOOP_LAG_WARN_SHARE * ttft:
+    lag = client_backlog_s(level)
+    if lag is None:
         return []
     return [f"the client's event loop ran {lag * 1e3:.1f} ms late (p90) against a measured TTFT p50 of "
-            f"{ttft * 1e3:.1f} ms: part of the measured TTFT and ITL is the client's own backlog, which the "
-            "prediction does not include (more --client-processes share the streams out)"]
+            f"{level.ttft_s.get('p50', 0.0) * 1e3:.1f} ms: part of the measured TTFT and ITL is the client's own "
+            "backlog, which the prediction does not include (more --client-processes share the streams out)"]
