@@ -168,9 +168,10 @@ def test_a_rate_level_keeps_its_poisson_schedule_on_a_busy_loop():
     spends 1 ms of CPU on each request (a client busy with its streams) sends late but catches up. Sleeping the gaps
     one after another (as the profile endpoint did) sent a share fewer in the level's time."""
     import asyncio
+    import gc
     import time
 
-    from clusteropt_cli.core.profile.endpoint import _Runner, poisson_send_times
+    from clusteropt_cli.core.profile.endpoint import _Runner, poisson_send_times, quiet_heap
 
     settings = EndpointSettings(url="http://127.0.0.1:9", model="m", rate=[400.0], duration_s=0.5, warmup=0)
     runner = _Runner(settings, client=None, prompts=["a prompt"])
@@ -183,7 +184,11 @@ def test_a_rate_level_keeps_its_poisson_schedule_on_a_busy_loop():
         return RequestResult(ok=True, ttft_s=0.01, output_tokens=4)
 
     runner.request = busy_request
-    results, duration = asyncio.run(runner.by_rate(400.0))
+    quiet_heap()  # as profile_endpoint runs a level: a full garbage collection mid-level would stall the sends
+    try:
+        results, duration = asyncio.run(runner.by_rate(400.0))
+    finally:
+        gc.unfreeze()
     schedule = list(poisson_send_times(400.0, duration_s=0.5, seed=settings.seed))
     assert len(results) == len(schedule) > 150
     assert len(runner.send_lag_s) == len(schedule)
