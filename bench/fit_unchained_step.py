@@ -61,16 +61,9 @@ def residuals(path: str, preset: str, prompt_len: int, gpu: str,
         elif chunks:  # the varlen graph's price: the mixed step less its decode and its unchained cost
             cached = chunks * prompt_len - tokens  # a split prompt's earlier part (exact for --prompt-len prompts)
             step_s, _ = costs.mixed_step(rows, tokens, chunks, max(0, cached), False)
-            rest -= step_s - costs.decode_step(rows) - unchained_s(rows)
+            rest -= step_s - costs.decode_step(rows) - costs.unchained_s(rows)
         bins[(path, chunks, rows // 32)].append((rows, rest))
     return bins
-
-
-def unchained_s(rows: int) -> float:
-    """What advise now prices an unchained decode step at, over the chained one."""
-    from clusteropt_cli.core.advise import calibration as cal
-
-    return cal.UNCHAINED_STEP_S + cal.UNCHAINED_STEP_PER_SEQ_S * rows
 
 
 def fit(bins: dict[tuple, list[tuple[int, float]]]) -> tuple[float, float, int]:

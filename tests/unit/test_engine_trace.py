@@ -66,7 +66,7 @@ def test_the_unchained_step_fit_recovers_a_known_cost(tmp_path, monkeypatch, mas
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     from engine_trace_report import _costs, _read, step_costs
-    from fit_unchained_step import fit, residuals, unchained_s
+    from fit_unchained_step import fit, residuals
 
     costs = _costs("llama-3.2-1b", 256, "h200")
     steps, t = [], 0.0
@@ -78,7 +78,7 @@ def test_the_unchained_step_fit_recovers_a_known_cost(tmp_path, monkeypatch, mas
                 seconds += costs.prefill(256 * 2 ** (chunks - 1), chunks)  # the graph bucket above the tokens
             elif chunks:  # the mixed step's price less its decode and its unchained cost
                 priced, _ = costs.mixed_step(rows, tokens, chunks, 0, False)
-                seconds += priced - costs.decode_step(rows) - unchained_s(rows)
+                seconds += priced - costs.decode_step(rows) - costs.unchained_s(rows)
             # [start, end, running, waiting, decode steps, chained, prompt tokens, generated tokens]
             steps.append([t, t + seconds, rows + chunks, 0, 1, 0, tokens, rows + chunks])
             t += seconds
