@@ -109,7 +109,42 @@ def check(level: dict, results_before_prefill: bool = True, masked_prefill_graph
         replayed = figures.get(name)
         row[name] = {"measured": value, "replayed": replayed,
                      "ratio": None if replayed is None else round(replayed / value, 2)}
+    row["ttft_bookkeeping"] = ttft_bookkeeping(level, figures)
     return row
+
+
+def ttft_bookkeeping(level: dict, figures: dict[str, float]) -> dict | None:
+    """A closed loop's TTFT from the cycle every client repeats (TTFT, decode, turnaround; clients × output tokens
+    ÷ tok/s long): measured, the cycle and the decode ((output tokens - 1) × TPOT) in TTFTs; and the TTFT ratio
+    the replay's tok/s and TPOT ratios alone imply, exp(-cycle × ln tok/s ratio - decode × ln TPOT ratio) — how far
+    the replay's TTFT is off because its throughput and decode are. None: no closed loop or no replayed TTFT."""
+    import math
+
+    m = level["measured"]
+    if not level["clients"] or level["clients"] < 2 or figures.get("ttft_s") is None:
+        return None
+    ttft, tok_s, tpot = m["ttft_s"]["p50"], m["output_tokens_per_s"], m["tpot_s"]["p50"]
+    cycle = level["clients"] * level["gen_len"] / tok_s / ttft
+    decode = (level["gen_len"] - 1) * tpot / ttft
+    implied = math.exp(-cycle * math.log(figures["output_tokens_per_s"] / tok_s)
+                       - decode * math.log(figures["tpot_s"] / tpot))
+    return {"cycle_ttfts": round(cycle, 2), "decode_ttfts": round(decode, 2), "implied_ratio": round(implied, 2)}
+
+
+def bookkeeping_summary(rows: list[dict]) -> dict | None:
+    """Over the closed loops with a replayed TTFT: how many, the correlation of ln(replayed ÷ measured TTFT) with
+    ln(the ratio the tok/s and TPOT errors imply), and the range of decode_ttfts."""
+    import math
+    import statistics
+
+    pairs = [(math.log(r["ttft_s"]["ratio"]), math.log(r["ttft_bookkeeping"]["implied_ratio"]), r)
+             for r in rows if r.get("ttft_bookkeeping") and r["ttft_s"]["ratio"]]
+    if len(pairs) < 3:
+        return None
+    actual, implied = [p[0] for p in pairs], [p[1] for p in pairs]
+    decode = [p[2]["ttft_bookkeeping"]["decode_ttfts"] for p in pairs]
+    return {"levels": len(pairs), "correlation": round(statistics.correlation(actual, implied), 2),
+            "decode_ttfts": [min(decode), max(decode)]}
 
 
 TOLERANCE = 0.15
@@ -210,8 +245,17 @@ def main() -> None:
         load = ", ".join(f"{k} {v}" for k, v in r["load"].items())
         mode = "greedy" if r["temperature"] == 0 else "sampled"
         who = f"{r['clients']:4d} clients" if r["clients"] else f"{r['load']['rate']:g}/s Poisson"
+        book = r.get("ttft_bookkeeping")
+        if book:
+            cells.append(f"decode {book['decode_ttfts']:.1f}× the TTFT: tok/s and TPOT imply ttft "
+                         f"{book['implied_ratio']:.2f}")
         print(f"  {r['shape']} {r['prompt_len']}/{r['gen_len']} {r['tester']:16s} {mode:7s} {who} "
               f"({load}): " + "; ".join(cells))
+    summary = bookkeeping_summary(rows)
+    if summary:
+        print(f"closed loops with a replayed TTFT: {summary['levels']}; ln(TTFT ratio) against ln(the ratio the "
+              f"tok/s and TPOT ratios imply): correlation {summary['correlation']:.2f}; decode "
+              f"{summary['decode_ttfts'][0]:.1f}-{summary['decode_ttfts'][1]:.1f}× the TTFT")
 
 
 if __name__ == "__main__":

@@ -396,6 +396,7 @@ def _render(r: dict[str, Any]) -> None:
                        ("ttft_s", "TTFT"), ("tpot_s", "TPOT (per request)"),
                        ("tpot_out_of_step_s", "TPOT, closed-loop clients out of step"),
                        ("closed_loop_ttft_s", f"TTFT, closed loop ({loop})"),
+                       ("closed_loop_ttft_amplification", "TTFT amplification, closed loop (% per % of decode)"),
                        ("closed_loop_tpot_s", f"TPOT, closed loop ({loop})"),
                        ("closed_loop_output_tokens_per_s", f"output tokens/s, closed loop ({loop})"),
                        ("open_loop_ttft_s", f"TTFT, open loop ({open_loop})"),
@@ -415,6 +416,8 @@ def _render(r: dict[str, Any]) -> None:
             text = _fmt_s(value)
         elif key in ("mfu", "bubble_fraction"):
             text = f"{value:.1%}"
+        elif key == "closed_loop_ttft_amplification":
+            text = f"{value:.1f}×"
         elif key == "usd_per_million_tokens":
             text = f"${value:.3f}"
         else:

@@ -308,3 +308,28 @@ def test_a_level_runs_with_the_heap_out_of_the_collectors_way(monkeypatch, load)
     with pytest.raises(RuntimeError):
         endpoint.profile_endpoint(settings)
     assert gc.get_freeze_count() == 0
+
+
+def test_a_full_closed_loops_missed_ttft_says_what_its_tok_s_and_tpot_imply():
+    """A closed-loop level whose decode is several times its TTFT (the H200's 1B shape at 256 clients, sampled, 30 s:
+    22,475 tok/s, TTFT p50 167 ms, e2e p50 1.44 s): a missed TTFT gets a caveat with the cycle and decode in TTFTs and
+    the TTFT the prediction's tok/s and TPOT errors alone imply; a level whose TTFT is most of the request, or whose
+    TTFT passed, gets none."""
+    from types import SimpleNamespace
+
+    from clusteropt_cli.core.profile.expect import FigureCheck, amplified_ttft_caveats
+
+    def checks(ttft_pred, ttft, status="miss"):
+        return [FigureCheck("ttft_s", ttft_pred, ttft, ttft_pred / ttft - 1, status, "closed loop"),
+                FigureCheck("tpot_s", 7.42e-3, 10.056e-3, -0.262, "miss", "closed loop"),
+                FigureCheck("output_tokens_per_s", 26_770.0, 22_475.0, 0.191, "miss", "closed loop")]
+
+    level = SimpleNamespace(concurrency=256, request_throughput=22_475 / 128, ttft_s={"p50": 0.1671},
+                            e2e_s={"p50": 0.1671 + 127 * 10.056e-3})
+    caveats = amplified_ttft_caveats(level, checks(0.2854, 0.1671))
+    assert len(caveats) == 1
+    assert "cycle was 8.7× the TTFT p50" in caveats[0] and "decode 7.6×" in caveats[0]
+    assert "2.2" in caveats[0].split("alone put it at ")[1][:5]  # exp(-8.7 ln 1.19 + 7.6 ln 1.355) ≈ 2.2
+    assert amplified_ttft_caveats(level, checks(0.17, 0.1671, "pass")) == []
+    lone = SimpleNamespace(concurrency=2, request_throughput=2 / 1.0, ttft_s={"p50": 0.8}, e2e_s={"p50": 1.0})
+    assert amplified_ttft_caveats(lone, checks(0.5, 0.8)) == []

@@ -38,9 +38,21 @@ class ClosedLoopFigures:
     ttft_first_round_s: float  # the requests each client sent first (the burst the loop starts with)
     ttft_later_rounds_s: float | None  # every later request (None: one request per client)
     host_bound_share: float = 0.0  # of the steps that prefilled, the host-bound ones (ServeCosts.step_with_prefill)
+    queued_share: float = 0.0  # of the median TTFT, the median wait before a request's first prompt chunk ran
     steps: int = 0
     truncated: bool = False  # stopped at max_steps with requests still to run: the figures cover those done
     per_request: list[tuple[float, float, float]] = field(default_factory=list, repr=False)  # (sent, first, last)
+
+    @property
+    def ttft_amplification(self) -> float:
+        """How many percent the median TTFT moves per percent of decode time: the median request's decode (first
+        token → last) over its TTFT. Each closed-loop client's cycle is its TTFT, its decode and its turnaround; where
+        the engine is full (most of the TTFT queued: queued_share) its throughput sets the cycle, so the TTFT is what
+        the decode leaves of it, and an error of x% in the decode's share of the cycle (how many sequences decode at
+        once) is one of about this many times x% in the TTFT."""
+        if not self.per_request or not self.ttft_s > 0:
+            return float("nan")
+        return _median([last - first for _, first, last in self.per_request]) / self.ttft_s
 
 
 def _median(values: list[float]) -> float:
@@ -50,11 +62,12 @@ def _median(values: list[float]) -> float:
 
 
 class _Request:
-    __slots__ = ("client", "round", "sent", "left", "first")
+    __slots__ = ("client", "round", "sent", "left", "first", "started")
 
     def __init__(self, client: int, round_: int, sent: float, prompt_tokens: int):
         self.client, self.round, self.sent = client, round_, sent
         self.left, self.first = max(1, prompt_tokens), 0.0
+        self.started: float | None = None  # when its first prompt chunk ran
 
 
 def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, requests: int | None = None,
@@ -160,6 +173,9 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
             n = min(r.left, budget)
             chunks.append((r, n))
             budget -= n
+        for r, _ in chunks:
+            if r.started is None:
+                r.started = now
         step = decode_s(decoding) if decoding else 0.0
         if decoding and (chunks or waiting):  # not chained (Engine._can_chain): its tokens read and emitted first
             step += unchained_s(decoding)
@@ -207,12 +223,15 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
     later = [t for (r, _), t in zip(done, ttft, strict=True) if r.round > 0]
     tpot = [(last - r.first) / (gen_len - 1) for r, last in done] if gen_len > 1 else [0.0]
     end = max(last for _, last in done)
+    ttft_p50 = _median(ttft)
     return ClosedLoopFigures(
         clients=clients, requests=len(done), duration_s=end,
         output_tokens_per_s=len(done) * gen_len / end if end > 0 else 0.0,
-        ttft_s=_median(ttft), tpot_s=max(0.0, _median(tpot)),
+        ttft_s=ttft_p50, tpot_s=max(0.0, _median(tpot)),
         ttft_first_round_s=_median(first_round), ttft_later_rounds_s=_median(later) if later else None,
-        host_bound_share=host_bound / prefill_steps if prefill_steps else 0.0, steps=steps, truncated=truncated,
+        host_bound_share=host_bound / prefill_steps if prefill_steps else 0.0,
+        queued_share=min(1.0, _median([r.started - r.sent for r, _ in done]) / ttft_p50) if ttft_p50 > 0 else 0.0,
+        steps=steps, truncated=truncated,
         per_request=[(r.sent, r.first + costs.first_token_s, last) for r, last in done])
 
 
@@ -220,16 +239,22 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
 REQUESTS_PER_CLIENT = 4
 # the share of host-bound prefilling steps above which the replay's TTFT is not reported (closed_loop_figures)
 HOST_BOUND_TTFT_LIMIT = 0.5
+# the share of the TTFT spent queued from which a closed loop's engine counts as full: its throughput sets the
+# clients' cycle, and the TTFT amplifies errors in the decode (ClosedLoopFigures.ttft_amplification)
+QUEUED_TTFT_SHARE = 0.5
+# the amplification from which advise's notes and `copt profile endpoint --expect`'s caveats call a TTFT a band
+AMPLIFIED_TTFT = 3.0
 
 
 def closed_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, requests: int | None = None,
                         duration_s: float | None = None, results_before_prefill: bool = True,
                         masked_prefill_graphs: bool = False) -> tuple[dict[str, float], dict[str, float]] | None:
     """The plan's `batch` clients as a closed loop through copt's engine: (figures, workload). Figures are named
-    closed_loop_ttft_s, closed_loop_tpot_s (medians over the requests) and closed_loop_output_tokens_per_s; the
-    workload is `requests` in all (default: REQUESTS_PER_CLIENT per client, as `copt profile endpoint` sends) or
-    `duration_s`. None where the step model does not apply (one client, a static batch, another engine,
-    speculative decoding, no GPU) or the load is too long to replay (over 200,000 steps). The TTFT is left out
+    closed_loop_ttft_s, closed_loop_tpot_s (medians over the requests) and closed_loop_output_tokens_per_s, with
+    closed_loop_ttft_amplification next to the TTFT where the engine was full (ClosedLoopFigures.ttft_amplification,
+    QUEUED_TTFT_SHARE); the workload is `requests` in all (default: REQUESTS_PER_CLIENT per client, as `copt profile
+    endpoint` sends) or `duration_s`. None where the step model does not apply (one client, a static batch, another
+    engine, speculative decoding, no GPU) or the load is too long to replay (over 200,000 steps). The TTFT is left out
     when most prefilling steps are host-bound (a small model): there the measured loops stay in step — prefill
     bursts, then long decode stretches — which the replay does not reproduce (H200, 1B shape at 128-256 clients:
     replayed 0.05-0.13 s against 0.15-0.63 measured). `results_before_prefill` False replays an engine that hands a
@@ -249,6 +274,8 @@ def closed_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, req
     figures = {"closed_loop_tpot_s": run.tpot_s, "closed_loop_output_tokens_per_s": run.output_tokens_per_s}
     if run.host_bound_share <= HOST_BOUND_TTFT_LIMIT:
         figures["closed_loop_ttft_s"] = run.ttft_s
+        if run.queued_share >= QUEUED_TTFT_SHARE:
+            figures["closed_loop_ttft_amplification"] = run.ttft_amplification
     workload = {"closed_loop_requests": requests} if requests is not None else {"closed_loop_duration_s": duration_s}
     return figures, workload
 

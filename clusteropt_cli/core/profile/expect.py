@@ -281,8 +281,41 @@ def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: fl
             f"--expect {exp.path}: none of the predicted figures ({', '.join(exp.figures)}) is measured by this "
             f"profile ({report.kind} {report.mode}: {', '.join(offered)}).",
             hint="Pair a train recipe with 'profile model --mode train', a serve recipe with 'profile endpoint'.")
-    return Comparison(recipe=exp.path, tolerance=tolerance, checks=checks, level=level_name,
-                      caveats=client_caveats(level))
+    caveats = client_caveats(level)
+    if closed_loop:
+        caveats += amplified_ttft_caveats(level, checks)
+    return Comparison(recipe=exp.path, tolerance=tolerance, checks=checks, level=level_name, caveats=caveats)
+
+
+
+def amplified_ttft_caveats(level: Any, checks: list[FigureCheck]) -> list[str]:
+    """A closed-loop level whose TTFT missed where the decode is several times the TTFT: each client's cycle
+    (1 / the request rate per client) is its TTFT, its decode and its turnaround, so the TTFT is the cycle less the
+    decode, and the prediction's errors in tok/s and TPOT alone move it by (cycle / TTFT) and (decode / TTFT) times
+    as much (advise's replay: closed_loop.ClosedLoopFigures.ttft_amplification)."""
+    import math
+
+    from clusteropt_cli.core.advise.closed_loop import AMPLIFIED_TTFT
+
+    by_name = {c.name: c for c in checks if c.status != "not-measured" and c.note == "closed loop"}
+    ttft, tpot, tok = (by_name.get(name) for name in ("ttft_s", "tpot_s", "output_tokens_per_s"))
+    if ttft is None or ttft.status != "miss" or tpot is None or tok is None:
+        return []
+    ttft_p50, e2e_p50 = level.ttft_s.get("p50"), level.e2e_s.get("p50")
+    if not (ttft_p50 and e2e_p50 and level.request_throughput and level.concurrency):
+        return []
+    decode_times = (e2e_p50 - ttft_p50) / ttft_p50
+    cycle_times = level.concurrency / level.request_throughput / ttft_p50
+    if decode_times < AMPLIFIED_TTFT:
+        return []
+    implied = math.exp(-cycle_times * math.log(tok.predicted / tok.measured)
+                       - decode_times * math.log(tpot.predicted / tpot.measured))
+    return [f"the closed loop kept the engine full: each client's cycle was {cycle_times:.1f}× the TTFT p50 and its "
+            f"decode {decode_times:.1f}×, so the TTFT is what the decode leaves of the cycle; the prediction's tok/s "
+            f"({tok.predicted / tok.measured - 1:+.1%}) and TPOT ({tpot.predicted / tpot.measured - 1:+.1%}) alone put "
+            f"it at {implied:.2f}× the measured TTFT (predicted {ttft.predicted / ttft.measured:.2f}×)"
+            + ("; tok/s and TPOT are within tolerance: read the TTFT as a band" if tok.status == tpot.status == "pass"
+               else "")]
 
 
 def client_caveats(level: Any) -> list[str]:
