@@ -25,7 +25,7 @@ import argparse
 import json
 from pathlib import Path
 
-from clusteropt_cli.core.advise.closed_loop import closed_loop_figures, open_loop_figures
+from clusteropt_cli.core.advise.closed_loop import closed_loop_figures, implied_ttft_ratio, open_loop_figures
 from clusteropt_cli.core.advise.plan import InferPlan, Target
 from clusteropt_cli.core.advise.timing import infer_time
 from clusteropt_cli.hardware import get_gpu
@@ -118,16 +118,13 @@ def ttft_bookkeeping(level: dict, figures: dict[str, float]) -> dict | None:
     ÷ tok/s long): measured, the cycle and the decode ((output tokens - 1) × TPOT) in TTFTs; and the TTFT ratio
     the replay's tok/s and TPOT ratios alone imply, exp(-cycle × ln tok/s ratio - decode × ln TPOT ratio) — how far
     the replay's TTFT is off because its throughput and decode are. None: no closed loop or no replayed TTFT."""
-    import math
-
     m = level["measured"]
     if not level["clients"] or level["clients"] < 2 or figures.get("ttft_s") is None:
         return None
     ttft, tok_s, tpot = m["ttft_s"]["p50"], m["output_tokens_per_s"], m["tpot_s"]["p50"]
     cycle = level["clients"] * level["gen_len"] / tok_s / ttft
     decode = (level["gen_len"] - 1) * tpot / ttft
-    implied = math.exp(-cycle * math.log(figures["output_tokens_per_s"] / tok_s)
-                       - decode * math.log(figures["tpot_s"] / tpot))
+    implied = implied_ttft_ratio(cycle, decode, figures["output_tokens_per_s"] / tok_s, figures["tpot_s"] / tpot)
     return {"cycle_ttfts": round(cycle, 2), "decode_ttfts": round(decode, 2), "implied_ratio": round(implied, 2)}
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from clusteropt_cli.core.advise.closed_loop import (
     closed_loop_figures,
+    implied_ttft_ratio,
     open_loop_figures,
     simulate_closed_loop,
     simulate_open_loop,
@@ -757,9 +758,12 @@ def test_a_closed_loops_ttft_follows_its_tok_s_and_tpot() -> None:
                 continue
             cycle, decode = clients * 128 / tok_s / ttft, 127 * tpot / ttft
             actual.append(math.log(figures["closed_loop_ttft_s"] / ttft))
-            implied.append(-cycle * math.log(figures["closed_loop_output_tokens_per_s"] / tok_s)
-                           - decode * math.log(figures["closed_loop_tpot_s"] / tpot))
+            tok_ratio = figures["closed_loop_output_tokens_per_s"] / tok_s
+            tpot_ratio = figures["closed_loop_tpot_s"] / tpot
+            implied.append(math.log(implied_ttft_ratio(cycle, decode, tok_ratio, tpot_ratio)))
             decode_ttfts.append(decode)
+    # a loop of 8 TTFTs' cycle and 7 TTFTs' decode: +1% tok/s and +1% TPOT leave 1.01^-15 of the TTFT
+    assert implied_ttft_ratio(8.0, 7.0, 1.01, 1.01) == pytest.approx(1.01 ** -15)
     assert len(actual) >= 80
     assert statistics.correlation(actual, implied) >= 0.75
     assert min(decode_ttfts) >= 1.5 and max(decode_ttfts) >= 15.0

@@ -235,6 +235,13 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
         per_request=[(r.sent, r.first + costs.first_token_s, last) for r, last in done])
 
 
+def implied_ttft_ratio(cycle_ttfts: float, decode_ttfts: float, tok_s_ratio: float, tpot_ratio: float) -> float:
+    """The TTFT ratio (predicted ÷ measured) a closed loop's tok/s and TPOT ratios alone imply. Each client's cycle
+    (clients × output tokens ÷ tok/s) is its TTFT, its decode and its turnaround, so the TTFT is the cycle less the
+    rest: with the measured cycle and decode in TTFTs, exp(-cycle × ln tok/s ratio - decode × ln TPOT ratio)."""
+    return math.exp(-cycle_ttfts * math.log(tok_s_ratio) - decode_ttfts * math.log(tpot_ratio))
+
+
 # copt profile endpoint's default load per concurrency level: 4 requests per client (ProfileSettings.requests_for)
 REQUESTS_PER_CLIENT = 4
 # the share of host-bound prefilling steps above which the replay's TTFT is not reported (closed_loop_figures)

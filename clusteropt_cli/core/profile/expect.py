@@ -293,9 +293,7 @@ def amplified_ttft_caveats(level: Any, checks: list[FigureCheck]) -> list[str]:
     (1 / the request rate per client) is its TTFT, its decode and its turnaround, so the TTFT is the cycle less the
     decode, and the prediction's errors in tok/s and TPOT alone move it by (cycle / TTFT) and (decode / TTFT) times
     as much (advise's replay: closed_loop.ClosedLoopFigures.ttft_amplification)."""
-    import math
-
-    from clusteropt_cli.core.advise.closed_loop import AMPLIFIED_TTFT
+    from clusteropt_cli.core.advise.closed_loop import AMPLIFIED_TTFT, implied_ttft_ratio
 
     by_name = {c.name: c for c in checks if c.status != "not-measured" and c.note == "closed loop"}
     ttft, tpot, tok = (by_name.get(name) for name in ("ttft_s", "tpot_s", "output_tokens_per_s"))
@@ -308,8 +306,8 @@ def amplified_ttft_caveats(level: Any, checks: list[FigureCheck]) -> list[str]:
     cycle_times = level.concurrency / level.request_throughput / ttft_p50
     if decode_times < AMPLIFIED_TTFT:
         return []
-    implied = math.exp(-cycle_times * math.log(tok.predicted / tok.measured)
-                       - decode_times * math.log(tpot.predicted / tpot.measured))
+    implied = implied_ttft_ratio(cycle_times, decode_times, tok.predicted / tok.measured,
+                                 tpot.predicted / tpot.measured)
     return [f"the closed loop kept the engine full: each client's cycle was {cycle_times:.1f}× the TTFT p50 and its "
             f"decode {decode_times:.1f}×, so the TTFT is what the decode leaves of the cycle; the prediction's tok/s "
             f"({tok.predicted / tok.measured - 1:+.1%}) and TPOT ({tpot.predicted / tpot.measured - 1:+.1%}) alone put "
