@@ -173,7 +173,6 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
             n = min(r.left, budget)
             chunks.append((r, n))
             budget -= n
-        for r, _ in chunks:
             if r.started is None:
                 r.started = now
         step = decode_s(decoding) if decoding else 0.0

@@ -287,7 +287,6 @@ def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: fl
     return Comparison(recipe=exp.path, tolerance=tolerance, checks=checks, level=level_name, caveats=caveats)
 
 
-
 def amplified_ttft_caveats(level: Any, checks: list[FigureCheck]) -> list[str]:
     """A closed-loop level whose TTFT missed where the decode is several times the TTFT: each client's cycle
     (1 / the request rate per client) is its TTFT, its decode and its turnaround, so the TTFT is the cycle less the
