@@ -90,3 +90,48 @@ def test_triton_top_k_thresholds_draw_the_sorts_tokens_on_gpu():
         full = choose_tokens(x, args["temperature"], top_p, top_k, args["min_p"], args["seed_lo"], args["seed_hi"],
                              args["position"], SORT)
         assert torch.equal(cheap, full), mode
+
+
+def test_first_tokens_of_high_slots_are_staged_on_gpu(fixtures):
+    """A request admitted while others hold the low slots samples its first token through the first-token stage's
+    captured graph (the rows of its own count): the same seeded tokens as the eager path, penalties included."""
+    import torch
+
+    from clusteropt_cli.core.serve.device_sampling import SlotSampler
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
+
+    assert torch.cuda.is_available()
+    engine = Engine(EngineConfig(model=str(fixtures.teacher), device="cuda", dtype="fp32", max_batch_size=8,
+                                 max_model_len=256, kv_cache_tokens=8 * 256, cuda_graphs=True, compile=True))
+    staged_calls = []
+    original = SlotSampler.sample_staged
+
+    def counting(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        staged_calls.append(len(args[2]))
+        return original(self, *args, **kwargs)
+
+    with engine:
+        runner = engine.runner
+        assert runner.first_token_stage is not None and len(runner.first_token_stage._graphs) > 0
+        SlotSampler.sample_staged = counting
+        try:
+            outputs = {}
+            for graphed in (True, False):
+                runner.graphed_first_tokens = graphed
+                held = [engine.submit(GenerationRequest(prompt_ids=[30 + i] * 8, max_new_tokens=200,
+                                                        ignore_eos=True)) for i in range(6)]
+                started: set[int] = set()
+                while len(started) < len(held):  # every one holds its slot (it has a token)
+                    started.update(i for i, h in enumerate(held) if h.take()[0] or h.done)
+                tests = [GenerationRequest(prompt_ids=list(range(40, 60)), max_new_tokens=6, seed=11, ignore_eos=True,
+                                           temperature=1.0, top_p=0.9, presence_penalty=0.5)]
+                outputs[graphed] = engine.generate(tests)[0].output_ids
+                for h in held:
+                    h.cancel()
+                for h in held:
+                    h.result(timeout=60)
+        finally:
+            SlotSampler.sample_staged = original
+            runner.graphed_first_tokens = True
+    assert staged_calls, "the first token of slot 6 was not staged"
+    assert outputs[True] == outputs[False]

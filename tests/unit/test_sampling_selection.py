@@ -578,22 +578,71 @@ def test_first_tokens_through_the_sampling_rows_equal_the_eager_path():
              RowSettings(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
              RowSettings(temperature=1.0, logit_bias={7: 50.0}), RowSettings(temperature=0.0)]
     eager, graphed = SlotSampler(8, vocab, torch.device("cpu")), SlotSampler(8, vocab, torch.device("cpu"))
+    staged = SlotSampler(8, vocab, torch.device("cpu"))
+    stage = SlotSampler.stage_for(staged, 4)
     with torch.inference_mode():
         buffer = torch.randn(8, vocab)  # stale rows: what the last decode step left there
+        stage.logits.normal_()
     gen = torch.Generator().manual_seed(3)
     for case in cases:
         for i, slot in enumerate(slots):
             mixed = case if i != 2 else cases[(cases.index(case) + 1) % len(cases)]  # another kind in the step
-            for sampler in (eager, graphed):
+            for sampler in (eager, graphed, staged):
                 sampler.assign(slot, RowSettings(**{**mixed.__dict__, "seed": 40 + slot}), [1, 2, 3, 7])
         with torch.inference_mode():
             logits = torch.randn(len(slots), vocab, generator=gen) * 2
         want = eager.sample(logits, slots, positions)
         got = graphed.sample_through_rows(buffer, logits, slots, positions, bucket=8)
         assert torch.equal(want, got), case
+        # staged: the rows copied to the stage's rows 0..2 (row 3 stale from the case before), counts copied back
+        assert torch.equal(want, staged.sample_staged(stage, logits, slots, positions, bucket=4)), case
         # the penalty counts of the rows that read them (the graphs also count rows with only a logit_bias; a
         # request with penalties starts from zero), and no other row counted
         read = [slot for slot in range(8) if eager.settings[slot] is not None and eager.settings[slot].has_penalties]
         assert torch.equal(eager.counts[read], graphed.counts[read]), case
+        assert torch.equal(eager.counts[read], staged.counts[read]), case
         untouched = [slot for slot in range(8) if slot not in slots]
         assert not graphed.counts[untouched].any()
+        assert not staged.counts[untouched].any()
+
+
+def test_first_tokens_of_high_slots_are_staged_in_a_few_rows(monkeypatch):
+    """ModelRunner.sample_first_tokens: slots within the rows' own bucket sample in place; a few first tokens of
+    high slots (a step at 200 running sequences) go through the stage's graph of their own count; more than
+    GRAPHED_FIRST_TOKEN_ROWS rows, or no stage and high slots, fall back to the eager path (None). Every path
+    chooses the eager path's tokens."""
+    import torch
+
+    from clusteropt_cli.core.serve.device_sampling import RowSettings, SlotSampler
+    from clusteropt_cli.core.serve.runner import ModelRunner, batch_buckets
+
+    vocab, rows = 64, 256
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.use_graphs, runner._batch_buckets = True, batch_buckets(rows)
+    runner.sampler, eager = SlotSampler(rows, vocab, torch.device("cpu")), SlotSampler(rows, vocab, torch.device("cpu"))
+    with torch.inference_mode():
+        runner.logits_buf = torch.zeros(rows, vocab)
+    runner.first_token_stage = SlotSampler.stage_for(runner.sampler, 64)
+    calls: list[str] = []
+    for name in ("sample_through_rows", "sample_staged"):
+        method = getattr(SlotSampler, name)
+        monkeypatch.setattr(SlotSampler, name, lambda self, *a, _m=method, _n=name, **k: (calls.append(_n),
+                                                                                          _m(self, *a, **k))[1])
+    gen = torch.Generator().manual_seed(0)
+    for slots, path in (([0, 1], "sample_through_rows"), ([200, 7, 131], "sample_staged"),
+                        (list(range(100, 165)), None)):
+        for slot in slots:
+            for sampler in (runner.sampler, eager):
+                sampler.assign(slot, RowSettings(temperature=1.0, top_p=0.9, seed=slot), [1, 2])
+        with torch.inference_mode():
+            logits = torch.randn(len(slots), vocab, generator=gen)
+        positions = [3] * len(slots)
+        calls.clear()
+        got = runner.sample_first_tokens(logits, slots, positions)
+        assert calls == ([path] if path else []), slots
+        if path:
+            assert torch.equal(got, eager.sample(logits, slots, positions)), slots
+        else:
+            assert got is None
+    runner.first_token_stage = None  # no stage: high slots sample eagerly
+    assert runner.sample_first_tokens(logits[:2], [200, 7], [3, 3]) is None

@@ -673,6 +673,46 @@ class SlotSampler:
         self.active.index_fill_(0, index, True)
         return self.graph_sample(buffer[:bucket], bucket, sort, penalize).index_select(0, index)
 
+    # the per-row state a staged step copies (the penalty state only when a row is penalized)
+    _STATE_ROWS = ("fparams", "iparams")
+    _PENALTY_ROWS = ("stop_ids", "bias_ids", "bias_vals", "counts", "prompt_mask")
+
+    @_in_inference_mode
+    def sample_staged(self, stage: SlotSampler, logits, slots: list[int], positions: list[int], bucket: int):
+        """sample() through the sampling graph of `stage` (a SlotSampler of at least `bucket` rows with a
+        `logits` buffer): the rows' settings and logits copied to the stage's rows 0..n-1, only they active, so
+        the replay costs what `bucket` >= n rows cost whatever the slots' numbers. The same tokens (the noise is
+        keyed by seed and position, not by row) and, copied back, the same penalty counts."""
+        import torch
+
+        n = len(slots)
+        _plain, sort, penalize = self.flags(slots)
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        names = self._STATE_ROWS + (self._PENALTY_ROWS if penalize else ())
+        for name in names:
+            getattr(stage, name)[:n].copy_(getattr(self, name).index_select(0, index))
+        stage.logits[:n].copy_(logits)
+        stage.position[:n].copy_(torch.tensor(positions, dtype=torch.long, device=self.device))
+        stage.active[:bucket].zero_()
+        stage.active[:n].fill_(True)
+        tokens = stage.graph_sample(stage.logits[:bucket], bucket, sort, penalize)[:n].clone()
+        if penalize:
+            self.counts.index_copy_(0, index, stage.counts[:n])
+        return tokens
+
+    @classmethod
+    def stage_for(cls, sampler: SlotSampler, rows: int) -> SlotSampler:
+        """A stage of `rows` rows for sample_staged: its own state, logits buffer and graphs, `sampler`'s
+        compiled kernels and graph pool."""
+        import torch
+
+        stage = cls(rows, sampler.vocab, sampler.device)
+        stage.perturb = sampler.perturb
+        stage.graph_pool = getattr(sampler, "graph_pool", None)
+        with torch.inference_mode():
+            stage.logits = torch.zeros(rows, sampler.vocab, dtype=torch.float32, device=sampler.device)
+        return stage
+
     @_in_inference_mode
     def processed(self, logits, slots: list[int], positions: list[int]):
         """Processed logits (temperature applied) of rows [n, V] — the speculative path's distributions."""

@@ -954,26 +954,35 @@ class ModelRunner:
             logits = self.forward_decode(slots, positions, tokens)
             return sampler.sample(logits, slots, [p + 1 for p in positions])
 
-    # the largest batch bucket whose sampling graph chooses the first tokens after a prefill (above it, the graph's
-    # rows outside the step would cost more device time than the eager path's launches cost the host)
+    # the largest batch bucket whose sampling graph chooses the first tokens after a prefill (a step finishing more
+    # prompts samples them eagerly)
     GRAPHED_FIRST_TOKEN_ROWS = 64
     graphed_first_tokens = True  # off: the eager path (benchmarks compare both)
+    staged_first_tokens = True  # off: the rows of the slots themselves, up to GRAPHED_FIRST_TOKEN_ROWS (benchmarks)
 
     def sample_first_tokens(self, logits, slots: list[int], positions: list[int]):
         """The tokens chosen from prefill logits [n, V] (rows of `slots`, choosing the token at `positions`) through
-        the captured sampling graph of the smallest batch bucket above max(slots), or None where there is none (no
-        CUDA graphs, a bucket above GRAPHED_FIRST_TOKEN_ROWS): the caller samples eagerly."""
+        a captured sampling graph, or None where there is none (no CUDA graphs, more than GRAPHED_FIRST_TOKEN_ROWS
+        rows): the caller samples eagerly. Slots whose bucket is the rows' own sample in place (the graph of the
+        smallest bucket above max(slots)); others are staged (copied to the first-token stage's rows 0..n-1), so a
+        step at 256 running sequences samples its few first tokens through a graph of a few rows, not of 256."""
         if not (self.use_graphs and self.graphed_first_tokens and getattr(self, "logits_buf", None) is not None):
             return None
         if self.sampler.graph_error is not None:
             return None
         if logits.untyped_storage().data_ptr() == self.logits_buf.untyped_storage().data_ptr():
             return None  # a decode graph's own output (a view of the buffer): never copied onto itself
-        rows = max(slots) + 1
+        n, rows = len(slots), max(slots) + 1
+        needed = next((b for b in self._batch_buckets if b >= n), None)
         bucket = next((b for b in self._batch_buckets if b >= rows), None)
-        if bucket is None or bucket > self.GRAPHED_FIRST_TOKEN_ROWS:
+        if needed is None or needed > self.GRAPHED_FIRST_TOKEN_ROWS:
             return None
-        return self.sampler.sample_through_rows(self.logits_buf, logits, slots, positions, bucket)
+        stage = self.first_token_stage if self.staged_first_tokens else None
+        if bucket is not None and (bucket == needed or (stage is None and bucket <= self.GRAPHED_FIRST_TOKEN_ROWS)):
+            return self.sampler.sample_through_rows(self.logits_buf, logits, slots, positions, bucket)
+        if stage is None:
+            return None
+        return self.sampler.sample_staged(stage, logits, slots, positions, needed)
 
     @property
     def can_copy_prefix(self) -> bool:
@@ -1061,11 +1070,32 @@ class ModelRunner:
             for mode in SELECTION_MODES:
                 for penalize in (False, True):
                     sampler.graph_sample(self.logits_buf[:bucket], bucket, mode, penalize)
+        self.capture_first_token_stage()
         try:  # and the eager path the prefill rows take, so the first sampled requests do not compile either
             sampler.warm_eager(self.logits_buf)
         except Exception as exc:  # noqa: BLE001 - the requests would meet the same error: let them report it
             warnings.warn(f"warming the eager sampling path failed ({type(exc).__name__}: {exc})", stacklevel=2)
 
+    def capture_first_token_stage(self) -> None:
+        """The first-token stage (sample_first_tokens) and its sampling graphs, every bucket up to
+        GRAPHED_FIRST_TOKEN_ROWS and variant, captured up front as the decode steps' are."""
+        from clusteropt_cli.core.serve.device_sampling import SELECTION_MODES, SlotSampler
+
+        sampler = self.sampler
+        buckets = [b for b in self._batch_buckets if b <= self.GRAPHED_FIRST_TOKEN_ROWS]
+        self.first_token_stage = None
+        if not buckets or sampler.graph_error is not None:
+            return
+        stage = SlotSampler.stage_for(sampler, max(buckets))
+        stage.nucleus_error = sampler.nucleus_error
+        for bucket in reversed(buckets):
+            for mode in SELECTION_MODES:
+                for penalize in (False, True):
+                    stage.graph_sample(stage.logits[:bucket], bucket, mode, penalize)
+        if stage.graph_error is None:
+            self.first_token_stage = stage
+
+    first_token_stage: Any = None  # capture_first_token_stage: the rows the first tokens are staged in
     compile_error: str | None = None
 
     @property
