@@ -327,6 +327,27 @@ def test_from_profile_reads_endpoint_guidellm_and_vllm_reports(tmp_path, name, b
         assert values["temperature"] == 1.0
 
 
+@pytest.mark.parametrize(("document", "names"), [
+    ({"note": "cut", "benchmarks": [{"requests": []}]}, ("guidellm", "vllm bench serve", "copt profile")),
+    ([1, 2], ("guidellm", "vllm bench serve", "copt profile")),
+    ({"schema_version": "copt.profile/9", "kind": "model"}, ("copt.profile/9", "copt profile")),
+])
+def test_from_profile_names_the_formats_it_reads(tmp_path, document, names) -> None:
+    """A JSON file that is no format --from-profile reads (a guidellm report cut to its requests, a list, a newer
+    copt profile) fails with exit code 2, the file named, and a hint naming what it does read."""
+    from clusteropt_cli.core.profile.report import load_profile
+    from clusteropt_cli.errors import BadInputError
+
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(BadInputError) as info:
+        load_profile(str(path))
+    text = f"{info.value} {info.value.hint}"
+    assert str(path) in text and info.value.exit_code == 2
+    for name in names:
+        assert name in text, name
+
+
 def test_profile_endpoint_expect_takes_the_recipes_server_and_workload(tmp_path) -> None:
     from clusteropt_cli.core.profile.expect import endpoint_values_from_recipe, load_expectation
 

@@ -127,8 +127,15 @@ def load_profile(path: str) -> ProfileReport:
     if tool is not None and "schema_version" not in data:
         return external_report(data, tool)
     version = str(data.get("schema_version", "")) if isinstance(data, dict) else ""
+    if not version:
+        raise BadInputError(
+            f"{p} is not a profile copt reads: no schema_version ({SCHEMA_VERSION}), and not a guidellm report "
+            "(benchmarks with metrics) or a `vllm bench serve` result (output_throughput, TTFT).",
+            hint="Pass the JSON of 'copt profile model|endpoint --json' (or its --report file), guidellm's "
+                 "'--output kind=json' report, or the file 'vllm bench serve --save-result' writes.")
     if not version.startswith("copt.profile/1"):
-        raise BadInputError(f"Profile {p} has schema_version {version!r}; this copt reads {SCHEMA_VERSION}.")
+        raise BadInputError(f"Profile {p} has schema_version {version!r}; this copt reads {SCHEMA_VERSION}.",
+                            hint="Profile again with this copt ('copt profile model|endpoint').")
     try:
         return ProfileReport.model_validate(data)
     except ValidationError as exc:
