@@ -35,7 +35,13 @@ from clusteropt_cli.core.train.checkpoint import (
     staging_dir,
 )
 from clusteropt_cli.core.train.data import DataCursor, collate
-from clusteropt_cli.core.train.distributed import DistContext, all_reduce_mean, barrier, setup_distributed
+from clusteropt_cli.core.train.distributed import (
+    DistContext,
+    all_reduce_mean,
+    barrier,
+    setup_distributed,
+    teardown_distributed,
+)
 from clusteropt_cli.core.train.metrics import (
     MetricsWriter,
     SavedTensorMeter,
@@ -293,6 +299,11 @@ def run_training(
 
         atomic_write_text(output_dir / RESULT_FILE, json.dumps(_jsonable(result), indent=2))
         _emit(callbacks, "on_end", result)
+    # every rank past the end (rank 0's result written), then the process group torn down: left to interpreter
+    # exit, a ZeRO-3 rank's gloo threads sometimes aborted ("terminate called without an active exception") and the
+    # launcher reported a finished run as failed
+    barrier(ctx)
+    teardown_distributed(ctx)
     return result
 
 
