@@ -63,7 +63,6 @@ def closed_loop(engine, vocab: int, clients: int, seconds: float, warmup: float,
     t_start = time.perf_counter()
     marks: dict = {}
     prof = None
-    finished_tokens = 0
     while True:
         now = time.perf_counter()
         if "t0" not in marks and now - t_start >= warmup:
@@ -86,7 +85,6 @@ def closed_loop(engine, vocab: int, clients: int, seconds: float, warmup: float,
             break
         for i, h in enumerate(handles):
             if h.done:
-                finished_tokens += len(h.result().output_ids)
                 handles[i] = engine.submit(request())
         time.sleep(0.0005)
     t1 = time.perf_counter()

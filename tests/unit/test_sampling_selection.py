@@ -530,10 +530,7 @@ def test_start_up_warms_every_variant_the_eager_sampling_path_calls():
     sampler.perturb = {name: recording(name, fn) for name, fn in KERNELS.items()}
     with torch.inference_mode():  # the runner's logits buffer, as capture_graphs makes it
         buf = torch.randn(8, vocab)
-    for bucket in (8, 4, 2, 1):  # what runner.capture_sampling_graphs does (eager on a CPU)
-        for mode in SELECTION_MODES:
-            for penalize in (False, True):
-                sampler.graph_sample(buf[:bucket], bucket, mode, penalize)
+    sampler.capture_graphs(buf, [1, 2, 4, 8])  # what runner.capture_sampling_graphs does (eager on a CPU)
     assert sampler.warm_eager(buf) == 2 * len(SELECTION_MODES) * 3
     # one compiled variant for a batch of one and one for any other batch: every other argument layout would be
     # another recompile, and past dynamo's limit (8) a kernel silently runs uncompiled (seen on the GPU: the

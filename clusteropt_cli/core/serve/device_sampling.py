@@ -762,6 +762,14 @@ class SlotSampler:
             self._graph_body(logits_rows, batch, sort, penalize)
         return self.out[:batch]
 
+    def capture_graphs(self, buffer, buckets: list[int]) -> None:
+        """Capture the sampling graph of every bucket (largest first), selection mode and penalty variant over
+        rows of `buffer`, so no request pays a compile and capture."""
+        for bucket in sorted(buckets, reverse=True):
+            for mode in SELECTION_MODES:
+                for penalize in (False, True):
+                    self.graph_sample(buffer[:bucket], bucket, mode, penalize)
+
     def _graph_body(self, logits_rows, batch: int, sort: int, penalize: bool) -> None:
         import torch
 

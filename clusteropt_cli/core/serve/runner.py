@@ -978,7 +978,7 @@ class ModelRunner:
         if needed is None or needed > self.GRAPHED_FIRST_TOKEN_ROWS:
             return None
         stage = self.first_token_stage if self.staged_first_tokens else None
-        if bucket is not None and (bucket == needed or (stage is None and bucket <= self.GRAPHED_FIRST_TOKEN_ROWS)):
+        if bucket == needed or (stage is None and bucket is not None and bucket <= self.GRAPHED_FIRST_TOKEN_ROWS):
             return self.sampler.sample_through_rows(self.logits_buf, logits, slots, positions, bucket)
         if stage is None:
             return None
@@ -1061,15 +1061,10 @@ class ModelRunner:
         compile and capture. Rows are inactive: nothing is counted."""
         import warnings
 
-        from clusteropt_cli.core.serve.device_sampling import SELECTION_MODES
-
         sampler = self.sampler
         sampler.graph_pool = self._graph_pool
         sampler.active.zero_()
-        for bucket in reversed(self._batch_buckets):
-            for mode in SELECTION_MODES:
-                for penalize in (False, True):
-                    sampler.graph_sample(self.logits_buf[:bucket], bucket, mode, penalize)
+        sampler.capture_graphs(self.logits_buf, self._batch_buckets)
         self.capture_first_token_stage()
         try:  # and the eager path the prefill rows take, so the first sampled requests do not compile either
             sampler.warm_eager(self.logits_buf)
@@ -1079,7 +1074,7 @@ class ModelRunner:
     def capture_first_token_stage(self) -> None:
         """The first-token stage (sample_first_tokens) and its sampling graphs, every bucket up to
         GRAPHED_FIRST_TOKEN_ROWS and variant, captured up front as the decode steps' are."""
-        from clusteropt_cli.core.serve.device_sampling import SELECTION_MODES, SlotSampler
+        from clusteropt_cli.core.serve.device_sampling import SlotSampler
 
         sampler = self.sampler
         buckets = [b for b in self._batch_buckets if b <= self.GRAPHED_FIRST_TOKEN_ROWS]
@@ -1088,10 +1083,7 @@ class ModelRunner:
             return
         stage = SlotSampler.stage_for(sampler, max(buckets))
         stage.nucleus_error = sampler.nucleus_error
-        for bucket in reversed(buckets):
-            for mode in SELECTION_MODES:
-                for penalize in (False, True):
-                    stage.graph_sample(stage.logits[:bucket], bucket, mode, penalize)
+        stage.capture_graphs(stage.logits, buckets)
         if stage.graph_error is None:
             self.first_token_stage = stage
 
