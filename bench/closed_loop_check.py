@@ -28,7 +28,7 @@ from pathlib import Path
 from clusteropt_cli.core.advise.closed_loop import closed_loop_figures, implied_ttft_ratio, open_loop_figures
 from clusteropt_cli.core.advise.plan import InferPlan, Target
 from clusteropt_cli.core.advise.timing import infer_time
-from clusteropt_cli.hardware import get_gpu
+from clusteropt_cli.hardware import get_gpu, match_catalog
 from clusteropt_cli.modelspec import load_model_spec
 
 PRESETS = {"1b": "llama-3.2-1b", "8b": "llama-3.1-8b"}  # the shapes gpu_serve_models.py builds
@@ -74,9 +74,17 @@ def levels(results: dict) -> list[dict]:
                     out.append({"shape": shape, "tester": "profile endpoint", "clients": None,
                                 "load": {"rate": float(name[1:]), "duration_s": duration},
                                 "temperature": temperature, "top_p": top_p, "measured": level})
+    gpu = gpu_of(results)
     for level in out:
-        level["prompt_len"], level["gen_len"] = cfg["prompt_len"], cfg["out_tokens"]
+        level["prompt_len"], level["gen_len"], level["gpu"] = cfg["prompt_len"], cfg["out_tokens"], gpu
     return out
+
+
+def gpu_of(results: dict) -> str:
+    """The catalog name of the GPU the results were measured on (their `gpu` device name; H200 where it is not
+    recorded or not in the catalog)."""
+    spec = match_catalog(results.get("gpu") or "")
+    return spec.name if spec else "h200"
 
 
 def predicted(level: dict, results_before_prefill: bool = True, masked_prefill_graphs: bool = False,
@@ -86,7 +94,7 @@ def predicted(level: dict, results_before_prefill: bool = True, masked_prefill_g
     infer_time's own batch-1 figures (a lone client's requests never overlap)."""
     plan = InferPlan(batch=level["clients"] or 1, prompt_len=level["prompt_len"], gen_len=level["gen_len"],
                      continuous_batching=True, temperature=level["temperature"], top_p=level["top_p"])
-    spec, target = load_model_spec(PRESETS[level["shape"]]), Target(get_gpu("h200"))
+    spec, target = load_model_spec(PRESETS[level["shape"]]), Target(get_gpu(level.get("gpu", "h200")))
     if level["clients"] is None:
         figures = open_loop_figures(spec, plan, target, **level["load"],
                                     masked_prefill_graphs=masked_prefill_graphs) or {}
@@ -104,7 +112,7 @@ def check(level: dict, results_before_prefill: bool = True, masked_prefill_graph
     m = level["measured"]
     measured = {"output_tokens_per_s": m["output_tokens_per_s"], "ttft_s": m["ttft_s"]["p50"],
                 "tpot_s": m["tpot_s"]["p50"]}
-    row = {k: level[k] for k in ("shape", "tester", "clients", "load", "prompt_len", "gen_len", "temperature")}
+    row = {k: level[k] for k in ("shape", "tester", "clients", "load", "prompt_len", "gen_len", "temperature", "gpu")}
     for name, value in measured.items():
         replayed = figures.get(name)
         row[name] = {"measured": value, "replayed": replayed,
@@ -232,7 +240,9 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print("closed-loop replay ÷ measured (H200 figures of the results); TTFT '-': not replayed (host-bound)")
+    gpus = sorted({r["gpu"] for r in rows})
+    print(f"closed-loop replay ÷ measured (advise's figures for {', '.join(gpus)}, the results' GPU); TTFT '-': not "
+          "replayed (host-bound)")
     for r in rows:
         cells = []
         for name, unit, scale in (("output_tokens_per_s", "tok/s", 1), ("ttft_s", "s", 1), ("tpot_s", "ms", 1e3)):
