@@ -156,9 +156,9 @@ TOLERANCE = 0.15
 
 
 def level_key(row: dict) -> tuple:
-    """What makes two measured levels the same load: shape, tester, sampling, clients or rate, load, lengths."""
-    return (row["shape"], row["tester"], row["temperature"], row["clients"], tuple(sorted(row["load"].items())),
-            row["prompt_len"], row["gen_len"])
+    """What makes two measured levels the same load: GPU, shape, tester, sampling, clients or rate, load, lengths."""
+    return (row.get("gpu", "h200"), row["shape"], row["tester"], row["temperature"], row["clients"],
+            tuple(sorted(row["load"].items())), row["prompt_len"], row["gen_len"])
 
 
 def spread(rows: list[dict]) -> list[dict]:
@@ -170,6 +170,7 @@ def spread(rows: list[dict]) -> list[dict]:
     out = []
     for group in by_level.values():
         entry = {k: group[0][k] for k in ("shape", "tester", "clients", "load", "prompt_len", "gen_len", "temperature")}
+        entry["gpu"] = group[0].get("gpu", "h200")
         for name in FIGURES:
             measured = [r[name]["measured"] for r in group]
             replayed = group[0][name]["replayed"]

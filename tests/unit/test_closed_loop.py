@@ -961,3 +961,21 @@ def test_repeated_runs_of_a_level_are_set_side_by_side(monkeypatch) -> None:
     assert first["tpot_s"]["ratios"] is None
     assert spread_summary(entries) == {"figures": 2, "replay_within_every_run": 1, "replay_within_some_run": 2,
                                        "runs_within_their_median": 1}
+
+
+def test_results_are_replayed_for_the_gpu_they_were_measured_on(monkeypatch) -> None:
+    """bench/closed_loop_check.py: a results file's levels carry the catalog GPU of its device name (H200 where
+    none is recorded), the replay prices that GPU, and the same load on two GPUs is two levels, not one repeated."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    from closed_loop_check import level_key, levels, predicted
+
+    run = {"completed": True, "concurrency": 64, "requests": 256}
+    results = {"gpu": "NVIDIA H100 80GB HBM3", "config": {"prompt_len": 256, "out_tokens": 128},
+               "guidellm": {"1b": {"c64": run}}}
+    (h100,) = levels(results)
+    (h200,) = levels({k: v for k, v in results.items() if k != "gpu"})
+    assert (h100["gpu"], h200["gpu"]) == ("h100-sxm", "h200")
+    assert level_key(h100) != level_key(h200)
+    assert predicted(h100)["output_tokens_per_s"] < predicted(h200)["output_tokens_per_s"]  # 3.35 vs 4.8 TB/s
