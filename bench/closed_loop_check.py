@@ -3,7 +3,8 @@
 bench/gpu_serve_models.py run measured: for every guidellm level (its request count) and every `copt profile
 endpoint` level (its duration; a --rate level: the open-loop replay of its Poisson sends) of each shape, greedy
 and sampled, the replay of that exact load next to the clients' tok/s, TTFT p50 and TPOT p50, with replayed ÷
-measured; a one-client level against advise's batch-1 figures. Runs anywhere (no GPU): it reads the results JSON.
+measured; a one-client level against advise's batch-1 figures. Each results file is replayed for the GPU it names
+(its `gpu` device name; H200 where none is recorded). Runs anywhere (no GPU): it reads the results JSON.
 
     python3 bench/closed_loop_check.py RESULTS.json [...] [--json] [--results-after-prefill] [--masked-prefill-graphs]
     python3 bench/closed_loop_check.py --spread RUN1/*.json RUN2/*.json [...]
