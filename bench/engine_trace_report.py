@@ -18,7 +18,9 @@ none is split.
 --replay-arrivals PRESET replays each load of the trace (requests separated from the next load by an idle engine)
 from the engine's own arrival times (closed_loop.simulate_sends, API and HTTP costs left out) and sets the engine's
 TTFT (arrival to first token) and TPOT next to the replay's: the step model on the measured arrivals, apart from
-how a closed loop's clients come back (--temperature: the sampling the steps are priced for, default 1).
+how a closed loop's clients come back (--temperature: the sampling the steps are priced for, default 1), and under
+each load where the engine's time went, measured and replayed: the steps that prefilled (how many prompts each) and
+the decode passes run alone, and the decoding rows per pass.
 --round-trips: for each closed loop of the trace (a load whose requests in flight peak at --clients, 64 and 256 by
 default), how long after the engine finished a request it received the next one — finishes and later arrivals
 paired in order (the i-th finish with the arrival after the clients' first requests): the clients' and the API's
@@ -138,7 +140,8 @@ def idle_separated(trace: dict, idle_s: float = 0.0) -> list[list]:
 
 
 def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, temperature: float) -> list[dict]:
-    """Each load of the trace replayed from its measured engine arrivals (see the module text)."""
+    """Each load of the trace replayed from its measured engine arrivals (see the module text), with the steps'
+    mix measured and replayed (step_mix)."""
     import statistics
     from dataclasses import replace
 
@@ -148,7 +151,11 @@ def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, tempera
     out = []
     for group in idle_separated(trace):
         t0, gen = group[0][0], max(1, round(statistics.median(r[4] for r in group)))
-        run = simulate_sends(costs, gen, [r[0] - t0 for r in group])
+        log: list[tuple[float, int, int]] = []
+        run = simulate_sends(costs, gen, [r[0] - t0 for r in group], step_log=log)
+        t1 = max(r[2] for r in group)
+        measured_steps = [(s[1] - s[0], s[2], s[4], round(s[6] / prompt_len)) for s in trace["steps"]
+                          if s[0] >= t0 - 1e-6 and s[1] <= t1 + 1e-6]
         ttft = [r[1] - r[0] for r in group]
         replayed = [first - sent for sent, first, _ in run.per_request]
         tpot = [(r[2] - r[1]) / (r[4] - 1) for r in group if r[4] > 1]
@@ -158,8 +165,24 @@ def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, tempera
                     "ttft_mean_ms": round(1e3 * statistics.mean(ttft), 1),
                     "replayed_ttft_mean_ms": round(1e3 * statistics.mean(replayed), 1),
                     "tpot_p50_ms": round(1e3 * statistics.median(tpot), 2) if tpot else None,
-                    "replayed_tpot_p50_ms": round(1e3 * run.tpot_s, 2)})
+                    "replayed_tpot_p50_ms": round(1e3 * run.tpot_s, 2),
+                    "step_mix": step_mix(measured_steps),
+                    "replayed_step_mix": step_mix([(sec, rows, 1 if rows else 0, chunks)
+                                                   for sec, rows, chunks in log])})
     return out
+
+
+def step_mix(steps: list[tuple[float, int, int, int]]) -> dict:
+    """Where a load's engine time went, from (seconds, rows, decode passes, prompt chunks) per step: steps that
+    prefilled (count, seconds, mean prompt chunks) and decode passes run without a prefill (count, seconds), and
+    the decoding rows per decode pass (a step's rows counted once per pass)."""
+    mixed = [s for s in steps if s[3] > 0]
+    decode = [s for s in steps if s[3] == 0 and s[2] > 0]
+    passes = sum(s[2] for s in steps)
+    return {"prefill_steps": len(mixed), "prefill_steps_s": round(sum(s[0] for s in mixed), 3),
+            "chunks_per_prefill_step": round(sum(s[3] for s in mixed) / len(mixed), 2) if mixed else 0.0,
+            "decode_passes_alone": sum(s[2] for s in decode), "decode_alone_s": round(sum(s[0] for s in decode), 3),
+            "rows_per_pass": round(sum(s[1] * s[2] for s in steps) / passes, 1) if passes else 0.0}
 
 
 def _stays_full(events: list[tuple[float, int]], clients: int) -> bool:
@@ -239,6 +262,12 @@ def main() -> None:
                           f"{r['ttft_p50_ms']:7.1f} ms, replayed {r['replayed_ttft_p50_ms']:7.1f} (mean "
                           f"{r['ttft_mean_ms']:7.1f}, replayed {r['replayed_ttft_mean_ms']:7.1f}); TPOT p50 "
                           f"{r['tpot_p50_ms']} ms, replayed {r['replayed_tpot_p50_ms']}")
+                    for who, mix in (("measured", r["step_mix"]), ("replayed", r["replayed_step_mix"])):
+                        print(f"      {who:8s}: {mix['prefill_steps']:5d} prefilling steps "
+                              f"{mix['prefill_steps_s']:6.2f} s "
+                              f"({mix['chunks_per_prefill_step']:.1f} prompts each), {mix['decode_passes_alone']:5d} "
+                              f"decode passes alone {mix['decode_alone_s']:6.2f} s; {mix['rows_per_pass']:.0f} rows "
+                              "per decode pass")
         return
     if args.step_costs:
         for path in args.traces:

@@ -979,3 +979,28 @@ def test_results_are_replayed_for_the_gpu_they_were_measured_on(monkeypatch) -> 
     assert (h100["gpu"], h200["gpu"]) == ("h100-sxm", "h200")
     assert level_key(h100) != level_key(h200)
     assert predicted(h100)["output_tokens_per_s"] < predicted(h200)["output_tokens_per_s"]  # 3.35 vs 4.8 TB/s
+
+
+def test_a_replay_logs_each_step_it_priced() -> None:
+    """simulate_sends(step_log=...): one (seconds, decoding rows, prompt chunks) per step — a lone request's prefill
+    step (1 ms, no rows, one chunk), then its decode steps at one row; the steps add up to the replay's span."""
+    log: list[tuple[float, int, int]] = []
+    run = simulate_sends(_toy(), 11, [0.0], step_log=log)
+    assert log[0] == (pytest.approx(0.001), 0, 1)
+    assert log[1:] == [(pytest.approx(0.010), 1, 0)] * 10
+    assert sum(seconds for seconds, _, _ in log) == pytest.approx(run.duration_s)
+    assert simulate_sends(_toy(), 11, [0.0]).tpot_s == run.tpot_s  # logging changes nothing
+
+
+def test_step_mix_splits_prefilling_steps_from_lone_decode_passes(monkeypatch) -> None:
+    """bench/engine_trace_report.py step_mix: steps that prefilled (and their prompts), decode passes run alone
+    (a chained step counts its passes), and the rows per decode pass weighted by passes."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    from engine_trace_report import step_mix
+
+    steps = [(0.020, 100, 1, 8), (0.030, 200, 3, 0), (0.010, 200, 1, 2), (0.001, 0, 0, 1)]
+    assert step_mix(steps) == {"prefill_steps": 3, "prefill_steps_s": 0.031, "chunks_per_prefill_step": 3.67,
+                               "decode_passes_alone": 3, "decode_alone_s": 0.03, "rows_per_pass": 180.0}
+    assert step_mix([])["rows_per_pass"] == 0.0

@@ -111,20 +111,22 @@ def simulate_open_loop(costs: ServeCosts, rate: float, gen_len: int, *, requests
 
 
 def simulate_sends(costs: ServeCosts, gen_len: int, send_times: list[float], *,
-                   max_steps: int = 200_000) -> ClosedLoopFigures:
+                   max_steps: int = 200_000, step_log: list | None = None) -> ClosedLoopFigures:
     """Requests sent at the given times (seconds from the load's start) whatever the answers do, through the API
     queue and engine steps: the open loop of simulate_open_loop, or a measured load's own arrivals (an engine
-    trace's, bench/engine_trace_report.py --replay-arrivals)."""
+    trace's, bench/engine_trace_report.py --replay-arrivals). `step_log`: a list that receives one (seconds,
+    decoding rows, prompt chunks) per replayed step."""
     if gen_len < 1:
         raise ValueError("gen_len must be at least 1")
     return _replay(costs, gen_len, [(at, i) for i, at in enumerate(sorted(send_times))], closed=False,
-                   requests=None, duration_s=None, max_steps=max_steps)
+                   requests=None, duration_s=None, max_steps=max_steps, step_log=step_log)
 
 
 def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, int]], *, closed: bool,
-            requests: int | None, duration_s: float | None, max_steps: int) -> ClosedLoopFigures:
+            requests: int | None, duration_s: float | None, max_steps: int,
+            step_log: list | None = None) -> ClosedLoopFigures:
     """Step the engine through the planned sends (time, client), in time order; closed: a client sends again when
-    its request's last token arrived."""
+    its request's last token arrived. `step_log` receives (seconds, decoding rows, prompt chunks) per step."""
     clients = len(planned_sends)
     planned = deque(sorted(planned_sends))
     decode_s = lru_cache(maxsize=None)(costs.decode_step)
@@ -187,6 +189,8 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
             prefill_steps += 1
             host_bound += floored
         now += step
+        if step_log is not None:
+            step_log.append((step, decoding, len(chunks)))
         finished = finishing.pop(steps, [])
         emitted = decoded if costs.results_before_prefill else now
         if decoding:  # the API process streams the decode's tokens, one event per sequence, after what it had to do
