@@ -58,9 +58,13 @@ def loads(trace: dict, gap_s: float = 0.1) -> list[dict]:
     out = []
     for group in groups:
         t0, t1 = min(r[0] for r in group), max(r[2] for r in group)
-        steps = [s for s in trace["steps"] if s[1] > t0 and s[0] < t1]
-        out.append(summarise(group, steps, t0, t1))
+        out.append(summarise(group, steps_during(trace, t0, t1), t0, t1))
     return out
+
+
+def steps_during(trace: dict, t0: float, t1: float) -> list:
+    """The trace's steps that ran (in part) between t0 and t1."""
+    return [s for s in trace["steps"] if s[1] > t0 and s[0] < t1]
 
 
 def summarise(requests: list, steps: list, t0: float, t1: float) -> dict:
@@ -153,9 +157,8 @@ def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, tempera
         t0, gen = group[0][0], max(1, round(statistics.median(r[4] for r in group)))
         log: list[tuple[float, int, int]] = []
         run = simulate_sends(costs, gen, [r[0] - t0 for r in group], step_log=log)
-        t1 = max(r[2] for r in group)
-        measured_steps = [(s[1] - s[0], s[2], s[4], round(s[6] / prompt_len)) for s in trace["steps"]
-                          if s[0] >= t0 - 1e-6 and s[1] <= t1 + 1e-6]
+        measured_steps = [(s[1] - s[0], s[2], s[4], -(-s[6] // prompt_len))  # a resumed prompt's rest: a chunk
+                          for s in steps_during(trace, t0, max(r[2] for r in group))]
         ttft = [r[1] - r[0] for r in group]
         replayed = [first - sent for sent, first, _ in run.per_request]
         tpot = [(r[2] - r[1]) / (r[4] - 1) for r in group if r[4] > 1]
