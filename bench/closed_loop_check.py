@@ -26,13 +26,17 @@ import argparse
 import json
 from pathlib import Path
 
+from common import LLAMA_70B_8L_SHAPE
+
 from clusteropt_cli.core.advise.closed_loop import closed_loop_figures, implied_ttft_ratio, open_loop_figures
 from clusteropt_cli.core.advise.plan import InferPlan, Target
 from clusteropt_cli.core.advise.timing import infer_time
 from clusteropt_cli.hardware import get_gpu, match_catalog
 from clusteropt_cli.modelspec import load_model_spec
 
-PRESETS = {"1b": "llama-3.2-1b", "8b": "llama-3.1-8b"}  # the shapes gpu_serve_models.py builds
+# the shapes gpu_serve_models.py builds: a preset, or the shape's config
+PRESETS = {"1b": "llama-3.2-1b", "8b": "llama-3.1-8b",
+           "70b8l": dict(LLAMA_70B_8L_SHAPE, model_type="llama", _name_or_path="llama-70b-8l")}
 FIGURES = ("output_tokens_per_s", "ttft_s", "tpot_s")  # what each level is checked on
 
 

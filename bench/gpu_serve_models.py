@@ -101,6 +101,7 @@ from common import (  # noqa: E402
     COPY_BW,
     LLAMA_1B_SHAPE,
     LLAMA_8B_SHAPE,
+    LLAMA_70B_8L_SHAPE,
     free_gpu,
     free_port,
     log,
@@ -114,7 +115,7 @@ from clusteropt_cli.core.profile.endpoint import hit_rate  # noqa: E402
 SMOKE_SHAPE = dict(LLAMA_1B_SHAPE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16, intermediate_size=128, vocab_size=8192, max_position_embeddings=2048,
                    bos_token_id=8189, eos_token_id=8190, pad_token_id=8191)
-SHAPES = {"1b": LLAMA_1B_SHAPE, "8b": LLAMA_8B_SHAPE}
+SHAPES = {"1b": LLAMA_1B_SHAPE, "8b": LLAMA_8B_SHAPE, "70b8l": LLAMA_70B_8L_SHAPE}
 MODES = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0, "top_p": 0.95}}
 CFG = {"prompt_len": 256, "out_tokens": 128, "loads": [64, 256], "b1_requests": 3}
 CASES = ("copt", "b1", "loads", "guidellm", "profile", "tserve", "engine", "advise")
@@ -841,7 +842,8 @@ def comparisons(results: dict, shape: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON results path (rewritten after every case)")
-    parser.add_argument("--shapes", default="1b", help="comma-separated, run in this order: 1b, 8b (default 1b)")
+    parser.add_argument("--shapes", default="1b", help="comma-separated, run in this order: 1b, 8b, 70b8l "
+                        "(Llama-3.1-70B's width on 8 layers; default 1b)")
     parser.add_argument("--skip", default="", help="comma-separated cases to leave out: " + ", ".join(CASES))
     parser.add_argument("--budget-s", type=float, default=540, help="seconds for the whole run; a case that "
                         "would not fit in what is left is recorded as skipped (default 540)")
@@ -966,13 +968,13 @@ def main() -> None:
         if shape not in dirs:
             continue
         if "copt" not in skip:
-            if budget.allows(90 if shape == "8b" else 45):
+            if budget.allows(45 if shape == "1b" else 90):
                 timed(f"copt_{shape}", case_copt, shape, dirs[shape], made_by[shape], stream(shape), args, skip,
                       budget, results, save, work)
             else:
                 results.setdefault("copt", {})[shape] = {"skipped": "time budget"}
         if "tserve" not in skip:
-            if budget.allows(60 if shape == "8b" else 40):
+            if budget.allows(40 if shape == "1b" else 60):
                 timed(f"tserve_{shape}", case_tserve, shape, dirs[shape], stream(shape), args, budget, results,
                       save, work)
             else:
@@ -989,7 +991,7 @@ def main() -> None:
         timed("advise", adv)
     for shape in sorted(dirs, key=lambda x: x != "1b"):  # the 1B engine first: cheaper
         if "engine" not in skip:
-            if budget.allows(70 if shape == "8b" else 30):
+            if budget.allows(30 if shape == "1b" else 70):
                 timed(f"engine_{shape}", case_engine, shape, dirs[shape], stream(shape), budget, results, save,
                       shared_settings(args.copt_args))
             else:
