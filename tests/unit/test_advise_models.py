@@ -153,10 +153,12 @@ HELD_OUT = {("llama-3.1-8b", 64, 0.0): (5764, 0.373, 8.01e-3), ("llama-3.1-8b", 
             ("llama-3.2-1b", 64, 0.0): (15582, 0.201, 2.66e-3), ("llama-3.2-1b", 64, 1.0): (13753, 0.195, 3.06e-3),
             ("llama-3.2-1b", 256, 0.0): (14860, 1.295, 4.06e-3), ("llama-3.2-1b", 256, 1.0): (13049, 1.440, 4.51e-3)}
 # where advise misses by more than 15% (predicted ÷ measured), pinned so that a change in either shows
-KNOWN_MISSES = {("llama-3.2-1b", 64, 1.0, "output_tokens_per_s"): 1.15,
-                ("llama-3.2-1b", 256, 1.0, "output_tokens_per_s"): 1.21, ("llama-3.2-1b", 64, 0.0, "ttft_s"): 0.73,
-                ("llama-3.2-1b", 64, 1.0, "ttft_s"): 0.76, ("llama-3.2-1b", 256, 0.0, "tpot_s"): 0.78,
-                ("llama-3.2-1b", 256, 1.0, "tpot_s"): 0.76, ("llama-3.2-1b", 256, 1.0, "ttft_s"): 0.82}
+KNOWN_MISSES = {("llama-3.2-1b", 256, 0.0, "tpot_s"): 0.79,
+                ("llama-3.2-1b", 256, 1.0, "output_tokens_per_s"): 1.20,
+                ("llama-3.2-1b", 256, 1.0, "tpot_s"): 0.77,
+                ("llama-3.2-1b", 256, 1.0, "ttft_s"): 0.83,
+                ("llama-3.2-1b", 64, 0.0, "ttft_s"): 0.75,
+                ("llama-3.2-1b", 64, 1.0, "ttft_s"): 0.77}
 
 
 # The same bench at ee152cc with `copt serve DIR --max-batch-size 256` (every client's request runs at once), 1B
@@ -164,8 +166,10 @@ KNOWN_MISSES = {("llama-3.2-1b", 64, 1.0, "output_tokens_per_s"): 1.15,
 HELD_OUT_256 = {("llama-3.2-1b", 64, 0.0): (14585, 0.185, 2.86e-3), ("llama-3.2-1b", 64, 1.0): (16008, 0.163, 2.63e-3),
                 ("llama-3.2-1b", 256, 0.0): (21998, 0.532, 6.74e-3),
                 ("llama-3.2-1b", 256, 1.0): (19278, 0.695, 6.98e-3)}
-KNOWN_MISSES_256 = {("llama-3.2-1b", 64, 0.0, "output_tokens_per_s"): 1.17, ("llama-3.2-1b", 64, 0.0, "tpot_s"): 0.84,
-                    ("llama-3.2-1b", 64, 0.0, "ttft_s"): 0.80, ("llama-3.2-1b", 256, 1.0, "ttft_s"): 0.83}
+KNOWN_MISSES_256 = {("llama-3.2-1b", 256, 1.0, "ttft_s"): 0.85,
+                    ("llama-3.2-1b", 64, 0.0, "output_tokens_per_s"): 1.15,
+                    ("llama-3.2-1b", 64, 0.0, "tpot_s"): 0.85,
+                    ("llama-3.2-1b", 64, 0.0, "ttft_s"): 0.81}
 
 # `copt serve DIR` with today's defaults (--max-batch-size 256), H200, 2026-12-02, bench/gpu_serve_models.py
 # (docs/benchmarks.md, real model sizes), copt's own client as above. The TTFT model (half the round's prefill, and
@@ -177,8 +181,10 @@ DEFAULTS_256 = {("llama-3.1-8b", 64, 0.0): (5831, 0.404, 8.18e-3), ("llama-3.1-8
                 ("llama-3.2-1b", 256, 0.0): (21598, 0.544, 6.76e-3),
                 ("llama-3.2-1b", 256, 1.0): (16356, 0.707, 9.27e-3)}
 # the copt client's 1B sampled 256-client load ran slow in that run (guidellm's 24,463 tok/s, the engine's 25,605)
-KNOWN_MISSES_DEFAULTS = {("llama-3.2-1b", 256, 1.0, "output_tokens_per_s"): 1.30,
-                         ("llama-3.2-1b", 256, 1.0, "ttft_s"): 0.82, ("llama-3.2-1b", 256, 1.0, "tpot_s"): 0.72}
+KNOWN_MISSES_DEFAULTS = {("llama-3.1-8b", 64, 0.0, "ttft_s"): 0.83,
+                         ("llama-3.2-1b", 256, 1.0, "output_tokens_per_s"): 1.28,
+                         ("llama-3.2-1b", 256, 1.0, "tpot_s"): 0.73,
+                         ("llama-3.2-1b", 256, 1.0, "ttft_s"): 0.83}
 # The same defaults measured by the third-party tester (guidellm 0.8: temperature 1, no top_p, two requests per
 # stream, its own --seed per run) and by `copt profile endpoint` (top_p 0.95, closed loop for 10 s), H200,
 # 2026-12-02, bench/gpu_serve_models.py at fd577c7 (no prompt served from the prefix cache: the server's counters
@@ -194,14 +200,14 @@ THIRD_PARTY = {("llama-3.1-8b", 64, "guidellm"): (5899, 0.151, 9.27e-3),
                ("llama-3.2-1b", 256, "guidellm"): (19935, 0.625, 7.50e-3),
                ("llama-3.2-1b", 64, "profile"): (14152, 0.132, 3.49e-3),
                ("llama-3.2-1b", 256, "profile"): (17185, 0.459, 10.69e-3)}
-KNOWN_MISSES_THIRD_PARTY = {("llama-3.1-8b", 64, "guidellm", "ttft_s"): 2.36,
-                            ("llama-3.1-8b", 256, "guidellm", "ttft_s"): 2.96,
-                            ("llama-3.1-8b", 64, "profile", "ttft_s"): 2.19,
-                            ("llama-3.1-8b", 256, "profile", "ttft_s"): 4.31,
-                            # guidellm's 1B streams stayed nearly in step (later rounds started within 0.5 s)
-                            ("llama-3.2-1b", 256, "guidellm", "tpot_out_of_step_s"): 1.23,
-                            ("llama-3.2-1b", 256, "profile", "output_tokens_per_s"): 1.23,
-                            ("llama-3.2-1b", 256, "profile", "ttft_s"): 1.26}
+# (guidellm's 1B streams stayed nearly in step at 256: later rounds started within 0.5 s)
+KNOWN_MISSES_THIRD_PARTY = {("llama-3.1-8b", 256, "guidellm", "ttft_s"): 2.79,
+                            ("llama-3.1-8b", 256, "profile", "ttft_s"): 4.07,
+                            ("llama-3.1-8b", 64, "guidellm", "ttft_s"): 2.23,
+                            ("llama-3.1-8b", 64, "profile", "ttft_s"): 2.06,
+                            ("llama-3.2-1b", 256, "guidellm", "tpot_out_of_step_s"): 1.25,
+                            ("llama-3.2-1b", 256, "profile", "output_tokens_per_s"): 1.22,
+                            ("llama-3.2-1b", 256, "profile", "ttft_s"): 1.29}
 
 
 def _check_held_out(case: tuple, measured: tuple, known_misses: dict, tpot_key: str = "tpot_s",
@@ -258,11 +264,11 @@ HELD_OUT_512 = {("llama-3.2-1b", 32, "guidellm"): (11551, 0.152, 2.12e-3),
                 ("llama-3.2-1b", 128, "guidellm"): (19676, 0.309, 5.40e-3),
                 ("llama-3.2-1b", 32, "profile"): (12284, 0.100, 2.19e-3),
                 ("llama-3.2-1b", 128, "profile"): (20961, 0.148, 5.39e-3)}
-KNOWN_MISSES_512 = {("llama-3.2-1b", 32, "guidellm", "output_tokens_per_s"): 1.22,
-                    ("llama-3.2-1b", 128, "guidellm", "output_tokens_per_s"): 1.22,
-                    ("llama-3.2-1b", 32, "guidellm", "ttft_s"): 0.64,
-                    ("llama-3.2-1b", 128, "guidellm", "ttft_s"): 1.21,
-                    ("llama-3.2-1b", 128, "profile", "ttft_s"): 2.54}
+KNOWN_MISSES_512 = {("llama-3.2-1b", 128, "guidellm", "output_tokens_per_s"): 1.20,
+                    ("llama-3.2-1b", 128, "guidellm", "ttft_s"): 1.25,
+                    ("llama-3.2-1b", 128, "profile", "ttft_s"): 2.61,
+                    ("llama-3.2-1b", 32, "guidellm", "output_tokens_per_s"): 1.21,
+                    ("llama-3.2-1b", 32, "guidellm", "ttft_s"): 0.65}
 
 
 @pytest.mark.parametrize("case", sorted(HELD_OUT_512))

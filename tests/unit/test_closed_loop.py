@@ -271,18 +271,21 @@ MEASURED = {**{(model, 256, 128, clients, tester, 2 if tester == "guidellm" else
 # TTFT swings run to run (8B 512/128, profile endpoint at 32 clients, same tree, a second run: 0.148 s, replayed
 # 1.01; bench/results/serve-models-h200-2026-12-02/closed-loop-512x128/repeat-8b); the 1B's
 # tok/s and TPOT run over in some (its profile endpoint's TPOT at 256 clients under: 0.83).
-KNOWN_MISSES = {("llama-3.1-8b", 256, 128, 64, "guidellm", 2, "ttft"): 1.19,
-                ("llama-3.1-8b", 256, 128, 256, "guidellm", 2, "ttft"): 0.70,
-                ("llama-3.1-8b", 512, 128, 32, "guidellm", 2, "ttft"): 0.73,
-                ("llama-3.1-8b", 512, 128, 32, "profile", 10, "ttft"): 0.71,
+KNOWN_MISSES = {("llama-3.1-8b", 256, 128, 256, "guidellm", 2, "ttft"): 0.67,
+                ("llama-3.1-8b", 256, 128, 256, "profile", 10, "ttft"): 0.73,
+                ("llama-3.1-8b", 512, 128, 32, "guidellm", 2, "ttft"): 0.68,
+                ("llama-3.1-8b", 512, 128, 32, "profile", 10, "ttft"): 0.67,
                 ("llama-3.2-1b", 256, 128, 256, "profile", 10, "tok/s"): 1.23,
-                ("llama-3.2-1b", 256, 128, 256, "profile", 10, "tpot"): 0.83,
+                ("llama-3.2-1b", 256, 128, 256, "profile", 10, "tpot"): 0.82,
+                ("llama-3.2-1b", 512, 128, 128, "guidellm", 2, "tpot"): 1.27,
+                ("llama-3.2-1b", 512, 128, 128, "profile", 10, "tpot"): 1.25,
                 ("llama-3.2-1b", 512, 128, 32, "guidellm", 2, "tpot"): 1.19,
                 ("llama-3.2-1b", 512, 128, 32, "profile", 10, "tpot"): 1.19,
-                ("llama-3.2-1b", 512, 128, 128, "guidellm", 2, "tpot"): 1.25,
-                ("llama-3.2-1b", 512, 128, 128, "profile", 10, "tpot"): 1.22,
+                ("llama-3.2-1b", 512, 128, 32, "profile", 10, "ttft"): 0.43,
+                ("llama-3.2-1b", 512, 256, 128, "guidellm", 4, "tok/s"): 1.17,
                 ("llama-3.2-1b", 512, 256, 32, "guidellm", 4, "tok/s"): 1.21,
-                ("llama-3.2-1b", 512, 256, 128, "guidellm", 4, "tok/s"): 1.19}
+                ("llama-3.2-1b", 512, 256, 32, "guidellm", 4, "ttft"): 0.32,
+                ("llama-3.2-1b", 512, 256, 32, "profile", 15, "ttft"): 0.37}
 
 
 def _predicted(model: str, prompt: int, gen: int, clients: int, temperature: float, top_p: float,
@@ -322,11 +325,17 @@ def test_replayed_closed_loops_against_the_h200(case) -> None:
     model, prompt, gen, clients, tester, amount = case
     load = {"duration_s": float(amount)} if tester == "profile" else {"requests": amount * clients}
     figures = _predicted(model, prompt, gen, clients, 1.0, 0.95 if tester == "profile" else 1.0, load)
-    if model == "llama-3.2-1b":  # host-bound prefill steps: the 1B's loops stayed in step, the replay's do not
-        assert "closed_loop_ttft_s" not in figures
+    if model == "llama-3.2-1b" and clients >= 64:  # host-bound prefill steps: the 1B's loops stayed in step, the
+        assert "closed_loop_ttft_s" not in figures  # replay's do not (at 32 clients most are GPU-bound: pinned below)
     known = {name: ratio for (*key, name), ratio in KNOWN_MISSES.items() if tuple(key) == case}
     _check(model, figures, MEASURED[case], known)
 
+
+# The pinned ratios below are the current model's; the ones the comments quote are from when each run was pinned.
+# Since prefill's efficiency grows with the hidden size and the LM head runs once per prompt
+# (calibration.PREFILL_GEMM_EFFICIENCY; held out on a wide shape, bench/results/serve-models-h100-2026-12-06/
+# held-out-70b8l) the H200 runs below are within ±15% as often as before (closed loops 409 figures), the open loops
+# 83 of 98 figures where they were 90 of 97: the 8B's TTFTs come out shorter.
 
 # Greedy and sampled requests from one to 256 clients, 256/128, one run per shape (bench/gpu_serve_models.py
 # --tester-modes sampled,greedy --guidellm-loads 1,64,256 --guidellm-requests-per-stream 4 --profile-levels 1,64,256
@@ -368,15 +377,16 @@ GREEDY_AND_SAMPLED = {
 # the same way and its loops stay in step too. guidellm's one-client TTFT on the 1B is 1.5-2 ms below the other
 # clients'.
 GREEDY_AND_SAMPLED_MISSES = {
-    ("llama-3.1-8b", 64, "guidellm", 0.0, "ttft"): 0.72,
-    ("llama-3.1-8b", 64, "guidellm", 1.0, "ttft"): 1.15,
-    ("llama-3.1-8b", 64, "profile", 0.0, "ttft"): 0.76,
-    ("llama-3.1-8b", 64, "profile", 1.0, "ttft"): 0.56,
-    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.76,
-    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.78,
-    ("llama-3.2-1b", 1, "guidellm", 1.0, "ttft"): 1.20,
-    ("llama-3.2-1b", 64, "guidellm", 0.0, "tpot"): 1.29,
-    ("llama-3.2-1b", 64, "guidellm", 1.0, "tpot"): 1.37,
+    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.723,
+    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.742,
+    ("llama-3.1-8b", 256, "profile", 0.0, "ttft"): 0.772,
+    ("llama-3.1-8b", 256, "profile", 1.0, "ttft"): 0.763,
+    ("llama-3.1-8b", 64, "guidellm", 0.0, "ttft"): 0.690,
+    ("llama-3.1-8b", 64, "profile", 0.0, "ttft"): 0.723,
+    ("llama-3.1-8b", 64, "profile", 1.0, "ttft"): 0.533,
+    ("llama-3.2-1b", 1, "guidellm", 1.0, "ttft"): 1.215,
+    ("llama-3.2-1b", 64, "guidellm", 0.0, "tpot"): 1.277,
+    ("llama-3.2-1b", 64, "guidellm", 1.0, "tpot"): 1.354,
 }
 
 
@@ -403,12 +413,11 @@ RESULTS_BEFORE_PREFILL = {
 # Beyond ±15%, pinned (±3%): the closed-loop TTFT at six levels (0.56-1.16). Within ±15%: every tok/s and TPOT, the
 # one-client TTFTs and two closed-loop TTFTs.
 RESULTS_BEFORE_PREFILL_MISSES = {
-    ("llama-3.1-8b", 64, "guidellm", 0.0, "ttft"): 1.19,
-    ("llama-3.1-8b", 64, "profile", 0.0, "ttft"): 0.74,
-    ("llama-3.1-8b", 64, "profile", 1.0, "ttft"): 0.78,
-    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.56,
-    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.67,
-    ("llama-3.1-8b", 256, "profile", 1.0, "ttft"): 1.16,
+    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.529,
+    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.635,
+    ("llama-3.1-8b", 256, "profile", 0.0, "ttft"): 0.847,
+    ("llama-3.1-8b", 64, "profile", 0.0, "ttft"): 0.701,
+    ("llama-3.1-8b", 64, "profile", 1.0, "ttft"): 0.741,
 }
 
 
@@ -447,13 +456,12 @@ FIXED_CLIENT = {
 # them) the 1B's steps come within ±15% (bench/engine_trace_report.py --step-costs), but its closed loops' clients
 # fall out of step in the replay where the measured ones stayed in step (step-costs-*.txt with the results).
 FIXED_CLIENT_MISSES = {
-    ("llama-3.1-8b", 64, "profile", 1.0, "ttft"): 1.18,
-    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.54,
-    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.67,
-    ("llama-3.1-8b", 256, "profile", 1.0, "ttft"): 0.76,
-    ("llama-3.2-1b", 64, "guidellm", 0.0, "tpot"): 1.27,
-    ("llama-3.2-1b", 64, "guidellm", 1.0, "tpot"): 1.23,
-    ("llama-3.2-1b", 256, "profile", 0.0, "tpot"): 0.82,
+    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.519,
+    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.643,
+    ("llama-3.1-8b", 256, "profile", 1.0, "ttft"): 0.667,
+    ("llama-3.2-1b", 256, "profile", 0.0, "tpot"): 0.813,
+    ("llama-3.2-1b", 64, "guidellm", 0.0, "tpot"): 1.254,
+    ("llama-3.2-1b", 64, "guidellm", 1.0, "tpot"): 1.223,
 }
 
 
@@ -489,16 +497,16 @@ STEP_MODEL = {
     ("llama-3.2-1b", 256, "profile", 1.0): (18133, 0.4025, 11.13e-3),
 }
 STEP_MODEL_MISSES = {
-    ("llama-3.1-8b", 64, "guidellm", 0.0, "ttft"): 1.21,
-    ("llama-3.1-8b", 64, "profile", 0.0, "ttft"): 1.22,
-    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.69,
-    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.55,
-    ("llama-3.2-1b", 64, "guidellm", 0.0, "tpot"): 1.26,
-    ("llama-3.2-1b", 64, "profile", 0.0, "tpot"): 1.15,
-    ("llama-3.2-1b", 64, "profile", 1.0, "tpot"): 1.21,
-    ("llama-3.2-1b", 256, "profile", 0.0, "tpot"): 0.80,
-    ("llama-3.2-1b", 256, "profile", 1.0, "tok/s"): 1.17,
-    ("llama-3.2-1b", 256, "profile", 1.0, "tpot"): 0.78,
+    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.653,
+    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.526,
+    ("llama-3.1-8b", 64, "guidellm", 0.0, "ttft"): 1.154,
+    ("llama-3.1-8b", 64, "guidellm", 1.0, "ttft"): 0.831,
+    ("llama-3.1-8b", 64, "profile", 0.0, "ttft"): 1.158,
+    ("llama-3.2-1b", 256, "profile", 0.0, "tpot"): 0.801,
+    ("llama-3.2-1b", 256, "profile", 1.0, "tok/s"): 1.165,
+    ("llama-3.2-1b", 256, "profile", 1.0, "tpot"): 0.774,
+    ("llama-3.2-1b", 64, "guidellm", 0.0, "tpot"): 1.249,
+    ("llama-3.2-1b", 64, "profile", 1.0, "tpot"): 1.202,
 }
 
 
@@ -535,16 +543,17 @@ HELD_OUT_RERUN = {
     ("llama-3.2-1b", 256, "profile", 1.0): (19996, 0.3495, 9.21e-3),
 }
 HELD_OUT_RERUN_MISSES = {
-    ("llama-3.1-8b", 64, "guidellm", 1.0, "ttft"): 1.17,
-    ("llama-3.1-8b", 64, "profile", 0.0, "ttft"): 0.85,
-    ("llama-3.1-8b", 64, "profile", 1.0, "ttft"): 0.85,
-    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.46,
-    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.39,
-    ("llama-3.2-1b", 64, "guidellm", 0.0, "tpot"): 1.32,
-    ("llama-3.2-1b", 64, "guidellm", 1.0, "tpot"): 1.17,
-    ("llama-3.2-1b", 256, "guidellm", 0.0, "tok/s"): 0.85,
-    ("llama-3.2-1b", 256, "guidellm", 0.0, "tpot"): 1.23,
-    ("llama-3.2-1b", 256, "guidellm", 1.0, "tok/s"): 1.25,
+    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.432,
+    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.370,
+    ("llama-3.1-8b", 256, "profile", 1.0, "ttft"): 0.842,
+    ("llama-3.1-8b", 64, "guidellm", 0.0, "ttft"): 0.824,
+    ("llama-3.1-8b", 64, "profile", 0.0, "ttft"): 0.797,
+    ("llama-3.1-8b", 64, "profile", 1.0, "ttft"): 0.801,
+    ("llama-3.2-1b", 256, "guidellm", 0.0, "tok/s"): 0.846,
+    ("llama-3.2-1b", 256, "guidellm", 0.0, "tpot"): 1.230,
+    ("llama-3.2-1b", 256, "guidellm", 1.0, "tok/s"): 1.252,
+    ("llama-3.2-1b", 64, "guidellm", 0.0, "tpot"): 1.313,
+    ("llama-3.2-1b", 64, "guidellm", 1.0, "tpot"): 1.174,
 }
 
 
@@ -575,18 +584,19 @@ VARLEN_GRAPHS = {
     ("llama-3.2-1b", 256, "profile", 1.0): (22507, 0.3167, 8.73e-3),
 }
 VARLEN_GRAPHS_MISSES = {
-    ("llama-3.1-8b", 64, "guidellm", 0.0, "ttft"): 0.73,
-    ("llama-3.1-8b", 64, "profile", 1.0, "ttft"): 0.83,
-    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.39,
-    ("llama-3.2-1b", 1, "profile", 1.0, "ttft"): 0.80,
-    ("llama-3.2-1b", 64, "guidellm", 0.0, "ttft"): 0.58,
-    ("llama-3.2-1b", 64, "guidellm", 1.0, "ttft"): 0.56,
-    ("llama-3.2-1b", 64, "profile", 1.0, "ttft"): 0.61,
-    ("llama-3.2-1b", 256, "guidellm", 0.0, "ttft"): 0.58,
-    ("llama-3.2-1b", 256, "guidellm", 1.0, "tok/s"): 1.25,
-    ("llama-3.2-1b", 256, "guidellm", 1.0, "ttft"): 0.54,
-    ("llama-3.2-1b", 256, "profile", 1.0, "tok/s"): 1.19,
-    ("llama-3.2-1b", 256, "profile", 1.0, "tpot"): 0.84,
+    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.368,
+    ("llama-3.1-8b", 256, "profile", 1.0, "ttft"): 0.807,
+    ("llama-3.1-8b", 64, "guidellm", 0.0, "ttft"): 0.689,
+    ("llama-3.1-8b", 64, "profile", 1.0, "ttft"): 0.776,
+    ("llama-3.2-1b", 1, "profile", 1.0, "ttft"): 0.810,
+    ("llama-3.2-1b", 256, "guidellm", 0.0, "ttft"): 0.614,
+    ("llama-3.2-1b", 256, "guidellm", 1.0, "tok/s"): 1.222,
+    ("llama-3.2-1b", 256, "guidellm", 1.0, "ttft"): 0.570,
+    ("llama-3.2-1b", 256, "profile", 1.0, "tok/s"): 1.152,
+    ("llama-3.2-1b", 256, "profile", 1.0, "tpot"): 0.850,
+    ("llama-3.2-1b", 64, "guidellm", 0.0, "ttft"): 0.604,
+    ("llama-3.2-1b", 64, "guidellm", 1.0, "ttft"): 0.584,
+    ("llama-3.2-1b", 64, "profile", 1.0, "ttft"): 0.633,
 }
 
 # The 8B's levels on the split server with prompts tokenized on the API process's event loop as they arrive (H200,
@@ -608,10 +618,11 @@ INTAKE_ON_LOOP_8B = {
     ("llama-3.1-8b", 256, "profile", 0.0): (8024, 0.3049, 28.07e-3),
 }
 INTAKE_ON_LOOP_8B_MISSES = {
-    ("llama-3.1-8b", 64, "guidellm", 0.0, "ttft"): 0.845,
-    ("llama-3.1-8b", 64, "guidellm", 1.0, "ttft"): 0.837,
-    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.53,
-    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.522,
+    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.498,
+    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.490,
+    ("llama-3.1-8b", 256, "profile", 1.0, "ttft"): 0.807,
+    ("llama-3.1-8b", 64, "guidellm", 0.0, "ttft"): 0.792,
+    ("llama-3.1-8b", 64, "guidellm", 1.0, "ttft"): 0.784,
 }
 
 
@@ -632,22 +643,21 @@ INTAKE_ON_LOOP_1B = {
     ("llama-3.2-1b", 256, "profile", 1.0): (22293, 0.19781, 9.920e-3),
 }
 INTAKE_ON_LOOP_1B_MISSES = {
-    ("llama-3.2-1b", 64, "guidellm", 0.0, "ttft"): 0.598,
-    ("llama-3.2-1b", 64, "guidellm", 1.0, "tok/s"): 1.216,
-    ("llama-3.2-1b", 64, "guidellm", 1.0, "ttft"): 0.547,
-    ("llama-3.2-1b", 64, "profile", 0.0, "ttft"): 0.695,
-    ("llama-3.2-1b", 64, "profile", 1.0, "ttft"): 0.817,
-    ("llama-3.2-1b", 256, "guidellm", 0.0, "tok/s"): 1.508,
-    ("llama-3.2-1b", 256, "guidellm", 0.0, "ttft"): 0.581,
-    ("llama-3.2-1b", 256, "guidellm", 0.0, "tpot"): 0.799,
-    ("llama-3.2-1b", 256, "guidellm", 1.0, "tok/s"): 1.362,
-    ("llama-3.2-1b", 256, "guidellm", 1.0, "ttft"): 0.547,
-    ("llama-3.2-1b", 256, "guidellm", 1.0, "tpot"): 0.813,
-    ("llama-3.2-1b", 256, "profile", 0.0, "ttft"): 1.306,
-    ("llama-3.2-1b", 256, "profile", 0.0, "tpot"): 0.85,
-    ("llama-3.2-1b", 256, "profile", 1.0, "tok/s"): 1.197,
-    ("llama-3.2-1b", 256, "profile", 1.0, "ttft"): 1.442,
-    ("llama-3.2-1b", 256, "profile", 1.0, "tpot"): 0.736,
+    ("llama-3.2-1b", 256, "guidellm", 0.0, "tok/s"): 1.476,
+    ("llama-3.2-1b", 256, "guidellm", 0.0, "tpot"): 0.810,
+    ("llama-3.2-1b", 256, "guidellm", 0.0, "ttft"): 0.613,
+    ("llama-3.2-1b", 256, "guidellm", 1.0, "tok/s"): 1.333,
+    ("llama-3.2-1b", 256, "guidellm", 1.0, "tpot"): 0.823,
+    ("llama-3.2-1b", 256, "guidellm", 1.0, "ttft"): 0.578,
+    ("llama-3.2-1b", 256, "profile", 0.0, "ttft"): 1.409,
+    ("llama-3.2-1b", 256, "profile", 1.0, "tok/s"): 1.163,
+    ("llama-3.2-1b", 256, "profile", 1.0, "tpot"): 0.748,
+    ("llama-3.2-1b", 256, "profile", 1.0, "ttft"): 1.510,
+    ("llama-3.2-1b", 64, "guidellm", 0.0, "ttft"): 0.621,
+    ("llama-3.2-1b", 64, "guidellm", 1.0, "tok/s"): 1.197,
+    ("llama-3.2-1b", 64, "guidellm", 1.0, "ttft"): 0.568,
+    ("llama-3.2-1b", 64, "profile", 0.0, "ttft"): 0.721,
+    ("llama-3.2-1b", 64, "profile", 1.0, "ttft"): 0.848,
 }
 
 # Longer closed loops, both shapes, greedy and sampled (H200, 2026-12-04, e0af88a: 12 requests per guidellm stream,
@@ -669,9 +679,9 @@ LONG_LOADS_8B = {
     ("llama-3.1-8b", 256, "profile", 1.0): (7792, 0.22458, 30.739e-3),
 }
 LONG_LOADS_8B_MISSES = {
-    ("llama-3.1-8b", 64, "guidellm", 0.0, "ttft"): 1.156,
-    ("llama-3.1-8b", 64, "guidellm", 1.0, "ttft"): 0.827,
-    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.614,
+    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.826,
+    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.578,
+    ("llama-3.1-8b", 64, "guidellm", 1.0, "ttft"): 0.775,
 }
 LONG_LOADS_1B = {
     ("llama-3.2-1b", 64, "guidellm", 0.0): (20138, 0.07801, 2.564e-3),
@@ -684,25 +694,24 @@ LONG_LOADS_1B = {
     ("llama-3.2-1b", 256, "profile", 1.0): (22475, 0.1671, 10.056e-3),
 }
 LONG_LOADS_1B_MISSES = {
-    ("llama-3.2-1b", 64, "guidellm", 0.0, "ttft"): 0.756,
-    ("llama-3.2-1b", 64, "guidellm", 1.0, "tok/s"): 1.181,
-    ("llama-3.2-1b", 64, "guidellm", 1.0, "ttft"): 0.547,
-    ("llama-3.2-1b", 256, "guidellm", 0.0, "tok/s"): 1.274,
-    ("llama-3.2-1b", 256, "guidellm", 0.0, "ttft"): 0.813,
-    ("llama-3.2-1b", 256, "guidellm", 0.0, "tpot"): 0.762,
-    ("llama-3.2-1b", 256, "guidellm", 1.0, "tok/s"): 1.207,
-    ("llama-3.2-1b", 256, "guidellm", 1.0, "ttft"): 1.509,
-    ("llama-3.2-1b", 256, "guidellm", 1.0, "tpot"): 0.782,
-    ("llama-3.2-1b", 256, "profile", 0.0, "ttft"): 1.539,
-    ("llama-3.2-1b", 256, "profile", 1.0, "tok/s"): 1.191,
-    ("llama-3.2-1b", 256, "profile", 1.0, "ttft"): 1.708,
-    ("llama-3.2-1b", 256, "profile", 1.0, "tpot"): 0.738,
+    ("llama-3.2-1b", 256, "guidellm", 0.0, "tok/s"): 1.245,
+    ("llama-3.2-1b", 256, "guidellm", 0.0, "tpot"): 0.772,
+    ("llama-3.2-1b", 256, "guidellm", 1.0, "tok/s"): 1.181,
+    ("llama-3.2-1b", 256, "guidellm", 1.0, "tpot"): 0.792,
+    ("llama-3.2-1b", 256, "guidellm", 1.0, "ttft"): 1.595,
+    ("llama-3.2-1b", 256, "profile", 0.0, "ttft"): 1.658,
+    ("llama-3.2-1b", 256, "profile", 1.0, "tok/s"): 1.162,
+    ("llama-3.2-1b", 256, "profile", 1.0, "tpot"): 0.748,
+    ("llama-3.2-1b", 256, "profile", 1.0, "ttft"): 1.788,
+    ("llama-3.2-1b", 64, "guidellm", 0.0, "ttft"): 0.785,
+    ("llama-3.2-1b", 64, "guidellm", 1.0, "tok/s"): 1.163,
+    ("llama-3.2-1b", 64, "guidellm", 1.0, "ttft"): 0.568,
 }
 
 # The same long loops on an H100 80GB HBM3 (bench/results/serve-models-h100-2026-12-06/long-loads-{1b,8b}, traces in the
 # 8B's), replayed with advise's H100 figures (no constant fitted to an H100): the 1B at 1b8fa11 (12 requests per
 # guidellm stream, 30 s profile endpoint levels), the 8B at 6224514 (6 per stream, 15 s levels; its profile endpoint's
-# greedy levels did not finish). tok/s 14 of 14 within ±15%, TPOT 13 of 14, TTFT 5 of 14.
+# greedy levels did not finish). tok/s 14 of 14 within ±15%, TPOT 13 of 14, TTFT 6 of 14.
 H100_LONG_LOADS_1B = {
     ("llama-3.2-1b", 64, "guidellm", 0.0): (20208, 0.06990, 2.610e-3),
     ("llama-3.2-1b", 64, "guidellm", 1.0): (19700, 0.07478, 2.646e-3),
@@ -714,13 +723,12 @@ H100_LONG_LOADS_1B = {
     ("llama-3.2-1b", 256, "profile", 1.0): (26814, 0.10322, 8.708e-3),
 }
 H100_LONG_LOADS_1B_MISSES = {
-    ("llama-3.2-1b", 64, "guidellm", 1.0, "ttft"): 0.800,
-    ("llama-3.2-1b", 64, "profile", 1.0, "ttft"): 0.830,
-    ("llama-3.2-1b", 256, "guidellm", 0.0, "ttft"): 1.960,
-    ("llama-3.2-1b", 256, "guidellm", 1.0, "ttft"): 1.215,
-    ("llama-3.2-1b", 256, "profile", 0.0, "ttft"): 2.904,
-    ("llama-3.2-1b", 256, "profile", 1.0, "tpot"): 1.161,
-    ("llama-3.2-1b", 256, "profile", 1.0, "ttft"): 0.651,
+    ("llama-3.2-1b", 256, "guidellm", 0.0, "ttft"): 2.053,
+    ("llama-3.2-1b", 256, "guidellm", 1.0, "ttft"): 1.253,
+    ("llama-3.2-1b", 256, "profile", 0.0, "ttft"): 3.042,
+    ("llama-3.2-1b", 256, "profile", 1.0, "tpot"): 1.183,
+    ("llama-3.2-1b", 256, "profile", 1.0, "ttft"): 0.672,
+    ("llama-3.2-1b", 64, "guidellm", 1.0, "ttft"): 0.829,
 }
 H100_LONG_LOADS_8B = {
     ("llama-3.1-8b", 64, "guidellm", 0.0): (5167, 0.24070, 10.446e-3),
@@ -731,9 +739,9 @@ H100_LONG_LOADS_8B = {
     ("llama-3.1-8b", 256, "profile", 1.0): (7237, 0.31121, 31.793e-3),
 }
 H100_LONG_LOADS_8B_MISSES = {
-    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.606,
-    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.631,
-    ("llama-3.1-8b", 256, "profile", 1.0, "ttft"): 0.826,
+    ("llama-3.1-8b", 256, "guidellm", 0.0, "ttft"): 0.570,
+    ("llama-3.1-8b", 256, "guidellm", 1.0, "ttft"): 0.594,
+    ("llama-3.1-8b", 256, "profile", 1.0, "ttft"): 0.752,
 }
 
 # run: (levels, pinned misses, whether that engine streamed a step's decode before its prefill, whether its prefill
@@ -888,8 +896,10 @@ STEP_MODEL_RATES = {
     ("llama-3.2-1b", 160.0, 1.0): (17566, 0.7224, 13.80e-3),
 }
 STEP_MODEL_RATE_MISSES = {
-    ("llama-3.1-8b", 64.0, 1.0, "ttft"): 0.55,
-    ("llama-3.2-1b", 120.0, 0.0, "tpot"): 0.43,
+    ("llama-3.1-8b", 48.0, 1.0, "tpot"): 0.830,
+    ("llama-3.1-8b", 64.0, 1.0, "ttft"): 0.477,
+    ("llama-3.2-1b", 120.0, 0.0, "tpot"): 0.462,
+    ("llama-3.2-1b", 160.0, 1.0, "tpot"): 1.153,
 }
 
 # The 8B's sampled rate levels again, with decode chains replayed as the engine runs them (predictions written down
@@ -900,7 +910,9 @@ STEP_MODEL_RATES_CHAINS = {
     ("llama-3.1-8b", 48.0, 1.0): (5334, 0.0478, 19.44e-3),
     ("llama-3.1-8b", 64.0, 1.0): (6561, 0.1066, 31.64e-3),
 }
-STEP_MODEL_RATE_CHAINS_MISSES: dict[tuple, float] = {}
+STEP_MODEL_RATE_CHAINS_MISSES = {
+    ("llama-3.1-8b", 48.0, 1.0, "tpot"): 0.829,
+}
 # The held-out rerun's rate levels (predicted before it, see HELD_OUT_RERUN): beyond ±15%, pinned (±3%), the 8B's
 # sampled TTFT at 64/s (0.21: the queue that level builds near the engine's limit, 0.077, 0.214 and 0.577 s in three
 # runs) and its greedy 48/s level (TPOT 0.78, TTFT 0.83; 16.9 and 17.9 ms TPOT in the two runs before).
@@ -921,9 +933,13 @@ HELD_OUT_RERUN_RATES = {
     ("llama-3.2-1b", 160.0, 1.0): (15433, 1.2504, 16.14e-3),
 }
 HELD_OUT_RERUN_RATE_MISSES = {
-    ("llama-3.1-8b", 48.0, 0.0, "tpot"): 0.78,
-    ("llama-3.1-8b", 48.0, 0.0, "ttft"): 0.83,
-    ("llama-3.1-8b", 64.0, 1.0, "ttft"): 0.21,
+    ("llama-3.1-8b", 24.0, 0.0, "ttft"): 0.849,
+    ("llama-3.1-8b", 48.0, 0.0, "tpot"): 0.699,
+    ("llama-3.1-8b", 48.0, 0.0, "ttft"): 0.743,
+    ("llama-3.1-8b", 48.0, 1.0, "tpot"): 0.810,
+    ("llama-3.1-8b", 48.0, 1.0, "ttft"): 0.826,
+    ("llama-3.1-8b", 64.0, 0.0, "ttft"): 0.728,
+    ("llama-3.1-8b", 64.0, 1.0, "ttft"): 0.177,
 }
 # The rate levels of the VARLEN_GRAPHS run (sampled only: the greedy ones ran out of its time), predicted before it;
 # beyond ±15%, pinned (±3%): the 8B's TTFT at 64/s (3.01: 0.26 s measured, 0.08-0.58 s in the runs before, the queue
@@ -938,8 +954,9 @@ VARLEN_GRAPHS_RATES = {
     ("llama-3.2-1b", 160.0, 1.0): (17042, 0.6428, 14.30e-3),
 }
 VARLEN_GRAPHS_RATE_MISSES = {
-    ("llama-3.1-8b", 64.0, 1.0, "ttft"): 3.01,
-    ("llama-3.2-1b", 120.0, 1.0, "ttft"): 0.74,
+    ("llama-3.1-8b", 64.0, 1.0, "ttft"): 1.442,
+    ("llama-3.2-1b", 120.0, 1.0, "ttft"): 0.773,
+    ("llama-3.2-1b", 160.0, 1.0, "ttft"): 1.577,
 }
 # run: (levels, pinned misses, whether that engine's prefill graphs were the masked ones)
 RATE_RUNS = {"step-model": (STEP_MODEL_RATES, STEP_MODEL_RATE_MISSES, True),

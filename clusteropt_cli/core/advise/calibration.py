@@ -88,8 +88,23 @@ FP8_GEMM_FACTOR = 0.62
 # Eager fp8 (compile off; not measured): this fraction of the eager bf16 MFU, on the 2× peak (the ratio the
 # compiled fp8 anchor gave under the single-MFU model).
 FP8_MFU_FACTOR = 0.53
-# Prefill runs large matmuls: MFU of a prefill forward (vLLM/HF sdpa on Hopper, typical 0.4–0.6).
-PREFILL_MFU = 0.50
+# Prefill: a pass's FLOPs (timing.prefill_flops: every prompt token through the decoder, the LM head once per prompt,
+# for its last token's logits) at ceiling × h / (h + overhead_width) of dense peak (timing.prefill_gemm_efficiency,
+# the form of COMPILED_GEMM_EFFICIENCY: GEMM work per token ∝ h², the memory-bound rest ∝ h). Ceiling: the large-GEMM
+# figure (0.78 measured, 0.80 as there); the width fitted (least squares on log predicted ÷ measured, a grid over
+# 0.62-0.80 and 800-2,800) on the H200 anchors: batch-1 TTFT of 32- and 256-token prompts (in-process, below) 1.00
+# and 1.02 (1B), 1.00 and 0.96 (8B); the 1B's packed steps (in-process, below) of eight and four 256-token prompts and
+# of one 2,048-token prompt 1.05, 1.03, 0.96; the 8B's closed-loop steps of 6-8 prompt chunks (engine traces of the
+# long loops, bench/results/serve-models-h200-2026-12-04/long-loads-8b[-greedy], engine_trace_report.py --step-costs)
+# 1.00 and 1.03 → 2,400: 0.37 of peak at h 2,048 (1B), 0.45 at 3,072, 0.50 at 4,096 (8B), 0.62 at 8,192. Held out:
+# the same steps of the 8B's long loops on an H100 (serve-models-h100-2026-12-06/long-loads-8b) 0.98. Before (0.50 of
+# peak for every model, the LM head on every prompt token) those figures were 1.00, 1.00, 1.00, 1.00; 1.00, 0.99,
+# 0.90; 1.06 and 1.09; H100 1.04: the 8B's packed steps priced 4-9% high, which the 1B's anchors had hidden.
+PREFILL_GEMM_EFFICIENCY = {"ceiling": 0.80, "overhead_width": 2400.0}
+# A decode step over many rows can be bound by its FLOPs rather than its bytes: this fraction of dense peak then (the
+# flat prefill figure this model used before PREFILL_GEMM_EFFICIENCY; rarely binding: 256 rows of the 1B shape need
+# 1.3 ms of it against a 1.35 ms bandwidth floor on the H200).
+DECODE_COMPUTE_MFU = 0.50
 # Fraction of HBM bandwidth a decode step reaches (memory-bound kernels; 4.26 TB/s measured copy vs 4.8 datasheet
 # on the H200 = 0.89; decode GEMVs typically 0.7–0.85).
 DECODE_BANDWIDTH_EFFICIENCY = 0.80
@@ -108,7 +123,7 @@ STATIC_BATCH_EFFICIENCY = 0.6
 #   3.9 µs per sequence. (The 30 µs fitted before came from clients' TPOT under loads whose prompts were served
 #   from the prefix cache, prefill stalls included.)
 # - per prompt: the engine's whole load took 1.180 s greedy and 1.186 s sampled (median of 3) against 0.33 s of
-#   prefill FLOPs at PREFILL_MFU and 128 decode steps at the rates above → 1.7 ms per prompt (16 prompts per
+#   prefill FLOPs at a flat 0.50 of peak and 128 decode steps at the rates above → 1.7 ms per prompt (16 prompts per
 #   4,096-token step: a mixed step took 39 ms median; eager layers, the step's first tokens, the finish tail).
 # - per request of a round through HTTP: the clients' wall was 1.465 s greedy / 1.532 s sampled against the
 #   engine's model above → 1.25 ms per request (the API process takes the requests in, then streams every token
@@ -124,11 +139,12 @@ STATIC_BATCH_EFFICIENCY = 0.6
 # (docs/benchmarks.md#h200-baselines: batch 64 left-padded 2,372 output tok/s = 27 ms/step; batch 1 eager measured
 # 43.5 ms/token, so batch-1 figures from this anchor are optimistic). vLLM is not calibrated here (roofline only).
 # A prompt prefilled alone (batch 1) runs as a captured prefill graph (up to 2,048 tokens: runner.PrefillGraph):
-# max(its FLOPs at PREFILL_MFU, the weights at DECODE_BANDWIDTH_EFFICIENCY) plus a cost per layer (its chain of small
-# kernels) and per request (scheduling, first-token sampling, emission). In-process engine, H200, 2026-12-01
-# (bench/gpu_ttft_profile.py, docs/benchmarks.md#time-to-first-token), TTFT for prompts of 32 and 256 tokens:
-# 1B shape 3.92 and 4.59 ms, 8B shape 10.43 and 13.98 ms → 0.185 ms per layer, 0.32 ms per request (predicts 3.92,
-# 4.58, 10.43 and 14.5 ms). Through `copt serve` (one streaming greedy request of 256 prompt tokens at a time,
+# max(its FLOPs at PREFILL_GEMM_EFFICIENCY, the weights at DECODE_BANDWIDTH_EFFICIENCY) plus a cost per layer (its
+# chain of small kernels) and per request (scheduling, first-token sampling, emission). In-process engine, H200,
+# 2026-12-01 (bench/gpu_ttft_profile.py, docs/benchmarks.md#time-to-first-token), TTFT for prompts of 32 and 256
+# tokens: 1B shape 3.92 and 4.59 ms, 8B shape 10.43 and 13.98 ms → 0.185 ms per layer, 0.32 ms per request (fitted
+# with a flat 0.50 of peak; with PREFILL_GEMM_EFFICIENCY they predict 3.92, 4.66, 10.42 and 13.4 ms).
+# Through `copt serve` (one streaming greedy request of 256 prompt tokens at a time,
 # bench/gpu_serve_models.py, H200, 2026-12-02) the first token came 3.8 ms (1B: 8.2 ms against 4.4 in-process at
 # c8431df) and 3.5 ms (8B: 17.0 against 13.6) later: 3.6 ms per request for the server (HTTP, tokenization, the
 # first SSE event), added to every TTFT of copt's engine. In-process a sampled request's first token costs more (the

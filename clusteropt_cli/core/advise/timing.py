@@ -156,6 +156,24 @@ def compiled_gemm_efficiency(spec: ModelSpec) -> float:
     return ceiling * h / (h + width)
 
 
+def prefill_gemm_efficiency(spec: ModelSpec) -> float:
+    """Fraction of dense peak a prefill pass reaches on its FLOPs, by the same form as compiled_gemm_efficiency: a
+    ceiling scaled by h / (h + w), the memory-bound work per token next to the GEMMs per token
+    (calibration.PREFILL_GEMM_EFFICIENCY)."""
+    ceiling, width = cal.PREFILL_GEMM_EFFICIENCY["ceiling"], cal.PREFILL_GEMM_EFFICIENCY["overhead_width"]
+    h = spec.hidden_size
+    return ceiling * h / (h + width)
+
+
+def prefill_flops(spec: ModelSpec, tokens: int, prompts: int, context_len: int) -> float:
+    """FLOPs of a prefill pass over `tokens` prompt tokens of `prompts` prompts: every token through the decoder
+    (attention over `context_len` keys), the LM head only for each prompt's last token (the engine computes no
+    other logits of a prompt)."""
+    head = 2.0 * spec.vocab_size * spec.hidden_size
+    per_token = max(0.0, spec.forward_flops_per_token(context_len) - head)
+    return tokens * per_token + prompts * head
+
+
 def train_time(spec: ModelSpec, plan: TrainPlan, target: Target) -> TimeEstimate:
     """Step time = compute / (1 − bubble) + optimizer step + exposed communication + offload time.
 
@@ -283,15 +301,20 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     # request computed them) are not prefilled; the rest attend to the whole prompt
     hit = prefix_hit_tokens(spec, plan)
     computed = plan.prompt_len - hit
-    flops_per_prompt_token = spec.forward_flops_per_token(hit + computed // 2)
+    prefill_context = hit + computed // 2
+    prefill_peak = peak * prefill_gemm_efficiency(spec)
+
+    def prefill_compute_s(tokens: int, prompts: int) -> float:
+        """The FLOPs of a prefill pass at what prefill reaches of the peak."""
+        return prefill_flops(spec, tokens, prompts, prefill_context) / prefill_peak
 
     def prefill_seconds(tokens: int, requests: int | None = None) -> float:
         """One prefill pass over `tokens` prompt tokens of `requests` requests (by default: whole prompts)."""
-        compute = max(tokens * flops_per_prompt_token / (peak * cal.PREFILL_MFU), w_bytes / bandwidth)
-        if not engine:
-            return compute
         if requests is None:
             requests = math.ceil(tokens / computed)
+        compute = max(prefill_compute_s(tokens, requests), w_bytes / bandwidth)
+        if not engine:
+            return compute
         return compute + requests * engine["prefill_request_s"]
 
     # continuous batching runs at most the engine's concurrency (--max-batch-size, or what its KV cache holds);
@@ -309,7 +332,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     if engine and running == 1 and plan.continuous_batching and computed <= engine.get("prefill_graph_tokens", 0):
         # alone, copt's engine prefills the prompt as one captured graph (cal.SERVING_ENGINES)
         one_prefill = prefill_s = (
-            max(computed * flops_per_prompt_token / (peak * cal.PREFILL_MFU),
+            max(prefill_compute_s(computed, 1),
                 w_bytes / (bandwidth * cal.DECODE_BANDWIDTH_EFFICIENCY))
             + spec.num_layers * engine["prefill_graph_layer_s"] + engine["prefill_graph_request_s"])
     if plan.continuous_batching and plan.batch > 1:
@@ -342,7 +365,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         else:
             active_w = w_bytes
         floor = (active_w + kv_read) / bandwidth
-        compute = rows * spec.forward_flops_per_token(int(ctx)) / (peak * cal.PREFILL_MFU)
+        compute = rows * spec.forward_flops_per_token(int(ctx)) / (peak * cal.DECODE_COMPUTE_MFU)
         seconds = max(floor / cal.DECODE_BANDWIDTH_EFFICIENCY, compute)
         if engine:
             seconds += engine["step_fixed_s"] + engine["step_per_seq_s"] * rows
@@ -405,7 +428,8 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
                "running_seqs": running}
     if target.gpu_hour_usd:
         figures["usd_per_million_tokens"] = target.gpu_hour_usd * tp / 3600 / out_tps * 1e6
-    assumptions = {"prefill_mfu": cal.PREFILL_MFU, "decode_bandwidth_efficiency": cal.DECODE_BANDWIDTH_EFFICIENCY,
+    assumptions = {"prefill_gemm_efficiency": prefill_gemm_efficiency(spec),
+                   "decode_bandwidth_efficiency": cal.DECODE_BANDWIDTH_EFFICIENCY,
                    "hbm_bandwidth_tbs": gpu.hbm_bandwidth / 1e12, "peak_tflops": peak / tp / 1e12}
     assumptions["engine"] = engine_name
     assumptions["sampling"] = (f"sampled (temperature > 0, {sampling_mode(plan, running).replace('_', ' ')})"
@@ -474,7 +498,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
             bucket = graph_bucket(tokens, chunks, cached + hit * chunks, masked)
             graphed = bucket is not None
             if graphed and varlen and not masked:
-                device += (max(bucket * flops_per_prompt_token / (peak * cal.PREFILL_MFU),
+                device += (max(prefill_compute_s(bucket, chunks),
                                w_bytes / (bandwidth * cal.DECODE_BANDWIDTH_EFFICIENCY))
                            + spec.num_layers * engine["prefill_graph_layer_s"])
                 host += chunks * engine["prefill_graph_request_s"]
