@@ -35,7 +35,7 @@ from clusteropt_cli.hardware import get_gpu, match_catalog
 from clusteropt_cli.modelspec import load_model_spec
 
 # the shapes gpu_serve_models.py builds: a preset, or the shape's config
-PRESETS = {"1b": "llama-3.2-1b", "8b": "llama-3.1-8b",
+PRESETS = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b", "8b": "llama-3.1-8b",
            "70b8l": dict(LLAMA_70B_8L_SHAPE, model_type="llama", _name_or_path="llama-70b-8l")}
 FIGURES = ("output_tokens_per_s", "ttft_s", "tpot_s")  # what each level is checked on
 

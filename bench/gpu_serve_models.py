@@ -100,6 +100,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from common import (  # noqa: E402
     COPY_BW,
     LLAMA_1B_SHAPE,
+    LLAMA_3B_SHAPE,
     LLAMA_8B_SHAPE,
     LLAMA_70B_8L_SHAPE,
     free_gpu,
@@ -115,7 +116,7 @@ from clusteropt_cli.core.profile.endpoint import hit_rate  # noqa: E402
 SMOKE_SHAPE = dict(LLAMA_1B_SHAPE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16, intermediate_size=128, vocab_size=8192, max_position_embeddings=2048,
                    bos_token_id=8189, eos_token_id=8190, pad_token_id=8191)
-SHAPES = {"1b": LLAMA_1B_SHAPE, "8b": LLAMA_8B_SHAPE, "70b8l": LLAMA_70B_8L_SHAPE}
+SHAPES = {"1b": LLAMA_1B_SHAPE, "3b": LLAMA_3B_SHAPE, "8b": LLAMA_8B_SHAPE, "70b8l": LLAMA_70B_8L_SHAPE}
 MODES = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0, "top_p": 0.95}}
 CFG = {"prompt_len": 256, "out_tokens": 128, "loads": [64, 256], "b1_requests": 3}
 CASES = ("copt", "b1", "loads", "guidellm", "profile", "tserve", "engine", "advise")
@@ -842,7 +843,7 @@ def comparisons(results: dict, shape: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON results path (rewritten after every case)")
-    parser.add_argument("--shapes", default="1b", help="comma-separated, run in this order: 1b, 8b, 70b8l "
+    parser.add_argument("--shapes", default="1b", help="comma-separated, run in this order: 1b, 3b, 8b, 70b8l "
                         "(Llama-3.1-70B's width on 8 layers; default 1b)")
     parser.add_argument("--skip", default="", help="comma-separated cases to leave out: " + ", ".join(CASES))
     parser.add_argument("--budget-s", type=float, default=540, help="seconds for the whole run; a case that "
