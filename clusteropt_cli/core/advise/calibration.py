@@ -94,12 +94,14 @@ FP8_MFU_FACTOR = 0.53
 # figure (0.78 measured, 0.80 as there); the width fitted (least squares on log predicted ÷ measured, a grid over
 # 0.62-0.80 and 800-2,800) on the H200 anchors: batch-1 TTFT of 32- and 256-token prompts (in-process, below) 1.00
 # and 1.02 (1B), 1.00 and 0.96 (8B); the 1B's packed steps (in-process, below) of eight and four 256-token prompts and
-# of one 2,048-token prompt 1.05, 1.03, 0.96; the 8B's closed-loop steps of 6-8 prompt chunks (engine traces of the
-# long loops, bench/results/serve-models-h200-2026-12-04/long-loads-8b[-greedy], engine_trace_report.py --step-costs)
+# of one 2,048-token prompt 1.05, 1.03, 0.96; the 8B's closed-loop steps of 6-8 prompt chunks (the engine traces of
+# its long loops, sampled and greedy, docs/benchmarks.md#closed-loops-replayed; engine_trace_report.py --step-costs)
 # 1.00 and 1.03 → 2,400: 0.37 of peak at h 2,048 (1B), 0.45 at 3,072, 0.50 at 4,096 (8B), 0.62 at 8,192. Held out:
-# the same steps of the 8B's long loops on an H100 (serve-models-h100-2026-12-06/long-loads-8b) 0.98. Before (0.50 of
-# peak for every model, the LM head on every prompt token) those figures were 1.00, 1.00, 1.00, 1.00; 1.00, 0.99,
-# 0.90; 1.06 and 1.09; H100 1.04: the 8B's packed steps priced 4-9% high, which the 1B's anchors had hidden.
+# the same steps of the 8B's long loops on an H100 0.98; the in-process packed steps of the 8B (docs/benchmarks.md
+# #time-to-first-token) 1.03, 1.06, 0.98; a wider model on an H100 (Llama-3.1-70B's width on 8 layers, same section
+# as the loops) 0.97-1.00. Before (0.50 of peak for every model, the LM head on every prompt token) those figures were
+# 1.00, 1.00, 1.00, 1.00; 1.00, 0.99, 0.90; 1.06 and 1.09; H100 1.04; 1.10, 1.13, 1.05; 1.27-1.30: the 8B's packed
+# steps priced 4-13% high and the wide model's 30%, which the 1B's anchors had hidden.
 PREFILL_GEMM_EFFICIENCY = {"ceiling": 0.80, "overhead_width": 2400.0}
 # A decode step over many rows can be bound by its FLOPs rather than its bytes: this fraction of dense peak then (the
 # flat prefill figure this model used before PREFILL_GEMM_EFFICIENCY; rarely binding: 256 rows of the 1B shape need
