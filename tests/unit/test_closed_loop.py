@@ -298,7 +298,7 @@ def _predicted(model: str, prompt: int, gen: int, clients: int, temperature: flo
     new prompts only (every run pinned here before VARLEN_GRAPHS). `gpu`: the catalog GPU the level ran on."""
     plan = InferPlan(batch=clients, prompt_len=prompt, gen_len=gen, continuous_batching=True,
                      temperature=temperature, top_p=top_p)
-    spec, target = load_model_spec(model), Target(get_gpu(gpu))
+    spec, target = load_model_spec(SHAPE_CONFIGS.get(model, model)), Target(get_gpu(gpu))
     if clients == 1:
         figures = infer_time(spec, plan, target).figures
         return {f"closed_loop_{name}": figures[name] for name in ("output_tokens_per_s", "ttft_s", "tpot_s")}
@@ -744,6 +744,31 @@ H100_LONG_LOADS_8B_MISSES = {
     ("llama-3.1-8b", 256, "profile", 1.0, "ttft"): 0.752,
 }
 
+# Held out on an H100 (predicted before each run; bench/results/serve-models-h100-2026-12-06/held-out-{70b8l,3b}):
+# Llama-3.1-70B's width on 8 layers at f02a78b (guidellm 6 requests per stream, 15 s profile endpoint levels; the
+# prefill model of d141a0c was fitted without it) and the Llama-3.2-3B shape at c9960a3 (guidellm only).
+H100_HELD_OUT = {
+    ("llama-70b-8l", 64, "guidellm", 1.0): (6344, 0.18792, 8.616e-3),
+    ("llama-70b-8l", 256, "guidellm", 1.0): (10098, 0.24490, 23.342e-3),
+    ("llama-70b-8l", 64, "profile", 1.0): (6163, 0.17269, 8.996e-3),
+    ("llama-70b-8l", 256, "profile", 1.0): (9791, 0.25405, 23.791e-3),
+    ("llama-3.2-3b", 64, "guidellm", 1.0): (8061, 0.20084, 6.359e-3),
+    ("llama-3.2-3b", 256, "guidellm", 1.0): (11746, 0.33785, 18.891e-3),
+}
+H100_HELD_OUT_MISSES = {
+    ("llama-3.2-3b", 64, "guidellm", 1.0, "tok/s"): 1.178,
+    ("llama-3.2-3b", 64, "guidellm", 1.0, "ttft"): 0.588,
+    ("llama-3.2-3b", 256, "guidellm", 1.0, "ttft"): 0.380,
+    ("llama-70b-8l", 64, "guidellm", 1.0, "tpot"): 1.178,
+    ("llama-70b-8l", 256, "guidellm", 1.0, "ttft"): 0.738,
+    ("llama-70b-8l", 256, "profile", 1.0, "ttft"): 0.714,
+}
+# shapes pinned here that are not presets: their configs (bench/common.py)
+SHAPE_CONFIGS = {"llama-70b-8l": {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 8,
+                                  "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+                                  "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False,
+                                  "max_position_embeddings": 131072, "_name_or_path": "llama-70b-8l"}}
+
 # run: (levels, pinned misses, whether that engine streamed a step's decode before its prefill, whether its prefill
 # graphs were the masked ones)
 TESTER_RUNS = {"greedy-and-sampled": (GREEDY_AND_SAMPLED, GREEDY_AND_SAMPLED_MISSES, False, True),
@@ -757,12 +782,13 @@ TESTER_RUNS = {"greedy-and-sampled": (GREEDY_AND_SAMPLED, GREEDY_AND_SAMPLED_MIS
                "long-loads-8b": (LONG_LOADS_8B, LONG_LOADS_8B_MISSES, True, False),
                "long-loads-1b": (LONG_LOADS_1B, LONG_LOADS_1B_MISSES, True, False),
                "h100-long-loads-1b": (H100_LONG_LOADS_1B, H100_LONG_LOADS_1B_MISSES, True, False),
-               "h100-long-loads-8b": (H100_LONG_LOADS_8B, H100_LONG_LOADS_8B_MISSES, True, False)}
+               "h100-long-loads-8b": (H100_LONG_LOADS_8B, H100_LONG_LOADS_8B_MISSES, True, False),
+               "h100-held-out": (H100_HELD_OUT, H100_HELD_OUT_MISSES, True, False)}
 # run: the GPU it was measured on, where not the H200
-RUN_GPU = {"h100-long-loads-1b": "h100-sxm", "h100-long-loads-8b": "h100-sxm"}
+RUN_GPU = {"h100-long-loads-1b": "h100-sxm", "h100-long-loads-8b": "h100-sxm", "h100-held-out": "h100-sxm"}
 # run: (requests per guidellm stream, seconds per profile endpoint level) where not (4, 10)
 RUN_LOADS = {"long-loads-8b": (12, 30.0), "long-loads-1b": (12, 30.0), "h100-long-loads-1b": (12, 30.0),
-             "h100-long-loads-8b": (6, 15.0)}
+             "h100-long-loads-8b": (6, 15.0), "h100-held-out": (6, 15.0)}
 
 
 def _tester_load(run: str, tester: str, clients: int) -> dict[str, float]:
@@ -791,7 +817,7 @@ def test_a_closed_loops_ttft_follows_its_tok_s_and_tpot() -> None:
     """Each closed-loop client's cycle is its TTFT, its decode and its turnaround, clients × output tokens ÷ tok/s
     long: the TTFT is the cycle less the rest. So over every pinned closed loop with a replayed TTFT, the replay's TTFT
     error (ln of replayed ÷ measured) follows the one its tok/s and TPOT errors imply, -cycle/TTFT × ln(tok/s ratio)
-    - decode/TTFT × ln(TPOT ratio) with the measured cycle and decode (correlation 0.87 over the 98 levels), and the
+    - decode/TTFT × ln(TPOT ratio) with the measured cycle and decode (correlation 0.87 over the 104 levels), and the
     decode is 2 to 17 times the TTFT: a 1% error in tok/s or TPOT is one of 2-17% in the TTFT."""
     import math
     import statistics
