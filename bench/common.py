@@ -32,18 +32,13 @@ LLAMA_8B_SHAPE = dict(hidden_size=4096, num_hidden_layers=32, num_attention_head
                       rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
                       pad_token_id=128004)
 
-# Llama-3.2-3B's architecture (random weights)
-LLAMA_3B_SHAPE = dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
-                      head_dim=128, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
-                      rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
-                      pad_token_id=128004)
+# Llama-3.2-3B's architecture (random weights): the 1B's family, wider and deeper
+LLAMA_3B_SHAPE = dict(LLAMA_1B_SHAPE, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128,
+                      intermediate_size=8192)
 # Llama-3.1-70B's layer width on 8 of its 80 layers (random weights, 17.9 GB): a shape as heavy as the 8B whose
 # prefill runs GEMMs of twice the hidden size, to check how advise's prefill efficiency scales with the width
-LLAMA_70B_8L_SHAPE = dict(hidden_size=8192, num_hidden_layers=8, num_attention_heads=64, num_key_value_heads=8,
-                          head_dim=128, intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False,
-                          rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000,
-                          eos_token_id=128001, pad_token_id=128004)
-
+LLAMA_70B_8L_SHAPE = dict(LLAMA_8B_SHAPE, hidden_size=8192, num_hidden_layers=8, num_attention_heads=64,
+                          intermediate_size=28672)
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

@@ -3,6 +3,8 @@ the step model's costs, checked for bookkeeping on toy costs and against closed 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from clusteropt_cli.core.advise.closed_loop import (
@@ -763,11 +765,9 @@ H100_HELD_OUT_MISSES = {
     ("llama-70b-8l", 256, "guidellm", 1.0, "ttft"): 0.738,
     ("llama-70b-8l", 256, "profile", 1.0, "ttft"): 0.714,
 }
-# shapes pinned here that are not presets: their configs (bench/common.py)
-SHAPE_CONFIGS = {"llama-70b-8l": {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 8,
-                                  "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
-                                  "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False,
-                                  "max_position_embeddings": 131072, "_name_or_path": "llama-70b-8l"}}
+# shapes pinned here that are not presets: the measured model's own config.json
+SHAPE_CONFIGS = {"llama-70b-8l": str(Path(__file__).resolve().parents[2] / "bench" / "results"
+                                     / "serve-models-h100-2026-12-06" / "held-out-70b8l" / "config-70b8l.json")}
 
 # run: (levels, pinned misses, whether that engine streamed a step's decode before its prefill, whether its prefill
 # graphs were the masked ones)
@@ -1027,7 +1027,6 @@ def test_repeated_runs_of_a_level_are_set_side_by_side(monkeypatch) -> None:
     """bench/closed_loop_check.py --spread: the same level measured in two runs is one entry with both
     measurements, their spread and the replay's ratio to each; the summary counts a figure the replay puts within
     ±15% of one run only as within some run, and runs 40% apart as not repeating."""
-    from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     from closed_loop_check import spread, spread_summary
@@ -1051,7 +1050,6 @@ def test_repeated_runs_of_a_level_are_set_side_by_side(monkeypatch) -> None:
 def test_results_are_replayed_for_the_gpu_they_were_measured_on(monkeypatch) -> None:
     """bench/closed_loop_check.py: a results file's levels carry the catalog GPU of its device name (H200 where
     none is recorded), the replay prices that GPU, and the same load on two GPUs is two levels, not one repeated."""
-    from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     from closed_loop_check import level_key, levels, predicted
@@ -1080,7 +1078,6 @@ def test_a_replay_logs_each_step_it_priced() -> None:
 def test_step_mix_splits_prefilling_steps_from_lone_decode_passes(monkeypatch) -> None:
     """bench/engine_trace_report.py step_mix: steps that prefilled (and their prompts), decode passes run alone
     (a chained step counts its passes), and the rows per decode pass weighted by passes."""
-    from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     from engine_trace_report import step_mix

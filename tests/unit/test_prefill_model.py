@@ -3,6 +3,8 @@ hidden size (timing.prefill_flops, timing.prefill_gemm_efficiency, calibration.P
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from clusteropt_cli.core.advise.plan import InferPlan, Target
@@ -10,10 +12,9 @@ from clusteropt_cli.core.advise.timing import infer_time, prefill_flops, prefill
 from clusteropt_cli.hardware import get_gpu
 from clusteropt_cli.modelspec import load_model_spec
 
-# Llama-3.1-70B's width on 8 of its layers (bench/common.py LLAMA_70B_8L_SHAPE), the held-out wide shape
-WIDE_8_LAYERS = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 8, "num_attention_heads": 64,
-                 "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 28672, "vocab_size": 128256,
-                 "tie_word_embeddings": False, "max_position_embeddings": 131072, "_name_or_path": "llama-70b-8l"}
+# Llama-3.1-70B's width on 8 of its layers, the held-out wide shape: the measured model's own config.json
+WIDE_8_LAYERS = (Path(__file__).resolve().parents[2] / "bench" / "results" / "serve-models-h100-2026-12-06"
+                 / "held-out-70b8l" / "config-70b8l.json")
 
 
 def test_the_lm_head_runs_once_per_prompt() -> None:
