@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,8 @@ def param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.ndim >= 2 else no_decay).append(p)
+        ndim = len(p.ds_shape) if hasattr(p, "ds_shape") else p.ndim  # a ZeRO-3 partition is flat: its full shape
+        (decay if ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
@@ -217,6 +219,30 @@ def _single_process_rendezvous() -> None:
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
+
+
+def zero3_model_init(options: Any, world_size: int, device_type: str) -> Any:
+    """transformers' HfDeepSpeedConfig for the ZeRO-3 config copt writes: while it is alive, from_pretrained and
+    from_config build the model under deepspeed.zero.Init, each parameter partitioned as it is created (onto the
+    host with offload_param) instead of the whole model on every rank's host and then every GPU, where
+    deepspeed.initialize would partition it. Joins the process group first (zero.Init is collective). Keep the
+    returned object for the whole run: transformers holds it by a weak reference and asks it during training."""
+    import torch
+
+    from clusteropt_cli.core.train.deepspeed_config import deepspeed_config
+    from clusteropt_cli.deps import require
+
+    deepspeed = require("deepspeed", "train")
+    from transformers.integrations import HfDeepSpeedConfig
+
+    _quiet_deepspeed_logs()
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not torch.distributed.is_initialized():
+        if world_size == 1:
+            _single_process_rendezvous()
+        deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo", verbose=False)
+    return HfDeepSpeedConfig(deepspeed_config(options, world_size))
 
 
 class DeepSpeedEngine:

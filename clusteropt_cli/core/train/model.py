@@ -67,14 +67,20 @@ def load_tokenizer(source: ModelSource) -> Any:
 def load_model(source: ModelSource, seed: int = 0, *, dtype: Any = None, device: Any = "cpu",
                attn: str | None = None) -> Any:
     """from_pretrained (fp32 weights by default: mixed precision autocasts) or from_config with seeded random
-    weights, built directly on `device`."""
+    weights, built directly on `device` — or, while a ZeRO-3 HfDeepSpeedConfig is alive (engines.zero3_model_init),
+    partitioned by deepspeed.zero.Init where DeepSpeed places the partitions."""
+    import contextlib
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
     dtype = torch.float32 if dtype is None else dtype
     extra = {"attn_implementation": attn} if attn else {}
+    partitioned = is_deepspeed_zero3_enabled()
     if source.kind == "pretrained":
-        return AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, **extra).to(device)
+        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, **extra)
+        return model if partitioned else model.to(device)
     config_dict = dict(source.config)
     model_type = config_dict.pop("model_type", None)
     if model_type is None:
@@ -83,5 +89,5 @@ def load_model(source: ModelSource, seed: int = 0, *, dtype: Any = None, device:
         config_dict.pop(key, None)  # describe a saved checkpoint, not the architecture
     config = AutoConfig.for_model(model_type, **config_dict)
     torch.manual_seed(seed)
-    with torch.device(device):
+    with contextlib.nullcontext() if partitioned else torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)

@@ -31,10 +31,11 @@ def train_from_settings(settings: TrainRecipe, *, overwrite: bool = False, callb
     run_training's TrainResult (rank 0 also writes it to train_result.json in settings.output)."""
     from clusteropt_cli.core.io import replacing_output_dir
     from clusteropt_cli.core.train.data import build_text_dataset
+    from clusteropt_cli.core.train.engines import zero3_model_init
     from clusteropt_cli.core.train.launch import is_launched_child
     from clusteropt_cli.core.train.loop import run_training
     from clusteropt_cli.core.train.model import load_model, load_tokenizer
-    from clusteropt_cli.core.train.validate import check_hardware, validate_train
+    from clusteropt_cli.core.train.validate import check_hardware, check_host_memory, validate_train
 
     launched = is_launched_child()  # under a launcher the parent prepared the output
     rank = int(os.environ.get("RANK", "0"))
@@ -42,10 +43,18 @@ def train_from_settings(settings: TrainRecipe, *, overwrite: bool = False, callb
                               command="train", enabled=not launched):
         source = validate_train(settings, check_output=False)
         check_hardware(settings, device_type())
+        check_host_memory(settings, source.config)
         tokenizer = load_tokenizer(source)
         dataset = build_text_dataset(settings.data, tokenizer, settings.seq_len, settings.text_field)
+        # ZeRO-3: built partitioned under deepspeed.zero.Init (kept alive for the run; see zero3_model_init)
+        zero3 = zero3_model_init(settings, settings.gpus * settings.nodes, device_type()) \
+            if settings.zero == 3 else None
         model = load_model(source, seed=settings.seed)
         if rank == 0 and log is not None:
+            count = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
             log(f"data: {len(dataset)} blocks of {settings.seq_len} tokens; model: "
-                f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters ({source.kind})")
-        return run_training(settings, model, dataset, settings.output, tokenizer=tokenizer, callbacks=callbacks)
+                f"{count / 1e6:.2f}M parameters ({source.kind}" + (", partitioned by ZeRO-3 as built)" if zero3
+                                                                   else ")"))
+        result = run_training(settings, model, dataset, settings.output, tokenizer=tokenizer, callbacks=callbacks)
+        del zero3
+        return result

@@ -99,3 +99,32 @@ def check_hardware(settings: TrainingOptions, device_type: str) -> None:
         if version_of("flash-attn") is None and version_of("flash_attn") is None:
             raise BadInputError("--attn flash_attention_2 needs the flash-attn package.",
                                 hint="pip install flash-attn, or use --attn sdpa (also flash kernels on CUDA)")
+
+
+def check_host_memory(settings: TrainingOptions, config: dict, host_bytes: int | None = None) -> None:
+    """CPU offload's host buffers (copt advise's host model: the fp32 load and DeepSpeed's offloaded states per node)
+    against this machine's RAM, before any loading: a run that overshoots is ended by the kernel's out-of-memory
+    killer minutes later, with no message. Refuses only what cannot fit at all (the processes themselves are not
+    counted)."""
+    if settings.offload != "cpu":
+        return
+    from clusteropt_cli.core.advise.memory import host_train_memory
+    from clusteropt_cli.core.advise.plan import Target, TrainPlan
+    from clusteropt_cli.modelspec import load_model_spec
+
+    if host_bytes is None:
+        import psutil
+
+        host_bytes = int(psutil.virtual_memory().total)
+    spec = load_model_spec(config)
+    plan = TrainPlan(micro_batch=settings.micro_batch, seq_len=settings.seq_len, zero=settings.zero, offload="cpu")
+    terms = host_train_memory(spec, plan, Target(None, settings.gpus, settings.nodes))["terms"]
+    needed = terms["model_load"] + terms["offload_buffers"]
+    if needed > host_bytes:
+        gib = 1024**3
+        raise BadInputError(
+            f"--offload cpu needs about {needed / gib:.0f} GiB of host RAM per node for this model "
+            f"({spec.num_params / 1e9:.2f}B parameters: DeepSpeed's offloaded fp32 masters, Adam moments and "
+            f"gradients); this machine has {host_bytes / gib:.0f} GiB.",
+            hint="use --offload nvme --nvme-path DIR, spread the states over more nodes (--nodes), or a machine "
+                 "with more RAM (copt advise --host-memory GIB ranks the plans that fit)")
