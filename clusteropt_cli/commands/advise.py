@@ -29,6 +29,10 @@ def advise(
     memory_budget: Annotated[float | None, typer.Option("--memory-budget", help="GiB per device to fit in (default: "
                                                                                "the GPU's memory).",
                                                         show_default=False)] = None,
+    host_memory: Annotated[float | None, typer.Option("--host-memory", help="[train] Host RAM per node in GiB, for "
+                                                                           "CPU offload (default: this machine's "
+                                                                           "when its GPU is the target).",
+                                                      show_default=False)] = None,
     micro_batch: Annotated[int | None, typer.Option("--micro-batch", help="[train] Sequences per GPU per step.",
                                                     show_default=False)] = None,
     seq_len: Annotated[int | None, typer.Option("--seq-len", help="[train] Tokens per sequence.",
@@ -202,7 +206,7 @@ def advise(
         bound = {k: v for k, v in (closed_loop or {}).items() if k in ("duration_s", "requests", "seed", "arrivals")}
         closed_loop = {"rate": rate, **(bound if closed_loop and "rate" in closed_loop else {})}
 
-    target, notes = api.resolve_target(gpu, gpus, nodes, memory_budget, gpu_hour_usd)
+    target, notes = api.resolve_target(gpu, gpus, nodes, memory_budget, gpu_hour_usd, host_memory)
     if model is None and not recipe:
         raise BadInputError("--model is required.", hint="Pass a preset (copt advise --list-presets), a model "
                                                           "directory or a config.json.")
@@ -378,6 +382,14 @@ def _render(r: dict[str, Any]) -> None:
     rows.append(["required (+allocator, context)", console.human_bytes(mem["required_bytes"])])
     verdict = "-" if mem["fits"] is None else ("[green]fits[/green]" if mem["fits"] else "[red]does NOT fit[/red]")
     rows.append(["budget", f"{console.human_bytes(mem['budget_bytes'])} → {verdict}"])
+    host = mem.get("host")
+    if host and (host["terms"]["offload_buffers"] or host["fits"] is False):
+        hverdict = "-" if host["fits"] is None else ("[green]fits[/green]" if host["fits"] else
+                                                     "[red]does NOT fit[/red]")
+        budget = console.human_bytes(host["budget_bytes"]) if host["budget_bytes"] else "unknown (--host-memory)"
+        rows.append(["host RAM per node", f"{console.human_bytes(host['peak_bytes'])} of {budget} → {hverdict}"])
+        if host["nvme_bytes"]:
+            rows.append(["NVMe space per node", console.human_bytes(host["nvme_bytes"])])
     out.print(console.grid(f"Memory per {'GPU' if hw['device'] == 'cuda' else 'process'} "
                            f"(peak phase: {mem['peak_phase']})", ["term", "bytes"], rows))
     trows = []

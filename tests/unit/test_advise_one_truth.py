@@ -492,3 +492,17 @@ def test_batch1_ttft_through_copt_serve(model, measured_ms) -> None:
     plan = InferPlan(batch=1, prompt_len=256, gen_len=128, continuous_batching=True)
     ttft_ms = infer_time(load_model_spec(model), plan, Target(get_gpu("h200"))).figures["ttft_s"] * 1e3
     assert abs(ttft_ms / measured_ms - 1) < 0.15, ttft_ms
+
+
+def test_stacking_skips_plans_copt_train_does_not_take() -> None:
+    """The top plan for an out-of-memory case stacks recommendations; a stack copt train's recipe schema refuses
+    (pipeline stages on top of ZeRO) is skipped, so the emitted recipe always validates."""
+    from clusteropt_cli.core.advise.api import _copt_train_runs
+    from clusteropt_cli.core.advise.recommend import Context
+
+    spec = load_model_spec("llama-3.1-70b")
+    target = api.resolve_target("h100-sxm", gpus=8)[0]
+    ctx = Context(spec, target, TrainPlan(), lambda p: {}, {}, "llama-3.1-70b")
+    assert _copt_train_runs(TrainPlan(zero=3, offload="cpu", activation_checkpointing=True), ctx)
+    assert not _copt_train_runs(TrainPlan(zero=3, offload="cpu", pp=8), ctx)
+    assert _copt_train_runs(TrainPlan(pp=8, pp_micro_batches=8, grad_accum=8), ctx)

@@ -14,6 +14,7 @@ from clusteropt_cli.core.advise import calibration as cal
 from clusteropt_cli.core.advise.memory import (
     MemoryEstimate,
     cpu_training_bytes,
+    host_train_memory,
     infer_memory,
     serving_capacity,
     train_memory,
@@ -33,11 +34,15 @@ GiB = 1024**3
 
 def resolve_target(gpu: str | None, gpus: int | None = None, nodes: int | None = None,
                    memory_budget_gib: float | None = None,
-                   gpu_hour_usd: float | None = None) -> tuple[Target, list[str]]:
-    """A catalog GPU, `cpu`, or the detected GPU (no GPU detected → the CPU, said so in the notes)."""
+                   gpu_hour_usd: float | None = None,
+                   host_memory_gib: float | None = None) -> tuple[Target, list[str]]:
+    """A catalog GPU, `cpu`, or the detected GPU (no GPU detected → the CPU, said so in the notes). The host's RAM
+    per node is `host_memory_gib`, else this machine's when its GPU is the target, else unknown."""
     notes: list[str] = []
     if memory_budget_gib is not None and memory_budget_gib <= 0:
         raise BadInputError(f"--memory-budget must be positive GiB (got {memory_budget_gib}).")
+    if host_memory_gib is not None and host_memory_gib <= 0:
+        raise BadInputError(f"--host-memory must be positive GiB (got {host_memory_gib}).")
     if gpu_hour_usd is not None and gpu_hour_usd < 0:
         raise BadInputError(f"--gpu-hour-usd must not be negative (got {gpu_hour_usd}).")
     budget = int(memory_budget_gib * GiB) if memory_budget_gib is not None else None
@@ -69,7 +74,12 @@ def resolve_target(gpu: str | None, gpus: int | None = None, nodes: int | None =
     usd = gpu_hour_usd
     if usd is None and spec is not None:
         usd = cal.DEFAULT_GPU_HOUR_USD.get(spec.name)
-    return Target(spec, gpus or 1, nodes or 1, budget, usd, detected), notes
+    host = int(host_memory_gib * GiB) if host_memory_gib is not None else None
+    if host is None and detected:
+        import psutil
+
+        host = int(psutil.virtual_memory().total)
+    return Target(spec, gpus or 1, nodes or 1, budget, usd, detected, host), notes
 
 
 def _mem_dict(m: MemoryEstimate) -> dict[str, Any]:
@@ -90,6 +100,12 @@ def evaluate_train(spec: ModelSpec, plan: TrainPlan, target: Target) -> dict[str
                "headroom_bytes": None if budget is None else budget - cpu["peak_mem_bytes"], "cpu": cpu}
     else:
         mem = _mem_dict(train_memory(spec, plan, target))
+        host = host_train_memory(spec, plan, target)
+        mem["host"] = host
+        if host["fits"] is False:
+            mem["fits"] = False
+            mem["notes"] = [*mem["notes"], f"host RAM: needs {host['peak_bytes'] / GiB:.1f} GiB per node, the node has "
+                                           f"{host['budget_bytes'] / GiB:.1f} GiB"]
     tm = train_time(spec, plan, target)
     return {"memory": mem, "time": tm.figures, "time_assumptions": tm.assumptions, "time_notes": tm.notes}
 
@@ -248,6 +264,8 @@ def _top_plan(ctx: Context, ranked: list[Recommendation], symptoms: list[str],
                 if rec.id in applied or rec.id in (_NOT_STACKED if ctx.train else _NOT_STACKED_INFER):
                     continue
                 candidate = _merge(plan, rec.plan, ctx.plan)
+                if ctx.train and not _copt_train_runs(candidate, ctx):
+                    continue  # e.g. pipeline stages stacked onto ZeRO: not a recipe copt train takes
                 result = ctx.evaluate(candidate)
                 req = result["memory"]["required_bytes"]
                 if result["memory"]["fits"] and req < current["memory"]["required_bytes"]:
@@ -261,6 +279,20 @@ def _top_plan(ctx: Context, ranked: list[Recommendation], symptoms: list[str],
             plan, current = best[1], best[2]
         return plan, applied
     return ranked[0].plan, [ranked[0].id]
+
+
+def _copt_train_runs(plan: TrainPlan, ctx: Context) -> bool:
+    """Whether the stacked plan is a recipe copt train accepts (its schema's cross-field rules)."""
+    from pydantic import ValidationError
+
+    from clusteropt_cli.recipe.schema.train import TrainRecipe
+
+    data = train_recipe_data(plan, ctx.model_arg, ctx.target.gpus_per_node, ctx.target.nodes)
+    try:
+        TrainRecipe.model_validate({k: v for k, v in data.items() if k != "prediction"})
+    except ValidationError:
+        return False
+    return True
 
 
 def _merge(current: Any, changed: Any, original: Any) -> Any:
@@ -406,6 +438,12 @@ def compare(measured: dict[str, float | None], predicted: dict[str, float],
 def check_fits(result: dict[str, Any]) -> None:
     """--fail-if-oom: raise CheckFailedError (exit 6) when the plan as given does not fit."""
     mem = result["memory"]
+    host = mem.get("host") or {}
+    if host.get("fits") is False and mem["required_bytes"] <= (mem["budget_bytes"] or 0):
+        raise CheckFailedError(
+            f"The plan needs {host['peak_bytes'] / GiB:.1f} GiB of host RAM per node but the node has "
+            f"{host['budget_bytes'] / GiB:.1f} GiB.",
+            hint="offload to NVMe (--offload nvme), spread the states over more nodes, or raise --host-memory")
     if mem["fits"] is False:
         unit = "GPU" if result["hardware"]["device"] == "cuda" else "process"
         raise CheckFailedError(

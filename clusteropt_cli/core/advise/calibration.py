@@ -251,6 +251,27 @@ DEFAULT_GPU_HOUR_USD = {"h200": 3.50, "h100-sxm": 2.50, "h100-pcie": 2.00, "a100
                         "h20": 1.20, "h800": 2.30, "b200": 5.00, "l40s": 0.90, "rtx4090": 0.40, "mi300x": 2.50}
 
 
-# ZeRO-Offload: DeepSpeed CPUAdam seconds per parameter on the host (plus PCIe transfers, timing.py).
-# H200 anchor: ZeRO-3 + CPU offload + checkpointing, 1B shape, 8 × 2048: 1.42 s/step vs ~0.43 s of compute.
-CPU_ADAM_S_PER_PARAM = 0.65e-9
+# ZeRO-Offload: DeepSpeed CPUAdam seconds per parameter on the host (plus 4 bytes/param over a 25 GB/s host link,
+# timing.py): 0.30 ns per parameter in all. Fitted on an H100 with 16 host cores (2026-12-06,
+# bench/advise_vs_train.py): the 3B shape under ZeRO-3 + CPU offload, 4 × 2048, 1.51 s/step (advise 1.41); the 1B
+# under ZeRO-3 + offload + checkpointing, 8 × 2048, 0.74 s (0.81); the 3B under ZeRO-2 + offload + checkpointing,
+# 4 × 2048, 1.44 s (1.55). (The earlier H200 anchor, 1.42 s/step on the 1B shape, ran DeepSpeed's forward in fp32
+# and priced this at 0.65e-9.)
+CPU_ADAM_S_PER_PARAM = 0.14e-9
+
+# ---- host memory of a training run -----------------------------------------------------------------------------
+# Host bytes per parameter of DeepSpeed's ZeRO-Offload buffers on a node, past HOST_PROCESS_BYTES. DeepSpeed 0.19.8's
+# own estimators (estimate_zero3_model_states_mem_needs / estimate_zero2_...) count 18 under ZeRO-3 with
+# offload_param (16-bit parameters 2, fp32 masters 4, fp32 gradient partitions 4, Adam moments 8) and 16 with
+# offload_optimizer alone, then add a 1.5 safety factor. Measured on 125.8 GiB hosts (H100 and H200 machines,
+# 2026-12-06, bench/advise_vs_train.py, host memory in use beyond the idle machine): ZeRO-3 + CPU offload 24 bytes
+# per parameter (1B shape 33.5 GB, 3B 80.7 GB with and without checkpointing: within 2%); the 8B shape (193 GB
+# predicted) was killed by the kernel's out-of-memory killer at 134 GB. ZeRO-2 + CPU offload 23 (1B 35.3 GB, 3B
+# 73.7 GB: −7% and +6%). Not measured: NVMe (ZeRO-Infinity: the fp32 gradient partitions stay on the host),
+# DeepSpeed's 4 scaled by ZeRO-3's 24/18.
+OFFLOAD_HOST_BYTES_PER_PARAM = {"cpu-zero3": 24.0, "cpu": 23.0, "nvme": 4.0 * 24 / 18}
+OFFLOAD_NVME_BYTES_PER_PARAM = {"zero3": 14.0, "other": 12.0}  # fp32 masters + Adam moments (+ 16-bit parameters)
+# What one copt train rank holds on the host besides the model: the Python process, torch and CUDA libraries,
+# torch.compile's workers. H100 (2026-12-06, bench/advise_vs_train.py, 1B and 3B shapes, no offload): 2.4-3.7 GiB
+# in use beyond the idle machine.
+HOST_PROCESS_BYTES = 4 * GiB

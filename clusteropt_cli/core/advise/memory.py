@@ -471,6 +471,8 @@ def _deepspeed_phases(states: dict[str, float], ds: dict[str, dict[str, float]],
                       target: Target, notes: list[str]) -> MemoryEstimate:
     """Phases of a DeepSpeed step: model states + the named buffers live in each phase (deepspeed_terms).
 
+    Under ZeRO-3 copt train builds the model partitioned (deepspeed.zero.Init): no whole copy on the GPU at start.
+
     At the loss of a steady-state step no gradient exists (step() freed the partition, zero_grad() the rest)
     unless gradients accumulate over micro-steps; the ZeRO-1/2 buckets are allocated by the first gradient hook.
     """
@@ -497,6 +499,33 @@ def _deepspeed_phases(states: dict[str, float], ds: dict[str, dict[str, float]],
     estimate = _finish(phases[peak_phase], breakdown, target, peak_phase, model_states_total, phases, notes)
     estimate.deepspeed_buffers = {name: dict(t) for name, t in ds.items()}
     return estimate
+
+
+def host_train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> dict[str, object]:
+    """Host RAM per node a copt train run of `plan` needs, and NVMe space for ZeRO-Infinity.
+
+    Every rank loads the model's fp32 weights on the host before handing them to the GPU or DeepSpeed (`load`;
+    not under ZeRO-3, which builds each parameter partitioned, onto the host with offload, by deepspeed.zero.Init);
+    ZeRO-Offload then keeps DeepSpeed's pinned buffers there (`offload`: fp32 masters, Adam moments, fp32 gradient
+    partitions and, under ZeRO-3, the 16-bit parameters: calibration.OFFLOAD_HOST_BYTES_PER_PARAM), each rank its
+    share. The peak is the larger of the two (the loaded copy is on the GPU before the buffers are allocated) plus
+    each rank's process (calibration.HOST_PROCESS_BYTES). `fits` is None when the host's RAM is unknown (a catalog
+    GPU without --host-memory)."""
+    ranks = target.gpus_per_node
+    n = float(spec.num_params)
+    share = n * ranks / max(1, target.world)  # parameters whose states this node's ranks hold
+    load = 0.0 if plan.zero >= 3 else 4.0 * n * ranks
+    offload, nvme = 0.0, 0.0
+    if plan.offload == "cpu":
+        offload = cal.OFFLOAD_HOST_BYTES_PER_PARAM["cpu-zero3" if plan.zero >= 3 else "cpu"] * share
+    elif plan.offload == "nvme":
+        offload = cal.OFFLOAD_HOST_BYTES_PER_PARAM["nvme"] * share
+        nvme = cal.OFFLOAD_NVME_BYTES_PER_PARAM["zero3" if plan.zero >= 3 else "other"] * share
+    process = cal.HOST_PROCESS_BYTES * ranks
+    peak = max(load, offload) + process
+    budget = target.host_memory_bytes
+    return {"peak_bytes": peak, "terms": {"model_load": load, "offload_buffers": offload, "processes": process},
+            "nvme_bytes": nvme, "budget_bytes": budget, "fits": None if budget is None else peak <= budget}
 
 
 def cpu_training_bytes(spec: ModelSpec, plan: TrainPlan) -> dict[str, float]:

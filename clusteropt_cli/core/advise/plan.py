@@ -22,6 +22,7 @@ class Target:
     budget_bytes: int | None = None  # --memory-budget; else the GPU's memory
     gpu_hour_usd: float | None = None
     detected: bool = False
+    host_memory_bytes: int | None = None  # RAM per node: --host-memory, else this machine's when the GPU is detected
 
     @property
     def device(self) -> str:
