@@ -12,7 +12,12 @@ and random token blocks. Measured peak (torch.cuda.max_memory_allocated) and tok
 
 Cases: Llama-3.2-1B shape 8 × 2048, 3B 4 × 2048, Llama-3.1-8B 2 × 2048 (the plan advise ranks first if the given
 one does not fit), each with and without activation checkpointing, the 1B with --precision fp8, and `8b-oom`: the 8B
-at 4 × 2048 without checkpointing run as given, which advise says does not fit (it must OOM). Each case runs
+at 4 × 2048 without checkpointing run as given, which advise says does not fit (it must OOM). The offload cases
+run DeepSpeed ZeRO-3 (`1b-offload`, `3b-offload`, `3b-offload-ckpt`, `8b-offload`) and ZeRO-2 (`1b-zero2-offload`,
+`3b-zero2-offload`) with CPU offload as given; besides the GPU's peak, every case records the host memory in use
+beyond the idle machine (/proc/meminfo, which counts DeepSpeed's pinned buffers) against advise's host RAM figure,
+and a case the kernel kills for memory is recorded as a host out-of-memory (`8b-offload` on a 128 GiB host). The
+default run is the first eight cases; name the offload cases with --cases. Each case runs
 in its own process (clean peak counters; an OOM costs only that case and is recorded: a plan predicted not to fit
 should OOM). The first step of each case includes torch.compile (~40-100 s): it and the next two steps are left out
 of tokens/s. A wall-clock budget (--budget-s, default 530 s) skips what no longer fits (recorded as skipped: run those
@@ -48,6 +53,19 @@ CASES: dict[str, tuple[str, int, dict]] = {
     # the plan as given, which advise says does not fit one H200 (no checkpointing at micro-batch 4): run anyway,
     # it must run out of memory (the verdict is checked, not the figures)
     "8b-oom": ("llama-3.1-8b", 4, {"as_given": True}),
+    # ZeRO-3 with parameters and optimizer offloaded to the host, run as given: the host memory it takes (DeepSpeed's
+    # pinned fp32 masters, Adam moments, fp32 gradient partitions and 16-bit parameters) against advise's figure; the
+    # 8B's needs more than a 128 GiB host holds
+    "3b-offload": ("llama-3.2-3b", 4, {"zero": 3, "offload": "cpu", "as_given": True}),
+    "1b-offload": ("llama-3.2-1b", 8, {"zero": 3, "offload": "cpu", "activation_checkpointing": True,
+                                       "as_given": True}),
+    "3b-zero2-offload": ("llama-3.2-3b", 4, {"zero": 2, "offload": "cpu", "activation_checkpointing": True,
+                                             "as_given": True}),
+    "3b-offload-ckpt": ("llama-3.2-3b", 4, {"zero": 3, "offload": "cpu", "activation_checkpointing": True,
+                                            "as_given": True}),
+    "1b-zero2-offload": ("llama-3.2-1b", 8, {"zero": 2, "offload": "cpu", "as_given": True}),
+    "8b-offload": ("llama-3.1-8b", 2, {"zero": 3, "offload": "cpu", "activation_checkpointing": True,
+                                       "as_given": True}),
 }
 SEQ_LEN = 2048
 
@@ -77,11 +95,15 @@ def predict(name: str, gpu: str | None) -> dict:
             "given_fits": result["memory"]["fits"], "recipe": recipe,
             "peak_mem_bytes": mem["per_gpu_bytes"], "required_bytes": mem["required_bytes"], "fits": mem["fits"],
             "peak_phase": mem["peak_phase"], "tokens_per_s": tm.get("tokens_per_s"),
+            "host_peak_bytes": (mem.get("host") or {}).get("peak_bytes"),
+            "host_fits": (mem.get("host") or {}).get("fits"),
             "runs_compiled": top.runs_compiled(target.device), "loss": top.loss(spec)}
 
 
-def build_model(model: str):
-    """A random-weight model of the preset's shape, initialized on the GPU (an 8B fp32 init on the host is slow)."""
+def build_model(model: str, on_host: bool = False, partitioned: bool = False):
+    """A random-weight model of the preset's shape, initialized on the GPU (an 8B fp32 init on the host is slow);
+    `on_host` then moves it to the host, where copt train loads a model before DeepSpeed takes it. `partitioned`:
+    built under the live ZeRO-3 config's deepspeed.zero.Init, which places the partitions itself."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -92,8 +114,64 @@ def build_model(model: str):
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     config.use_cache = False
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    if partitioned:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    if on_host:
+        model = model.cpu()
+        torch.cuda.empty_cache()
+    return model
+
+
+class HostMemorySampler:
+    """Peak resident memory of this process and peak memory in use on the host (MemTotal − MemAvailable, which
+    counts DeepSpeed's pinned buffers wherever the kernel accounts them), sampled every 0.2 s and written to
+    `path` each second so a process the kernel kills for memory still leaves its figures."""
+
+    def __init__(self, path: Path):
+        import threading
+
+        self.path, self.stop = path, threading.Event()
+        self.peak_rss = self.peak_used = 0
+        self.total = self._meminfo()["MemTotal"]
+        self.start_used = self.total - self._meminfo()["MemAvailable"]
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _meminfo() -> dict[str, int]:
+        values = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, rest = line.split(":", 1)
+            values[key] = int(rest.split()[0]) * 1024
+        return values
+
+    @staticmethod
+    def _rss() -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def figures(self) -> dict:
+        return {"host_total_bytes": self.total, "host_used_at_start_bytes": self.start_used,
+                "host_peak_used_bytes": self.peak_used, "host_peak_rss_bytes": self.peak_rss}
+
+    def _run(self) -> None:
+        tick = 0
+        while not self.stop.wait(0.2):
+            info = self._meminfo()
+            self.peak_used = max(self.peak_used, info["MemTotal"] - info["MemAvailable"])
+            self.peak_rss = max(self.peak_rss, self._rss())
+            tick += 1
+            if tick % 5 == 0:
+                self.path.write_text(json.dumps(self.figures()))
+
+    def close(self) -> dict:
+        self.stop.set()
+        self.thread.join()
+        return self.figures()
 
 
 def run_plan(recipe: dict, steps: int) -> dict:
@@ -107,7 +185,13 @@ def run_plan(recipe: dict, steps: int) -> dict:
 
     values = {k: v for k, v in recipe.items() if k not in ("data", "prediction")}
     options = TrainRecipe.model_validate({**values, "max_steps": steps, "lr": 1e-4, "warmup_steps": 0})
-    model = build_model(recipe["model"])
+    # ZeRO-3 as copt train builds it: partitioned under deepspeed.zero.Init (onto the host with offload)
+    zero3 = None
+    if options.zero == 3:
+        from clusteropt_cli.core.train.engines import zero3_model_init
+
+        zero3 = zero3_model_init(options, 1, "cuda")
+    model = build_model(recipe["model"], on_host=options.offload != "none", partitioned=zero3 is not None)
     blocks = options.micro_batch * options.grad_accum * steps
     g = torch.Generator().manual_seed(0)
     dataset = PackedDataset(torch.randint(0, model.config.vocab_size, (blocks, options.seq_len), generator=g))
@@ -115,6 +199,7 @@ def run_plan(recipe: dict, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = run_training(options, model, dataset, tmp, save_final=False)
         rows = read_metrics(Path(tmp) / "metrics.jsonl")
+    del zero3
     timed = rows[WARMUP:] or rows[1:] or rows
     step_time = sum(r["step_time_s"] for r in timed) / max(1, len(timed))
     tokens = options.micro_batch * options.grad_accum * options.seq_len
@@ -129,13 +214,14 @@ def worker(name: str, gpu: str | None, steps: int, out: Path) -> None:
     import torch
 
     pred = predict(name, gpu)
+    sampler = HostMemorySampler(out.with_suffix(".host.json"))
     try:
         measured = {"ok": True, **run_plan(pred["recipe"], steps)}
     except Exception as exc:  # noqa: BLE001 - recorded: an OOM is a result when advise said it does not fit
         measured = {"ok": False, "oom": isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc),
                     "error": f"{type(exc).__name__}: {str(exc)[:400]}",
                     "peak_mem_bytes": torch.cuda.max_memory_allocated()}
-    out.write_text(json.dumps(measured))
+    out.write_text(json.dumps({**measured, **sampler.close()}))
 
 
 def _err(pred: float | None, meas: float | None) -> float | None:
@@ -145,7 +231,8 @@ def _err(pred: float | None, meas: float | None) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="JSON results")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from: {', '.join(CASES)}")
+    parser.add_argument("--cases", default=",".join(list(CASES)[:8]),
+                        help=f"comma-separated, from: {', '.join(CASES)}")
     parser.add_argument("--gpu", help="catalog GPU advise plans for (default: the detected GPU)")
     parser.add_argument("--steps", type=int, default=6, help=f"optimizer steps per case (first {WARMUP} untimed)")
     parser.add_argument("--budget-s", type=float, default=530.0, help="wall-clock budget for all cases")
@@ -199,8 +286,12 @@ def main() -> None:
                     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO,
                                           timeout=min(left, args.case_timeout_s))
                     tail = (proc.stdout + proc.stderr)[-2000:]
+                    host = out.with_suffix(".host.json")
                     case["measured"] = json.loads(out.read_text()) if out.exists() else {
-                        "ok": False, "error": f"exit {proc.returncode}", "log_tail": tail}
+                        "ok": False, "error": f"exit {proc.returncode}", "log_tail": tail,
+                        # SIGKILL with no result: the kernel's out-of-memory killer (the host ran out)
+                        **({"oom": "host"} if proc.returncode == -9 else {}),
+                        **(json.loads(host.read_text()) if host.exists() else {})}
                 except subprocess.TimeoutExpired:
                     case["measured"] = {"ok": False, "error": "timed out"}
                 case["measured"]["wall_s"] = time.time() - t0
@@ -233,6 +324,14 @@ def main() -> None:
               f"{p['tokens_per_s'] or nan:10,.0f} {m.get('tokens_per_s') or nan:10,.0f} "
               f"{case['tokens_per_s_error_pct'] if case['tokens_per_s_error_pct'] is not None else nan:+6.1f}%  "
               f"{p['fits']}/{ran}" + ("" if m.get("ok") or m.get("oom") else f"  {str(m.get('error'))[:60]}"))
+        if m.get("host_total_bytes"):
+            used = (m["host_peak_used_bytes"] - m["host_used_at_start_bytes"]) / GiB
+            if p.get("host_peak_bytes"):
+                print(f"{'':8} host beyond idle: predicted {p['host_peak_bytes'] / GiB:.1f} GiB (fits "
+                      f"{p['host_fits']}), measured {used:.1f} GiB")
+            print(f"{'':8} host: peak in use {m['host_peak_used_bytes'] / GiB:.1f} GiB (at start "
+                  f"{m['host_used_at_start_bytes'] / GiB:.1f}) of {m['host_total_bytes'] / GiB:.1f}; peak RSS "
+                  f"{m['host_peak_rss_bytes'] / GiB:.1f} GiB")
     print(f"results: {args.out}")
 
 
