@@ -143,15 +143,29 @@ def test_copt_train_refuses_cpu_offload_the_host_cannot_hold(copt, fixtures, tmp
         assert "--offload nvme" in done.stderr and not out.exists()
 
 
-def test_host_check_counts_the_model_states_not_the_processes() -> None:
-    from clusteropt_cli.core.train.validate import check_host_memory
+def test_offload_checks_count_the_model_states_not_the_processes(tmp_path: Path, monkeypatch) -> None:
+    from clusteropt_cli.core.train.validate import check_offload_resources
     from clusteropt_cli.errors import BadInputError
     from clusteropt_cli.modelspec import load_model_spec
     from clusteropt_cli.recipe.schema.train import TrainRecipe
 
     config = load_model_spec("llama-3.2-3b").to_hf_config()
     settings = TrainRecipe(model="m", zero=3, offload="cpu", micro_batch=4, seq_len=2048)
-    check_host_memory(settings, config, host_bytes=int(75 * GiB))  # 72 GiB of states: runs (as measured, 75.1 in use)
+    check_offload_resources(settings, config, host_bytes=int(75 * GiB))  # 72 GiB of states; 75.1 in use measured
     with pytest.raises(BadInputError, match="needs about 72 GiB"):
-        check_host_memory(settings, config, host_bytes=int(64 * GiB))
-    check_host_memory(TrainRecipe(model="m", zero=3, micro_batch=4), config, host_bytes=1)  # no offload: no check
+        check_offload_resources(settings, config, host_bytes=int(64 * GiB))
+    check_offload_resources(TrainRecipe(model="m", zero=3, micro_batch=4), config, host_bytes=1)  # no offload
+
+    # NVMe: 16 GiB of host RAM suffice (the fp32 gradient partitions), the drive must hold 14 bytes/param
+    nvme = TrainRecipe(model="m", zero=3, offload="nvme", nvme_path=str(tmp_path), micro_batch=4, seq_len=2048)
+    with pytest.raises(BadInputError, match="swaps about 42 GiB per node") as refused:
+        check_offload_resources(nvme, config, host_bytes=int(64 * GiB), disk_free_bytes=int(30 * GiB))
+    assert str(tmp_path) in refused.value.message
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    with pytest.raises(BadInputError, match="async I/O op") as no_aio:
+        check_offload_resources(nvme, config, host_bytes=int(64 * GiB), disk_free_bytes=int(60 * GiB))
+    assert "libaio-dev" in no_aio.value.hint
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: True)
+    check_offload_resources(nvme, config, host_bytes=int(16 * GiB), disk_free_bytes=int(60 * GiB))

@@ -35,7 +35,7 @@ def train_from_settings(settings: TrainRecipe, *, overwrite: bool = False, callb
     from clusteropt_cli.core.train.launch import is_launched_child
     from clusteropt_cli.core.train.loop import run_training
     from clusteropt_cli.core.train.model import load_model, load_tokenizer
-    from clusteropt_cli.core.train.validate import check_hardware, check_host_memory, validate_train
+    from clusteropt_cli.core.train.validate import check_hardware, check_offload_resources, validate_train
 
     launched = is_launched_child()  # under a launcher the parent prepared the output
     rank = int(os.environ.get("RANK", "0"))
@@ -43,7 +43,7 @@ def train_from_settings(settings: TrainRecipe, *, overwrite: bool = False, callb
                               command="train", enabled=not launched):
         source = validate_train(settings, check_output=False)
         check_hardware(settings, device_type())
-        check_host_memory(settings, source.config)
+        check_offload_resources(settings, source.config)
         tokenizer = load_tokenizer(source)
         dataset = build_text_dataset(settings.data, tokenizer, settings.seq_len, settings.text_field)
         # ZeRO-3: built partitioned under deepspeed.zero.Init (kept alive for the run; see zero3_model_init)

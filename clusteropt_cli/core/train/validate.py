@@ -101,30 +101,54 @@ def check_hardware(settings: TrainingOptions, device_type: str) -> None:
                                 hint="pip install flash-attn, or use --attn sdpa (also flash kernels on CUDA)")
 
 
-def check_host_memory(settings: TrainingOptions, config: dict, host_bytes: int | None = None) -> None:
-    """CPU offload's host buffers (copt advise's host model: the fp32 load and DeepSpeed's offloaded states per node)
-    against this machine's RAM, before any loading: a run that overshoots is ended by the kernel's out-of-memory
-    killer minutes later, with no message. Refuses only what cannot fit at all (the processes themselves are not
-    counted)."""
-    if settings.offload != "cpu":
+def check_offload_resources(settings: TrainingOptions, config: dict, host_bytes: int | None = None,
+                            disk_free_bytes: int | None = None) -> None:
+    """What ZeRO-Offload needs from this machine, before any loading (copt advise's host model): host RAM for the
+    fp32 load and DeepSpeed's offloaded states, and for NVMe the drive's free space at --nvme-path and DeepSpeed's
+    async I/O op (libaio). A run that overshoots the RAM is ended by the kernel's out-of-memory killer minutes later,
+    with no message. Refuses only what cannot fit at all (the processes themselves are not counted)."""
+    if settings.offload == "none":
         return
     from clusteropt_cli.core.advise.memory import host_train_memory
     from clusteropt_cli.core.advise.plan import Target, TrainPlan
     from clusteropt_cli.modelspec import load_model_spec
 
+    gib = 1024**3
     if host_bytes is None:
         import psutil
 
         host_bytes = int(psutil.virtual_memory().total)
     spec = load_model_spec(config)
-    plan = TrainPlan(micro_batch=settings.micro_batch, seq_len=settings.seq_len, zero=settings.zero, offload="cpu")
-    terms = host_train_memory(spec, plan, Target(None, settings.gpus, settings.nodes))["terms"]
-    needed = terms["model_load"] + terms["offload_buffers"]
+    plan = TrainPlan(micro_batch=settings.micro_batch, seq_len=settings.seq_len, zero=settings.zero,
+                     offload=settings.offload)
+    host = host_train_memory(spec, plan, Target(None, settings.gpus, settings.nodes))
+    needed = host["terms"]["model_load"] + host["terms"]["offload_buffers"]
+    what = f"{spec.num_params / 1e9:.2f}B parameters"
     if needed > host_bytes:
-        gib = 1024**3
         raise BadInputError(
-            f"--offload cpu needs about {needed / gib:.0f} GiB of host RAM per node for this model "
-            f"({spec.num_params / 1e9:.2f}B parameters: DeepSpeed's offloaded fp32 masters, Adam moments and "
-            f"gradients); this machine has {host_bytes / gib:.0f} GiB.",
+            f"--offload {settings.offload} needs about {needed / gib:.0f} GiB of host RAM per node for this model "
+            f"({what}: DeepSpeed's offloaded fp32 masters, Adam moments and gradients); this machine has "
+            f"{host_bytes / gib:.0f} GiB.",
             hint="use --offload nvme --nvme-path DIR, spread the states over more nodes (--nodes), or a machine "
                  "with more RAM (copt advise --host-memory GIB ranks the plans that fit)")
+    if settings.offload != "nvme" or not settings.nvme_path:
+        return
+    if disk_free_bytes is None:
+        import shutil
+
+        disk_free_bytes = shutil.disk_usage(settings.nvme_path).free
+    if host["nvme_bytes"] > disk_free_bytes:
+        raise BadInputError(
+            f"--offload nvme swaps about {host['nvme_bytes'] / gib:.0f} GiB per node to {settings.nvme_path} for "
+            f"this model ({what}: fp32 masters and Adam moments); it has {disk_free_bytes / gib:.0f} GiB free.",
+            hint="point --nvme-path at a drive with room, or spread the states over more nodes (--nodes)")
+    from clusteropt_cli.deps import version_of
+
+    if version_of("deepspeed") is not None:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            raise BadInputError(
+                "--offload nvme needs DeepSpeed's async I/O op, which builds against libaio (its headers and "
+                "shared library), not found here.",
+                hint="install libaio (apt install libaio-dev), or use --offload cpu")
