@@ -101,3 +101,44 @@ def test_step_values_read_waits_for_its_own_step_only():
     assert got["loss"] == pytest.approx(float(loss), rel=1e-6)
     assert got["grad_norm"] == pytest.approx(float(loss.sqrt()), rel=1e-6)
     assert got["lr"] == 0.5 and got["extra"] is None
+
+
+def test_zero3_builds_the_model_partitioned_on_the_gpu(tmp_path):
+    """ZeRO-3 + CPU offload through copt train's own path (train_from_settings: zero3_model_init, then load_model): the
+    model is built partitioned under deepspeed.zero.Init, never whole on the GPU — the run's peak stays well under
+    the 16-bit model's own size (before, deepspeed.initialize moved the whole model to the GPU first)."""
+    pytest.importorskip("deepspeed")
+    import json
+
+    from clusteropt_cli.core.train.run import train_from_settings
+    from clusteropt_cli.recipe.schema.train import TrainRecipe
+
+    config = {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16,
+              "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 4096,
+              "max_position_embeddings": 512}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tokenizer = _byte_tokenizer(tmp_path / "tok")
+    text = tmp_path / "d.txt"
+    text.write_text(" ".join(f"word{i % 97}" for i in range(20000)))
+    recipe = TrainRecipe(model=str(tmp_path / "config.json"), tokenizer=str(tokenizer), data=str(text),
+                         output=str(tmp_path / "out"), seq_len=256, micro_batch=1, max_steps=3, zero=3,
+                         offload="cpu", precision="bf16", lr=1e-4, warmup_steps=0)
+    logs: list[str] = []
+    result = train_from_settings(recipe, log=logs.append)
+    params = 16 * (2 * 2048 * 2048 + 2 * 2048 * 1024 + 3 * 2048 * 8192) + 2 * 4096 * 2048
+    assert any("partitioned by ZeRO-3 as built" in line for line in logs), logs
+    assert result.steps == 3
+    assert result.peak_mem_bytes < 0.5 * 2 * params, (result.peak_mem_bytes, 2 * params)
+
+
+def _byte_tokenizer(directory):
+    """A word-level tokenizer over the test's words, saved where --tokenizer can read it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"word{i}": 3 + i for i in range(97)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(directory)
+    return directory
