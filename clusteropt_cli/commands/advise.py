@@ -489,5 +489,10 @@ def _render(r: dict[str, Any]) -> None:
                                [[row["metric"], f"{row['measured']:.4g}", f"{row['predicted']:.4g}",
                                  "-" if row["error_pct"] is None else f"{row['error_pct']:+.1f}%"]
                                 for row in r["measured"]]))
+    runs_as = "this plan as copt train runs it"
     for note in r["notes"]:
+        if top["applies"] and note.startswith(runs_as):  # say which plan: the one given, then the top plan
+            note = "the plan as given, as copt train runs it" + note[len(runs_as):]
+            note += "".join(f"; the top plan: {n[len(runs_as) + 2:]}" for n in top["memory"].get("notes", [])
+                            if n.startswith(runs_as))
         console.err.print(f"note: {note}", highlight=False)

@@ -169,3 +169,13 @@ def test_offload_checks_count_the_model_states_not_the_processes(tmp_path: Path,
     assert "libaio-dev" in no_aio.value.hint
     monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: True)
     check_offload_resources(nvme, config, host_bytes=int(16 * GiB), disk_free_bytes=int(60 * GiB))
+
+
+def test_the_closing_note_names_which_plan_runs_how(copt) -> None:
+    """The top plan (ZeRO-3 here) runs eager with the model's own loss under DeepSpeed while the plan as given
+    compiles: the note says which is which."""
+    done = copt("advise", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--gpus", "8", "--task", "train",
+                "--symptom", "oom")
+    assert done.returncode == 0, done.stderr
+    assert "note: the plan as given, as copt train runs it: compiled decoder, fused chunked loss; the top plan: " \
+           "eager decoder" in done.stderr
