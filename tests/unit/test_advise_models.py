@@ -48,8 +48,13 @@ def test_zero3_communication_is_1_5x_dp() -> None:
     assert zero_comm_bytes(1e9, 2, 8) == zero_comm_bytes(1e9, 0, 8)
 
 
-def test_h200_anchor_within_10_percent() -> None:
-    """docs/benchmarks.md#h200-baselines: 1B shape, 8 × 2048, fused AdamW, bf16 autocast: 73.8 GiB; ckpt 42.5."""
+def test_h200_anchor_within_10_percent(monkeypatch) -> None:
+    """docs/benchmarks.md#h200-baselines: 1B shape, 8 × 2048, fused AdamW, bf16 autocast: 73.8 GiB; ckpt 42.5. A
+    plain loop (`out = model(...)`), priced with its logits held through backward (75.4 / 44.0 GiB; 71.4 / 40.1
+    when they are not, as in copt's own loops)."""
+    from clusteropt_cli.core.advise import calibration as cal
+
+    monkeypatch.setattr(cal, "LOGITS_HELD_IN_BACKWARD", True)
     spec, target = load_model_spec("llama-3.2-1b"), Target(get_gpu("h200"))
     eager = {"compile": False, "loss_impl": "hf"}  # the eager HF loop those figures were measured on
     plain = train_memory(spec, TrainPlan(micro_batch=8, seq_len=2048, **eager), target)
@@ -131,7 +136,8 @@ def test_deepspeed_buffers_1b_on_2_gpus(zero: int) -> None:
         assert ds["end-of-backward"] == pytest.approx({"ipg_buckets": 2 * 5e7 * 2, "grads_in_partition": _P})
         assert ds["optimizer-step"] == pytest.approx({"grads_in_partition": _P, "flat_grad_partition": _P,
                                                       "fp32_grad_partition": 2 * _P})
-        assert mem.per_gpu_bytes / 1e9 == pytest.approx(25.27, abs=0.01)
+        # 21.57 GiB; 21.64 measured on 2×H200 (bench/gpu_advise.py --zero: the engine returns the loss alone)
+        assert mem.per_gpu_bytes / 1e9 == pytest.approx(23.17, abs=0.01)
     else:
         assert mem.breakdown["weights"] == pytest.approx(_P)  # bf16 partition
         loss = ds["loss"]
@@ -141,7 +147,7 @@ def test_deepspeed_buffers_1b_on_2_gpus(zero: int) -> None:
         # tied embedding/head (262.7M) + layers 13-15 (60.8M each) recur within stage3_max_reuse_distance
         layer = (_P - 128256 * 2048) / 16
         assert loss["gathered_params"] == pytest.approx(2 * (128256 * 2048 + 3 * layer))
-        assert mem.per_gpu_bytes / 1e9 == pytest.approx(26.36, abs=0.01)  # 0.9 GB less: 5e7, not 5e8, buckets
+        assert mem.per_gpu_bytes / 1e9 == pytest.approx(24.26, abs=0.01)  # 1.8 GB less than with 5e8 buckets
 
 
 # `copt serve DIR` with its defaults of then (--max-batch-size 64) on the H200, bench/gpu_serve_models.py at 81019d3

@@ -67,11 +67,11 @@ def test_tokens_per_s_within_10_percent(gpu: str, name: str, case: dict) -> None
 
 @pytest.mark.parametrize(("gpu", "name", "case"), RAN, ids=[f"{g}-{n}" for g, n, _ in RAN])
 def test_gpu_peak(gpu: str, name: str, case: dict) -> None:
-    """Within 0.3% for copt train's own loop; DeepSpeed's offload runs within 11% (the 1B under ZeRO-3 + offload +
-    checkpointing is over-predicted by 10.8%: 29.7 GiB against 26.8)."""
+    """Within 0.3% for copt train's own loop; DeepSpeed's offload runs within 7% (−1.7% to −6.5%; with the logits
+    counted through backward, as advise did before, the ZeRO-3 runs were +2.8% to +10.8%)."""
     predicted = _predict(gpu, case)["memory"]["per_gpu_bytes"]
     offload = case["predicted"]["recipe"].get("offload") == "cpu"
-    assert predicted == pytest.approx(case["measured"]["peak_mem_bytes"], rel=0.11 if offload else 0.005)
+    assert predicted == pytest.approx(case["measured"]["peak_mem_bytes"], rel=0.07 if offload else 0.005)
 
 
 @pytest.mark.parametrize(("gpu", "name", "case"),

@@ -9,11 +9,15 @@ from __future__ import annotations
 GiB = 1024**3
 
 # ---- memory -------------------------------------------------------------------------------------------------
-# Are the logits of the forward still referenced while backward runs (`out = model(...); out.loss.backward()`
-# keeps `out.logits`)? True is the conservative choice: it adds vocab × tokens × 2 bytes to the peak.
-# H200 anchor (docs/benchmarks.md#h200-baselines, Llama-3.2-1B shape, 8 × 2048, AdamW fused, bf16 autocast):
-# measured 73.8 GiB / 42.5 GiB (checkpointing); this model gives 75.4 / 44.0 held, 71.4 / 40.1 not held.
-LOGITS_HELD_IN_BACKWARD = True
+# Are the logits of the forward still referenced while backward runs (`out = model(...); out.loss.backward()` keeps
+# `out.logits`: vocab × tokens × 2 more bytes)? Not in copt: copt train's and copt profile's loss functions return
+# the loss alone (losses.hf_causal_lm_loss), so the model's output and its logits are gone before backward. Measured
+# with DeepSpeed's engine returning the loss alone: 2×H200 ZeRO-1/2, 1B shape, 4 × 2048: 21.64 GiB per GPU
+# (21.57 not held, 23.53 held); H100/H200 ZeRO-3 + CPU offload with the model's own loss (2026-12-06): 1B 8 × 2048
+# with checkpointing 26.8 GiB (25.8 not held, 29.7 held), 3B 4 × 2048 42.0 (41.2 / 43.2), with checkpointing 15.3
+# (14.4 / 16.3). A plain loop that keeps `out` (bench/gpu_advise.py's train cases) sets it True: H200 anchor
+# (docs/benchmarks.md#h200-baselines, 1B, 8 × 2048, bf16 autocast) 73.8 / 42.5 GiB measured, 75.4 / 44.0 held.
+LOGITS_HELD_IN_BACKWARD = False
 # Saved activations of a torch.compile'd decoder layer (memory.compiled_layer_bytes_per_token) relative to the
 # minimal set the partitioner must keep. bf16: 1.0, the minimal set as counted, with the bf16 weight casts the
 # compiled graph saves for backward counted apart (memory.train_memory). H200 measurements in docs/benchmarks.md
