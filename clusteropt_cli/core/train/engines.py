@@ -221,6 +221,18 @@ def _single_process_rendezvous() -> None:
         os.environ.setdefault(key, value)
 
 
+def _join_deepspeed_group(deepspeed: Any, world_size: int, backend: str) -> None:
+    """deepspeed.init_distributed unless a process group exists; ZeRO-Offload and zero.Init on one device still need
+    a (1-rank) group."""
+    import torch
+
+    if torch.distributed.is_initialized():
+        return
+    if world_size == 1:
+        _single_process_rendezvous()
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
 def zero3_model_init(options: Any, world_size: int, device_type: str) -> Any:
     """transformers' HfDeepSpeedConfig for the ZeRO-3 config copt writes: while it is alive, from_pretrained and
     from_config build the model under deepspeed.zero.Init, each parameter partitioned as it is created (onto the
@@ -238,10 +250,7 @@ def zero3_model_init(options: Any, world_size: int, device_type: str) -> Any:
     _quiet_deepspeed_logs()
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not torch.distributed.is_initialized():
-        if world_size == 1:
-            _single_process_rendezvous()
-        deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo", verbose=False)
+    _join_deepspeed_group(deepspeed, world_size, "nccl" if device_type == "cuda" else "gloo")
     return HfDeepSpeedConfig(deepspeed_config(options, world_size))
 
 
@@ -264,11 +273,8 @@ class DeepSpeedEngine:
         if config_path is not None and ctx.is_main:
             Path(config_path).write_text(json.dumps(config, indent=2))
         _quiet_deepspeed_logs()
-        if ctx.world_size == 1 and not torch.distributed.is_initialized():
-            _single_process_rendezvous()  # ZeRO-Offload on one device still needs a (1-rank) process group
-        if not torch.distributed.is_initialized():
-            deepspeed.init_distributed(dist_backend=ctx.backend or ("nccl" if ctx.device_type == "cuda" else "gloo"),
-                                       verbose=False)
+        _join_deepspeed_group(deepspeed, ctx.world_size,
+                              ctx.backend or ("nccl" if ctx.device_type == "cuda" else "gloo"))
         module = make_loss_module(model, loss_fn)
         schedule = lr_lambda(options, total_steps)
         client_optimizer = None

@@ -119,8 +119,7 @@ def check_offload_resources(settings: TrainingOptions, config: dict, host_bytes:
 
         host_bytes = int(psutil.virtual_memory().total)
     spec = load_model_spec(config)
-    plan = TrainPlan(micro_batch=settings.micro_batch, seq_len=settings.seq_len, zero=settings.zero,
-                     offload=settings.offload)
+    plan = TrainPlan(zero=settings.zero, offload=settings.offload)  # the host's share depends on nothing else
     host = host_train_memory(spec, plan, Target(None, settings.gpus, settings.nodes))
     needed = host["terms"]["model_load"] + host["terms"]["offload_buffers"]
     what = f"{spec.num_params / 1e9:.2f}B parameters"
@@ -129,8 +128,9 @@ def check_offload_resources(settings: TrainingOptions, config: dict, host_bytes:
             f"--offload {settings.offload} needs about {needed / gib:.0f} GiB of host RAM per node for this model "
             f"({what}: DeepSpeed's offloaded fp32 masters, Adam moments and gradients); this machine has "
             f"{host_bytes / gib:.0f} GiB.",
-            hint="use --offload nvme --nvme-path DIR, spread the states over more nodes (--nodes), or a machine "
-                 "with more RAM (copt advise --host-memory GIB ranks the plans that fit)")
+            hint=("use --offload nvme --nvme-path DIR, " if settings.offload == "cpu" else "")
+            + "spread the states over more nodes (--nodes), or a machine with more RAM (copt advise --host-memory GIB "
+              "ranks the plans that fit)")
     if settings.offload != "nvme" or not settings.nvme_path:
         return
     if disk_free_bytes is None:
