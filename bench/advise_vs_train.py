@@ -134,8 +134,8 @@ class HostMemorySampler:
 
         self.path, self.stop = path, threading.Event()
         self.peak_rss = self.peak_used = 0
-        self.total = self._meminfo()["MemTotal"]
-        self.start_used = self.total - self._meminfo()["MemAvailable"]
+        info = self._meminfo()
+        self.total, self.start_used = info["MemTotal"], info["MemTotal"] - info["MemAvailable"]
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
