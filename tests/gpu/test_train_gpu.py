@@ -117,9 +117,12 @@ def test_zero3_builds_the_model_partitioned_on_the_gpu(tmp_path):
               "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 4096,
               "max_position_embeddings": 512}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    tokenizer = _byte_tokenizer(tmp_path / "tok")
+    from tests.fixture_models import _train_tokenizer
+
     text = tmp_path / "d.txt"
     text.write_text(" ".join(f"word{i % 97}" for i in range(20000)))
+    tokenizer = tmp_path / "tok"
+    _train_tokenizer(text.read_text(), tokenizer)  # the fixtures' byte-level BPE (1,024 tokens), on this text
     recipe = TrainRecipe(model=str(tmp_path / "config.json"), tokenizer=str(tokenizer), data=str(text),
                          output=str(tmp_path / "out"), seq_len=256, micro_batch=1, max_steps=3, zero=3,
                          offload="cpu", precision="bf16", lr=1e-4, warmup_steps=0)
@@ -130,15 +133,3 @@ def test_zero3_builds_the_model_partitioned_on_the_gpu(tmp_path):
     assert result.steps == 3
     assert result.peak_mem_bytes < 0.5 * 2 * params, (result.peak_mem_bytes, 2 * params)
 
-
-def _byte_tokenizer(directory):
-    """A word-level tokenizer over the test's words, saved where --tokenizer can read it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"word{i}": 3 + i for i in range(97)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(directory)
-    return directory
