@@ -132,4 +132,3 @@ def test_zero3_builds_the_model_partitioned_on_the_gpu(tmp_path):
     assert any("partitioned by ZeRO-3 as built" in line for line in logs), logs
     assert result.steps == 3
     assert result.peak_mem_bytes < 0.5 * 2 * params, (result.peak_mem_bytes, 2 * params)
-
