@@ -187,7 +187,7 @@ def run_plan(recipe: dict, steps: int) -> dict:
     options = TrainRecipe.model_validate({**values, "max_steps": steps, "lr": 1e-4, "warmup_steps": 0})
     # ZeRO-3 as copt train builds it: partitioned under deepspeed.zero.Init (onto the host with offload)
     zero3 = None
-    if options.zero == 3:
+    if options.zero == 3 and not os.environ.get("COPT_BENCH_ZERO3_LOADED_WHOLE"):
         from clusteropt_cli.core.train.engines import zero3_model_init
 
         zero3 = zero3_model_init(options, 1, "cuda")
@@ -199,11 +199,14 @@ def run_plan(recipe: dict, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = run_training(options, model, dataset, tmp, save_final=False)
         rows = read_metrics(Path(tmp) / "metrics.jsonl")
+    zero3_built = zero3 is not None
     del zero3
     timed = rows[WARMUP:] or rows[1:] or rows
     step_time = sum(r["step_time_s"] for r in timed) / max(1, len(timed))
     tokens = options.micro_batch * options.grad_accum * options.seq_len
-    return {"engine": result.engine, "tokens_per_s": tokens / step_time if rows else None,
+    return {"engine": result.engine, "zero3_built_partitioned": zero3_built,
+            "tokens_per_s": tokens / step_time if rows else None,
+            "step_times_s": [r["step_time_s"] for r in rows],
             "step_time_s": step_time if rows else None, "first_step_s": rows[0]["step_time_s"] if rows else None,
             "peak_mem_bytes": torch.cuda.max_memory_allocated(),
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "final_loss": result.final_loss,
@@ -224,6 +227,14 @@ def worker(name: str, gpu: str | None, steps: int, out: Path) -> None:
     out.write_text(json.dumps({**measured, **sampler.close()}))
 
 
+def _host_cpu() -> dict:
+    """The host's CPU model and logical cores: DeepSpeed's CPU Adam (offload cases) runs there."""
+    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("model name")] if Path("/proc/cpuinfo").exists() else []
+    return {"model": names[0] if names else None, "logical_cores": os.cpu_count(),
+            "usable_cores": len(os.sched_getaffinity(0))}
+
+
 def _err(pred: float | None, meas: float | None) -> float | None:
     return None if not pred or not meas else 100.0 * (pred - meas) / meas
 
@@ -237,6 +248,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help=f"optimizer steps per case (first {WARMUP} untimed)")
     parser.add_argument("--budget-s", type=float, default=530.0, help="wall-clock budget for all cases")
     parser.add_argument("--case-timeout-s", type=float, default=200.0)
+    parser.add_argument("--zero3-loaded-whole", action="store_true",
+                        help="ZeRO-3 cases: build the model whole and let deepspeed.initialize partition it (copt "
+                             "train before it built under zero.Init), for an A/B on one machine")
     parser.add_argument("--list", action="store_true", help="print advise's predictions and exit (no GPU needed)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
@@ -267,9 +281,13 @@ def main() -> None:
     started = time.time()
     report = {"bench": "advise_vs_train", "date": time.strftime("%Y-%m-%d"),
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-              "torch": torch.__version__, "seq_len": SEQ_LEN, "steps": args.steps, "warmup_steps": WARMUP,
+              "torch": torch.__version__, "host_cpu": _host_cpu(), "seq_len": SEQ_LEN, "steps": args.steps,
+              "warmup_steps": WARMUP,
               "cases": {}}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    if args.zero3_loaded_whole:
+        env["COPT_BENCH_ZERO3_LOADED_WHOLE"] = "1"
+        report["zero3_loaded_whole"] = True
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             pred = predict(name, gpu)
