@@ -50,6 +50,15 @@ def test_cross_field_rules_name_their_key():
     assert any(p.startswith("zero:") for p in info.value.problems)
 
 
+@pytest.mark.parametrize("optimizer", ["adamw-8bit", "sgd"])
+def test_offload_refuses_an_optimizer_deepspeed_would_replace(optimizer):
+    """Under offload DeepSpeed's CPU AdamW updates the weights on the host: another optimizer would be ignored."""
+    with pytest.raises(RecipeError) as info:
+        load_settings("train", None, [f"optimizer={optimizer}"], {"model": "m", "zero": 3, "offload": "cpu"})
+    assert any(p.startswith("optimizer:") and "CPU AdamW" in p for p in info.value.problems), info.value.problems
+    assert load_settings("train", None, [f"optimizer={optimizer}"], {"model": "m", "zero": 3}).optimizer == optimizer
+
+
 def test_overrides_parse_yaml_scalars_and_nest():
     assert parse_override("lr=3e-4") == (["lr"], 3e-4)
     assert parse_override("ignore=[lm_head, embed]") == (["ignore"], ["lm_head", "embed"])

@@ -109,6 +109,12 @@ class TimeEstimate:
     costs: ServeCosts | None = None  # continuous batching on copt's engine: the step costs behind the figures
 
 
+# DeepSpeed's offloaded step runs CPU Adam and ZeRO-3's Python hooks on the host CPU (calibration.CPU_ADAM_S_PER_PARAM)
+OFFLOAD_HOST_NOTE = ("offload: the step's speed depends on the host CPU (CPU Adam, ZeRO's hooks): the same runs "
+                     "stepped up to 1.33× faster on one 16-core H100 host than on another; tokens/s is priced for "
+                     "the slower hosts")
+
+
 def _dp_link(target: Target, tp: int, pp: int) -> tuple[float, str]:
     """Bandwidth (bytes/s per GPU) of the slowest link data parallelism crosses."""
     gpu = target.gpu
@@ -253,6 +259,7 @@ def train_time(spec: ModelSpec, plan: TrainPlan, target: Target) -> TimeEstimate
         offload = local_part * cal.CPU_ADAM_S_PER_PARAM + 4 * local_part / pcie
     step = compute + optimizer_s + exposed + tp_comm + offload
     tokens_per_s = tokens_step / step
+    notes = [OFFLOAD_HOST_NOTE] if plan.offload != "none" else []
     achieved_mfu = tokens_step * model_flops_token / step / (peak * target.world)
     figures = {
         "step_time_s": step, "tokens_per_s": tokens_per_s, "mfu": achieved_mfu, "compute_s": compute,
@@ -266,7 +273,7 @@ def train_time(spec: ModelSpec, plan: TrainPlan, target: Target) -> TimeEstimate
     assumptions.update({"peak_tflops": peak / 1e12, "comm_efficiency": cal.COMM_EFFICIENCY,
                         "comm_overlap": cal.COMM_OVERLAP, "link": link_name,
                         "bubble_form": "interleaved (p-1)/(v*m)" if plan.pp_virtual_stages > 1 else "(p-1)/(m+p-1)"})
-    return TimeEstimate(figures, assumptions)
+    return TimeEstimate(figures, assumptions, notes)
 
 
 def prefix_hit_tokens(spec: ModelSpec, plan: InferPlan) -> int:

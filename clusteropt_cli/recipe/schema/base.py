@@ -78,6 +78,9 @@ class TrainingOptions(Strict):
             problems.append("offload: CPU/NVMe offload needs DeepSpeed ZeRO; set zero to 1, 2 or 3")
         if self.offload == "nvme" and not self.nvme_path:
             problems.append("nvme_path: offload=nvme needs nvme_path (a fast local directory)")
+        if self.offload != "none" and self.optimizer != "adamw":
+            problems.append(f"optimizer: with offload={self.offload} DeepSpeed runs its own CPU AdamW on the host, "
+                            f"so {self.optimizer} does not apply (use optimizer adamw, or offload none)")
         if self.max_steps is not None and self.epochs is not None:
             problems.append("max_steps: give max_steps or epochs, not both")
         if self.loss_chunk_tokens is not None and self.loss_impl == "hf":
