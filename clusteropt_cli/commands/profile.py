@@ -2,7 +2,8 @@
 
 Both write the versioned ProfileReport (core/profile/report.py) that `copt advise --from-profile` reads:
 `--json` prints it on stdout, `--report FILE` writes it. `--expect R.yaml` checks the measurement against the
-prediction a recipe carries and exits 6 when a figure misses by more than `--tolerance`.
+prediction a recipe carries and exits 6 when a figure misses by more than `--tolerance`. At a closed loop that
+kept the engine full, a TTFT that misses by what its passing tok/s and TPOT errors imply is marked `explained`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ ExpectOpt = Annotated[
     typer.Option("--expect", help="A recipe with a prediction block (copt advise --emit-recipe): check it."),
 ]
 ToleranceOpt = Annotated[
-    float, typer.Option("--tolerance", help="Allowed relative error per predicted figure with --expect.", min=0.0)
+    float, typer.Option("--tolerance", help="Allowed relative error per predicted figure with --expect (a full "
+                                "closed loop's TTFT: against the ratio its tok/s and TPOT errors imply).", min=0.0)
 ]
 
 
@@ -192,7 +194,8 @@ def _render_check(comparison: Any) -> None:
     rows = [[c.name + (f" ({c.note})" if c.note in ("out of step", "closed loop", "open loop") else ""),
              ("≤ " if c.note == "upper" else "") + fmt(c.name, c.predicted), fmt(c.name, c.measured),
              "-" if c.rel_error is None else f"{100 * c.rel_error:+.1f}%",
-             {"pass": "[green]pass[/green]", "miss": "[red]MISS[/red]"}.get(c.status, c.status)]
+             {"pass": "[green]pass[/green]", "miss": "[red]MISS[/red]",
+              "explained": "[yellow]explained[/yellow]"}.get(c.status, c.status)]
             for c in comparison.checks]
     where = f" at {comparison.level}" if comparison.level else ""
     console.out.print(console.grid(f"predicted vs measured{where} ({comparison.recipe}, tolerance "

@@ -317,7 +317,7 @@ def test_a_full_closed_loops_missed_ttft_says_what_its_tok_s_and_tpot_imply():
     TTFT passed, gets none."""
     from types import SimpleNamespace
 
-    from clusteropt_cli.core.profile.expect import FigureCheck, amplified_ttft_caveats
+    from clusteropt_cli.core.profile.expect import FigureCheck, explain_amplified_ttft
 
     def checks(ttft_pred, ttft, status="miss"):
         return [FigureCheck("ttft_s", ttft_pred, ttft, ttft_pred / ttft - 1, status, "closed loop"),
@@ -326,10 +326,39 @@ def test_a_full_closed_loops_missed_ttft_says_what_its_tok_s_and_tpot_imply():
 
     level = SimpleNamespace(concurrency=256, request_throughput=22_475 / 128, ttft_s={"p50": 0.1671},
                             e2e_s={"p50": 0.1671 + 127 * 10.056e-3})
-    caveats = amplified_ttft_caveats(level, checks(0.2854, 0.1671))
+    caveats = explain_amplified_ttft(level, checks(0.2854, 0.1671), 0.15)[1]
     assert len(caveats) == 1
     assert "cycle was 8.7× the TTFT p50" in caveats[0] and "decode 7.6×" in caveats[0]
     assert "2.2" in caveats[0].split("alone put it at ")[1][:5]  # exp(-8.7 ln 1.19 + 7.6 ln 1.355) ≈ 2.2
-    assert amplified_ttft_caveats(level, checks(0.17, 0.1671, "pass")) == []
+    assert explain_amplified_ttft(level, checks(0.17, 0.1671, "pass"), 0.15)[1] == []
     lone = SimpleNamespace(concurrency=2, request_throughput=2 / 1.0, ttft_s={"p50": 0.8}, e2e_s={"p50": 1.0})
-    assert amplified_ttft_caveats(lone, checks(0.5, 0.8)) == []
+    assert explain_amplified_ttft(lone, checks(0.5, 0.8), 0.15)[1] == []
+
+
+def test_a_full_closed_loops_ttft_missed_by_what_its_tok_s_and_tpot_imply_is_explained_not_missed():
+    """The 3B shape on an H100, 256 greedy clients, 15 s (docs/benchmarks.md): 13,288 tok/s, TTFT p50 213 ms, TPOT
+    17.3 ms, replayed 1.00 / 0.60 / 1.05. tok/s and TPOT pass, and 1.05 on the TPOT alone implies a TTFT at 0.60×
+    through the loop's cycle (11.6 TTFTs) and decode (10.3): the TTFT's 0.60 is marked explained and the check
+    passes. A TTFT its tok/s and TPOT do not explain, or one beside a failed tok/s, stays a miss."""
+    from types import SimpleNamespace
+
+    from clusteropt_cli.core.profile.expect import Comparison, FigureCheck, explain_amplified_ttft
+
+    def checks(ttft_pred, tok_pred=13_288.0, tol=0.15):
+        made = [(("ttft_s", ttft_pred, 0.213)), ("tpot_s", 17.3e-3 * 1.05, 17.3e-3),
+                ("output_tokens_per_s", tok_pred, 13_288.0)]
+        return [FigureCheck(name, pred, meas, pred / meas - 1, "pass" if abs(pred / meas - 1) <= tol else "miss",
+                            "closed loop") for name, pred, meas in made]
+
+    level = SimpleNamespace(concurrency=256, request_throughput=13_288 / 128, ttft_s={"p50": 0.213},
+                            e2e_s={"p50": 0.213 + 127 * 17.3e-3})
+    explained, caveats = explain_amplified_ttft(level, checks(0.213 * 0.60), 0.15)
+    assert [c.status for c in explained] == ["explained", "pass", "pass"]
+    assert "0.60× the measured TTFT (predicted 0.60×)" in caveats[0] and "marked explained" in caveats[0]
+    assert Comparison("r.yaml", 0.15, explained).passed
+
+    unexplained, caveats = explain_amplified_ttft(level, checks(0.213 * 1.5), 0.15)
+    assert unexplained[0].status == "miss" and "more than its tok/s and TPOT errors explain" in caveats[0]
+    assert not Comparison("r.yaml", 0.15, unexplained).passed
+    beside_a_miss, caveats = explain_amplified_ttft(level, checks(0.213 * 0.60, tok_pred=13_288 * 1.3), 0.15)
+    assert beside_a_miss[0].status == "miss" and "explained" not in caveats[0]

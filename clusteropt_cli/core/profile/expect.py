@@ -7,7 +7,7 @@ name; the relative error is (measured − predicted) / predicted, and a figure m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from clusteropt_cli.core.profile.report import ProfileReport
@@ -34,7 +34,9 @@ class FigureCheck:
     predicted: float
     measured: float | None
     rel_error: float | None
-    status: Literal["pass", "miss", "not-measured"]
+    # "explained": a full closed loop's TTFT that missed by what the tok/s and TPOT errors imply (which passed):
+    # not a miss (explain_amplified_ttft)
+    status: Literal["pass", "miss", "explained", "not-measured"]
     # "closed loop": advise's replay of this level's closed loop (closed_loop_*, the same clients and load);
     # "upper": the prediction bounds the figure from above (a closed loop's TTFT: at most the in-step figure);
     # "out of step": the prediction for closed-loop clients out of step (tpot_out_of_step_s);
@@ -283,36 +285,54 @@ def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: fl
             hint="Pair a train recipe with 'profile model --mode train', a serve recipe with 'profile endpoint'.")
     caveats = client_caveats(level)
     if closed_loop:
-        caveats += amplified_ttft_caveats(level, checks)
+        checks, amplified = explain_amplified_ttft(level, checks, tolerance)
+        caveats += amplified
     return Comparison(recipe=exp.path, tolerance=tolerance, checks=checks, level=level_name, caveats=caveats)
 
 
-def amplified_ttft_caveats(level: Any, checks: list[FigureCheck]) -> list[str]:
+def explain_amplified_ttft(level: Any, checks: list[FigureCheck],
+                           tolerance: float) -> tuple[list[FigureCheck], list[str]]:
     """A closed-loop level whose TTFT missed where the decode is several times the TTFT: each client's cycle
     (1 / the request rate per client) is its TTFT, its decode and its turnaround, so the TTFT is the cycle less the
     decode, and the prediction's errors in tok/s and TPOT alone move it by (cycle / TTFT) and (decode / TTFT) times
-    as much (advise's replay: closed_loop.ClosedLoopFigures.ttft_amplification)."""
+    as much (advise's replay: closed_loop.ClosedLoopFigures.ttft_amplification). Returns the checks and a caveat
+    that says so; where tok/s and TPOT passed and the TTFT's ratio is within ±tolerance of the ratio they imply, the
+    TTFT's status is "explained" (not a miss: its error is theirs, amplified)."""
+    implied, caveats = _amplified_ttft(level, checks)
+    if implied is None:
+        return checks, caveats
+    by_name = {c.name: c for c in checks}
+    ttft, tpot, tok = (by_name[name] for name in ("ttft_s", "tpot_s", "output_tokens_per_s"))
+    if tok.status == tpot.status == "pass" and abs(ttft.predicted / ttft.measured / implied - 1) <= tolerance:
+        checks = [replace(c, status="explained") if c is ttft else c for c in checks]
+        caveats = [caveats[0] + f": within ±{tolerance:.0%} of that, so the TTFT is marked explained, not missed"]
+    elif tok.status == tpot.status == "pass":
+        caveats = [caveats[0] + ": the TTFT misses by more than its tok/s and TPOT errors explain"]
+    return checks, caveats
+
+
+def _amplified_ttft(level: Any, checks: list[FigureCheck]) -> tuple[float | None, list[str]]:
+    """(the TTFT ratio the tok/s and TPOT ratios imply, [the caveat]) for a full closed loop's missed TTFT."""
     from clusteropt_cli.core.advise.closed_loop import AMPLIFIED_TTFT, implied_ttft_ratio
 
     by_name = {c.name: c for c in checks if c.status != "not-measured" and c.note == "closed loop"}
     ttft, tpot, tok = (by_name.get(name) for name in ("ttft_s", "tpot_s", "output_tokens_per_s"))
     if ttft is None or ttft.status != "miss" or tpot is None or tok is None:
-        return []
+        return None, []
     ttft_p50, e2e_p50 = level.ttft_s.get("p50"), level.e2e_s.get("p50")
     if not (ttft_p50 and e2e_p50 and level.request_throughput and level.concurrency):
-        return []
+        return None, []
     decode_times = (e2e_p50 - ttft_p50) / ttft_p50
     cycle_times = level.concurrency / level.request_throughput / ttft_p50
     if decode_times < AMPLIFIED_TTFT:
-        return []
+        return None, []
     implied = implied_ttft_ratio(cycle_times, decode_times, tok.predicted / tok.measured,
                                  tpot.predicted / tpot.measured)
-    return [f"the closed loop kept the engine full: each client's cycle was {cycle_times:.1f}× the TTFT p50 and its "
-            f"decode {decode_times:.1f}×, so the TTFT is what the decode leaves of the cycle; the prediction's tok/s "
-            f"({tok.predicted / tok.measured - 1:+.1%}) and TPOT ({tpot.predicted / tpot.measured - 1:+.1%}) alone put "
-            f"it at {implied:.2f}× the measured TTFT (predicted {ttft.predicted / ttft.measured:.2f}×)"
-            + ("; tok/s and TPOT are within tolerance: read the TTFT as a band" if tok.status == tpot.status == "pass"
-               else "")]
+    return implied, [
+        f"the closed loop kept the engine full: each client's cycle was {cycle_times:.1f}× the TTFT p50 and its "
+        f"decode {decode_times:.1f}×, so the TTFT is what the decode leaves of the cycle; the prediction's tok/s "
+        f"({tok.predicted / tok.measured - 1:+.1%}) and TPOT ({tpot.predicted / tpot.measured - 1:+.1%}) alone put "
+        f"it at {implied:.2f}× the measured TTFT (predicted {ttft.predicted / ttft.measured:.2f}×)"]
 
 
 def client_caveats(level: Any) -> list[str]:
