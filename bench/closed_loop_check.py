@@ -28,7 +28,12 @@ from pathlib import Path
 
 from common import LLAMA_70B_8L_SHAPE
 
-from clusteropt_cli.core.advise.closed_loop import closed_loop_figures, implied_ttft_ratio, open_loop_figures
+from clusteropt_cli.core.advise.closed_loop import (
+    closed_loop_figures,
+    implied_ttft_ratio,
+    open_loop_figures,
+    ttft_explained,
+)
 from clusteropt_cli.core.advise.plan import InferPlan, Target
 from clusteropt_cli.core.advise.timing import infer_time
 from clusteropt_cli.hardware import get_gpu, match_catalog
@@ -137,8 +142,16 @@ def ttft_bookkeeping(level: dict, figures: dict[str, float]) -> dict | None:
     ttft, tok_s, tpot = m["ttft_s"]["p50"], m["output_tokens_per_s"], m["tpot_s"]["p50"]
     cycle = level["clients"] * level["gen_len"] / tok_s / ttft
     decode = (level["gen_len"] - 1) * tpot / ttft
-    implied = implied_ttft_ratio(cycle, decode, figures["output_tokens_per_s"] / tok_s, figures["tpot_s"] / tpot)
-    return {"cycle_ttfts": round(cycle, 2), "decode_ttfts": round(decode, 2), "implied_ratio": round(implied, 2)}
+    ratios = {name: figures[name] / value for name, value in
+              (("ttft_s", ttft), ("output_tokens_per_s", tok_s), ("tpot_s", tpot))}
+    implied = implied_ttft_ratio(cycle, decode, ratios["output_tokens_per_s"], ratios["tpot_s"])
+    # as `copt profile endpoint --expect` judges it at ±TOLERANCE (an error relative to the prediction)
+    passed = {name: abs(1 / ratio - 1) <= TOLERANCE for name, ratio in ratios.items()}
+    verdict = "pass" if passed["ttft_s"] else (
+        "explained" if ttft_explained(ratios["ttft_s"], implied, decode,
+                                      passed["output_tokens_per_s"] and passed["tpot_s"], TOLERANCE) else "miss")
+    return {"cycle_ttfts": round(cycle, 2), "decode_ttfts": round(decode, 2), "implied_ratio": round(implied, 2),
+            "expect_ttft": verdict}
 
 
 def bookkeeping_summary(rows: list[dict]) -> dict | None:
@@ -261,7 +274,7 @@ def main() -> None:
         book = r.get("ttft_bookkeeping")
         if book:
             cells.append(f"decode {book['decode_ttfts']:.1f}× the TTFT: tok/s and TPOT imply ttft "
-                         f"{book['implied_ratio']:.2f}")
+                         f"{book['implied_ratio']:.2f}; --expect's TTFT at ±{TOLERANCE:.0%}: {book['expect_ttft']}")
         print(f"  {r['shape']} {r['prompt_len']}/{r['gen_len']} {r['tester']:16s} {mode:7s} {who} "
               f"({load}): " + "; ".join(cells))
     summary = bookkeeping_summary(rows)
@@ -269,6 +282,9 @@ def main() -> None:
         print(f"closed loops with a replayed TTFT: {summary['levels']}; ln(TTFT ratio) against ln(the ratio the "
               f"tok/s and TPOT ratios imply): correlation {summary['correlation']:.2f}; decode "
               f"{summary['decode_ttfts'][0]:.1f}-{summary['decode_ttfts'][1]:.1f}× the TTFT")
+        verdicts = [r["ttft_bookkeeping"]["expect_ttft"] for r in rows if r.get("ttft_bookkeeping")]
+        print(f"--expect's TTFT at ±{TOLERANCE:.0%}: " + ", ".join(
+            f"{verdicts.count(v)} {v}" for v in ("pass", "explained", "miss")))
 
 
 if __name__ == "__main__":

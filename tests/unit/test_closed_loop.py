@@ -1064,6 +1064,27 @@ def test_results_are_replayed_for_the_gpu_they_were_measured_on(monkeypatch) -> 
     assert predicted(h100)["output_tokens_per_s"] < predicted(h200)["output_tokens_per_s"]  # 3.35 vs 4.8 TB/s
 
 
+def test_the_check_marks_each_ttft_as_expect_would(monkeypatch) -> None:
+    """bench/closed_loop_check.py's TTFT verdict is --expect's at ±15%: the 3B's H100 profile-endpoint levels
+    (2026-12-06) pass at 64 clients and are explained at 256 (tok/s and TPOT within 5%, TTFT 0.78 and 0.60 of the
+    measured against implied 0.70 and 0.62); a TTFT its tok/s and TPOT do not explain stays a miss."""
+    from clusteropt_cli.core.advise.closed_loop import ttft_explained
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    import json
+
+    from closed_loop_check import check, levels
+
+    results = Path(__file__).resolve().parents[2] / "bench" / "results" / "serve-models-h100-2026-12-06"
+    rows = [check(level, True, False) for level in levels(json.loads(
+        (results / "held-out-3b-profile" / "profile3b.json").read_text()))]
+    verdicts = {(r["temperature"], r["clients"]): r["ttft_bookkeeping"]["expect_ttft"] for r in rows}
+    assert verdicts == {(1.0, 64): "pass", (1.0, 256): "explained", (0.0, 64): "pass", (0.0, 256): "explained"}
+    assert not ttft_explained(0.75, 0.52, 13.0, True, 0.15)  # the 8B's H100 profile endpoint, 256 sampled
+    assert not ttft_explained(0.60, 0.62, 2.0, True, 0.15)  # a decode of 2 TTFTs amplifies too little
+    assert not ttft_explained(0.60, 0.62, 10.0, False, 0.15)  # beside a missed tok/s or TPOT
+
+
 def test_a_replay_logs_each_step_it_priced() -> None:
     """simulate_sends(step_log=...): one (seconds, decoding rows, prompt chunks) per step — a lone request's prefill
     step (1 ms, no rows, one chunk), then its decode steps at one row; the steps add up to the replay's span."""

@@ -245,6 +245,16 @@ def implied_ttft_ratio(cycle_ttfts: float, decode_ttfts: float, tok_s_ratio: flo
     return math.exp(-cycle_ttfts * math.log(tok_s_ratio) - decode_ttfts * math.log(tpot_ratio))
 
 
+def ttft_explained(ttft_ratio: float, implied_ratio: float, decode_ttfts: float, tok_s_and_tpot_passed: bool,
+                   tolerance: float) -> bool:
+    """Whether a closed loop's TTFT (predicted ÷ measured `ttft_ratio`) missed by what its tok/s and TPOT errors
+    imply (`implied_ratio`, implied_ttft_ratio): they passed, the decode is AMPLIFIED_TTFT times the TTFT or more, and
+    the TTFT's ratio is within `tolerance` of the implied one. `copt profile endpoint --expect` marks such a TTFT
+    explained rather than missed."""
+    return (tok_s_and_tpot_passed and decode_ttfts >= AMPLIFIED_TTFT
+            and abs(ttft_ratio / implied_ratio - 1) <= tolerance)
+
+
 # copt profile endpoint's default load per concurrency level: 4 requests per client (ProfileSettings.requests_for)
 REQUESTS_PER_CLIENT = 4
 # the share of host-bound prefilling steps above which the replay's TTFT is not reported (closed_loop_figures)

@@ -298,12 +298,15 @@ def explain_amplified_ttft(level: Any, checks: list[FigureCheck],
     as much (advise's replay: closed_loop.ClosedLoopFigures.ttft_amplification). Returns the checks and a caveat
     that says so; where tok/s and TPOT passed and the TTFT's ratio is within ±tolerance of the ratio they imply, the
     TTFT's status is "explained" (not a miss: its error is theirs, amplified)."""
-    implied, caveats = _amplified_ttft(level, checks)
+    from clusteropt_cli.core.advise.closed_loop import ttft_explained
+
+    implied, decode_ttfts, caveats = _amplified_ttft(level, checks)
     if implied is None:
         return checks, caveats
     by_name = {c.name: c for c in checks}
     ttft, tpot, tok = (by_name[name] for name in ("ttft_s", "tpot_s", "output_tokens_per_s"))
-    if tok.status == tpot.status == "pass" and abs(ttft.predicted / ttft.measured / implied - 1) <= tolerance:
+    if ttft_explained(ttft.predicted / ttft.measured, implied, decode_ttfts, tok.status == tpot.status == "pass",
+                      tolerance):
         checks = [replace(c, status="explained") if c is ttft else c for c in checks]
         caveats = [caveats[0] + f": within ±{tolerance:.0%} of that, so the TTFT is marked explained, not missed"]
     elif tok.status == tpot.status == "pass":
@@ -311,24 +314,25 @@ def explain_amplified_ttft(level: Any, checks: list[FigureCheck],
     return checks, caveats
 
 
-def _amplified_ttft(level: Any, checks: list[FigureCheck]) -> tuple[float | None, list[str]]:
-    """(the TTFT ratio the tok/s and TPOT ratios imply, [the caveat]) for a full closed loop's missed TTFT."""
+def _amplified_ttft(level: Any, checks: list[FigureCheck]) -> tuple[float | None, float, list[str]]:
+    """(the TTFT ratio the tok/s and TPOT ratios imply, the decode in TTFTs, [the caveat]) for a full closed loop's
+    missed TTFT; (None, 0, []) for any other level."""
     from clusteropt_cli.core.advise.closed_loop import AMPLIFIED_TTFT, implied_ttft_ratio
 
     by_name = {c.name: c for c in checks if c.status != "not-measured" and c.note == "closed loop"}
     ttft, tpot, tok = (by_name.get(name) for name in ("ttft_s", "tpot_s", "output_tokens_per_s"))
     if ttft is None or ttft.status != "miss" or tpot is None or tok is None:
-        return None, []
+        return None, 0.0, []
     ttft_p50, e2e_p50 = level.ttft_s.get("p50"), level.e2e_s.get("p50")
     if not (ttft_p50 and e2e_p50 and level.request_throughput and level.concurrency):
-        return None, []
+        return None, 0.0, []
     decode_times = (e2e_p50 - ttft_p50) / ttft_p50
     cycle_times = level.concurrency / level.request_throughput / ttft_p50
     if decode_times < AMPLIFIED_TTFT:
-        return None, []
+        return None, 0.0, []
     implied = implied_ttft_ratio(cycle_times, decode_times, tok.predicted / tok.measured,
                                  tpot.predicted / tpot.measured)
-    return implied, [
+    return implied, decode_times, [
         f"the closed loop kept the engine full: each client's cycle was {cycle_times:.1f}× the TTFT p50 and its "
         f"decode {decode_times:.1f}×, so the TTFT is what the decode leaves of the cycle; the prediction's tok/s "
         f"({tok.predicted / tok.measured - 1:+.1%}) and TPOT ({tpot.predicted / tpot.measured - 1:+.1%}) alone put "
