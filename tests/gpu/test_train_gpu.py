@@ -103,31 +103,37 @@ def test_step_values_read_waits_for_its_own_step_only():
     assert got["lr"] == 0.5 and got["extra"] is None
 
 
+def _text_recipe(tmp_path, shape: dict, words: int, **settings):
+    """A TrainRecipe for copt train's own path: a llama config of `shape`, a repeated text of `words` words and the
+    fixtures' byte-level BPE (1,024 tokens) trained on it, the output under tmp_path/out."""
+    import json
+
+    from clusteropt_cli.recipe.schema.train import TrainRecipe
+    from tests.fixture_models import _train_tokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 512,
+                                                      **shape}))
+    text = tmp_path / "d.txt"
+    text.write_text(" ".join(f"word{i % 97}" for i in range(words)))
+    _train_tokenizer(text.read_text(), tmp_path / "tok")
+    return TrainRecipe(model=str(tmp_path / "config.json"), tokenizer=str(tmp_path / "tok"), data=str(text),
+                       output=str(tmp_path / "out"), seq_len=256, warmup_steps=0, **settings)
+
+
 def test_zero3_builds_the_model_partitioned_on_the_gpu(tmp_path):
     """ZeRO-3 + CPU offload through copt train's own path (train_from_settings: zero3_model_init, then load_model): the
     model is built partitioned under deepspeed.zero.Init, never whole on the GPU — the GPU's peak up to the engine's
     start stays well under the 16-bit model's own size (before, deepspeed.initialize moved the whole model to the GPU
     first). The steps after it gather up to stage3_max_live_parameters (DeepSpeed's 1e9) at once: not checked."""
     pytest.importorskip("deepspeed")
-    import json
+    import torch
 
     from clusteropt_cli.core.train.run import train_from_settings
-    from clusteropt_cli.recipe.schema.train import TrainRecipe
 
-    config = {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16,
-              "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 4096,
-              "max_position_embeddings": 512}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    from tests.fixture_models import _train_tokenizer
-
-    text = tmp_path / "d.txt"
-    text.write_text(" ".join(f"word{i % 97}" for i in range(20000)))
-    tokenizer = tmp_path / "tok"
-    _train_tokenizer(text.read_text(), tokenizer)  # the fixtures' byte-level BPE (1,024 tokens), on this text
-    recipe = TrainRecipe(model=str(tmp_path / "config.json"), tokenizer=str(tokenizer), data=str(text),
-                         output=str(tmp_path / "out"), seq_len=256, micro_batch=1, max_steps=3, zero=3,
-                         offload="cpu", precision="bf16", lr=1e-4, warmup_steps=0)
-    import torch
+    shape = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "intermediate_size": 8192, "vocab_size": 4096}
+    recipe = _text_recipe(tmp_path, shape, 20000, micro_batch=1, max_steps=3, zero=3, offload="cpu",
+                          precision="bf16", lr=1e-4)
 
     logs: list[str] = []
     peak_at_start: list[int] = []
@@ -155,26 +161,14 @@ def test_fp8_under_deepspeed_zero_learns_and_saves_a_plain_model(tmp_path, zero)
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability >= 8.9")
     pytest.importorskip("torchao.float8")
-    import json
-
     from transformers import AutoModelForCausalLM
 
     from clusteropt_cli.core.train.run import train_from_settings
-    from clusteropt_cli.recipe.schema.train import TrainRecipe
-    from tests.fixture_models import _train_tokenizer
 
-    config = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 768, "vocab_size": 1024,
-              "max_position_embeddings": 512}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    text = tmp_path / "d.txt"
-    text.write_text(" ".join(f"word{i % 97}" for i in range(40000)))
-    tokenizer = tmp_path / "tok"
-    _train_tokenizer(text.read_text(), tokenizer)
+    shape = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 768, "vocab_size": 1024}
+    recipe = _text_recipe(tmp_path, shape, 40000, micro_batch=8, max_steps=24, zero=zero, precision="fp8", lr=2e-3)
     out = tmp_path / "out"
-    recipe = TrainRecipe(model=str(tmp_path / "config.json"), tokenizer=str(tokenizer), data=str(text),
-                         output=str(out), seq_len=256, micro_batch=8, max_steps=24, zero=zero,
-                         precision="fp8", lr=2e-3, warmup_steps=0)
     logs: list[str] = []
 
     class Logs:
