@@ -442,3 +442,24 @@ def test_one_launcher_runs_here_or_launches_and_reads_rank_zeros_result(tmp_path
     with pytest.raises(CoptError, match="The training processes exited with code 3"):
         run_or_launch(failing, lambda: None, output=tmp_path / "new", **common)
     assert not (tmp_path / "new").exists()
+
+
+def test_an_explicit_compile_under_deepspeed_says_the_decoder_runs_eager():
+    """DeepSpeed's engine wraps the module, so copt train never compiles the decoder under --zero: an explicit
+    `compile: true` (a shipped recipe sets it) is not dropped silently; without --zero it compiles."""
+    from clusteropt_cli.core.train.loop import prepare_model
+
+    logs: list[str] = []
+    options = TrainRecipe(model="x", compile=True, zero=2, precision="fp32")
+    model = prepare_model(options, _tiny_llama(), "cpu", for_deepspeed=True, log=logs.append)
+    assert any("not applied under DeepSpeed ZeRO" in line and "runs eager" in line for line in logs), logs
+    assert not hasattr(model.get_decoder(), "_compiled_call_impl") or model.get_decoder()._compiled_call_impl is None
+    logs.clear()
+    prepare_model(TrainRecipe(model="x", zero=2, precision="fp32"), _tiny_llama(), "cpu", for_deepspeed=True,
+                  log=logs.append)
+    assert not any("torch.compile" in line for line in logs), logs
+    logs.clear()
+    compiled = prepare_model(TrainRecipe(model="x", compile=True, precision="fp32"), _tiny_llama(), "cpu",
+                             log=logs.append)
+    assert any("decoder compiled" in line for line in logs)
+    assert compiled.get_decoder()._compiled_call_impl is not None

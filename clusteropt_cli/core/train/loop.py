@@ -133,6 +133,8 @@ def prepare_model(options: Any, model: Any, device_type: str, *, for_deepspeed: 
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
         decoder.compile()
         log("torch.compile: decoder compiled (the first step includes compilation)")
+    elif for_deepspeed and getattr(options, "compile", None):
+        log("torch.compile: not applied under DeepSpeed ZeRO (its engine wraps the module): the decoder runs eager")
     return model
 
 
