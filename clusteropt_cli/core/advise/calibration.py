@@ -259,8 +259,10 @@ DEFAULT_GPU_HOUR_USD = {"h200": 3.50, "h100-sxm": 2.50, "h100-pcie": 2.00, "a100
 # timing.py): 0.30 ns per parameter in all. Fitted on an H100 with 16 host cores (2026-12-06,
 # bench/advise_vs_train.py): the 3B shape under ZeRO-3 + CPU offload, 4 × 2048, 1.51 s/step (advise 1.41); the 1B
 # under ZeRO-3 + offload + checkpointing, 8 × 2048, 0.74 s (0.81); the 3B under ZeRO-2 + offload + checkpointing,
-# 4 × 2048, 1.44 s (1.55). (The earlier H200 anchor, 1.42 s/step on the 1B shape, ran DeepSpeed's forward in fp32
-# and priced this at 0.65e-9.)
+# 4 × 2048, 1.44 s (1.55). The host CPU sets this step (CPU Adam and ZeRO-3's Python hooks run there): another
+# 16-core H100 machine stepped the 3B in 1.14 s and the 1B in 0.56 s (timing.OFFLOAD_HOST_NOTE), so this prices the
+# slower hosts. (The earlier H200 anchor, 1.42 s/step on the 1B shape, ran DeepSpeed's forward in fp32 and priced
+# this at 0.65e-9.)
 CPU_ADAM_S_PER_PARAM = 0.14e-9
 
 # ---- host memory of a training run -----------------------------------------------------------------------------

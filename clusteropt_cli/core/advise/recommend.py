@@ -99,12 +99,6 @@ def _gpu_checks(ctx: Context, need_fp8: bool = False, need_multi: bool = False) 
 
 
 # ---- the catalog: one function per technique ------------------------------------------------------------------
-def _offload_host_gib(ctx: Context, zero: int) -> float:
-    """Host RAM per node (GiB) the CPU-offload plan at ZeRO `zero` needs (memory.host_train_memory)."""
-    plan = ctx.plan.with_(zero=max(zero, ctx.plan.zero), offload="cpu")  # type: ignore[union-attr]
-    return host_train_memory(ctx.spec, plan, ctx.target)["peak_bytes"] / cal.GiB
-
-
 def _train_recs(ctx: Context) -> list[Recommendation]:
     p: TrainPlan = ctx.plan  # type: ignore[assignment]
     spec, target = ctx.spec, ctx.target
@@ -134,14 +128,16 @@ def _train_recs(ctx: Context) -> list[Recommendation]:
                 _gpu_checks(ctx, need_multi=True))
     if p.offload == "none":
         z = 3 if p.pp == 1 else max(1, p.zero)
+        cpu_plan = p.with_(zero=max(z, p.zero), offload="cpu")
+        host_gib = host_train_memory(spec, cpu_plan, target)["peak_bytes"] / cal.GiB
         add("cpu-offload", "ZeRO-Offload: optimizer states (and ZeRO-3 parameters) in host memory",
             "model states dominate the peak" if mem["model_states_bytes"] > 0.5 * mem["per_gpu_bytes"]
             else "moves the fp32 master weights and Adam states off the GPU",
             "optimizer states leave the GPU", "ZeRO-Offload arXiv:2101.06840",
-            f"host RAM ≈ {_offload_host_gib(ctx, z):.0f} GiB per node (DeepSpeed's pinned states, 24 bytes/param "
-            "measured under ZeRO-3); CPU Adam, ZeRO's hooks and PCIe per step, set by the host CPU (3B shape on "
-            "16-core H100 hosts: 1.14–1.51 s per step vs 0.45 s of compute)",
-            p.with_(zero=max(z, p.zero), offload="cpu"), [f"--zero {max(z, p.zero)}", "--offload cpu"])
+            f"host RAM ≈ {host_gib:.0f} GiB per node (DeepSpeed's pinned states, 24 bytes/param measured under "
+            "ZeRO-3); CPU Adam, ZeRO's hooks and PCIe per step, set by the host CPU (3B shape on 16-core H100 hosts: "
+            "1.14–1.51 s per step vs 0.45 s of compute)",
+            cpu_plan, [f"--zero {cpu_plan.zero}", "--offload cpu"])
         add("nvme-offload", "ZeRO-Infinity: optimizer states on NVMe", "when host RAM cannot hold the states",
             "optimizer states leave the GPU and the host RAM", "ZeRO-Infinity arXiv:2104.07857",
             "NVMe bandwidth bound; slower than CPU offload", p.with_(zero=3 if p.pp == 1 else max(1, p.zero),
