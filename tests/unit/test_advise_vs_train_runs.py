@@ -20,17 +20,16 @@ CATALOG = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H200": "h200"}
 GiB = 1024**3
 
 
-def _runs() -> list[tuple[str, str, dict]]:
-    """(catalog GPU, case name, case) for every case of every result file."""
+def _cases(folder: Path) -> list[tuple[str, str, str, dict]]:
+    """(file stem, catalog GPU, case name, case) for every case of every result file in `folder`."""
     runs = []
-    for path in sorted(RESULTS.glob("*.json")):
+    for path in sorted(folder.glob("*.json")):
         report = json.loads(path.read_text())
-        for name, case in report["cases"].items():
-            runs.append((CATALOG[report["gpu"]], name, case))
+        runs.extend((path.stem, CATALOG[report["gpu"]], name, case) for name, case in report["cases"].items())
     return runs
 
 
-RUNS = _runs()
+RUNS = [(gpu, name, case) for _, gpu, name, case in _cases(RESULTS)]
 RAN = [(gpu, name, case) for gpu, name, case in RUNS if case["measured"].get("ok")]
 
 
@@ -181,20 +180,9 @@ def test_the_closing_note_names_which_plan_runs_how(copt) -> None:
            "eager decoder" in done.stderr
 
 
-ZERO3_INIT = RESULTS / "zero3-init"
-
-
-def _zero3_init_runs() -> list[tuple[str, str, str, dict]]:
-    """(file stem, catalog GPU, case name, case) of the ZeRO-3 + offload runs on the zero.Init path (a09943d) and,
-    on one host, the same cases loaded whole as before it (--zero3-loaded-whole)."""
-    runs = []
-    for path in sorted(ZERO3_INIT.glob("*.json")):
-        report = json.loads(path.read_text())
-        runs.extend((path.stem, CATALOG[report["gpu"]], name, case) for name, case in report["cases"].items())
-    return runs
-
-
-Z3 = _zero3_init_runs()
+# the ZeRO-3 + offload runs on the zero.Init path (a09943d) and, on one host, the same cases loaded whole as before
+# it (--zero3-loaded-whole)
+Z3 = _cases(RESULTS / "zero3-init")
 
 
 def test_zero3_built_partitioned_steps_like_the_model_loaded_whole_on_one_host() -> None:
