@@ -36,6 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from common import host_probe_subprocess  # noqa: E402 - bench/ is on sys.path when run as a script
+
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # DeepSpeed's ops on the H200, if advise picks ZeRO
 
 GiB = 1024**3
@@ -227,14 +229,6 @@ def worker(name: str, gpu: str | None, steps: int, out: Path) -> None:
     out.write_text(json.dumps({**measured, **sampler.close()}))
 
 
-def _host_cpu() -> dict:
-    """The host's CPU model and logical cores: DeepSpeed's CPU Adam (offload cases) runs there."""
-    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-             if line.startswith("model name")] if Path("/proc/cpuinfo").exists() else []
-    return {"model": names[0] if names else None, "logical_cores": os.cpu_count(),
-            "usable_cores": len(os.sched_getaffinity(0))}
-
-
 def _err(pred: float | None, meas: float | None) -> float | None:
     return None if not pred or not meas else 100.0 * (pred - meas) / meas
 
@@ -281,7 +275,8 @@ def main() -> None:
     started = time.time()
     report = {"bench": "advise_vs_train", "date": time.strftime("%Y-%m-%d"),
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-              "torch": torch.__version__, "host_cpu": _host_cpu(), "seq_len": SEQ_LEN, "steps": args.steps,
+              "torch": torch.__version__, "host_cpu": host_probe_subprocess(), "seq_len": SEQ_LEN,
+              "steps": args.steps,
               "warmup_steps": WARMUP,
               "cases": {}}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}

@@ -40,6 +40,71 @@ LLAMA_3B_SHAPE = dict(LLAMA_1B_SHAPE, hidden_size=3072, num_hidden_layers=28, nu
 LLAMA_70B_8L_SHAPE = dict(LLAMA_8B_SHAPE, hidden_size=8192, num_hidden_layers=8, num_attention_heads=64,
                           intermediate_size=28672)
 
+def host_probe() -> dict:
+    """The host a benchmark ran on: CPU model and cores, and how fast it runs the kinds of work a serving engine's
+    and an offloaded optimizer's host side do (median of 5 each): a fixed pure-Python loop (µs), a small CPU tensor op
+    (µs), and on CUDA a kernel launch queued without waiting (µs) and a launch read back at once (µs). Recorded so
+    figures measured on different machines can be told apart by their host."""
+    import statistics
+
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("model name")] if cpuinfo.exists() else []
+    out: dict = {"model": names[0] if names else None, "logical_cores": os.cpu_count(),
+                 "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+
+    def median_us(fn, reps: int = 5) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return round(1e6 * statistics.median(times), 2)
+
+    def python_loop() -> None:
+        table = {i: i * 3 for i in range(1000)}
+        total = 0
+        for i in range(100_000):
+            total += table[i % 1000]
+
+    out["python_loop_us"] = median_us(python_loop)
+    try:
+        import torch
+    except ImportError:
+        return out
+    a = torch.ones(256)
+    out["cpu_tensor_op_us"] = round(median_us(lambda: [a.add_(1.0) for _ in range(1000)]) / 1000, 3)
+    if torch.cuda.is_available():
+        x = torch.zeros(1, device="cuda")
+        torch.cuda.synchronize()
+
+        def launches() -> None:
+            for _ in range(1000):
+                x.add_(1.0)
+            torch.cuda.synchronize()
+
+        def round_trips() -> None:
+            for _ in range(200):
+                x.add_(1.0).item()
+
+        launches()
+        out["cuda_launch_us"] = round(median_us(launches) / 1000, 3)
+        out["cuda_round_trip_us"] = round(median_us(round_trips) / 200, 3)
+    return out
+
+
+def host_probe_subprocess(timeout_s: float = 120.0) -> dict:
+    """host_probe() run in a child process, so the benchmark's own process holds no CUDA context for it."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from common import host_probe; "
+            "print(json.dumps(host_probe()))")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent)],
+                              capture_output=True, text=True, timeout=timeout_s, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 

@@ -105,6 +105,7 @@ from common import (  # noqa: E402
     LLAMA_70B_8L_SHAPE,
     free_gpu,
     free_port,
+    host_probe_subprocess,
     log,
     percentiles,
     require_serve_speed_packages,
@@ -911,6 +912,7 @@ def main() -> None:
     results: dict = {"bench": "gpu_serve_models", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                      "gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "config": dict(CFG), "modes": MODES,
                      "shapes": shapes, "skip": sorted(skip), "smoke": args.smoke, "budget_s": args.budget_s,
+                     "host": host_probe_subprocess(),
                      "models": {}, "case_seconds": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
