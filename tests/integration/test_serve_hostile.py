@@ -122,6 +122,9 @@ def test_poison_request_is_refused_while_six_others_stream(server):
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "top_k": -2}, "top_k"),
     ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"prompt": "x", "logit_bias": {"²": 1}}, "logit_bias"),  # a digit to str.isdigit, not to int()
+    ({"prompt": "x", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    ({"prompt": ["a"] * 1024, "max_tokens": 1, "n": 2}, "n"),  # more sequences than the server ever holds: not 429
 ])
 def test_bad_fields_get_400_naming_the_field(server, body, param):
     r = httpx.post(server + "/v1/completions", json=body, headers=AUTH, timeout=30)
@@ -137,6 +140,10 @@ def test_bad_fields_get_400_naming_the_field(server, body, param):
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format.json_schema"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0].type"),
+    ({"top_logprobs": 5}, "top_logprobs"),  # without logprobs: true (vLLM and OpenAI refuse it too)
+    ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
+    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, "messages.0.content"),
 ])
 def test_chat_fields_the_server_cannot_honour_get_400(server, extra, param):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
@@ -211,6 +218,41 @@ def test_huge_token_id_prompts_are_refused_fast_and_never_stall_health(server):
         time.sleep(0.3)
     assert len(samples) >= 5 and all(status == 200 for status, _ in samples)
     assert max(seconds for _, seconds in samples) < 1.0
+
+
+def test_a_flood_of_empty_messages_is_refused_fast_and_health_stays_fast(server):
+    """The template's work grows with the message count even where every message is empty: 500,000 of them once
+    stalled every stream for seconds."""
+    body = json.dumps({"messages": [{"role": "user", "content": ""}] * 200_000, "max_tokens": 1})
+    with health_watch(server) as samples:
+        r = httpx.post(server + "/v1/chat/completions", content=body, timeout=60,
+                       headers={**AUTH, "Content-Type": "application/json"})
+        time.sleep(0.3)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "messages", r.text
+    assert all(status == 200 for status, _ in samples) and max(s for _, s in samples) < 1.0
+
+
+def test_usage_counts_each_prompt_once_for_n_choices(server):
+    """OpenAI's usage: the n choices share their prompt (vLLM counts it once too)."""
+    for stream in (False, True):
+        body = {"prompt": ["Hello there", "a b c"], "max_tokens": 3, "n": 3, "stream": stream,
+                "stream_options": {"include_usage": True} if stream else None}
+        one = httpx.post(server + "/v1/completions", headers=AUTH, timeout=60,
+                         json={"prompt": ["Hello there", "a b c"], "max_tokens": 3}).json()["usage"]
+        if stream:
+            with httpx.stream("POST", server + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            got = next(e["usage"] for e in events if e.get("usage"))
+        else:
+            got = httpx.post(server + "/v1/completions", headers=AUTH, timeout=60, json=body).json()["usage"]
+        assert got["prompt_tokens"] == one["prompt_tokens"], (stream, got, one)
+        assert got["completion_tokens"] == 6 * 3
+    chat = httpx.post(server + "/v1/chat/completions", headers=AUTH, timeout=60,
+                      json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, "n": 3}).json()
+    single = httpx.post(server + "/v1/chat/completions", headers=AUTH, timeout=60,
+                        json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}).json()
+    assert chat["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]
 
 
 def test_template_bomb_is_refused_and_health_stays_fast(server):

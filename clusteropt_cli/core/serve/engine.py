@@ -429,6 +429,12 @@ class Engine(EngineLoading, SpeculativeDecoding):
         if any(not math.isfinite(float(v)) or abs(float(v)) > 100 for v in (request.logit_bias or {}).values()):
             raise InvalidRequestError("logit_bias values must be numbers in [-100, 100].", "logit_bias")
 
+    @property
+    def max_request_sequences(self) -> int:
+        """The most sequences one request (its prompts × n) may bring: what runs at once plus --max-queue. A request
+        of more could never be queued whole (the server answers 400, not a 429 that retrying cannot cure)."""
+        return int(self.config.max_queue) + int(self.num_slots)
+
     def submit(self, request: GenerationRequest, share_prompt_with: RequestHandle | None = None) -> RequestHandle:
         """Queue a request; returns at once with a handle (raises QueueFullError / BadInputError).
 

@@ -152,6 +152,7 @@ class EngineClient:
         self.sampling_defaults = info.get("sampling_defaults") or {}
         self.runner = SimpleNamespace(vocab_size=int(info["vocab_size"]))
         self.config = SimpleNamespace(model=info["tokenizer"])
+        self.max_request_sequences = info.get("max_request_sequences")
         self.index = index
         self.input_address, self.output_address = input_address, output_address
         self.parent_pid = parent_pid

@@ -331,7 +331,8 @@ def client_info(engine: Any) -> dict[str, Any]:
     """The engine facts an API process validates and tokenizes with."""
     return {"tokenizer": engine.config.model, "model_name": engine.model_name, "max_model_len": engine.max_model_len,
             "vocab_size": int(engine.runner.vocab_size), "eos_ids": sorted(int(i) for i in engine.eos_ids),
-            "sampling_defaults": dict(getattr(engine, "sampling_defaults", None) or {})}
+            "sampling_defaults": dict(getattr(engine, "sampling_defaults", None) or {}),
+            "max_request_sequences": int(engine.max_request_sequences)}
 
 
 def run_engine_core(settings: Any, input_address: str, output_addresses: list[str], conn: Any,

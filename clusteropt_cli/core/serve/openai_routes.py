@@ -55,6 +55,10 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
     "add_generation_prompt", "continue_final_message"})
 
+# characters a chat template writes around each message (role header, separators), counted with the messages' text
+# against --max-prompt-chars and for the choice to render on the event loop: the template's work grows with the
+# message count even where the messages are empty
+MESSAGE_TEMPLATE_CHARS = 16
 # /v1/completions: a body larger than this and six bytes per --max-prompt-chars character cannot be text prompts
 LARGE_BODY_BYTES = 2**20
 INLINE_PARSE_BYTES = 64 * 1024  # a body up to this size is parsed on the event loop, a larger one on a worker thread
@@ -110,8 +114,9 @@ def _is_reply(value: Any) -> bool:
     return isinstance(value, JSONResponse)
 
 
-def usage(results: list[GenerationResult]) -> dict[str, int]:
-    prompt = sum(r.num_prompt_tokens for r in results)
+def usage(results: list[GenerationResult], n: int = 1) -> dict[str, int]:
+    """OpenAI's usage of a request: every prompt counted once (its n choices share it), every choice's output."""
+    prompt = sum(r.num_prompt_tokens for r in results[:: max(1, n)])
     completion = sum(r.num_output_tokens for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -206,7 +211,7 @@ class TokenStream:
             payload["choices"][0]["logprobs"] = (chat_logprobs(self.text_of, entries) if self.kind == "chat"
                                                  else completion_logprobs(self.text_of, entries))
         if self.continuous:
-            prompt = sum(len(h.request.prompt_ids) for h in self.handles)
+            prompt = sum(len(h.request.prompt_ids) for h in self.handles[:: max(1, self.body.n)])
             done = sum(self.sent) + len(ids)
             payload["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         return _sse(payload)
@@ -256,7 +261,7 @@ class TokenStream:
                         return
             if self.body.include_usage():
                 payload = {"id": self.rid, "object": self.obj, "created": self.now, "model": self.served_model_name,
-                           "choices": [], "usage": usage([h.result() for h in handles])}
+                           "choices": [], "usage": usage([h.result() for h in handles], self.body.n)}
                 yield _sse(payload)
             yield _sse("[DONE]")
         finally:
@@ -409,6 +414,11 @@ class OpenAIRoutes:
     async def submit_all(self, requests: list[GenerationRequest]) -> "list[RequestHandle] | JSONResponse":
         if self.app.state.draining:
             return self.error(503, "The server is shutting down.")
+        cap = getattr(self.engine, "max_request_sequences", None)
+        if isinstance(cap, int) and len(requests) > cap:
+            return self.error(400, f"This request asks for {len(requests)} sequences (its prompts × n); the server "
+                                   f"holds at most {cap} at once (--max-batch-size running plus --max-queue "
+                                   "waiting). Send fewer prompts or a smaller n per request.", param="n")
         handles: list[RequestHandle] = []
         try:
             if self.submit_many is not None:
@@ -512,7 +522,7 @@ class OpenAIRoutes:
                     yield chunk(i, {}, "tool_calls" if calls and reason == "stop" else reason)
                 if body.include_usage():
                     yield _sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model,
-                                "choices": [], "usage": usage([h.result() for h in handles])})
+                                "choices": [], "usage": usage([h.result() for h in handles], body.n)})
                 yield _sse("[DONE]")
             finally:
                 _cancel_unfinished(handles)
@@ -574,7 +584,7 @@ class OpenAIRoutes:
             return results
         return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
                 "model": self.served_model_name, "choices": await self.completion_choices(body, results),
-                "usage": usage(results)}
+                "usage": usage(results, body.n)}
 
     async def completion_prompts(self, body: Any) -> "list[list[int]] | JSONResponse":
         """The prompts' token ids: text (one or a list, tokenized on a worker thread), ids, or lists of ids."""
@@ -661,7 +671,7 @@ class OpenAIRoutes:
         response = {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
                     "model": self.served_model_name,
                     "choices": self.chat_choices(body, results, tool_mode, names, logprobs=top is not None),
-                    "usage": usage(results)}
+                    "usage": usage(results, body.n)}
         if body.prompt_logprobs is not None:  # vLLM: one list for the request's (shared) prompt
             response["prompt_logprobs"] = vllm_prompt_logprobs(self.text_of, results[0].prompt_logprobs or [],
                                                                results[0].prompt_ranks, body.prompt_logprobs)
@@ -671,10 +681,13 @@ class OpenAIRoutes:
         """The messages rendered by the chat template (the model's own, or the request's when the server trusts
         them) with the template variables the request may set, and tokenized: on the event loop for short messages
         and the model's template, else on a worker thread."""
+        overhead = len(body.messages) * MESSAGE_TEMPLATE_CHARS  # what the template writes around each message
+        if overhead > self.max_prompt_chars:  # before any work: 500,000 empty messages stalled every stream
+            return self.too_long_prompt(overhead, "messages")
         messages = [{"role": m.role, "content": m.text(),
                      **{k: v for k, v in (m.model_extra or {}).items() if k in ("tool_calls", "tool_call_id", "name")}}
                     for m in body.messages]
-        chars = sum(len(m["content"]) for m in messages)
+        chars = overhead + sum(len(m["content"]) for m in messages)
         if chars > self.max_prompt_chars:
             return self.too_long_prompt(chars, "messages")
         requested = dict(body.chat_template_kwargs or {})

@@ -54,8 +54,9 @@ class _Body(BaseModel):
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.strip().isdigit():
-                raise ValueError(f"keys are token ids, not {key!r}")
+            digits = key.strip()
+            if not (digits.isascii() and digits.isdigit() and len(digits) <= 12):  # "²" is a digit to str.isdigit
+                raise ValueError(f"keys are token ids, not {key[:40]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError("biases are in [-100, 100]")
         return value
@@ -140,6 +141,14 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        for part in value if isinstance(value, list) else []:
+            if part.get("type", "text") == "text" and not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs its text as a string")
+        return value
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -192,6 +201,10 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any, Any], bool]] = {
     "audio": _unset(),
     "modalities": lambda v, b: v is None or v == ["text"],
     "prediction": _unset(),
+    "continue_final_message": _unset(False),  # the template closes the last message: nothing would be continued
+    "return_tokens_as_token_ids": _unset(False),
+    # vLLM and OpenAI refuse top_logprobs without logprobs: true rather than answer without them
+    "top_logprobs": lambda v, b: not v or bool(getattr(b, "logprobs", None)),
 }
 
 
