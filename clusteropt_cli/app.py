@@ -49,10 +49,13 @@ def root(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks (or set COPT_DEBUG=1).")] = False,
+    launched_rank: Annotated[bool, typer.Option("--launched-rank", hidden=True)] = False,
 ) -> None:
     """copt: a command-line optimization toolkit for large language models."""
     if debug:
         os.environ["COPT_DEBUG"] = "1"
+    if launched_rank:  # a rank copt's own launcher started (core/train/launch.py LAUNCHED_RANK_FLAG)
+        os.environ["COPT_LAUNCHED_RANK"] = "1"
 
 
 # ---- the command registry: one visible place --------------------------------------------------------------
@@ -154,8 +157,41 @@ def _render_error(message: str, hint: str | None) -> None:
         stderr.print(f"[bold]hint:[/bold] {escape(hint)}", highlight=False)
 
 
+class Terminated(BaseException):  # noqa: N818 - named for the signal, like KeyboardInterrupt
+    """SIGTERM (a job scheduler's stop, `kill`), raised in the main thread, so the cleanups a failed run does run:
+    a replaced output is restored, temporary directories go. Not a KeyboardInterrupt: typer turns those into a
+    silent exit 130 before main() sees them."""
+
+
+def _raise_terminated(signum, frame) -> None:  # noqa: ANN001 - a signal handler's signature
+    raise Terminated()
+
+
+def _on_sigterm_raise() -> object | None:
+    """Turn SIGTERM into Terminated while copt runs (only where nobody else handles it); the previous handler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_DFL:
+        return None
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    return previous
+
+
+def _print_traceback() -> None:
+    import traceback
+
+    traceback.print_exc(file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run copt; known errors become one message + hint on stderr and an exit code (see errors.py)."""
+    """Run copt; known errors become one message + hint on stderr and an exit code (see errors.py). --debug adds
+    the traceback; the exit code stays the same."""
+    import signal
+
     from typer._click.exceptions import NoArgsIsHelpError
 
     from clusteropt_cli.errors import map_exception
@@ -165,11 +201,17 @@ def main(argv: list[str] | None = None) -> None:
     previous_debug = os.environ.get("COPT_DEBUG")
     if not debug:
         _quiet_libraries()
+    previous_sigterm = _on_sigterm_raise()
     try:
         invoked = _invoked(argv)
         command = typer.main.get_command(build_app(invoked) if invoked else build_app(outline=True))
         result = command.main(args=argv, prog_name="copt", standalone_mode=False)
         code = result if isinstance(result, int) else 0
+        if code == 130:  # typer's answer to Ctrl-C (KeyboardInterrupt becomes Exit(130) inside it)
+            _render_error("interrupted", None)
+    except Terminated:
+        _render_error("terminated (SIGTERM)", None)
+        code = 143
     except KeyboardInterrupt:
         _render_error("interrupted", None)
         code = 130
@@ -182,8 +224,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.write(exc.format_message() + "\n")
         code = exc.exit_code
     except typer.TyperException as exc:  # click's usage errors: unknown command/option, bad value
-        if debug:
-            raise
         text = exc.format_message() if hasattr(exc, "format_message") else str(exc)
         ctx = getattr(exc, "ctx", None)
         where = ctx.command_path if ctx is not None else "copt"
@@ -192,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - the one boundary
         mapped = map_exception(exc)
         if debug:
-            raise
+            _print_traceback()
         if mapped is None:
             _render_error(f"internal error: {type(exc).__name__}: {exc}",
                           "this is a bug; run again with --debug (or COPT_DEBUG=1) for the traceback")
@@ -205,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
 
                 record_rank_error(code, mapped.message, mapped.hint)
     finally:  # --debug sets COPT_DEBUG for this run (and processes it launches), not for the caller
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
         if previous_debug is None:
             os.environ.pop("COPT_DEBUG", None)
         else:

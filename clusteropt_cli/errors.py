@@ -9,7 +9,7 @@ Exit codes (documented in the README):
     5  out of memory
     6  a check failed: the plan does not fit (--fail-if-oom) or a prediction missed (--tolerance)
     7  no space left on the device an output is written to (the partial files are removed)
-    130 interrupted (Ctrl-C)
+    130 interrupted (Ctrl-C); 143 terminated (SIGTERM)
 """
 
 from __future__ import annotations
@@ -191,4 +191,4 @@ def map_exception(exc: BaseException) -> CoptError | None:
             mapped = handler(exc)
             if mapped is not None:
                 return mapped
-    return None
+    return _disk_full(exc)  # a full disk behind any library's own error type (safetensors' SafetensorError)

@@ -162,10 +162,16 @@ def advise(
                      "--nodes": nodes})
     if zero is not None and zero not in (0, 1, 2, 3):
         raise BadInputError(f"--zero must be 0, 1, 2 or 3 (got {zero}).")
+    bad_numbers = [f"{flag} must be a finite number (got {value})" for flag, value in (
+        ("--memory-budget", memory_budget), ("--host-memory", host_memory), ("--gpu-hour-usd", gpu_hour_usd),
+        ("--temperature", temperature), ("--top-p", top_p)) if value is not None and not math.isfinite(value)]
+    if bad_numbers:
+        raise BadInputError("; ".join(bad_numbers) + ".", hint="Give plain numbers (no inf or nan).")
     if rate is not None and not (math.isfinite(rate) and rate > 0):
         raise BadInputError(f"--rate must be a positive number of requests per second (got {rate}).")
-    from clusteropt_cli.core.io import check_output
+    from clusteropt_cli.core.io import check_distinct_outputs, check_output
 
+    check_distinct_outputs({"--emit-recipe": emit_recipe, "--emit-ds-config": emit_ds_config})
     for flag, out in (("--emit-recipe", emit_recipe), ("--emit-ds-config", emit_ds_config)):
         if out is not None:
             check_output(out, {"--model": model, "--from-profile": from_profile, "--recipe": recipe},

@@ -107,11 +107,18 @@ def _run_maybe_launched(settings: Any, subcommand: str, overwrite: bool, run_her
     None in a rank under a launcher (the parent renders)."""
     from clusteropt_cli import console
     from clusteropt_cli.core.distill.logits import RESULT_FILE
-    from clusteropt_cli.core.train.launch import child_args, is_launched_child, plan_launch, run_or_launch
+    from clusteropt_cli.core.train.launch import (
+        child_args,
+        is_launched_child,
+        plan_launch,
+        refuse_outside_launcher,
+        run_or_launch,
+    )
 
     if is_launched_child():
         run_here()
         return None
+    refuse_outside_launcher(f"distill {subcommand}")
     argv = child_args(settings, ["distill", subcommand], exclude={"task", "prediction", "mode"})
     return run_or_launch(plan_launch(settings, argv), run_here, output=settings.output, overwrite=overwrite,
                          resume=bool(settings.resume), command=f"distill {subcommand}", result_file=RESULT_FILE,

@@ -8,6 +8,7 @@ kept the engine full, a TTFT that misses by what its passing tok/s and TPOT erro
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -36,8 +37,9 @@ ToleranceOpt = Annotated[
 
 def _check_outputs(paths: dict[str, Path | None], overwrite: bool, inputs: dict[str, Any] | None = None) -> None:
     """Refuse, before any work, to replace a user's files without --overwrite, or to write over an input."""
-    from clusteropt_cli.core.io import check_output
+    from clusteropt_cli.core.io import check_distinct_outputs, check_output
 
+    check_distinct_outputs(paths)
     problems = [f"{flag} {path} already exists" for flag, path in paths.items()
                 if path is not None and path.exists() and not path.is_dir() and not overwrite]
     if problems:
@@ -285,6 +287,8 @@ def model(
 
         expectation = load_expectation(expect)
         values.update(model_values_from_recipe(expectation))
+    if memory_budget is not None and not (math.isfinite(memory_budget) and memory_budget > 0):
+        raise BadInputError(f"--memory-budget must be a positive number of GiB (got {memory_budget}).")
     typed = {"model": model_path, "mode": mode, "device": device, "batch": batch, "prompt_len": prompt_len,
              "gen_len": gen_len, "dtype": dtype, "micro_batch": micro_batch, "seq_len": seq_len,
              "precision": precision, "activation_checkpointing": activation_checkpointing, "optimizer": optimizer,

@@ -67,6 +67,8 @@ def cp_cmd(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Copy a built-in recipe to edit it."""
+    import os
+
     from clusteropt_cli import console
     from clusteropt_cli.core.io import atomic_write_text
     from clusteropt_cli.errors import BadInputError
@@ -74,7 +76,7 @@ def cp_cmd(
 
     source = resolve_recipe(name)
     target = dest / source.name if dest.is_dir() else dest
-    if target.exists() and not overwrite:
+    if os.path.lexists(target) and not overwrite:  # a dangling symlink is the user's too
         raise BadInputError(f"{target} exists.", hint="Pass --overwrite to replace it, or choose another path.")
     atomic_write_text(target, source.read_text())
     console.err.print(f"copied {source.name} → {target}")

@@ -79,7 +79,13 @@ def train(
     recipe: RecipeOpt = None,
 ) -> None:
     """Train or fine-tune a causal LM on a text file; writes the model (HF format) and metrics.jsonl to --output."""
-    from clusteropt_cli.core.train.launch import child_args, is_launched_child, plan_launch, run_or_launch
+    from clusteropt_cli.core.train.launch import (
+        child_args,
+        is_launched_child,
+        plan_launch,
+        refuse_outside_launcher,
+        run_or_launch,
+    )
     from clusteropt_cli.recipe.load import load_settings
 
     settings = load_settings("train", recipe, overrides, dict(
@@ -91,9 +97,10 @@ def train(
         pipeline_micro_batches=pipeline_micro_batches, virtual_stages=virtual_stages, gpus=gpus, nodes=nodes,
         hostfile=hostfile, launcher=launcher, master_addr=master_addr, master_port=master_port,
         save_every=save_every, keep_checkpoints=keep_checkpoints, resume=resume, seed=seed))
-    if is_launched_child():  # one rank under a launcher: the parent validated and renders
+    if is_launched_child():  # one rank under copt's launcher: the parent validated and renders
         _train_here(settings, overwrite)
         return
+    refuse_outside_launcher("train")
 
     from clusteropt_cli.core.train.loop import RESULT_FILE
     from clusteropt_cli.core.train.run import device_type

@@ -82,7 +82,20 @@ def check_output(output: str | Path, inputs: Mapping[str, str | Path | None] | N
         return
     if not out.is_dir():
         raise BadInputError(f"{flag} {output} exists and is not a directory.", hint=f"Choose another {flag}.")
-    if _is_empty(out) or resume:
+    here = Path.cwd().resolve()
+    if out == here or out in here.parents:  # replacing it would move the directory this process (and shell) is in
+        raise BadInputError(f"{flag} {output} is " + ("the current directory" if out == here else
+                                                     "a parent of the current directory")
+                            + "; copt writes a new output beside it and swaps them, which it cannot do to the "
+                              "directory it runs in.",
+                            hint=f"Give {flag} a new subdirectory (e.g. {flag} out), or run copt from elsewhere.")
+    if _is_empty(out):
+        return
+    if resume:
+        if not (out / OUTPUT_MARKER).is_file():
+            raise BadInputError(f"{flag} {output} was not written by copt (it has no {OUTPUT_MARKER}); --resume "
+                                f"continues only a copt output, and would write into: {_listing(out)}.",
+                                hint=f"Resume from the {flag} of the earlier copt run, or choose a new {flag}.")
         return
     if not overwrite:
         raise BadInputError(f"{flag} {output} already exists.",
@@ -93,6 +106,22 @@ def check_output(output: str | Path, inputs: Mapping[str, str | Path | None] | N
         raise BadInputError(f"{flag} {output} was not written by copt (it has no {OUTPUT_MARKER}); --overwrite "
                             f"would delete: {_listing(out)}.",
                             hint=f"Choose a new {flag}, or move that directory away yourself.")
+
+
+def check_distinct_outputs(outputs: Mapping[str, str | Path | None]) -> None:
+    """Refuse two outputs of one run that name the same path (one would silently replace the other)."""
+    seen: dict[Path, str] = {}
+    problems = []
+    for flag, given in outputs.items():
+        if given is None or str(given) == "":
+            continue
+        path = Path(given).expanduser().resolve()
+        if path in seen:
+            problems.append(f"{seen[path]} and {flag} both name {given}")
+        else:
+            seen[path] = flag
+    if problems:
+        raise BadInputError("; ".join(problems) + ".", hint="Give each output its own path.")
 
 
 def _is_empty(directory: Path) -> bool:
@@ -163,8 +192,24 @@ def make_temp_dir(parent: Path, prefix: str) -> Path:
     parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temp_dirs(parent, f"{prefix}*")
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would outlive the rename: an output as mkdir would make it
     _write_owner(tmp)
     return tmp
+
+
+def open_permissions(tree: Path) -> None:
+    """Files a library wrote private (safetensors' 0600) get the permissions the user's umask gives new files."""
+    mode = 0o666 & ~_umask()
+    for item in [tree, *tree.rglob("*")] if tree.is_dir() else [tree]:
+        if item.is_file() and not item.is_symlink() and item.stat().st_mode & 0o777 == 0o600 and mode != 0o600:
+            os.chmod(item, mode)
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 # ---- atomic outputs ------------------------------------------------------------------------------------------
@@ -178,7 +223,7 @@ def atomic_output_dir(path: Path, overwrite: bool = False, command: str = "copt"
                       needed_bytes: int | None = None) -> Iterator[Path]:
     """Yield a temporary directory next to `path`; on success it replaces `path` (swap), on failure it is removed
     and the old `path` stays as it was. The new directory carries the copt output marker."""
-    path = Path(path)
+    path = Path(os.path.abspath(path))  # `.` or `..`: its own name and parent (its temporary sibling is outside it)
     check_output(path, None, overwrite=overwrite)
     tmp = make_temp_dir(path.parent, f".{path.name}.tmp-")
     try:
@@ -186,10 +231,15 @@ def atomic_output_dir(path: Path, overwrite: bool = False, command: str = "copt"
             yield tmp
             write_output_marker(tmp, command)
             (tmp / TMP_OWNER).unlink(missing_ok=True)
+            open_permissions(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    check_output(path, None, overwrite=overwrite)  # the old output may have changed during the run
+    try:
+        check_output(path, None, overwrite=overwrite)  # the old output may have changed during the run
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # its owner file is gone: no later run would clean it
+        raise
     if os.path.lexists(path):
         backup = path.parent / f".{path.name}.old-{os.getpid()}"
         os.replace(path, backup)
@@ -208,7 +258,7 @@ def replacing_output_dir(path: Path, *, overwrite: bool, resume: bool = False, c
     """For outputs written in place (training: checkpoints, metrics.jsonl): with --overwrite an existing copt output
     is moved aside (not deleted) while the run writes a new one, deleted once the run succeeded, and restored when
     it fails. `enabled=False` (a rank under a launcher, whose parent prepared the directory) does nothing."""
-    path = Path(path)
+    path = Path(os.path.abspath(path))
     if not enabled:
         yield path
         return
@@ -241,6 +291,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600: the file as open() would create it
     try:
         with disk_full_as_error(Path(tmp)), os.fdopen(fd, "w") as handle:
             handle.write(text)
@@ -256,7 +307,7 @@ GiB = 1024**3
 
 def is_disk_full(exc: BaseException) -> bool:
     """ENOSPC, directly or wrapped by torch's zip writer (RuntimeError 'PytorchStreamWriter failed writing file' /
-    'enforce fail at inline_container')."""
+    'enforce fail at inline_container', 'unexpected pos') or another library's error naming it."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -265,7 +316,8 @@ def is_disk_full(exc: BaseException) -> bool:
         text = str(exc)
         if isinstance(exc, RuntimeError) and ("PytorchStreamWriter failed writing file" in text
                                               or "inline_container" in text) and (
-                "No space left" in text or "file write failed" in text or "failed writing" in text):
+                "No space left" in text or "file write failed" in text or "failed writing" in text
+                or "unexpected pos" in text):  # its writer's check after a short write
             return True
         if "No space left on device" in text:
             return True
@@ -309,7 +361,7 @@ def disk_full_as_error(path: Path, cleanup: Path | None = None,
     function computing it) when larger than what had been written."""
     try:
         yield
-    except (OSError, RuntimeError, DiskFullError) as exc:
+    except Exception as exc:  # OSError, torch's RuntimeError, safetensors' SafetensorError, ...
         if not isinstance(exc, DiskFullError) and not is_disk_full(exc):
             raise
         written = _tree_bytes(cleanup or path)

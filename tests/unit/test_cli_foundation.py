@@ -86,15 +86,18 @@ def test_unknown_exception_is_internal_error_without_traceback(monkeypatch, caps
     assert "internal error: ZeroDivisionError" in err and "--debug" in err and "Traceback" not in err
 
 
-def test_debug_flag_and_env_var_reraise(monkeypatch, capsys):
+def test_debug_flag_and_env_var_add_the_traceback_and_keep_the_exit_code(monkeypatch, capsys):
     import clusteropt_cli.core.env as env_core
 
     monkeypatch.setattr(env_core, "collect_env", lambda: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
-        main(["--debug", "env"])
-    monkeypatch.setenv("COPT_DEBUG", "1")
-    with pytest.raises(ZeroDivisionError):
-        main(["env"])
+    for argv, env in ((["--debug", "env"], None), (["env"], "1")):
+        if env:
+            monkeypatch.setenv("COPT_DEBUG", env)
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 1
+        assert "Traceback" in err and "ZeroDivisionError" in err and "internal error" in err
 
 
 def test_map_exception_torch_oom_class():

@@ -190,6 +190,26 @@ def test_rerun_skips_done_prompts_and_repairs_partial_batches(tmp_path):
     assert run(tmp_path, teacher3, verify=True).prompts_generated == 0 and teacher3.calls == []
 
 
+def test_rerun_after_a_kill_mid_line_resumes(tmp_path):
+    """A run killed while writing leaves a torn last line in the traces or the progress file: the rerun drops it
+    and redoes that prompt; a damaged line before the last is refused, not guessed at."""
+    run(tmp_path, ScriptedTeacher(REPLIES), prompts=PROMPTS[:2], verify=True)
+    out, progress = tmp_path / "traces.jsonl", progress_path(tmp_path / "traces.jsonl")
+    done_b = progress.read_text().splitlines()[-1]
+    progress.write_text("\n".join(progress.read_text().splitlines()[:-1]) + "\n" + done_b[: len(done_b) // 2])
+    out.write_text(out.read_text() + '{"prompt_id": "c", "prom')
+    teacher = ScriptedTeacher(REPLIES)
+    stats = run(tmp_path, teacher, verify=True)
+    assert stats.prompts_done_before == 1 and stats.prompts_generated == 3
+    rows = [json.loads(line) for line in out.read_text().splitlines()]  # every line whole
+    assert sorted({r["prompt_id"] for r in rows}) == ["a", "b", "c"]
+    assert stats.samples_total == 12 and stats.samples_kept == 5
+    lines = progress.read_text().splitlines()
+    progress.write_text("\n".join([lines[0], "not json", *lines[1:]]) + "\n")
+    with pytest.raises(BadInputError, match="line 2 is not a progress record"):
+        run(tmp_path, ScriptedTeacher(REPLIES), verify=True)
+
+
 def test_rerun_with_other_settings_or_foreign_file_is_refused(tmp_path):
     run(tmp_path, ScriptedTeacher(REPLIES), prompts=PROMPTS[:1], verify=True)
     with pytest.raises(BadInputError, match="verify"):

@@ -211,3 +211,26 @@ def test_a_launched_ranks_copt_error_keeps_its_exit_code_in_the_launching_copt(t
     with pytest.raises(CoptError, match="training processes exited with code 3") as info:
         run_launch_checked(LaunchPlan("torchrun", 2, 1, 2, ["bash", str(tmp_path / "fail.sh")]), "training")
     assert info.value.exit_code == 1
+
+
+def test_a_full_disk_behind_any_librarys_error_is_exit_7_and_leaves_no_partial_files(tmp_path):
+    """safetensors raises its own SafetensorError and torch's zip writer a RuntimeError about positions; both are a
+    full disk (exit 7, partial files removed), not an internal error."""
+    from clusteropt_cli.core.io import disk_full_as_error, is_disk_full
+    from clusteropt_cli.errors import DiskFullError, map_exception
+
+    class SafetensorError(Exception):
+        pass
+
+    rust = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    torch_zip = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 569152 vs 569040")
+    assert is_disk_full(rust) and is_disk_full(torch_zip)
+    assert not is_disk_full(RuntimeError("unexpected pos in a list"))
+    assert isinstance(map_exception(rust), DiskFullError) and map_exception(rust).exit_code == 7
+    for exc in (rust, torch_zip):
+        partial = tmp_path / "staging"
+        partial.mkdir()
+        (partial / "model.safetensors").write_bytes(b"half")
+        with pytest.raises(DiskFullError), disk_full_as_error(tmp_path / "out", cleanup=partial):
+            raise exc
+        assert not partial.exists()

@@ -334,6 +334,32 @@ def _settings_key(teacher: str, sampling: SamplingSettings, verify: bool, think_
     return key
 
 
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of a progress file; a torn last line (a run killed while writing it) is left out, any other
+    line that is not a JSON object is refused."""
+    raw = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(raw, 1):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif number < len(raw):
+            raise BadInputError(f"{path} line {number} is not a progress record copt wrote.",
+                                hint="Pass --overwrite to start over, or restore the file.")
+    return rows
+
+
+def _prompt_id(line: str) -> Any:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row.get("prompt_id") if isinstance(row, dict) else None
+
+
 def _load_progress(output: Path, key: dict[str, Any], overwrite: bool) -> dict[str, dict[str, int]]:
     """Prompts already done (id → counts). Repairs the output when a run stopped between a batch and its record."""
     progress = progress_path(output)
@@ -348,20 +374,25 @@ def _load_progress(output: Path, key: dict[str, Any], overwrite: bool) -> dict[s
         raise BadInputError(f"--output {output} exists but was not written by 'copt distill traces' "
                             f"(no {progress.name}).",
                             hint="Pass --overwrite to replace it, or choose another --output.")
-    lines = [json.loads(line) for line in progress.read_text().splitlines() if line.strip()]
+    lines = _json_lines(progress)
     header = lines[0] if lines else {}
     if header.get("settings") != key:
         diff = sorted(k for k in key if (header.get("settings") or {}).get(k) != key[k])
         raise BadInputError(f"--output {output} was written with other settings ({', '.join(diff)} differ); "
                             "resuming would mix them.", hint="Rerun with the same settings, or pass --overwrite.")
+    if not progress.read_bytes().endswith(b"\n") or len(lines) != sum(
+            1 for line in progress.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()):
+        from clusteropt_cli.core.io import atomic_write_text  # a torn last record: keep the whole ones
+
+        atomic_write_text(progress, "".join(json.dumps(row) + "\n" for row in lines))
     done = {row["prompt_id"]: row for row in lines[1:]}
     # Drop trace lines of prompts that were not recorded as done (a run stopped mid-batch).
     kept_lines = []
     dropped = False
     for line in output.read_text(encoding="utf-8").splitlines():
-        if line.strip() and json.loads(line).get("prompt_id") in done:
+        if line.strip() and _prompt_id(line) in done:
             kept_lines.append(line)
-        elif line.strip():
+        elif line.strip():  # not recorded as done, or the torn last line of a killed run
             dropped = True
     if dropped:
         from clusteropt_cli.core.io import atomic_write_text
@@ -448,7 +479,7 @@ def run_traces(
 
 
 def _fill_totals(stats: TraceStats, progress: Path) -> None:
-    rows = [json.loads(line) for line in progress.read_text().splitlines()[1:] if line.strip()]
+    rows = _json_lines(progress)[1:]
     stats.per_prompt = {r["prompt_id"]: {k: r[k] for k in ("samples", "kept", "correct")} for r in rows}
     stats.samples_total = sum(r["samples"] for r in rows)
     stats.samples_kept = sum(r["kept"] for r in rows)

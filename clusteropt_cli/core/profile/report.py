@@ -119,13 +119,21 @@ def load_profile(path: str) -> ProfileReport:
         data = json.loads(p.read_text())
     except OSError as exc:
         raise BadInputError(f"Cannot read profile {p}: {exc.strerror}", hint="Write one with 'copt profile'.") from exc
-    except json.JSONDecodeError as exc:
-        raise BadInputError(f"Profile {p} is not JSON: {exc}", hint="Pass the --json output of copt profile.") from exc
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, a number too long, nested too deep
+        raise BadInputError(f"Profile {p} is not JSON copt reads: {str(exc)[:200]}",
+                            hint="Pass the --json output of copt profile.") from None
     from clusteropt_cli.core.profile.external import detect_tool, external_report
 
     tool = detect_tool(data)
     if tool is not None and "schema_version" not in data:
-        return external_report(data, tool)
+        try:
+            return external_report(data, tool)
+        except BadInputError:
+            raise
+        except (TypeError, AttributeError, KeyError, ValueError, OverflowError, IndexError) as exc:
+            raise BadInputError(f"{p} looks like a {tool} report but a field has an unexpected type or value "
+                                f"({type(exc).__name__}: {str(exc)[:160]}).",
+                                hint=f"Pass the report as {tool} wrote it.") from None
     version = str(data.get("schema_version", "")) if isinstance(data, dict) else ""
     if not version:
         raise BadInputError(

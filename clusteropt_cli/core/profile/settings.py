@@ -93,7 +93,17 @@ class EndpointSettings:
     client_processes: int | None = None  # per concurrency level; None: client_processes_for() picks
 
     def validate(self) -> None:
+        import math
+
         problems = []
+        numbers = {"--temperature": self.temperature, "--top-p": self.top_p, "--duration": self.duration_s,
+                   "--request-timeout": self.request_timeout_s, "--slo-ttft-ms": self.slo_ttft_ms,
+                   "--slo-tpot-ms": self.slo_tpot_ms,
+                   "--rate": next((r for r in self.rate if not math.isfinite(r)), None)}
+        problems += [f"{flag} must be a finite number (got {value})" for flag, value in numbers.items()
+                     if value is not None and not math.isfinite(value)]
+        if problems:
+            _raise_problems(problems, "copt profile endpoint --help lists the options")
         if self.client_processes is not None and self.client_processes < 1:
             problems.append(f"--client-processes must be at least 1 (got {self.client_processes})")
         if self.temperature < 0:
@@ -104,6 +114,18 @@ class EndpointSettings:
             problems.append(f"--top-k must be -1, 0 (both: off) or a positive count (got {self.top_k})")
         if not self.url.startswith(("http://", "https://")):
             problems.append(f"--url {self.url!r} must start with http:// or https://")
+        else:
+            from urllib.parse import urlsplit
+
+            try:
+                parts = urlsplit(self.url)
+                port = parts.port  # raises on a port out of range or not a number
+                if not parts.hostname:
+                    problems.append(f"--url {self.url!r} names no host")
+                elif port == 0:
+                    problems.append(f"--url {self.url!r}: port 0 is not a server's port")
+            except ValueError as exc:
+                problems.append(f"--url {self.url!r} is not a valid URL ({exc})")
         if not self.model:
             problems.append("--model must name the served model (GET /v1/models lists them)")
         if self.concurrency and self.rate:

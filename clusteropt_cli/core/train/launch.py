@@ -77,9 +77,33 @@ def parse_hostfile(path: str | Path) -> list[dict[str, Any]]:
     return hosts
 
 
+# The hidden root flag copt's own launch commands put before the command (`python -m clusteropt_cli --launched-rank
+# train ...`): it reaches every rank on every node (an environment variable would not cross the deepspeed launcher's
+# ssh), and it is what tells a rank copt launched (its parent validated and prepared the output) from a process
+# that merely has WORLD_SIZE and RANK in its environment (any torchrun, SLURM or Kubeflow job).
+LAUNCHED_RANK_FLAG = "--launched-rank"
+LAUNCHED_RANK_ENV = "COPT_LAUNCHED_RANK"
+
+
 def is_launched_child() -> bool:
-    """True inside a process started by torchrun/deepspeed for this run."""
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    """True inside a rank copt's own launcher started for this run (see LAUNCHED_RANK_FLAG)."""
+    return os.environ.get(LAUNCHED_RANK_ENV) == "1" and "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def refuse_outside_launcher(command: str) -> None:
+    """Refuse to run as one of several processes an outside launcher started (WORLD_SIZE > 1 without copt's
+    launch): copt validates, prepares the output and starts the ranks itself. WORLD_SIZE=1 runs as one process."""
+    if is_launched_child() or "WORLD_SIZE" not in os.environ:
+        return
+    try:
+        world = int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        world = 2
+    if world > 1:
+        raise BadInputError(f"copt {command} was started as rank {os.environ.get('RANK', '?')} of WORLD_SIZE={world} "
+                            "processes by a launcher outside copt.",
+                            hint=f"run copt {command} once per node with --gpus N (and --nodes M): copt starts "
+                                 "torchrun or deepspeed itself")
 
 
 def choose_launcher(options: Any) -> str:
@@ -118,7 +142,7 @@ def plan_launch(options: Any, copt_args: list[str], python: str | None = None) -
         if hosts:
             command += ["--hostfile", str(Path(options.hostfile).resolve()), "--num_nodes", str(options.nodes)]
         command += ["--num_gpus", str(options.gpus), "--master_addr", master_addr, "--master_port", str(port),
-                    "--no_local_rank", "--module", "clusteropt_cli", *copt_args]
+                    "--no_local_rank", "--module", "clusteropt_cli", LAUNCHED_RANK_FLAG, *copt_args]
         return LaunchPlan("deepspeed", world, options.nodes, options.gpus, command, hosts=hosts,
                           master_addr=master_addr, master_port=port, env=env)
     command = [python, "-m", "torch.distributed.run"]
@@ -128,12 +152,13 @@ def plan_launch(options: Any, copt_args: list[str], python: str | None = None) -
         run_id = hashlib.sha1(shlex.join(copt_args).encode()).hexdigest()[:12]
         command += ["--nnodes", str(options.nodes), "--nproc-per-node", str(options.gpus), "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"{master_addr}:{port}", "--rdzv-id", f"copt-{run_id}"]
-    command += ["-m", "clusteropt_cli", *copt_args]
+    command += ["-m", "clusteropt_cli", LAUNCHED_RANK_FLAG, *copt_args]
     return LaunchPlan("torchrun", world, options.nodes, options.gpus, command, per_node=options.nodes > 1,
                       hosts=hosts, master_addr=master_addr, master_port=port, env=env)
 
 
 RANK_ERROR_DIR = "COPT_RANK_ERROR_DIR"  # where a launched rank records the copt error it exits with
+LAUNCHER_STOP_S = 60.0  # how long a stopped copt waits for its launcher to stop the ranks before killing it
 
 
 def run_launch(plan: LaunchPlan, env_extra: dict[str, str] | None = None) -> int:
@@ -144,10 +169,22 @@ def run_launch(plan: LaunchPlan, env_extra: dict[str, str] | None = None) -> int
     env = {**os.environ, **plan.env, **(env_extra or {})}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, plan.procs_per_node))))
     try:
-        return subprocess.call(plan.command, env=env, stdout=sys.stderr.fileno())
+        proc = subprocess.Popen(plan.command, env=env, stdout=sys.stderr.fileno())
     except FileNotFoundError:
         raise BadInputError(f"The launcher '{plan.command[0]}' is not on PATH.",
                             hint="pip install 'clusteropt-cli[train]' (deepspeed) or use --launcher torchrun") from None
+    try:
+        return proc.wait()
+    except BaseException:  # Ctrl-C or SIGTERM: the launcher passes SIGTERM on to its ranks, which clean up
+        import signal
+
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=LAUNCHER_STOP_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
 
 
 def run_launch_checked(plan: LaunchPlan, what: str) -> None:

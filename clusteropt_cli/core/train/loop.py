@@ -530,7 +530,7 @@ def _save_final_model(model: Any, tokenizer: Any, output_dir: Path, state_dict: 
                       options: Any) -> None:
     """save_pretrained (safetensors) + tokenizer into a staging directory, then move the files into output_dir."""
 
-    from clusteropt_cli.core.io import TMP_OWNER, disk_full_as_error, make_temp_dir
+    from clusteropt_cli.core.io import TMP_OWNER, disk_full_as_error, make_temp_dir, open_permissions
 
     staging = make_temp_dir(output_dir, ".final-")  # (removes the staging directories of killed runs)
     try:
@@ -551,6 +551,7 @@ def _save_final_model(model: Any, tokenizer: Any, output_dir: Path, state_dict: 
                 _set_config_dtype(staging / "config.json", weight_dtypes.pop())
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging)
+            open_permissions(staging)
             for item in staging.iterdir():
                 if item.name != TMP_OWNER:
                     os.replace(item, output_dir / item.name)

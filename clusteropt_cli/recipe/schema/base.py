@@ -10,7 +10,7 @@ Precision = Literal["bf16", "fp16", "fp8", "fp32"]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 class Prediction(Strict):

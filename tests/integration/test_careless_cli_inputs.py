@@ -1,0 +1,189 @@
+"""Careless or hostile command lines and files: each is refused before any work with a clear message and its exit
+code, and nothing of the user's is written over, taken over or lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def _train_args(fixtures, out, *extra: str) -> list[str]:
+    return ["train", "--model", str(fixtures.student), "--data", str(fixtures.train_text), "--output", str(out),
+            "--seq-len", "32", "--micro-batch", "2", "--max-steps", "2", "--precision", "fp32", *extra]
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_resume_refuses_a_directory_copt_did_not_write(copt, fixtures, tmp_path):
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("precious\n")
+    (user / "config.json").write_text('{"mine": 1}\n')
+    before = _snapshot(user)
+    proc = copt(*_train_args(fixtures, user, "--resume"))
+    assert proc.returncode == 2, proc.stderr
+    assert "was not written by copt" in proc.stderr and "--resume" in proc.stderr
+    assert _snapshot(user) == before
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_a_launcher_environment_does_not_turn_off_the_checks(copt, fixtures, tmp_path, world):
+    """WORLD_SIZE and RANK are set in any torchrun, SLURM or Kubeflow job: only copt's own launch makes a rank, so
+    --dry-run and the output checks still hold (WORLD_SIZE=1), and a rank of an outside launcher is refused."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in fixtures.student.iterdir():
+        if f.is_file():
+            (model / f.name).write_bytes(f.read_bytes())
+    before = _snapshot(model)
+    env = {"WORLD_SIZE": world, "RANK": "0" if world == "1" else "1", "LOCAL_RANK": "0"}
+    dry = copt(*_train_args(fixtures, tmp_path / "out", "--dry-run", "--json"), env=env)
+    args = _train_args(fixtures, model)
+    args[args.index("--model") + 1] = str(model)  # the output is the input model itself
+    into_input = copt(*args, env=env)
+    assert _snapshot(model) == before
+    assert not (tmp_path / "out").exists()
+    if world == "1":
+        assert dry.returncode == 0, dry.stderr
+        assert json.loads(dry.stdout)["world_size"] == 1
+    else:
+        assert dry.returncode == 2 and "WORLD_SIZE=2" in dry.stderr and "--gpus" in dry.stderr
+    assert into_input.returncode == 2
+
+
+def test_copts_own_launch_marks_its_ranks():
+    from types import SimpleNamespace
+
+    from clusteropt_cli.core.train.launch import LAUNCHED_RANK_FLAG, plan_launch
+
+    options = SimpleNamespace(gpus=2, nodes=1, hostfile=None, launcher="torchrun", master_addr=None,
+                              master_port=None)
+    command = plan_launch(options, ["train", "--model", "m"]).command
+    assert command[command.index("clusteropt_cli") + 1] == LAUNCHED_RANK_FLAG
+    options.launcher = "deepspeed"
+    command = plan_launch(options, ["train", "--model", "m"]).command
+    assert command[command.index("clusteropt_cli") + 1] == LAUNCHED_RANK_FLAG
+
+
+def test_sigterm_during_an_overwrite_restores_the_previous_output(copt, fixtures, tmp_path):
+    out = tmp_path / "out"
+    first = copt(*_train_args(fixtures, out))
+    assert first.returncode == 0, first.stderr
+    before = _snapshot(out)
+    args = _train_args(fixtures, out, "--overwrite")
+    args[args.index("--max-steps") + 1] = "100000"
+    proc = subprocess.Popen([sys.executable, "-m", "clusteropt_cli", *args, "--save-every", "5"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            moved_aside = list(tmp_path.glob(".out.replaced-*"))  # the new run started writing its own output
+            if moved_aside and (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be stopped"
+        os.kill(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, stderr[-2000:]
+    assert "terminated" in stderr
+    assert _snapshot(out) == before
+    assert not list(tmp_path.glob(".out.replaced-*"))
+
+
+def test_debug_prints_the_traceback_and_keeps_the_exit_code(copt):
+    proc = copt("--debug", "advise", "--model", "no-such-model-anywhere")
+    assert proc.returncode == 2
+    assert "Traceback" in proc.stderr and "error:" in proc.stderr
+
+
+def test_the_current_directory_is_not_an_output(copt, fixtures, tmp_path):
+    here = tmp_path / "work"
+    here.mkdir()
+    proc = copt("quantize", str(fixtures.student), "--method", "rtn", "--group-size", "32", "--output", ".", cwd=here)
+    assert proc.returncode == 2 and "current directory" in proc.stderr
+    assert list(here.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, words", [
+    (["advise", "-m", "llama-3.2-1b", "--gpu", "h100-sxm", "--memory-budget", "nan"], "--memory-budget"),
+    (["advise", "-m", "llama-3.2-1b", "--task", "infer", "--temperature", "inf"], "--temperature"),
+    (["profile", "endpoint", "--url", "http://127.0.0.1:9", "--model", "m", "--rate", "nan"], "--rate"),
+    (["profile", "endpoint", "--url", "http://127.0.0.1:9", "--model", "m", "--duration", "nan"], "--duration"),
+    (["profile", "model", "llama-3.2-1b", "--memory-budget", "nan"], "--memory-budget"),
+], ids=["advise-budget", "advise-temperature", "endpoint-rate", "endpoint-duration", "profile-budget"])
+def test_numbers_that_are_not_finite_are_refused(copt, args, words):
+    proc = copt(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert words in proc.stderr and "internal error" not in proc.stderr
+
+
+def test_an_infinite_learning_rate_is_refused(copt, fixtures, tmp_path):
+    proc = copt(*_train_args(fixtures, tmp_path / "out", "--lr", "inf"))
+    assert proc.returncode == 2 and "lr" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content", [
+    b"\xff\xfe\x00",
+    b"[" * 100_000,
+    b'{"benchmarks": [{"metrics": {}}, "x"]}',
+    b'{"output_throughput": 1e999, "completed": 1e999, "mean_ttft_ms": 1}',
+    b'{"schema_version": "copt.profile/1", "kind": ' + b"9" * 5000 + b"}",
+], ids=["binary", "nested", "guidellm-string-benchmark", "vllm-infinite-count", "huge-integer"])
+def test_hostile_profile_files_are_refused_cleanly(copt, tmp_path, content):
+    path = tmp_path / "profile.json"
+    path.write_bytes(content)
+    proc = copt("advise", "--from-profile", str(path))
+    assert proc.returncode == 2, proc.stderr
+    assert "internal error" not in proc.stderr and str(path.name) in proc.stderr
+
+
+def test_two_outputs_of_one_run_may_not_share_a_path(copt, tmp_path):
+    target = tmp_path / "same.yaml"
+    proc = copt("advise", "-m", "llama-3.2-1b", "--gpu", "h100-sxm", "--emit-recipe", str(target),
+                "--emit-ds-config", str(target))
+    assert proc.returncode == 2 and "both name" in proc.stderr
+    assert not target.exists()
+    report = tmp_path / "g.json"
+    proc = copt("profile", "endpoint", "--url", "http://127.0.0.1:9", "--model", "m", "--save-guidellm", str(report),
+                "--save-vllm-bench", str(report))
+    assert proc.returncode == 2 and "both name" in proc.stderr
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://[::1", "http://:80"])
+def test_a_url_that_cannot_name_a_server_is_bad_input(copt, url):
+    proc = copt("profile", "endpoint", "--url", url, "--model", "m")
+    assert proc.returncode == 2 and "--url" in proc.stderr, proc.stderr
+
+
+def test_recipes_cp_keeps_a_dangling_symlink(copt, tmp_path):
+    link = tmp_path / "plan.yaml"
+    link.symlink_to(tmp_path / "nowhere.yaml")
+    proc = copt("recipes", "cp", "train-oom-zero3-offload", str(link))
+    assert proc.returncode == 2 and link.is_symlink() and not (tmp_path / "nowhere.yaml").exists()
+
+
+def test_outputs_follow_the_users_umask(copt, fixtures, tmp_path):
+    """mkdtemp and safetensors create private (0700/0600) paths; an output is made as mkdir and open() make it."""
+    out = tmp_path / "q"
+    proc = copt("quantize", str(fixtures.student), "--method", "rtn", "--group-size", "32", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask
+    assert all(f.stat().st_mode & 0o777 == 0o666 & ~mask for f in out.rglob("*") if f.is_file())
