@@ -52,9 +52,15 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
-def print_json(obj: Any) -> None:
-    """Write exactly one JSON document to stdout."""
-    sys.stdout.write(json.dumps(to_jsonable(obj), indent=2, sort_keys=False) + "\n")
+def print_json(obj: Any, schema: str) -> None:
+    """Write exactly one JSON document to stdout: an object whose first key is schema_version (`schema`, e.g.
+    "copt.train/1", where the document does not carry its own)."""
+    doc = to_jsonable(obj)
+    if not isinstance(doc, dict):
+        raise TypeError("a --json document is an object")
+    if "schema_version" not in doc:
+        doc = {"schema_version": schema, **doc}
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     sys.stdout.flush()
 
 

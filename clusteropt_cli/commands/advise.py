@@ -234,7 +234,7 @@ def advise(
         written.append(str(api.emit_ds_config(result, emit_ds_config, overwrite)))
     result["written"] = written
     if json_out:
-        console.print_json(result)
+        console.print_json(result, "copt.advise/1")
     else:
         _render(result)
     for path in written:
@@ -345,7 +345,7 @@ def _print_lists(show_presets: bool, show_gpus: bool, json_out: bool, preset_nam
                          "hbm_bandwidth": g.hbm_bandwidth, "bf16_tflops": g.tflops.get("bf16"),
                          "fp8": g.supports_fp8, "interconnect": g.interconnect} for g in CATALOG.values()]
     if json_out:
-        console.print_json(data)
+        console.print_json(data, "copt.advise-lists/1")
         return
     if show_presets:
         console.out.print(console.grid("Model presets", ["name", "params", "active", "layers", "hidden", "heads/kv"],

@@ -211,7 +211,7 @@ def logits(
     if result is None:  # a rank under a launcher: the parent renders
         return
     if json_out:
-        console.print_json(result)
+        console.print_json(result, "copt.distill/1")
         return
     result = _Obj(console.to_jsonable(result))
     train = result.train
@@ -280,7 +280,7 @@ def traces(
 
         stats = distill_traces(settings, output=out, overwrite=overwrite, on_batch=on_batch)
     if json_out:
-        console.print_json(stats)
+        console.print_json(stats, "copt.distill/1")
         return
     rows = [("output", stats.output), ("prompts", f"{stats.prompts} ({stats.prompts_done_before} done before, "
                                                   f"{stats.prompts_generated} generated now)"),
@@ -342,7 +342,7 @@ def sft(
     if result is None:
         return
     if json_out:
-        console.print_json(result)
+        console.print_json(result, "copt.distill/1")
         return
     result = _Obj(console.to_jsonable(result))
     train = result.train
@@ -408,7 +408,7 @@ def onpolicy(
         result = distill_onpolicy(settings, output_dir=out_dir, overwrite=overwrite, eval_text=settings.eval_data,
                                   eval_prompts=held_out, log=console.log)
     if json_out:
-        console.print_json(result)
+        console.print_json(result, "copt.distill/1")
         return
     rows = [("output", result.output), ("teacher", result.teacher), ("student", result.student),
             ("trainer", f"TRL {result.trl_version} DistillationTrainer (beta {result.beta:g}, "

@@ -12,7 +12,7 @@ def env(json_output: JsonOpt = False) -> None:
 
     report = collect_env()
     if json_output:
-        console.print_json(report)
+        console.print_json(report, "copt.env/1")
         return
     rows = [
         ("copt", report.copt), ("python", report.python), ("platform", report.platform),

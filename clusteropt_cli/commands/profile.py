@@ -209,12 +209,12 @@ def _finish(report: Any, comparison: Any, as_json: bool, render: Any, report_pat
     """Print (JSON or tables), then fail with exit 6 when the check missed."""
     if as_json:
         if comparison is None:
-            console.print_json(report)
+            console.print_json(report, "copt.profile/1")
         else:
             console.print_json({"check": {"passed": comparison.passed, "recipe": comparison.recipe,
                                           "tolerance": comparison.tolerance, "level": comparison.level,
                                           "figures": comparison.checks, "caveats": comparison.caveats},
-                                "profile": report})
+                                "profile": report}, "copt.profile-check/1")
     else:
         render(report, report_path)
         if comparison is not None:

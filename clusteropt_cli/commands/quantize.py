@@ -58,7 +58,7 @@ def quantize(
         info = {"model": settings.model, "method": settings.method, "backend": settings.backend,
                 "output": str(the_plan.output)}
         if json_out:
-            console.print_json(info)
+            console.print_json(info, "copt.quantize/1")
         else:
             console.out.print(console.kv_table("copt quantize (dry run)", list(info.items())))
         return
@@ -72,7 +72,7 @@ def quantize(
 
         report = run(the_plan, progress=progress, verbose=verbose)
     if json_out:
-        console.print_json(report)
+        console.print_json(report, "copt.quantize/1")
         return
     console.out.print(_table(report))
 

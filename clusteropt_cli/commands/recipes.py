@@ -20,8 +20,9 @@ def list_cmd(json_output: JsonOpt = False) -> None:
 
     recipes = list_recipes()
     if json_output:
-        console.print_json([{"name": r.name, "task": r.task, "command": r.command, "description": r.description,
-                             "path": str(r.path)} for r in recipes])
+        console.print_json({"recipes": [{"name": r.name, "task": r.task, "command": r.command,
+                                         "description": r.description, "path": str(r.path)} for r in recipes]},
+                           "copt.recipes/1")
         return
     console.out.print(console.grid("Built-in recipes (copt recipes show NAME for the command and keys)",
                                    ["name", "task", "what it does"],
@@ -55,7 +56,7 @@ def validate_cmd(
                           hint=f"Add 'task:' with one of: {', '.join(RECIPE_MODELS)}")
     settings = validate_recipe(task, data, origin=f"Recipe '{file}'")
     if json_output:
-        console.print_json({"valid": True, "task": task, "settings": settings})
+        console.print_json({"valid": True, "task": task, "settings": settings}, "copt.recipes/1")
     else:
         console.out.print(f"[green]valid[/green] {task} recipe: {file}")
 

@@ -186,7 +186,7 @@ def serve(
             if json_out:
                 console.print_json({"engine": "vllm", "vllm_version": plan.version,
                                     "vllm_version_source": plan.version_source, "command": plan.argv,
-                                    "warnings": plan.warnings})
+                                    "warnings": plan.warnings}, "copt.serve/1")
             else:
                 console.log(f"command for vLLM {plan.version} ({plan.version_source})")
                 console.out.print(format_command(plan.argv), highlight=False, markup=False)
@@ -212,7 +212,7 @@ def serve(
     if dry_run:
         plan = {"engine": "copt", "settings": settings}
         if json_out:
-            console.print_json(plan)
+            console.print_json(plan, "copt.serve/1")
         else:
             console.out.print(console.kv_table("copt serve (dry run)", [
                 ("engine", "copt"), ("model", settings.model), ("bind", f"{settings.host}:{settings.port}"),
@@ -224,7 +224,7 @@ def serve(
 
     def ready(url: str, info: dict) -> None:
         if json_out:
-            console.print_json({"url": url, **info})
+            console.print_json({"url": url, **info}, "copt.serve/1")
         else:
             console.out.print(f"Serving {info['model']} at {url}/v1 (OpenAI-compatible; Ctrl-C or SIGTERM stops)",
                               highlight=False, markup=False)

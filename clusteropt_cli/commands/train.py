@@ -158,7 +158,7 @@ def _train_here(settings: Any, overwrite: bool) -> Any:
 
 def _render_result(result: dict[str, Any], json_out: bool) -> None:
     if json_out:
-        console.print_json(result)
+        console.print_json(result, "copt.train/1")
         return
     loss = f"{result['first_loss']:.4f} → {result['final_loss']:.4f}" if result.get("final_loss") is not None else "-"
     tps = result.get("tokens_per_s")
@@ -187,7 +187,7 @@ def _render_dry_run(settings: Any, plan: Any, json_out: bool) -> None:
            "deepspeed_config_path": str(Path(settings.output) / "ds_config.json") if ds else None,
            "settings": settings.model_dump(mode="json")}
     if json_out:
-        console.print_json(doc)
+        console.print_json(doc, "copt.train/1")
         return
     import json
 

@@ -90,7 +90,8 @@ def test_sigterm_during_an_overwrite_restores_the_previous_output(copt, fixtures
         deadline = time.time() + 240
         while time.time() < deadline and proc.poll() is None:
             moved_aside = list(tmp_path.glob(".out.replaced-*"))  # the new run started writing its own output
-            if moved_aside and (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2:
+            metrics = out / "metrics.jsonl"
+            if moved_aside and metrics.exists() and metrics.read_text().count("\n") >= 2:
                 break
             time.sleep(0.05)
         assert proc.poll() is None, "the run ended before it could be stopped"
@@ -187,3 +188,24 @@ def test_outputs_follow_the_users_umask(copt, fixtures, tmp_path):
     os.umask(mask)
     assert out.stat().st_mode & 0o777 == 0o777 & ~mask
     assert all(f.stat().st_mode & 0o777 == 0o666 & ~mask for f in out.rglob("*") if f.is_file())
+
+
+def test_every_json_document_starts_with_its_schema_version(copt, fixtures, tmp_path):
+    """README's contract: `--json` prints one JSON object with a versioned schema_version, whatever the command."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: train\nmodel: m\ndata: d.txt\noutput: o\n")
+    runs = {
+        "copt.env/1": ["env", "--json"],
+        "copt.recipes/1": ["recipes", "list", "--json"],
+        "copt.advise-lists/1": ["advise", "--list-gpus", "--json"],
+        "copt.advise/1": ["advise", "-m", "llama-3.2-1b", "--gpu", "h100-sxm", "--json"],
+        "copt.train/1": _train_args(fixtures, tmp_path / "out", "--dry-run", "--json"),
+        "copt.serve/1": ["serve", str(fixtures.student), "--dry-run", "--json"],
+    }
+    for schema, args in runs.items():
+        proc = copt(*args)
+        assert proc.returncode == 0, (args, proc.stderr)
+        doc = json.loads(proc.stdout)
+        assert next(iter(doc)) == "schema_version" and doc["schema_version"] == schema, (args, list(doc)[:3])
+    valid = json.loads(copt("recipes", "validate", str(recipe), "--json").stdout)
+    assert valid["schema_version"] == "copt.recipes/1" and valid["valid"] is True

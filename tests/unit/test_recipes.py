@@ -97,7 +97,8 @@ def test_cli_validate_bad_yaml_names_line(copt, tmp_path):
 
 def test_cli_list_show_cp(copt, tmp_path):
     listed = json.loads(copt("recipes", "list", "--json").stdout)
-    assert {r["name"] for r in listed} == {r.name for r in SHIPPED}
+    assert listed["schema_version"] == "copt.recipes/1"
+    assert {r["name"] for r in listed["recipes"]} == {r.name for r in SHIPPED}
     shown = copt("recipes", "show", "serve-high-ttft")
     assert shown.returncode == 0 and shown.stdout.startswith("# copt serve")
     dest = tmp_path / "mine.yaml"
