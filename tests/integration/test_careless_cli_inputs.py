@@ -209,3 +209,10 @@ def test_every_json_document_starts_with_its_schema_version(copt, fixtures, tmp_
         assert next(iter(doc)) == "schema_version" and doc["schema_version"] == schema, (args, list(doc)[:3])
     valid = json.loads(copt("recipes", "validate", str(recipe), "--json").stdout)
     assert valid["schema_version"] == "copt.recipes/1" and valid["valid"] is True
+
+
+def test_a_missing_model_and_missing_data_are_reported_together(copt, tmp_path):
+    proc = copt("train", "--model", str(tmp_path / "no-model"), "--data", str(tmp_path / "no.txt"), "--output",
+                str(tmp_path / "out"))
+    assert proc.returncode == 2
+    assert "--model" in proc.stderr and "--data" in proc.stderr and "no.txt does not exist" in proc.stderr

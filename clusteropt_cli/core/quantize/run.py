@@ -76,6 +76,7 @@ class QuantizeReport:
     awq_duo_scaling: bool | str | None = None
     awq_clip: dict | None = None  # llm-awq's clipping search: layers clipped, mean clip ratio, sample tokens
     servable_by_vllm: dict | None = None  # {"servable": bool, "reason": str} (core/quantize/servable.py)
+    schema_version: str = "copt.quantize/1"  # what every --json document names (README's output contract)
 
 
 def default_output(settings: QuantizeRecipe) -> Path:

@@ -26,8 +26,12 @@ def validate_train(settings: TrainRecipe, *, overwrite: bool = False, check_outp
     from clusteropt_cli.deps import version_of
 
     problems: list[str] = []
-    source = resolve_model_source(settings.model, settings.tokenizer)
-    config = source.config
+    try:
+        source: ModelSource | None = resolve_model_source(settings.model, settings.tokenizer)
+    except BadInputError as exc:  # reported with every other problem of the command line
+        source = None
+        problems.append(exc.message + (f" ({exc.hint})" if exc.hint else ""))
+    config = source.config if source is not None else {}
     if not settings.data:
         problems.append("--data: give a .txt or .jsonl file to train on")
     elif Path(settings.data).is_dir():
@@ -37,7 +41,9 @@ def validate_train(settings: TrainRecipe, *, overwrite: bool = False, check_outp
         problems.append(f"--data: {settings.data} does not exist")
     elif Path(settings.data).suffix not in (".txt", ".jsonl", ".md", ".text", ""):
         problems.append(f"--data: {settings.data} is neither .txt nor .jsonl")
-    if source.tokenizer_path is None:
+    if source is None:
+        pass
+    elif source.tokenizer_path is None:
         problems.append("--tokenizer: training from a config/preset needs a local tokenizer directory")
     elif not Path(source.tokenizer_path).is_dir():
         problems.append(f"--tokenizer: {source.tokenizer_path} is not a directory")
@@ -83,6 +89,7 @@ def validate_train(settings: TrainRecipe, *, overwrite: bool = False, check_outp
                             hint="fix the flags named above")
     if device_type is not None:
         check_hardware(settings, device_type)
+    assert source is not None  # a model that did not resolve is one of the problems above
     return source
 
 
