@@ -216,3 +216,21 @@ def test_a_missing_model_and_missing_data_are_reported_together(copt, tmp_path):
                 str(tmp_path / "out"))
     assert proc.returncode == 2
     assert "--model" in proc.stderr and "--data" in proc.stderr and "no.txt does not exist" in proc.stderr
+
+
+def test_an_emitted_recipe_runs_from_any_directory(copt, fixtures, tmp_path):
+    """advise was given ./model (relative): the recipe names the model absolutely, so `--recipe` works elsewhere."""
+    here = tmp_path / "here"
+    (here / "model").mkdir(parents=True)
+    for f in fixtures.student.iterdir():
+        if f.is_file():
+            (here / "model" / f.name).write_bytes(f.read_bytes())
+    proc = copt("advise", "-m", "./model", "--gpu", "h100-sxm", "--task", "train", "--emit-recipe", "plan.yaml",
+                cwd=here)
+    assert proc.returncode == 0, proc.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    dry = copt("train", "--recipe", str(here / "plan.yaml"), "--data", str(fixtures.train_text), "--output", "out",
+               "--dry-run", "--json", cwd=elsewhere)
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout)["settings"]["model"] == str((here / "model").resolve())

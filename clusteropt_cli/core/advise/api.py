@@ -539,6 +539,14 @@ def check_recipe_runnable(task: str, tp: int) -> None:
                  "or run this layout with Megatron-LM / torchtitan.")
 
 
+def _absolute_if_local(value: str) -> str:
+    """A path that exists here, made absolute; a preset name or a placeholder as it is."""
+    import os
+
+    local = Path(value).expanduser()
+    return str(local.resolve()) if os.path.exists(local) else value
+
+
 def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: bool = False) -> Path:
     """A copt recipe (validated by its schema) for the top plan, with a prediction block."""
     import yaml
@@ -549,6 +557,9 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
     path = Path(path)
     if path.exists() and not overwrite:
         raise BadInputError(f"{path} already exists.", hint="Pass --overwrite to replace it.")
+    model_arg = _absolute_if_local(model_arg)  # the recipe runs from any directory (`copt train --recipe FILE`)
+    if result.get("data"):
+        result = {**result, "data": _absolute_if_local(result["data"])}
     w = result["top_plan"]["workload"]
     prediction = {"source": "copt advise", "gpu": result["hardware"]["gpu"], "figures": result["prediction"],
                   "budget_bytes": result["memory"]["budget_bytes"],
