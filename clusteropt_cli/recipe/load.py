@@ -120,9 +120,10 @@ def validate_recipe(task: str, data: dict[str, Any], *, origin: str = "recipe"):
     try:
         return model.model_validate({**data, "task": task})
     except ValidationError as exc:
+        problems = format_validation_error(exc)  # a model-level check may name several keys
         raise RecipeError(
-            f"{origin} has {exc.error_count()} problem(s):",
-            problems=format_validation_error(exc),
+            f"{origin} has {len(problems)} problem(s):",
+            problems=problems,
             hint="Fix the keys named above (copt recipes show NAME prints a valid example).",
         ) from None
 

@@ -234,3 +234,10 @@ def test_an_emitted_recipe_runs_from_any_directory(copt, fixtures, tmp_path):
                "--dry-run", "--json", cwd=elsewhere)
     assert dry.returncode == 0, dry.stderr
     assert json.loads(dry.stdout)["settings"]["model"] == str((here / "model").resolve())
+
+
+def test_quantize_reports_every_bad_key_at_once(copt, fixtures, tmp_path):
+    proc = copt("quantize", str(fixtures.student), "--method", "rtn", "--bits", "5", "--group-size", "0",
+                "--output", str(tmp_path / "q"))
+    assert proc.returncode == 2 and "bits" in proc.stderr and "group_size" in proc.stderr
+    assert not (tmp_path / "q").exists()

@@ -41,8 +41,9 @@ class QuantizeRecipe(Strict):
         "W2A16/W3A16 too), W8A8 or INT8 (method int8), FP8_DYNAMIC (method fp8). Sets bits, group_size, symmetric "
         "(or the method); an explicit key that disagrees is an error.")
     method: Literal["awq", "gptq", "fp8", "int8", "rtn"] = "awq"
-    bits: Literal[2, 3, 4, 8] | None = Field(
-        None, description="Weight bits; default 4 for awq/gptq/rtn, 8 for fp8/int8."
+    # checked with the cross-checks below (a Literal would stop them, and report a bad bits alone)
+    bits: int | None = Field(
+        None, description="Weight bits: 2, 3, 4 or 8; default 4 for awq/gptq/rtn, 8 for fp8/int8."
     )
     group_size: int = Field(128, description="Columns sharing one scale; -1 for per-channel (awq/gptq/rtn).")
     symmetric: bool = Field(True, description="Symmetric integer weights (no zero point); awq/gptq/rtn.")
@@ -98,7 +99,9 @@ class QuantizeRecipe(Strict):
     @model_validator(mode="after")
     def _check_bits(self) -> QuantizeRecipe:
         problems = []
-        if self.method in ("fp8", "int8") and self.bits not in (None, 8):
+        if self.bits not in (None, 2, 3, 4, 8):
+            problems.append(f"bits: must be 2, 3, 4 or 8 (got {self.bits})")
+        elif self.method in ("fp8", "int8") and self.bits not in (None, 8):
             problems.append(f"bits: method {self.method} is W8A8; bits must be 8 (got {self.bits})")
         if self.group_size == 0 or self.group_size < -1:
             problems.append("group_size: must be positive or -1 (per-channel)")
