@@ -54,8 +54,10 @@ def root(
     """copt: a command-line optimization toolkit for large language models."""
     if debug:
         os.environ["COPT_DEBUG"] = "1"
-    if launched_rank:  # a rank copt's own launcher started (core/train/launch.py LAUNCHED_RANK_FLAG)
-        os.environ["COPT_LAUNCHED_RANK"] = "1"
+    if launched_rank:  # a rank copt's own launcher started
+        from clusteropt_cli.core.train.launch import LAUNCHED_RANK_ENV
+
+        os.environ[LAUNCHED_RANK_ENV] = "1"
 
 
 # ---- the command registry: one visible place --------------------------------------------------------------

@@ -334,10 +334,11 @@ def _settings_key(teacher: str, sampling: SamplingSettings, verify: bool, think_
     return key
 
 
-def _json_lines(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of a progress file; a torn last line (a run killed while writing it) is left out, any other
-    line that is not a JSON object is refused."""
-    raw = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+def _json_lines(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """The JSON lines of a progress file and whether its last record is torn (a run killed while writing it: left
+    out); any other line that is not a JSON object is refused."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    raw = [line for line in text.splitlines() if line.strip()]
     rows = []
     for number, line in enumerate(raw, 1):
         try:
@@ -349,7 +350,7 @@ def _json_lines(path: Path) -> list[dict[str, Any]]:
         elif number < len(raw):
             raise BadInputError(f"{path} line {number} is not a progress record copt wrote.",
                                 hint="Pass --overwrite to start over, or restore the file.")
-    return rows
+    return rows, len(rows) != len(raw) or not text.endswith("\n")
 
 
 def _prompt_id(line: str) -> Any:
@@ -374,15 +375,14 @@ def _load_progress(output: Path, key: dict[str, Any], overwrite: bool) -> dict[s
         raise BadInputError(f"--output {output} exists but was not written by 'copt distill traces' "
                             f"(no {progress.name}).",
                             hint="Pass --overwrite to replace it, or choose another --output.")
-    lines = _json_lines(progress)
+    lines, torn = _json_lines(progress)
     header = lines[0] if lines else {}
     if header.get("settings") != key:
         diff = sorted(k for k in key if (header.get("settings") or {}).get(k) != key[k])
         raise BadInputError(f"--output {output} was written with other settings ({', '.join(diff)} differ); "
                             "resuming would mix them.", hint="Rerun with the same settings, or pass --overwrite.")
-    if not progress.read_bytes().endswith(b"\n") or len(lines) != sum(
-            1 for line in progress.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()):
-        from clusteropt_cli.core.io import atomic_write_text  # a torn last record: keep the whole ones
+    if torn:  # keep the whole records, so the next ones append after a complete line
+        from clusteropt_cli.core.io import atomic_write_text
 
         atomic_write_text(progress, "".join(json.dumps(row) + "\n" for row in lines))
     done = {row["prompt_id"]: row for row in lines[1:]}
@@ -479,7 +479,7 @@ def run_traces(
 
 
 def _fill_totals(stats: TraceStats, progress: Path) -> None:
-    rows = _json_lines(progress)[1:]
+    rows = _json_lines(progress)[0][1:]
     stats.per_prompt = {r["prompt_id"]: {k: r[k] for k in ("samples", "kept", "correct")} for r in rows}
     stats.samples_total = sum(r["samples"] for r in rows)
     stats.samples_kept = sum(r["kept"] for r in rows)
