@@ -22,7 +22,8 @@ def quantize(
     scheme: _opt("--scheme", "llm-compressor preset: W4A16 | W4A16_ASYM | W8A16 (with awq/gptq/rtn) | W8A8 | "
                  "FP8_DYNAMIC; sets bits/group size/symmetry or the method.") = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Output directory (default "
-                                                "./<model>-<method>-w<bits>g<group>).", show_default=False)] = None,
+                                                "./<model>-<method>-w<bits>g<group>, beside the model when run "
+                                                "inside it).", show_default=False)] = None,
     bits: _opt("--bits", "Weight bits 2 | 3 | 4 | 8 (default 4; fp8/int8 are 8).", int) = None,
     group_size: _opt("--group-size", "Columns sharing one scale (default 128; -1 per-channel).", int) = None,
     symmetric: Annotated[bool | None, typer.Option("--symmetric/--asymmetric", help="Integer weights with or "

@@ -73,9 +73,9 @@ def cp_cmd(
     from clusteropt_cli import console
     from clusteropt_cli.core.io import atomic_write_text
     from clusteropt_cli.errors import BadInputError
-    from clusteropt_cli.recipe.registry import resolve_recipe
+    from clusteropt_cli.recipe.registry import builtin_recipe
 
-    source = resolve_recipe(name)
+    source = builtin_recipe(name)
     target = dest / source.name if dest.is_dir() else dest
     if os.path.lexists(target) and not overwrite:  # a dangling symlink is the user's too
         raise BadInputError(f"{target} exists.", hint="Pass --overwrite to replace it, or choose another path.")

@@ -57,12 +57,16 @@ def resolve_recipe(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return path
-    for directory in recipe_dirs():
-        candidate = directory / f"{name_or_path.removesuffix('.yaml')}.yaml"
-        if candidate.is_file():
-            return candidate
+    return builtin_recipe(name_or_path, what="neither a file nor a built-in recipe")
+
+
+def builtin_recipe(name: str, what: str = "not a built-in recipe") -> Path:
+    """The file of the built-in recipe `name` (a bare name, `.yaml` optional; never a path)."""
+    stem = name.removesuffix(".yaml")
+    if stem and "/" not in stem and "\\" not in stem and stem not in (".", ".."):
+        for directory in recipe_dirs():
+            candidate = directory / f"{stem}.yaml"
+            if candidate.is_file():
+                return candidate
     names = ", ".join(r.name for r in list_recipes()) or "none"
-    raise BadInputError(
-        f"Recipe '{name_or_path}' is neither a file nor a built-in recipe.",
-        hint=f"Built-in recipes: {names} (copt recipes list)",
-    )
+    raise BadInputError(f"Recipe '{name}' is {what}.", hint=f"Built-in recipes: {names} (copt recipes list)")

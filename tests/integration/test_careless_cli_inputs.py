@@ -166,7 +166,7 @@ def test_two_outputs_of_one_run_may_not_share_a_path(copt, tmp_path):
     assert proc.returncode == 2 and "both name" in proc.stderr
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://[::1", "http://:80"])
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://[::1", "http://:80", "http://256.1.1.1"])
 def test_a_url_that_cannot_name_a_server_is_bad_input(copt, url):
     proc = copt("profile", "endpoint", "--url", url, "--model", "m")
     assert proc.returncode == 2 and "--url" in proc.stderr, proc.stderr

@@ -214,9 +214,35 @@ def test_rerun_with_other_settings_or_foreign_file_is_refused(tmp_path):
     run(tmp_path, ScriptedTeacher(REPLIES), prompts=PROMPTS[:1], verify=True)
     with pytest.raises(BadInputError, match="verify"):
         run(tmp_path, ScriptedTeacher(REPLIES), prompts=PROMPTS[:1], verify=False)
-    progress_path(tmp_path / "traces.jsonl").unlink()
-    with pytest.raises(BadInputError, match="not written by") as info:
-        run(tmp_path, ScriptedTeacher(REPLIES), prompts=PROMPTS[:1], verify=True)
-    assert "--overwrite" in info.value.hint
-    stats = run(tmp_path, ScriptedTeacher(REPLIES), prompts=PROMPTS[:1], verify=True, overwrite=True)
+    stats = run(tmp_path, ScriptedTeacher(REPLIES), prompts=PROMPTS[:1], verify=False, overwrite=True)
     assert stats.prompts_generated == 1
+    # a file copt did not write (no progress file beside it) is neither resumed nor replaced, --overwrite or not
+    progress_path(tmp_path / "traces.jsonl").unlink()
+    mine = (tmp_path / "traces.jsonl").read_text()
+    for overwrite in (False, True):
+        with pytest.raises(BadInputError, match="not written by") as info:
+            run(tmp_path, ScriptedTeacher(REPLIES), prompts=PROMPTS[:1], verify=True, overwrite=overwrite)
+        assert "move that file away" in info.value.hint
+        assert (tmp_path / "traces.jsonl").read_text() == mine
+
+
+def test_overwrite_keeps_the_earlier_traces_until_the_new_run_completes(tmp_path):
+    """--overwrite that fails (teacher error, Ctrl-C) leaves the earlier traces and progress as they were."""
+    run(tmp_path, ScriptedTeacher(REPLIES), prompts=PROMPTS[:2], verify=True)
+    out, progress = tmp_path / "traces.jsonl", progress_path(tmp_path / "traces.jsonl")
+    before = out.read_text(), progress.read_text()
+
+    class FailsOnSecondBatch(ScriptedTeacher):
+        def __call__(self, prompts, sampling):
+            if self.calls:
+                raise KeyboardInterrupt
+            return super().__call__(prompts, sampling)
+
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, FailsOnSecondBatch(REPLIES), verify=False, overwrite=True)
+    assert (out.read_text(), progress.read_text()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["traces.jsonl", progress.name]
+    stats = run(tmp_path, ScriptedTeacher(REPLIES), verify=False, overwrite=True)
+    assert stats.prompts_done_before == 0 and stats.prompts_generated == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["traces.jsonl", progress.name]
+    assert out.read_text() != before[0]

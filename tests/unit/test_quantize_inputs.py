@@ -184,3 +184,15 @@ def test_observer_reaches_the_weight_scheme_and_the_rtn_baseline_stays_minmax():
     assert "rtn runs none" in str(exc.value)
     with pytest.raises(RecipeError, match="observer: applies to integer weights"):
         load_settings("quantize", None, ["observer=mse"], {"model": "m", "method": "fp8"})
+
+
+def test_quantize_dot_from_inside_the_model_writes_beside_it(model_dir, monkeypatch, capsys):
+    """`copt quantize .` run inside the model directory: the default output goes beside the model, not into it."""
+    monkeypatch.chdir(model_dir)
+    rc, out, err = _copt(capsys, "quantize", ".", "--method", "rtn", "--dry-run", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["output"] == str(model_dir.parent / "model-rtn-w4g128")
+    monkeypatch.chdir(model_dir.parent)
+    rc, out, err = _copt(capsys, "quantize", "model", "--method", "rtn", "--dry-run", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["output"] == str(model_dir.parent / "model-rtn-w4g128")

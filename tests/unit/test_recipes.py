@@ -109,6 +109,14 @@ def test_cli_list_show_cp(copt, tmp_path):
     assert copt("recipes", "cp", "serve-high-ttft", str(dest), "--overwrite").returncode == 0
     missing = copt("recipes", "show", "no-such-recipe")
     assert missing.returncode == 2 and "copt recipes list" in missing.stderr
+    # cp copies built-in recipes only: a path (any readable file, or a name walking out of recipes/) is refused
+    secret = tmp_path / "secret.yaml"
+    secret.write_text("token: abc\n")
+    for name in (str(secret), "../recipes/serve-high-ttft", "./serve-high-ttft.yaml"):
+        refused = copt("recipes", "cp", name, str(tmp_path / "copy.yaml"))
+        assert refused.returncode == 2 and "not a built-in recipe" in refused.stderr, name
+        assert not (tmp_path / "copy.yaml").exists()
+    assert copt("recipes", "cp", "serve-high-ttft.yaml", str(tmp_path / "named.yaml")).returncode == 0
 
 
 def test_recipes_are_packaged_in_the_wheel_config():

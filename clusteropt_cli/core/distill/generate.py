@@ -156,8 +156,8 @@ def hash_ids(ids: list[int]) -> int:
 def distill_traces(settings: DistillRecipe, *, output: Path, overwrite: bool = False, on_batch: Any = None,
                    generator: Any = None) -> Any:
     """`copt distill traces`: validate up front, then generate (resumable) and return TraceStats."""
+    from clusteropt_cli.core.distill.traces import check_traces_output, run_traces
     from clusteropt_cli.core.distill.traces import read_prompts as _read
-    from clusteropt_cli.core.distill.traces import run_traces
     from clusteropt_cli.errors import BadInputError
 
     if not settings.teacher or not Path(settings.teacher).is_dir():
@@ -169,8 +169,7 @@ def distill_traces(settings: DistillRecipe, *, output: Path, overwrite: bool = F
     if settings.verify and not any(p.answer is not None for p in prompts):
         raise BadInputError(f"--verify: no prompt in {settings.prompts} has an 'answer' field.",
                             hint="Add \"answer\" to the prompts, or drop --verify.")
-    if output.exists() and output.is_dir():
-        raise BadInputError(f"--output {output} is a directory.", hint="Pass a file path such as traces.jsonl.")
+    check_traces_output(output)  # before the teacher loads
     sampling = SamplingSettings(samples=settings.samples, max_new_tokens=settings.max_new_tokens,
                                 temperature=settings.sample_temperature, top_p=settings.top_p, seed=settings.seed)
     teacher = generator or TeacherGenerator(Path(settings.teacher), dtype=settings.teacher_dtype,

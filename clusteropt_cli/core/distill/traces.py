@@ -361,20 +361,24 @@ def _prompt_id(line: str) -> Any:
     return row.get("prompt_id") if isinstance(row, dict) else None
 
 
-def _load_progress(output: Path, key: dict[str, Any], overwrite: bool) -> dict[str, dict[str, int]]:
+def check_traces_output(output: Path) -> None:
+    """An existing --output is resumed or (with --overwrite) replaced only when `copt distill traces` wrote it (its
+    progress file beside it): any other file is the user's, and copt neither appends to nor deletes it."""
+    if output.is_dir():
+        raise BadInputError(f"--output {output} is a directory.", hint="Pass a file path such as traces.jsonl.")
+    if os.path.lexists(output) and not progress_path(output).is_file():
+        raise BadInputError(f"--output {output} exists but was not written by 'copt distill traces' "
+                            f"(no {progress_path(output).name} beside it); copt neither appends to nor replaces it.",
+                            hint="Choose another --output, or move that file away yourself.")
+
+
+def _load_progress(output: Path, key: dict[str, Any]) -> dict[str, dict[str, int]]:
     """Prompts already done (id → counts). Repairs the output when a run stopped between a batch and its record."""
     progress = progress_path(output)
-    if overwrite:
-        output.unlink(missing_ok=True)
-        progress.unlink(missing_ok=True)
-        return {}
     if not output.exists():
         progress.unlink(missing_ok=True)
         return {}
-    if not progress.exists():
-        raise BadInputError(f"--output {output} exists but was not written by 'copt distill traces' "
-                            f"(no {progress.name}).",
-                            hint="Pass --overwrite to replace it, or choose another --output.")
+    check_traces_output(output)
     lines, torn = _json_lines(progress)
     header = lines[0] if lines else {}
     if header.get("settings") != key:
@@ -429,12 +433,43 @@ def run_traces(
     With `verify`, only samples whose answer matches the prompt's `answer` are written (prompts without an
     answer keep nothing). `on_batch(done, total)` reports progress.
     """
-    import time
-
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     key = _settings_key(teacher, sampling, verify, think_prefix, template_kwargs)
-    done = _load_progress(output, key, overwrite)
+    if not overwrite:
+        return _generate_traces(prompts, output, generate, format_prompt, key, _load_progress(output, key),
+                                teacher=teacher, sampling=sampling, verify=verify, default_match=default_match,
+                                think_prefix=think_prefix, batch_prompts=batch_prompts, on_batch=on_batch)
+    check_traces_output(output)
+    # --overwrite: the earlier traces stay aside until this run completes, and come back if it fails
+    pairs = [(path, path.with_name(f".{path.name}.replaced")) for path in (output, progress_path(output))]
+    for path, aside in pairs:
+        if os.path.lexists(path):
+            os.replace(path, aside)
+    try:
+        stats = _generate_traces(prompts, output, generate, format_prompt, key, {}, teacher=teacher,
+                                 sampling=sampling, verify=verify, default_match=default_match,
+                                 think_prefix=think_prefix, batch_prompts=batch_prompts, on_batch=on_batch)
+    except BaseException:
+        for path, aside in pairs:
+            if os.path.lexists(aside):
+                os.replace(aside, path)
+            else:
+                path.unlink(missing_ok=True)
+        raise
+    for _, aside in pairs:
+        Path(aside).unlink(missing_ok=True)
+    return stats
+
+
+def _generate_traces(prompts: list[PromptRecord], output: Path, generate: GenerateFn,
+                     format_prompt: Callable[[str], str], key: dict[str, Any], done: dict[str, dict[str, int]], *,
+                     teacher: str, sampling: SamplingSettings, verify: bool, default_match: MatchMode | None,
+                     think_prefix: str, batch_prompts: int,
+                     on_batch: Callable[[int, int], None] | None) -> TraceStats:
+    """run_traces' generation loop over the prompts not in `done`, appending to `output` and its progress file."""
+    import time
+
     progress = progress_path(output)
     if not progress.exists():
         progress.write_text(json.dumps({"settings": key}) + "\n")

@@ -322,6 +322,8 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], options: d
         result.error = "timeout"
     except aiohttp.ClientConnectorError:
         result.error = "connect"
+    except aiohttp.InvalidURL:
+        result.error = "bad_url"
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError):
         result.error = "disconnect"
     except (ValueError, aiohttp.http_exceptions.HttpProcessingError):  # e.g. a line longer than the client buffers
@@ -793,7 +795,8 @@ def _all_failed(s: EndpointSettings, levels: list[EndpointLevel], failures: dict
     total = sum(lv.requests for lv in levels)
     kinds = ", ".join(f"{kind}: {msg}" if msg else kind for kind, msg in failures.items()) or "no requests sent"
     message = f"Every request to {completions_url(s.url)} failed ({total} sent): {kinds}"
-    if any(k in ("http_404", "http_400", "http_401", "http_403", "http_422", "connect") for k in failures):
+    if any(k in ("http_404", "http_400", "http_401", "http_403", "http_422", "connect", "bad_url")
+           for k in failures):
         hint = ("Check --url, --model (GET /v1/models lists the names the server serves) and --api-key."
                 if "connect" not in failures else "Is the server running at --url?")
         return BadInputError(message, hint=hint)

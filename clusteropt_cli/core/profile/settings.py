@@ -122,6 +122,8 @@ class EndpointSettings:
                 port = parts.port  # raises on a port out of range or not a number
                 if not parts.hostname:
                     problems.append(f"--url {self.url!r} names no host")
+                elif not _valid_numeric_host(parts.hostname):
+                    problems.append(f"--url {self.url!r}: {parts.hostname} is not an IPv4 address")
                 elif port == 0:
                     problems.append(f"--url {self.url!r}: port 0 is not a server's port")
             except ValueError as exc:
@@ -172,3 +174,16 @@ class EndpointSettings:
         if self.duration_s is not None:
             return None
         return max(8, 4 * concurrency) if concurrency else 32
+
+
+def _valid_numeric_host(host: str) -> bool:
+    """A host of digits and dots must be a dotted IPv4 address (256.1.1.1 is neither an address nor a name)."""
+    import ipaddress
+
+    if not host.replace(".", "").isdigit():
+        return True
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True

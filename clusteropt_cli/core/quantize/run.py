@@ -80,12 +80,18 @@ class QuantizeReport:
 
 
 def default_output(settings: QuantizeRecipe) -> Path:
-    """./<model>-<method>-w<bits>[g<group>] (the weight format in the name)."""
-    name = Path(settings.model).resolve().name or "model"
+    """./<model>-<method>-w<bits>[g<group>] (the weight format in the name).
+
+    Run from inside the model directory (`copt quantize .`), the output goes beside the model instead: copt never
+    writes into its input.
+    """
+    model = Path(settings.model).expanduser().resolve()
     tag = f"w{settings.weight_bits}"
     if settings.method in ("awq", "gptq", "rtn"):
         tag += "" if settings.group_size == -1 else f"g{settings.group_size}"
-    return Path.cwd() / f"{name}-{settings.method}-{tag}"
+    here = Path.cwd().resolve()
+    parent = model.parent if here == model or model in here.parents else here
+    return parent / f"{model.name or 'model'}-{settings.method}-{tag}"
 
 
 def _linear_in_features(config: dict) -> dict[str, int]:
