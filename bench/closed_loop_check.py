@@ -85,8 +85,10 @@ def levels(results: dict) -> list[dict]:
                                 "load": {"rate": float(name[1:]), "duration_s": duration},
                                 "temperature": temperature, "top_p": top_p, "measured": level})
     gpu = gpu_of(results)
+    loop_us = (results.get("host") or {}).get("python_loop_us")
     for level in out:
         level["prompt_len"], level["gen_len"], level["gpu"] = cfg["prompt_len"], cfg["out_tokens"], gpu
+        level["recorded_host_loop_s"] = loop_us / 1e6 if loop_us else None
     return out
 
 
@@ -104,7 +106,8 @@ def predicted(level: dict, results_before_prefill: bool = True, masked_prefill_g
     infer_time's own batch-1 figures (a lone client's requests never overlap)."""
     plan = InferPlan(batch=level["clients"] or 1, prompt_len=level["prompt_len"], gen_len=level["gen_len"],
                      continuous_batching=True, temperature=level["temperature"], top_p=level["top_p"])
-    spec, target = load_model_spec(PRESETS[level["shape"]]), Target(get_gpu(level.get("gpu", "h200")))
+    spec = load_model_spec(PRESETS[level["shape"]])
+    target = Target(get_gpu(level.get("gpu", "h200")), host_loop_s=level.get("host_loop_s"))
     if level["clients"] is None:
         figures = open_loop_figures(spec, plan, target, **level["load"],
                                     masked_prefill_graphs=masked_prefill_graphs) or {}
@@ -123,6 +126,8 @@ def check(level: dict, results_before_prefill: bool = True, masked_prefill_graph
     measured = {"output_tokens_per_s": m["output_tokens_per_s"], "ttft_s": m["ttft_s"]["p50"],
                 "tpot_s": m["tpot_s"]["p50"]}
     row = {k: level[k] for k in ("shape", "tester", "clients", "load", "prompt_len", "gen_len", "temperature", "gpu")}
+    if level.get("host_loop_s"):
+        row["host_loop_ms"] = round(level["host_loop_s"] * 1e3, 2)
     for name, value in measured.items():
         replayed = figures.get(name)
         row[name] = {"measured": value, "replayed": replayed,
@@ -246,9 +251,15 @@ def main() -> None:
     parser.add_argument("--masked-prefill-graphs", action="store_true",
                         help="replay the engine whose prefill graphs took new prompts only (runs before 2026-12-03)")
     parser.add_argument("--spread", action="store_true", help="the results are repeated runs of the same levels")
+    parser.add_argument("--recorded-host", action="store_true",
+                        help="price copt serve's host work at the host probe the results recorded (advise "
+                             "--host-loop-ms); runs without one stay at the calibration machines' host")
     args = parser.parse_args()
-    rows = [check(level, not args.results_after_prefill, args.masked_prefill_graphs)
-            for path in args.results for level in levels(json.loads(path.read_text()))]
+    all_levels = [level for path in args.results for level in levels(json.loads(path.read_text()))]
+    if args.recorded_host:
+        for level in all_levels:
+            level["host_loop_s"] = level["recorded_host_loop_s"]
+    rows = [check(level, not args.results_after_prefill, args.masked_prefill_graphs) for level in all_levels]
     if args.spread:
         entries = spread(rows)
         if args.json:

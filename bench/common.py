@@ -61,13 +61,9 @@ def host_probe() -> dict:
             times.append(time.perf_counter() - t0)
         return round(1e6 * statistics.median(times), 2)
 
-    def python_loop() -> None:
-        table = {i: i * 3 for i in range(1000)}
-        total = 0
-        for i in range(100_000):
-            total += table[i % 1000]
+    from clusteropt_cli.core.hostspeed import python_loop_seconds
 
-    out["python_loop_us"] = median_us(python_loop)
+    out["python_loop_us"] = round(1e6 * python_loop_seconds(repeats=5), 2)  # what advise --host-loop-ms takes (ms)
     try:
         import torch
     except ImportError:

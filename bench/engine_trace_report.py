@@ -92,12 +92,12 @@ def summarise(requests: list, steps: list, t0: float, t1: float) -> dict:
     }
 
 
-def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str) -> list[dict]:
+def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str, host_loop_s: float | None = None) -> list[dict]:
     """Measured one-decode-pass steps against the replay's step cost, binned (see the module text)."""
     import statistics
     from collections import defaultdict
 
-    costs = _costs(preset, prompt_len, gpu)
+    costs = _costs(preset, prompt_len, gpu, host_loop_s=host_loop_s)
     bins: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
     for s in trace["steps"]:
         if s[4] != 1:
@@ -116,7 +116,7 @@ def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str) -> list[dict
             for (rows, chunks), v in sorted(bins.items())]
 
 
-def _costs(preset: str, prompt_len: int, gpu: str, temperature: float = 1.0):
+def _costs(preset: str, prompt_len: int, gpu: str, temperature: float = 1.0, host_loop_s: float | None = None):
     from clusteropt_cli.core.advise.plan import InferPlan, Target
     from clusteropt_cli.core.advise.timing import infer_time
     from clusteropt_cli.hardware import get_gpu
@@ -124,7 +124,7 @@ def _costs(preset: str, prompt_len: int, gpu: str, temperature: float = 1.0):
 
     plan = InferPlan(batch=256, prompt_len=prompt_len, gen_len=128, continuous_batching=True,
                      temperature=temperature, top_p=0.95 if temperature else 1.0)
-    costs = infer_time(load_model_spec(preset), plan, Target(get_gpu(gpu))).costs
+    costs = infer_time(load_model_spec(preset), plan, Target(get_gpu(gpu), host_loop_s=host_loop_s)).costs
     if costs is None:
         raise SystemExit(f"advise has no step costs for {preset} on {gpu}")
     return costs
@@ -143,7 +143,8 @@ def idle_separated(trace: dict, idle_s: float = 0.0) -> list[list]:
     return groups
 
 
-def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, temperature: float) -> list[dict]:
+def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, temperature: float,
+                    host_loop_s: float | None = None) -> list[dict]:
     """Each load of the trace replayed from its measured engine arrivals (see the module text), with the steps'
     mix measured and replayed (step_mix)."""
     import statistics
@@ -151,7 +152,8 @@ def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, tempera
 
     from clusteropt_cli.core.advise.closed_loop import simulate_sends
 
-    costs = replace(_costs(preset, prompt_len, gpu, temperature), intake_s=0.0, stream_token_s=0.0, first_token_s=0.0)
+    costs = replace(_costs(preset, prompt_len, gpu, temperature, host_loop_s), intake_s=0.0, stream_token_s=0.0,
+                    first_token_s=0.0)
     out = []
     for group in idle_separated(trace):
         t0, gen = group[0][0], max(1, round(statistics.median(r[4] for r in group)))
@@ -235,9 +237,12 @@ def main() -> None:
     parser.add_argument("--gpu", default="h200")
     parser.add_argument("--replay-arrivals", metavar="PRESET", help="the step model on each load's measured arrivals")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--host-loop-ms", type=float, help="price copt serve's host work at this host speed (advise "
+                        "--host-loop-ms; a run's host probe records it as python_loop_us)")
     parser.add_argument("--round-trips", action="store_true", help="finish → next arrival in each closed loop")
     parser.add_argument("--clients", default="64,256", help="--round-trips: the closed loops' client counts")
     args = parser.parse_args()
+    host_loop_s = args.host_loop_ms / 1e3 if args.host_loop_ms else None
     if args.round_trips:
         clients = tuple(int(x) for x in args.clients.split(","))
         for path in args.traces:
@@ -253,7 +258,7 @@ def main() -> None:
     if args.replay_arrivals:
         for path in args.traces:
             rows = replay_arrivals(_read(path), args.replay_arrivals, args.prompt_len, args.gpu,
-                                   args.temperature)
+                                   args.temperature, host_loop_s)
             if args.json:
                 print(json.dumps(rows, indent=1))
                 continue
@@ -274,7 +279,7 @@ def main() -> None:
         return
     if args.step_costs:
         for path in args.traces:
-            rows = step_costs(_read(path), args.step_costs, args.prompt_len, args.gpu)
+            rows = step_costs(_read(path), args.step_costs, args.prompt_len, args.gpu, host_loop_s)
             if args.json:
                 print(json.dumps(rows, indent=1))
                 continue

@@ -5,7 +5,7 @@ declare -gA _copt_children _copt_options _copt_choices
 _copt_children["copt"]="advise distill env profile quantize recipes serve train"
 _copt_options["copt"]="--debug --help --version"
 _copt_children["copt advise"]=""
-_copt_options["copt advise"]="--activation-checkpointing --attn --batch --compile --data --emit-ds-config --emit-recipe --engine --fail-if-oom --from-profile --gen-len --gpu --gpu-hour-usd --gpus --grad-accum --help --host-memory --json --kv-cache-dtype --list-gpus --list-presets --max-batch-size --memory-budget --micro-batch --model --no-activation-checkpointing --no-compile --nodes --offload --optimizer --overwrite --pipeline-micro-batches --pipeline-stages --precision --prompt-len --rate --recipe --seq-len --shared-prefix-len --symptom --task --temperature --tensor-parallel --top-k --top-p --virtual-stages --weights --zero -m -r -s"
+_copt_options["copt advise"]="--activation-checkpointing --attn --batch --compile --data --emit-ds-config --emit-recipe --engine --fail-if-oom --from-profile --gen-len --gpu --gpu-hour-usd --gpus --grad-accum --help --host-loop-ms --host-memory --json --kv-cache-dtype --list-gpus --list-presets --max-batch-size --memory-budget --micro-batch --model --no-activation-checkpointing --no-compile --nodes --offload --optimizer --overwrite --pipeline-micro-batches --pipeline-stages --precision --prompt-len --rate --recipe --seq-len --shared-prefix-len --symptom --task --temperature --tensor-parallel --top-k --top-p --virtual-stages --weights --zero -m -r -s"
 _copt_children["copt distill"]="logits onpolicy sft traces"
 _copt_options["copt distill"]="--help"
 _copt_children["copt distill logits"]=""

@@ -29,6 +29,7 @@ complete -c copt -n "__fish_seen_subcommand_from advise" -l gpu-hour-usd
 complete -c copt -n "__fish_seen_subcommand_from advise" -l gpus
 complete -c copt -n "__fish_seen_subcommand_from advise" -l grad-accum
 complete -c copt -n "__fish_seen_subcommand_from advise" -l help
+complete -c copt -n "__fish_seen_subcommand_from advise" -l host-loop-ms
 complete -c copt -n "__fish_seen_subcommand_from advise" -l host-memory
 complete -c copt -n "__fish_seen_subcommand_from advise" -l json
 complete -c copt -n "__fish_seen_subcommand_from advise" -l kv-cache-dtype

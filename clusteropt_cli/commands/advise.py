@@ -33,6 +33,11 @@ def advise(
                                                                            "CPU offload (default: this machine's "
                                                                            "when its GPU is the target).",
                                                       show_default=False)] = None,
+    host_loop_ms: Annotated[float | None, typer.Option(
+        "--host-loop-ms", help="[infer] The serving host's speed: its time for copt's reference Python loop in ms "
+                               "(copt env prints it), which copt serve's host work per step scales with (default: "
+                               "this machine's when its GPU is the target, else the calibration machines').",
+        show_default=False)] = None,
     micro_batch: Annotated[int | None, typer.Option("--micro-batch", help="[train] Sequences per GPU per step.",
                                                     show_default=False)] = None,
     seq_len: Annotated[int | None, typer.Option("--seq-len", help="[train] Tokens per sequence.",
@@ -164,6 +169,7 @@ def advise(
         raise BadInputError(f"--zero must be 0, 1, 2 or 3 (got {zero}).")
     bad_numbers = [f"{flag} must be a finite number (got {value})" for flag, value in (
         ("--memory-budget", memory_budget), ("--host-memory", host_memory), ("--gpu-hour-usd", gpu_hour_usd),
+        ("--host-loop-ms", host_loop_ms),
         ("--temperature", temperature), ("--top-p", top_p)) if value is not None and not math.isfinite(value)]
     if bad_numbers:
         raise BadInputError("; ".join(bad_numbers) + ".", hint="Give plain numbers (no inf or nan).")
@@ -193,7 +199,7 @@ def advise(
                  "grad_accum": grad_accum, "activation_checkpointing": activation_checkpointing, "batch": batch,
                  "prompt_len": prompt_len, "gen_len": gen_len, "gpu": gpu, "gpus": gpus,
                  "memory_budget": memory_budget, "compile": compile_, "loss_impl": None, "temperature": temperature,
-                 "top_p": top_p, "top_k": top_k}
+                 "top_p": top_p, "top_k": top_k, "host_loop_ms": host_loop_ms}
         task, filled, profile_symptoms, measured = api.defaults_from_profile(report, task, given)
         closed_loop = api.measured_closed_loop(report)
         symptoms = list(dict.fromkeys(symptoms + profile_symptoms))
@@ -203,16 +209,19 @@ def advise(
         batch, prompt_len, gen_len = filled["batch"], filled["prompt_len"], filled["gen_len"]
         gpu, gpus, memory_budget = filled["gpu"], filled["gpus"], filled["memory_budget"]
         compile_, temperature = filled["compile"], filled.get("temperature")
-        top_p, top_k = filled.get("top_p"), filled.get("top_k")
+        top_p, top_k, host_loop_ms = filled.get("top_p"), filled.get("top_k"), filled.get("host_loop_ms")
         if filled["loss_impl"] and not any(o.startswith("loss_impl=") for o in overrides or []):
             overrides = [*(overrides or []), f"loss_impl={filled['loss_impl']}"]
     if rate is not None and task != "infer":  # after --from-profile, which makes an endpoint's profile infer
         raise BadInputError("--rate needs --task infer.", hint="It is the request rate of a serving load.")
+    if host_loop_ms is not None and task != "infer":
+        raise BadInputError("--host-loop-ms needs --task infer.", hint="It prices copt serve's host work.")
     if rate is not None:  # the rate asked for, over the measured open loop's bound (else OPEN_LOOP_DURATION_S)
         bound = {k: v for k, v in (closed_loop or {}).items() if k in ("duration_s", "requests", "seed", "arrivals")}
         closed_loop = {"rate": rate, **(bound if closed_loop and "rate" in closed_loop else {})}
 
-    target, notes = api.resolve_target(gpu, gpus, nodes, memory_budget, gpu_hour_usd, host_memory)
+    target, notes = api.resolve_target(gpu, gpus, nodes, memory_budget, gpu_hour_usd, host_memory, host_loop_ms,
+                                       serving=task == "infer")
     if model is None and not recipe:
         raise BadInputError("--model is required.", hint="Pass a preset (copt advise --list-presets), a model "
                                                           "directory or a config.json.")

@@ -17,6 +17,7 @@ def env(json_output: JsonOpt = False) -> None:
     rows = [
         ("copt", report.copt), ("python", report.python), ("platform", report.platform),
         ("cpus", report.cpu_count), ("memory", console.human_bytes(report.memory_bytes)),
+        ("host loop", f"{report.host_loop_ms:g} ms (copt advise --host-loop-ms)"),
         ("torch", report.torch or "not installed"), ("cuda available", report.cuda_available),
         ("cuda", report.cuda_version or "-"), ("cudnn", report.cudnn_version or "-"),
         ("nccl", report.nccl_version or "-"),

@@ -19,6 +19,9 @@ class EnvReport:
     platform: str
     cpu_count: int
     memory_bytes: int | None
+    # this host's time for copt's reference Python loop (core/hostspeed.py): `copt advise --host-loop-ms` prices
+    # copt serve's host work with it
+    host_loop_ms: float
     torch: str | None
     cuda_available: bool
     cuda_version: str | None
@@ -41,6 +44,7 @@ _ENV_VARS = ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "TORCH_CUDA_ARCH
 
 
 def collect_env() -> EnvReport:
+    from clusteropt_cli.core.hostspeed import python_loop_seconds
     from clusteropt_cli.deps import version_of
 
     report = EnvReport(
@@ -49,6 +53,7 @@ def collect_env() -> EnvReport:
         platform=platform.platform(),
         cpu_count=os.cpu_count() or 1,
         memory_bytes=_memory_bytes(),
+        host_loop_ms=round(python_loop_seconds() * 1e3, 2),
         torch=version_of("torch"),
         cuda_available=False,
         cuda_version=None,

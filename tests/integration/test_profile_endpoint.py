@@ -505,6 +505,9 @@ def test_endpoint_expect_takes_the_serve_recipes_server_and_workload(fake_server
     assert advised.returncode == 0, advised.stderr
     advice = json.loads(advised.stdout)
     assert advice["top_plan"]["assumptions"]["sampling"] == "sampled (temperature > 0, top k p draw)"
+    # the server ran on this machine: its host's speed is recorded, and advise prices copt serve's host work by it
+    assert 0 < profile["hardware"]["host_loop_s"] < 5
+    assert advice["assumptions"]["host_loop_ms"] == pytest.approx(profile["hardware"]["host_loop_s"] * 1e3, abs=1e-3)
     # the level's own closed loop (2 clients, 4 requests) replayed, and its figures set against the replay's
     assert advice["assumptions"]["closed_loop_requests"] == 4
     assert {"closed_loop_tpot_s", "closed_loop_output_tokens_per_s"} <= {row["metric"] for row in advice["measured"]}

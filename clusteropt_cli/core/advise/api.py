@@ -35,9 +35,12 @@ GiB = 1024**3
 def resolve_target(gpu: str | None, gpus: int | None = None, nodes: int | None = None,
                    memory_budget_gib: float | None = None,
                    gpu_hour_usd: float | None = None,
-                   host_memory_gib: float | None = None) -> tuple[Target, list[str]]:
+                   host_memory_gib: float | None = None,
+                   host_loop_ms: float | None = None, serving: bool = False) -> tuple[Target, list[str]]:
     """A catalog GPU, `cpu`, or the detected GPU (no GPU detected → the CPU, said so in the notes). The host's RAM
-    per node is `host_memory_gib`, else this machine's when its GPU is the target, else unknown."""
+    per node is `host_memory_gib`, else this machine's when its GPU is the target, else unknown; the host's speed
+    (core/hostspeed.py's loop, which prices copt serve's host work: `serving` plans) is `host_loop_ms`, else this
+    machine's when its GPU is the target, else the calibration machines'."""
     notes: list[str] = []
     if memory_budget_gib is not None and memory_budget_gib <= 0:
         raise BadInputError(f"--memory-budget must be positive GiB (got {memory_budget_gib}).")
@@ -45,6 +48,9 @@ def resolve_target(gpu: str | None, gpus: int | None = None, nodes: int | None =
         raise BadInputError(f"--host-memory must be positive GiB (got {host_memory_gib}).")
     if gpu_hour_usd is not None and gpu_hour_usd < 0:
         raise BadInputError(f"--gpu-hour-usd must not be negative (got {gpu_hour_usd}).")
+    if host_loop_ms is not None and not 0 < host_loop_ms <= 10_000:
+        raise BadInputError(f"--host-loop-ms must be a time in milliseconds, above 0 and up to 10,000 (got "
+                            f"{host_loop_ms}).", hint="copt env prints this machine's.")
     budget = int(memory_budget_gib * GiB) if memory_budget_gib is not None else None
     spec = None
     detected = False
@@ -79,7 +85,17 @@ def resolve_target(gpu: str | None, gpus: int | None = None, nodes: int | None =
         import psutil
 
         host = int(psutil.virtual_memory().total)
-    return Target(spec, gpus or 1, nodes or 1, budget, usd, detected, host), notes
+    loop_s = host_loop_ms / 1e3 if host_loop_ms is not None and serving else None
+    if loop_s is None and detected and serving:
+        from clusteropt_cli.core.hostspeed import python_loop_seconds
+
+        loop_s = python_loop_seconds()
+    if loop_s is not None:
+        notes.append(f"host: copt's reference loop in {loop_s * 1e3:.2f} ms "
+                     f"({'--host-loop-ms' if host_loop_ms is not None else 'this machine'}; the calibration "
+                     f"machines' {cal.HOST_LOOP_REFERENCE_S * 1e3:g} ms): copt serve's host work per step priced "
+                     f"×{loop_s / cal.HOST_LOOP_REFERENCE_S:.2f}")
+    return Target(spec, gpus or 1, nodes or 1, budget, usd, detected, host, loop_s), notes
 
 
 def _mem_dict(m: MemoryEstimate) -> dict[str, Any]:
@@ -491,6 +507,8 @@ def defaults_from_profile(report: Any, task: str, given: dict[str, Any]
     values["gpus"] = values["gpus"] or report.hardware.count
     if values["memory_budget"] is None and wl.get("memory_budget_bytes"):
         values["memory_budget"] = wl["memory_budget_bytes"] / GiB
+    if task == "infer" and values.get("host_loop_ms") is None and report.hardware.host_loop_s:
+        values["host_loop_ms"] = report.hardware.host_loop_s * 1e3  # the host the profile ran on
     return task, values, list(report.verdict.symptoms), dict(report.metrics)
 
 

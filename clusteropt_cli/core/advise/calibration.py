@@ -211,6 +211,16 @@ PREFILL_STEP_HOST_PER_LAYER_S = 0.5e-3
 # bounds what a decode chain's first pass adds (the shorter of it and the device's pass: timing's chain_start).
 UNCHAINED_STEP_S = 1.6e-3
 UNCHAINED_STEP_PER_SEQ_S = 18e-6
+# The host those costs were measured on, by the time it takes for core/hostspeed.py's reference Python loop: the
+# host work of copt's engine (the unchained step above and the engine's per-step and per-sequence work it exposes,
+# per prompt chunk and prompt) scales with a serving host's time over this one (timing.host_work_scale). Two H100
+# machines whose hosts ran the loop in 5.65 and 13.06 ms (bench/common.host_probe) ran the 1B's packed prefill steps
+# (8 prompt chunks beside 32-255 decoding rows, 1,800 steps; engine traces of `copt profile endpoint` closed loops,
+# 2026-12-06) in 17.1-20.2 and 20.3-26.4 ms, where the unscaled price is 20.9-26.2 (1.22-1.29 and 0.99-1.03 of the
+# measured ones). Scaled, a reference of 13.5 ms prices both within 3% at every row count (1.01-1.03 and 0.98-1.02;
+# 11 ms: 1.06 and 1.06-1.08; 15 ms: 0.99-1.02 and 0.95-1.00): the host's work per row and per chunk moves with its
+# loop time, while decode passes run alone (chained) took the same 4.1-4.2 ms at 240 rows on both.
+HOST_LOOP_REFERENCE_S = 13.5e-3
 # What sampled requests (temperature > 0, no top-k/top-p truncation) add per decode step of copt's engine over
 # greedy decoding. Sampling runs on the device inside the captured step (Gumbel-max with counter-based noise, async
 # scheduling kept), so the cost is one [batch, vocabulary] pass more than the greedy argmax. H200, Llama-3.2-1B

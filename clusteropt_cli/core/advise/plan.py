@@ -23,6 +23,9 @@ class Target:
     gpu_hour_usd: float | None = None
     detected: bool = False
     host_memory_bytes: int | None = None  # RAM per node: --host-memory, else this machine's when the GPU is detected
+    # the serving host's speed: seconds of copt's reference Python loop (core/hostspeed.py): --host-loop-ms, else this
+    # machine's when the GPU is detected; None: the calibration machines' (calibration.HOST_LOOP_REFERENCE_S)
+    host_loop_s: float | None = None
 
     @property
     def device(self) -> str:

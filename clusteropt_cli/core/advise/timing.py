@@ -54,6 +54,20 @@ def _interpolated_us(points: tuple[tuple[int, float], ...], rows: int) -> float:
     return points[-1][1]
 
 
+# cal.SERVING_ENGINES terms that are host work (copt's engine per prompt; the API process per request and token):
+# priced at the serving host's speed (host_work_scale)
+HOST_WORK_TERMS = ("prefill_request_s", "prefill_graph_request_s", "http_request_s", "http_stream_s", "api_intake_s",
+                   "http_token_s")
+
+
+def host_work_scale(target: Target) -> float:
+    """How much longer (> 1) or shorter the serving host takes for copt's engine's host work than the machines advise
+    was calibrated on: its reference-loop time (core/hostspeed.py) over theirs; 1 where it is not known."""
+    if not target.host_loop_s:
+        return 1.0
+    return target.host_loop_s / cal.HOST_LOOP_REFERENCE_S
+
+
 def truncation_step_s(plan: InferPlan, rows: int) -> float:
     """Seconds per decode step that top-k / top-p truncation adds over temperature-only sampling in copt's engine
     (its sampling graph for `rows` rows, measured on the H200: calibration.SAMPLING_GRAPH_US)."""
@@ -304,6 +318,10 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     # batches; vllm: none measured, roofline only)
     engine_name = ("copt" if plan.continuous_batching else "hf-generate") if plan.engine == "copt" else plan.engine
     engine = cal.SERVING_ENGINES.get(engine_name)
+    # the host work of copt's engine (per prompt, per unchained step and sequence) at the serving host's speed
+    host_scale = host_work_scale(target) if engine_name == "copt" else 1.0
+    if engine and host_scale != 1.0:  # its work per prompt and the API process's per request and token
+        engine = {k: v * host_scale if k in HOST_WORK_TERMS else v for k, v in engine.items()}
     # prefix caching: a request's prompt tokens found in the cache (the shared prefix's full blocks, once the first
     # request computed them) are not prefilled; the rest attend to the whole prompt
     hit = prefix_hit_tokens(spec, plan)
@@ -439,6 +457,9 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
                    "decode_bandwidth_efficiency": cal.DECODE_BANDWIDTH_EFFICIENCY,
                    "hbm_bandwidth_tbs": gpu.hbm_bandwidth / 1e12, "peak_tflops": peak / tp / 1e12}
     assumptions["engine"] = engine_name
+    if host_scale != 1.0:
+        assumptions["host_loop_ms"] = round(target.host_loop_s * 1e3, 3)
+        assumptions["host_work_scale"] = round(host_scale, 3)
     assumptions["sampling"] = (f"sampled (temperature > 0, {sampling_mode(plan, running).replace('_', ' ')})"
                                if plan.temperature > 0 else "greedy")
     notes = []
@@ -481,8 +502,10 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
             return next(b for b in PREFILL_GRAPH_BUCKETS if b >= tokens) if fits else None
 
         def unchained(rows: int) -> float:
-            """The host's work of a decode step over `rows` sequences that no GPU work hides (cal.UNCHAINED_STEP_*)."""
-            return cal.UNCHAINED_STEP_S + cal.UNCHAINED_STEP_PER_SEQ_S * rows
+            """The host's work of a decode step over `rows` sequences that no GPU work hides (cal.UNCHAINED_STEP_*),
+            and the engine's own work per step and sequence it exposes there, at the serving host's speed."""
+            exposed = (host_scale - 1.0) * (engine["step_fixed_s"] + engine["step_per_seq_s"] * rows)
+            return (cal.UNCHAINED_STEP_S + cal.UNCHAINED_STEP_PER_SEQ_S * rows) * host_scale + exposed
 
         def decode_device(rows: int) -> float:
             """The device's share of a decode step over `rows` sequences: weights and cache read, or its FLOPs."""
@@ -515,7 +538,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
             device += prefill_seconds(priced, chunks) - per_prompt
             host += per_prompt
             floor = 0.0 if graphed else (cal.PREFILL_STEP_HOST_PER_CHUNK_S * chunks
-                                         + cal.PREFILL_STEP_HOST_PER_LAYER_S * spec.num_layers)
+                                         + cal.PREFILL_STEP_HOST_PER_LAYER_S * spec.num_layers) * host_scale
             return max(device + host, floor), floor > device + host or host > device
 
         def chain_start(rows: int) -> float:

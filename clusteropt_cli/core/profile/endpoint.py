@@ -512,9 +512,12 @@ def summarize_level(results: list[RequestResult], duration_s: float, *, concurre
 
 
 def _server_hardware(url: str) -> HardwareInfo:
-    """The server's hardware is not visible over HTTP; for a loopback URL it is this machine's."""
+    """The server's hardware is not visible over HTTP; for a loopback URL it is this machine's (and its host's
+    speed, measured once the load is over)."""
     host = urlparse(url).hostname or ""
     if host in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
+        from clusteropt_cli.core.hostspeed import python_loop_seconds
+
         try:
             from clusteropt_cli.hardware import detect_gpus
 
@@ -523,8 +526,8 @@ def _server_hardware(url: str) -> HardwareInfo:
             gpus = []
         if gpus:
             return HardwareInfo(device="cuda", name=gpus[0].name, catalog=gpus[0].catalog, count=len(gpus),
-                                memory_bytes=gpus[0].memory_bytes)
-        return HardwareInfo(device="cpu", name=f"local server at {url}")
+                                memory_bytes=gpus[0].memory_bytes, host_loop_s=python_loop_seconds())
+        return HardwareInfo(device="cpu", name=f"local server at {url}", host_loop_s=python_loop_seconds())
     return HardwareInfo(device="remote", name=f"server at {url} (hardware not visible over HTTP)")
 
 

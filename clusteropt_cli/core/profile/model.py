@@ -71,8 +71,10 @@ def hardware_info(device: str) -> tuple[HardwareInfo, Any]:
 
         props = torch.cuda.get_device_properties(0)
         spec = match_catalog(props.name, int(props.total_memory))
+        from clusteropt_cli.core.hostspeed import python_loop_seconds
+
         return HardwareInfo(device="cuda", name=props.name, catalog=spec.name if spec else None,
-                            memory_bytes=int(props.total_memory)), spec
+                            memory_bytes=int(props.total_memory), host_loop_s=python_loop_seconds()), spec
     import psutil
 
     name = platform.processor() or platform.machine() or "cpu"

@@ -42,6 +42,9 @@ class HardwareInfo(_Model):
     catalog: str | None = None  # hardware.CATALOG key when known
     count: int = 1
     memory_bytes: int | None = None  # per device
+    # the host's time for copt's reference Python loop (core/hostspeed.py), where the profile ran on the host it
+    # measures (a model profile, an endpoint on this machine); advise --from-profile prices copt serve's host work by it
+    host_loop_s: float | None = None
 
 
 class Verdict(_Model):
