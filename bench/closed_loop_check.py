@@ -254,10 +254,15 @@ def main() -> None:
     parser.add_argument("--recorded-host", action="store_true",
                         help="price copt serve's host work at the host probe the results recorded (advise "
                              "--host-loop-ms); runs without one stay at the calibration machines' host")
+    parser.add_argument("--host-loop-ms", type=float,
+                        help="price copt serve's host work at this host speed for every run (a probe taken beside "
+                             "the run's own)")
     args = parser.parse_args()
     all_levels = [level for path in args.results for level in levels(json.loads(path.read_text()))]
-    if args.recorded_host:
-        for level in all_levels:
+    for level in all_levels:
+        if args.host_loop_ms:
+            level["host_loop_s"] = args.host_loop_ms / 1e3
+        elif args.recorded_host:
             level["host_loop_s"] = level["recorded_host_loop_s"]
     rows = [check(level, not args.results_after_prefill, args.masked_prefill_graphs) for level in all_levels]
     if args.spread:
