@@ -134,6 +134,8 @@ def _from_os_error(exc: OSError) -> CoptError | None:
         kind = "a directory" if isinstance(exc, IsADirectoryError) else "not a directory"
         return BadInputError(f"{exc.filename} is {kind}.", hint="Check the paths given to copt.")
     text = str(exc)
+    if any(marker in text for marker in _MODEL_FILE_ERRORS):
+        return _model_files_mismatch(exc)
     if "is not a local folder" in text or "does not appear to have a file named" in text or (
         "Can't load" in text and "config" in text
     ):
@@ -154,7 +156,25 @@ def _from_runtime_error(exc: RuntimeError) -> CoptError | None:
             "The device ran out of memory.",
             hint="add --activation-checkpointing, lower --micro-batch, or run 'copt advise --symptom oom'",
         )
+    return _model_files_mismatch(exc)
+
+
+# what transformers and tokenizers raise when a model directory's files do not fit together or cannot be parsed
+_MODEL_FILE_ERRORS = ("ignore_mismatched_sizes", "size mismatch for", "Couldn't instantiate the backend tokenizer",
+                      "is not a valid JSON file", "Error no file named")
+
+
+def _model_files_mismatch(exc: BaseException) -> CoptError | None:
+    text = str(exc)
+    if any(marker in text for marker in _MODEL_FILE_ERRORS):
+        return BadInputError(f"The model directory's files cannot be loaded: {text.splitlines()[0][:300]}",
+                             hint="config.json, the weights and the tokenizer files must come from the same "
+                                  "save_pretrained; restore the directory from the model's source.")
     return None
+
+
+def _from_value_error(exc: ValueError) -> CoptError | None:
+    return _model_files_mismatch(exc)
 
 
 def _torch_oom(exc: BaseException) -> CoptError | None:
@@ -173,6 +193,7 @@ _BY_TYPE: list[tuple[type[BaseException], Callable]] = [
     (ImportError, _from_import_error),
     (OSError, _from_os_error),
     (RuntimeError, _from_runtime_error),
+    (ValueError, _from_value_error),
 ]
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,9 +198,10 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _require_int(cfg: dict[str, Any], name: str, *keys: str, default: Any = None) -> int:
     value = _get(cfg, *keys, default=default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2**31:
+        shown = f"{value!r}" if len(repr(value)) < 40 else f"{repr(value)[:20]}… ({len(repr(value))} digits)"
         raise BadInputError(
-            f"Model config for {name} has no valid {keys[0]} (got {value!r}).",
+            f"Model config for {name} has no valid {keys[0]} (got {shown}; a positive count below 2**31).",
             hint="Pass a Hugging Face config.json of a decoder-only LLM, or a preset (copt advise --list-presets).",
         )
     return value
@@ -385,8 +387,10 @@ def read_config_json(path: Path, flag: str = "--model") -> dict[str, Any]:
                                  "model's source.") from None
     try:
         config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadInputError(f"Model config {path} is not valid JSON: {exc}",
+    except (ValueError, RecursionError) as exc:  # not JSON, a number too long, nested too deep
+        why = exc if isinstance(exc, json.JSONDecodeError) else (
+            "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:160])
+        raise BadInputError(f"Model config {path} is not valid JSON: {why}",
                             hint="config.json must be the JSON file save_pretrained writes; restore it from the "
                                  "model's source.") from None
     if not isinstance(config, dict):
@@ -398,6 +402,45 @@ def read_config_json(path: Path, flag: str = "--model") -> dict[str, Any]:
 PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 CONVERT_HINT = ("python -c \"from transformers import AutoModelForCausalLM as M; "
                 "M.from_pretrained('{src}').save_pretrained('{src}-safetensors')\"")
+
+
+MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on the header
+
+
+def check_model_files(model_dir: Path, flag: str = "--model") -> None:
+    """The files a load reads first, checked without loading anything: every *.safetensors is a regular file whose
+    header parses (a truncated copy or a download cut short fails here, not minutes into a run), and the
+    tokenizer's JSON files parse."""
+    import struct
+
+    where = f"{flag} {model_dir}"
+    hint = "Restore the file from the model's source (a copy or a download was cut short?)."
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        if not path.is_file():
+            raise BadInputError(f"{where}: {path.name} is not a regular file (a pipe, a device or a broken link).",
+                                hint=hint)
+        try:
+            with path.open("rb") as handle:
+                head = handle.read(8)
+                length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+                if not 0 < length <= min(MAX_SAFETENSORS_HEADER, path.stat().st_size - 8):
+                    raise ValueError(f"header length {length} in a file of {path.stat().st_size:,} bytes")
+                header = json.loads(handle.read(length))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        except (OSError, ValueError, RecursionError) as exc:
+            raise BadInputError(f"{where}: {path.name} is not a readable safetensors file ({str(exc)[:160]}).",
+                                hint=hint) from None
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        path = Path(model_dir) / name
+        if not os.path.lexists(path):
+            continue
+        try:
+            if not path.is_file():
+                raise ValueError("not a regular file")
+            json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError) as exc:
+            raise BadInputError(f"{where}: {name} is not valid JSON ({str(exc)[:160]}).", hint=hint) from None
 
 
 def check_loadable_model(model_dir: Path | None, config: dict[str, Any], flag: str = "--model",
@@ -422,7 +465,10 @@ def check_loadable_model(model_dir: Path | None, config: dict[str, Any], flag: s
             f"{where}: unknown model_type '{model_type}' in config.json (this transformers does not implement it).",
             hint="Check config.json's model_type (e.g. llama, qwen2, mistral), or upgrade transformers if the "
                  "architecture is newer than it.")
-    if model_dir is None or not need_weights or not Path(model_dir).is_dir():
+    if model_dir is None or not Path(model_dir).is_dir():
+        return
+    check_model_files(Path(model_dir), flag)
+    if not need_weights:
         return
     directory = Path(model_dir)
     if any(directory.glob("*.safetensors")):

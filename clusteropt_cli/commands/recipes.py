@@ -32,9 +32,9 @@ def list_cmd(json_output: JsonOpt = False) -> None:
 @app.command("show")
 def show_cmd(name: Annotated[str, typer.Argument(help="Built-in recipe name or a path.")]) -> None:
     """Print a recipe's YAML."""
-    from clusteropt_cli.recipe.registry import resolve_recipe
+    from clusteropt_cli.recipe.load import read_recipe_text
 
-    typer.echo(resolve_recipe(name).read_text(), nl=False)
+    typer.echo(read_recipe_text(name)[1], nl=False)
 
 
 @app.command("validate")
@@ -51,7 +51,7 @@ def validate_cmd(
 
     data = apply_overrides(read_recipe_file(file), list(overrides or []))
     task = data.get("task")
-    if task not in RECIPE_MODELS:
+    if not isinstance(task, str) or task not in RECIPE_MODELS:
         raise RecipeError(f"Recipe '{file}' has no valid 'task' key (got {task!r}).",
                           hint=f"Add 'task:' with one of: {', '.join(RECIPE_MODELS)}")
     settings = validate_recipe(task, data, origin=f"Recipe '{file}'")
@@ -71,12 +71,13 @@ def cp_cmd(
     import os
 
     from clusteropt_cli import console
-    from clusteropt_cli.core.io import atomic_write_text
+    from clusteropt_cli.core.io import atomic_write_text, check_parent_is_directory
     from clusteropt_cli.errors import BadInputError
     from clusteropt_cli.recipe.registry import builtin_recipe
 
     source = builtin_recipe(name)
     target = dest / source.name if dest.is_dir() else dest
+    check_parent_is_directory(target, "DEST", dest)
     if os.path.lexists(target) and not overwrite:  # a dangling symlink is the user's too
         raise BadInputError(f"{target} exists.", hint="Pass --overwrite to replace it, or choose another path.")
     atomic_write_text(target, source.read_text())

@@ -32,8 +32,13 @@ TMP_OWNER = ".copt-tmp-owner.json"  # in every temporary directory: who may clea
 _SHOWN = 5
 
 
-def _resolved(path: str | Path) -> Path:
-    return Path(path).expanduser().resolve()
+def _resolved(path: str | Path, flag: str = "") -> Path:
+    """The absolute path with every link followed; a link loop (or a name the system refuses) is bad input."""
+    try:
+        return Path(path).expanduser().resolve()
+    except (RuntimeError, OSError) as exc:  # RuntimeError: Python 3.11's "Symlink loop"
+        raise BadInputError(f"{flag + ' ' if flag else ''}{path}: cannot follow its links ({exc}).",
+                            hint="Remove the link loop, or give another path.") from None
 
 
 def _listing(path: Path) -> str:
@@ -52,14 +57,15 @@ def check_output(output: str | Path, inputs: Mapping[str, str | Path | None] | N
     `can_resume`: the command has --resume (the hint names it).
     """
     out_given = Path(output).expanduser()
-    out = out_given.resolve()
+    out = _resolved(out_given, flag)
+    check_parent_is_directory(out, flag, output)
     for in_flag, given in (inputs or {}).items():
         if given is None or str(given) == "":
             continue
         path = Path(str(given)).expanduser()
         if not os.path.lexists(path):
             continue
-        inp = path.resolve()
+        inp = _resolved(path, in_flag)
         if out == inp:
             relation = "is"
         elif out in inp.parents:
@@ -108,6 +114,17 @@ def check_output(output: str | Path, inputs: Mapping[str, str | Path | None] | N
                             hint=f"Choose a new {flag}, or move that directory away yourself.")
 
 
+def check_parent_is_directory(path: Path, flag: str, given: str | Path | None = None) -> None:
+    """The nearest existing parent of an output to be written must be a directory (a file there would make the
+    write fail after the work)."""
+    for parent in Path(os.path.abspath(path)).parents:
+        if os.path.lexists(parent):
+            if not parent.is_dir():
+                raise BadInputError(f"{flag} {given if given is not None else path}: {parent} is a file, not a "
+                                    "directory.", hint=f"Give {flag} a path in a directory.")
+            return
+
+
 def check_distinct_outputs(outputs: Mapping[str, str | Path | None]) -> None:
     """Refuse two outputs of one run that name the same path (one would silently replace the other)."""
     seen: dict[Path, str] = {}
@@ -115,7 +132,7 @@ def check_distinct_outputs(outputs: Mapping[str, str | Path | None]) -> None:
     for flag, given in outputs.items():
         if given is None or str(given) == "":
             continue
-        path = Path(given).expanduser().resolve()
+        path = _resolved(given, flag)
         if path in seen:
             problems.append(f"{seen[path]} and {flag} both name {given}")
         else:

@@ -10,13 +10,27 @@ from typing import Any
 from clusteropt_cli.errors import BadInputError
 
 
+def check_regular_file(path: Path, flag: str, hint: str) -> None:
+    """A regular file (or a link to one): a missing path, a directory, a pipe or a device is a BadInputError naming
+    `flag` (a pipe would block the read forever, /dev/zero fill the memory)."""
+    try:
+        if path.is_file():
+            return
+        exists = path.exists()
+    except (OSError, RuntimeError):  # a link loop, a name too long
+        exists = True
+    if not exists:
+        raise BadInputError(f"{flag} {path}: no such file (it does not exist).", hint=hint)
+    kind = "a directory" if path.is_dir() else "not a regular file (a pipe, a device or a link loop)"
+    raise BadInputError(f"{flag} {path} is {kind}.", hint=hint)
+
+
 def read_text_file(path: str | Path, flag: str, hint: str) -> str:
     """The whole file as UTF-8 text; a missing or undecodable file is a BadInputError naming `flag`."""
     path = Path(path)
-    if not path.is_file():
-        raise BadInputError(f"{flag} {path}: no such file (it does not exist).", hint=hint)
+    check_regular_file(path, flag, hint)
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is not text
     except UnicodeDecodeError as exc:
         raise BadInputError(f"{flag} {path} is not UTF-8 text ({exc.reason} at byte {exc.start}).",
                             hint=hint) from None
@@ -34,11 +48,13 @@ def jsonl_rows(path: str | Path, flag: str, hint: str, problems: list[str] | Non
             continue
         try:
             rows.append((number, json.loads(line)))
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # not JSON, a number too long, nested too deep
+            why = exc.msg if isinstance(exc, json.JSONDecodeError) else (
+                "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:120])
             if problems is None:
-                raise BadInputError(f"{flag} {path}: line {number} is not valid JSON ({exc.msg}).",
+                raise BadInputError(f"{flag} {path}: line {number} is not valid JSON ({why}).",
                                     hint=hint) from None
-            problems.append(f"line {number}: not valid JSON ({exc.msg})")
+            problems.append(f"line {number}: not valid JSON ({why})")
     return rows
 
 

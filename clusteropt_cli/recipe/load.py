@@ -47,10 +47,35 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return merged
 
 
-def read_recipe_file(source: str | Path) -> dict[str, Any]:
-    """Read a recipe YAML (a path or a built-in name) into a dict; errors name the file and line."""
+def _recipe_loader() -> type:
+    """yaml.SafeLoader that refuses aliases (`*name`: a few lines of them expand into billions of values when the
+    recipe is written back out) and a key given twice in one mapping (silently the last one otherwise)."""
     import yaml
 
+    class RecipeLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):  # noqa: ANN001, ANN202 - PyYAML's signature
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a YAML alias (*{event.anchor}): recipes do not use anchors and aliases; write "
+                                "the values out", event.start_mark)
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node, deep=False):  # noqa: ANN001, ANN202 - PyYAML's signature
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice; keep one", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return RecipeLoader
+
+
+def read_recipe_text(source: str | Path) -> tuple[Path, str]:
+    """A recipe's file (a path or a built-in name) and its text: a short UTF-8 file, checked before it is read."""
     from clusteropt_cli.recipe.registry import resolve_recipe
 
     path = resolve_recipe(str(source))
@@ -58,19 +83,35 @@ def read_recipe_file(source: str | Path) -> dict[str, Any]:
         raise RecipeError(f"Recipe {path} is a directory.", hint="Pass a recipe YAML file or a built-in name "
                                                                  "(copt recipes list).")
     try:
-        raw = path.read_bytes()
+        size = path.stat().st_size  # before reading: a data file passed by mistake is not read into memory
+        raw = b""
+        if size <= MAX_RECIPE_BYTES:
+            with path.open("rb") as handle:
+                raw = handle.read(MAX_RECIPE_BYTES + 1)
     except OSError as exc:
         raise RecipeError(f"Cannot read recipe {path}: {exc.strerror}", hint="Check the path.") from exc
-    if len(raw) > MAX_RECIPE_BYTES:
-        raise RecipeError(f"Recipe {path} is {len(raw):,} bytes; a recipe is a short YAML file (at most "
+    if max(size, len(raw)) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"Recipe {path} is {max(size, len(raw)):,} bytes; a recipe is a short YAML file (at most "
                           f"{MAX_RECIPE_BYTES:,}).", hint="Check that --recipe names the recipe, not a data file.")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RecipeError(f"Recipe {path} is not UTF-8 text (byte {exc.start}); is it a binary file?",
                           hint="Pass a YAML recipe (copt recipes show NAME prints one).") from None
+    return path, text
+
+
+def read_recipe_file(source: str | Path) -> dict[str, Any]:
+    """Read a recipe YAML (a path or a built-in name) into a dict; errors name the file and line."""
+    import yaml
+
+    path, text = read_recipe_text(source)
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_recipe_loader())  # noqa: S506 - a SafeLoader subclass
+    except yaml.constructor.ConstructorError as exc:
+        mark = exc.problem_mark
+        where = f" line {mark.line + 1}, column {mark.column + 1}: " if mark else ": "
+        raise RecipeError(f"Recipe {path}{where}{exc.problem}.", hint="Fix the recipe file.") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -111,6 +152,9 @@ def validate_recipe(task: str, data: dict[str, Any], *, origin: str = "recipe"):
     from clusteropt_cli.recipe.schema import RECIPE_MODELS
 
     declared = data.get("task", task)
+    if not isinstance(declared, str):
+        raise RecipeError(f"{origin}: task must be one word (train, serve, quantize, distill, profile), not "
+                          f"{declared!r}.", hint="Write e.g. 'task: train'.")
     if declared != task:
         raise RecipeError(
             f"{origin} is a '{declared}' recipe, not a '{task}' recipe.",

@@ -246,3 +246,23 @@ def test_overwrite_keeps_the_earlier_traces_until_the_new_run_completes(tmp_path
     assert stats.prompts_done_before == 0 and stats.prompts_generated == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["traces.jsonl", progress.name]
     assert out.read_text() != before[0]
+
+
+def test_a_run_that_fails_before_its_first_prompt_leaves_no_files(tmp_path):
+    class Fails(ScriptedTeacher):
+        def __call__(self, prompts, sampling):
+            raise RuntimeError("the teacher failed")
+
+    with pytest.raises(RuntimeError):
+        run(tmp_path, Fails(REPLIES))
+    assert list(tmp_path.iterdir()) == []
+    # after a recorded prompt, the files stay (the next run resumes them)
+    class FailsSecond(ScriptedTeacher):
+        def __call__(self, prompts, sampling):
+            if self.calls:
+                raise RuntimeError("the teacher failed")
+            return super().__call__(prompts, sampling)
+
+    with pytest.raises(RuntimeError):
+        run(tmp_path, FailsSecond(REPLIES))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["traces.jsonl", "traces.jsonl.progress.jsonl"]

@@ -244,7 +244,8 @@ def distill_logits(settings: DistillRecipe, *, output_dir: Path, overwrite: bool
                               settings.temperature, settings.alpha, settings.top_k, 0)
         eval_blocks = None
         if eval_text is not None:
-            eval_blocks = build_text_dataset(eval_text, tokenizer, settings.seq_len).blocks[:EVAL_BLOCKS]
+            eval_blocks = build_text_dataset(eval_text, tokenizer, settings.seq_len,
+                                             flag="--eval-data").blocks[:EVAL_BLOCKS]
             result.eval_kl_before = mean_kl_to_teacher(student.to(device), teacher, eval_blocks, shared_logits=shared)
             student.to("cpu")
         loss_fn = make_distill_loss_fn(teacher, config, shared, zero_stage=settings.zero)

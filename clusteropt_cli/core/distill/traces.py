@@ -437,9 +437,15 @@ def run_traces(
     output.parent.mkdir(parents=True, exist_ok=True)
     key = _settings_key(teacher, sampling, verify, think_prefix, template_kwargs)
     if not overwrite:
-        return _generate_traces(prompts, output, generate, format_prompt, key, _load_progress(output, key),
-                                teacher=teacher, sampling=sampling, verify=verify, default_match=default_match,
-                                think_prefix=think_prefix, batch_prompts=batch_prompts, on_batch=on_batch)
+        started_here = not os.path.lexists(output)
+        try:
+            return _generate_traces(prompts, output, generate, format_prompt, key, _load_progress(output, key),
+                                    teacher=teacher, sampling=sampling, verify=verify, default_match=default_match,
+                                    think_prefix=think_prefix, batch_prompts=batch_prompts, on_batch=on_batch)
+        except BaseException:
+            if started_here:
+                _remove_if_nothing_done(output)
+            raise
     check_traces_output(output)
     # --overwrite: the earlier traces stay aside until this run completes, and come back if it fails
     pairs = [(path, path.with_name(f".{path.name}.replaced")) for path in (output, progress_path(output))]
@@ -460,6 +466,19 @@ def run_traces(
     for _, aside in pairs:
         Path(aside).unlink(missing_ok=True)
     return stats
+
+
+def _remove_if_nothing_done(output: Path) -> None:
+    """A run that created the traces file and failed before its first prompt was recorded leaves nothing behind
+    (an empty output and a progress file of its settings alone)."""
+    progress = progress_path(output)
+    try:
+        records = [line for line in progress.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except OSError:
+        records = []
+    if len(records) <= 1:
+        output.unlink(missing_ok=True)
+        progress.unlink(missing_ok=True)
 
 
 def _generate_traces(prompts: list[PromptRecord], output: Path, generate: GenerateFn,

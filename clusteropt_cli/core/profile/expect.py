@@ -69,7 +69,7 @@ def load_expectation(path: str) -> Expectation:
 
     data = read_recipe_file(path)
     task = data.get("task")
-    if task not in RECIPE_MODELS:
+    if not isinstance(task, str) or task not in RECIPE_MODELS:
         raise RecipeError(f"--expect {path}: 'task' must be one of {', '.join(RECIPE_MODELS)} (got {task!r}).",
                           hint="Pass a recipe written by 'copt advise --emit-recipe'.")
     recipe = validate_recipe(task, data, origin=f"Recipe '{path}'")

@@ -106,6 +106,9 @@ class ProfileReport(_Model):
     trace_file: str | None = None
 
 
+MAX_PROFILE_BYTES = 512 << 20  # a guidellm report with every request's record stays well under this
+
+
 def load_profile(path: str) -> ProfileReport:
     """Read and validate a profile JSON (copt's, or a guidellm / `vllm bench serve` report, read as an endpoint
     profile); errors name the file and the fields."""
@@ -114,10 +117,16 @@ def load_profile(path: str) -> ProfileReport:
 
     from pydantic import ValidationError
 
+    from clusteropt_cli.core.textfiles import check_regular_file
     from clusteropt_cli.errors import BadInputError
     from clusteropt_cli.recipe.load import format_validation_error
 
     p = Path(path)
+    hint = "Pass the --json output of copt profile (or a guidellm / vllm bench serve report)."
+    check_regular_file(p, "--from-profile", hint)
+    if p.stat().st_size > MAX_PROFILE_BYTES:
+        raise BadInputError(f"Profile {p} is {p.stat().st_size:,} bytes; a profile report is at most "
+                            f"{MAX_PROFILE_BYTES:,}.", hint=hint)
     try:
         data = json.loads(p.read_text())
     except OSError as exc:

@@ -97,6 +97,8 @@ def default_output(settings: QuantizeRecipe) -> Path:
 def _linear_in_features(config: dict) -> dict[str, int]:
     """Input widths of the Linear layers a Llama-style decoder quantizes (from config.json, no weights)."""
     text = config.get("text_config", config)
+    if not isinstance(text, dict):
+        return {}
     hidden = text.get("hidden_size")
     widths = {"hidden_size (q/k/v/gate/up_proj inputs)": hidden}
     if text.get("intermediate_size"):
@@ -125,9 +127,15 @@ def plan(settings: QuantizeRecipe, overwrite: bool = False, recipe: str | None =
         raise BadInputError(f"MODEL {model_dir} has no weights (*.safetensors).",
                             hint="Pass a directory that holds the model's weights.")
     check_loadable_model(model_dir, config, "MODEL")
-    if (config.get("quantization_config") or {}).get("quant_method"):
-        raise BadInputError(f"MODEL {model_dir} is already quantized "
-                            f"({config['quantization_config']['quant_method']}).",
+    quantization = config.get("quantization_config")
+    if quantization is not None and not isinstance(quantization, dict):
+        raise BadInputError(f"MODEL {model_dir}: config.json's quantization_config is a {type(quantization).__name__}, "
+                            "not an object.", hint="Restore config.json from the model's source.")
+    if isinstance(config.get("text_config"), (str, list, int, float)):
+        raise BadInputError(f"MODEL {model_dir}: config.json's text_config is not an object.",
+                            hint="Restore config.json from the model's source.")
+    if (quantization or {}).get("quant_method"):
+        raise BadInputError(f"MODEL {model_dir} is already quantized ({quantization['quant_method']}).",
                             hint="Quantize the full-precision checkpoint instead.")
 
     if settings.method in ("awq", "gptq", "rtn") and settings.group_size != -1:

@@ -14,10 +14,14 @@ if TYPE_CHECKING:
 
 
 def _check_model_dir(path: str, flag: str) -> None:
+    from clusteropt_cli.modelspec import check_model_files, read_config_json
+
     p = Path(path).expanduser()
     if not p.is_dir() or not (p / "config.json").is_file():
         raise BadInputError(f"{flag} '{path}' is not a local model directory (no config.json there).",
                             hint="Pass a Hugging Face model directory; copt never downloads weights.")
+    read_config_json(p / "config.json", flag)
+    check_model_files(p, flag)
 
 
 API_KEY_ENV = ("COPT_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key / api_key is not given

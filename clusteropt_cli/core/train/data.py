@@ -13,26 +13,27 @@ from clusteropt_cli.errors import BadInputError
 IGNORE_INDEX = -100
 
 
-def read_texts(path: str | Path, text_field: str = "text") -> list[str]:
-    """Documents of a .txt file (the whole file is one document) or a .jsonl file (one `text_field` per line)."""
+def read_texts(path: str | Path, text_field: str = "text", flag: str = "--data") -> list[str]:
+    """Documents of a .txt file (the whole file is one document) or a .jsonl file (one `text_field` per line);
+    errors name `flag`."""
     path = Path(path)
-    hint = f"Pass an existing .txt file or a .jsonl file with a '{text_field}' field to --data."
+    hint = f"Pass an existing .txt file or a .jsonl file with a '{text_field}' field to {flag}."
     if path.suffix == ".jsonl":
         texts = []
-        for number, row in jsonl_rows(path, "--data", hint):
+        for number, row in jsonl_rows(path, flag, hint):
             text = string_field(row, text_field)
             if text is None:
-                raise BadInputError(f"--data {path}:{number} has no string '{text_field}' field.", hint=hint)
+                raise BadInputError(f"{flag} {path}:{number} has no string '{text_field}' field.", hint=hint)
             texts.append(text)
         if not any(t.strip() for t in texts):
-            raise BadInputError(f"--data {path} holds no text (no non-empty '{text_field}' records).", hint=hint)
+            raise BadInputError(f"{flag} {path} holds no text (no non-empty '{text_field}' records).", hint=hint)
         return texts
     if path.suffix in (".txt", ".md", ".text", ""):
-        text = read_text_file(path, "--data", hint)
+        text = read_text_file(path, flag, hint)
         if not text.strip():
-            raise BadInputError(f"--data {path} is empty.", hint=hint)
+            raise BadInputError(f"{flag} {path} is empty.", hint=hint)
         return [text]
-    raise BadInputError(f"Data file {path} is neither .txt nor .jsonl.",
+    raise BadInputError(f"{flag} {path} is neither .txt nor .jsonl.",
                         hint="Convert it to .txt or .jsonl (text field).")
 
 
@@ -71,9 +72,10 @@ class PackedDataset:
         return int(self.blocks.numel())
 
 
-def build_text_dataset(path: str | Path, tokenizer: Any, seq_len: int, text_field: str = "text") -> PackedDataset:
+def build_text_dataset(path: str | Path, tokenizer: Any, seq_len: int, text_field: str = "text",
+                       flag: str = "--data") -> PackedDataset:
     """Read, tokenize (no special tokens, eos between documents) and pack a text file into seq_len blocks."""
-    texts = read_texts(path, text_field)
+    texts = read_texts(path, text_field, flag)
     encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
     return PackedDataset(pack_token_ids(encoded, seq_len, tokenizer.eos_token_id))
 

@@ -52,11 +52,11 @@ class LaunchPlan:
 
 def parse_hostfile(path: str | Path) -> list[dict[str, Any]]:
     """DeepSpeed/MPI hostfile lines `hostname slots=N` (comments and blank lines skipped)."""
-    path = Path(path)
-    if not path.is_file():
-        raise BadInputError(f"--hostfile {path} does not exist.", hint="write one 'hostname slots=N' line per node")
+    from clusteropt_cli.core.textfiles import read_text_file
+
     hosts = []
-    for number, raw in enumerate(path.read_text().splitlines(), 1):
+    text = read_text_file(path, "--hostfile", "write one 'hostname slots=N' line per node")
+    for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue

@@ -9,8 +9,24 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 Precision = Literal["bf16", "fp16", "fp8", "fp32"]
 
 
+# recipe keys that name files or directories: a leading ~ is the user's home, as in a shell (every command then reads
+# and writes the same path its checks looked at)
+PATH_KEYS = frozenset({"model", "data", "eval_data", "output", "teacher", "student", "prompts", "traces",
+                       "eval_traces", "calib", "eval", "draft_model", "tokenizer", "hostfile", "nvme_path"})
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_home(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        import os
+
+        return {k: os.path.expanduser(v) if k in PATH_KEYS and isinstance(v, str) and v.startswith("~") else v
+                for k, v in data.items()}
 
 
 class Prediction(Strict):
