@@ -105,7 +105,7 @@ def advise(
     max_num_seqs_alias: Annotated[int | None, typer.Option("--max-num-seqs", hidden=True, min=1)] = None,
     weights: Annotated[str | None, typer.Option("--weights", help="[infer] bf16 | fp8 | int8 | int4.",
                                                 show_default=False)] = None,
-    kv_cache: Annotated[str | None, typer.Option("--kv-cache-dtype", help="[infer] auto | bf16 | fp8 | int8 (as copt "
+    kv_cache: Annotated[str | None, typer.Option("--kv-cache-dtype", help="[infer] auto | bf16 | fp8 (as copt "
                                                  "serve spells it).", show_default=False)] = None,
     engine: Annotated[str | None, typer.Option("--engine", help="[infer] Serving engine the figures are for: "
                                                "transformers (copt serve's own, calibrated) | vllm (roofline).",
@@ -165,6 +165,10 @@ def advise(
                      "--virtual-stages": pp_virtual_stages,
                      "--batch": batch, "--prompt-len": prompt_len, "--gen-len": gen_len, "--gpus": gpus,
                      "--nodes": nodes})
+    if kv_cache == "int8":
+        raise BadInputError("--kv-cache-dtype int8: neither copt's engine nor vLLM serves an int8 KV cache (vLLM's "
+                            "8-bit cache is fp8), so no command advise prints could run it.",
+                            hint="Use --kv-cache-dtype fp8.")
     if zero is not None and zero not in (0, 1, 2, 3):
         raise BadInputError(f"--zero must be 0, 1, 2 or 3 (got {zero}).")
     bad_numbers = [f"{flag} must be a finite number (got {value})" for flag, value in (

@@ -90,7 +90,13 @@ def test_every_printed_command_runs(cli, fixtures, substitutions, tmp_path, monk
                         "--memory-budget", "0.05"]),
              ("train", ["--gpu", "cpu", "--memory-budget", "0.02", "--micro-batch", "4", "--seq-len", "128"]),
              ("infer", ["--gpu", "h200", "--batch", "4", "--prompt-len", "64", "--gen-len", "32"]),
-             ("infer", ["--gpu", "h200", "--gpus", "2", "--batch", "64", "--prompt-len", "64", "--gen-len", "32"])]
+             ("infer", ["--gpu", "h200", "--gpus", "2", "--batch", "64", "--prompt-len", "64", "--gen-len", "32"]),
+             # the user's own options that a recommendation's layout rules out (offload runs DeepSpeed's CPU AdamW,
+             # ZeRO-3 has no fused loss) are reset in its command; int8 weights are quantized with calibration
+             ("train", ["--gpu", "h200", "--micro-batch", "4", "--seq-len", "128", "--optimizer", "sgd"]),
+             ("train", ["--gpu", "h200", "--gpus", "8", "--micro-batch", "4", "--seq-len", "128",
+                        "--memory-budget", "0.05", "--optimizer", "adamw-8bit", "loss_impl=fused"]),
+             ("infer", ["--gpu", "h200", "--batch", "4", "--prompt-len", "64", "--gen-len", "32", "--weights", "int8"])]
     for task, args in cases:
         for symptom in (None, *SYMPTOMS):
             extra = ["--symptom", symptom] if symptom else []
@@ -190,3 +196,15 @@ def test_plans_beyond_one_gpu_print_vllm_commands_that_run(cli, fixtures, substi
             if i and argv[0] == "serve":
                 argv = [argv[0], model, *argv[2:]]  # quantize's dry run wrote no checkpoint
             _run_step(cli, argv, command)
+
+
+def test_no_plan_advise_cannot_print_and_no_negative_capacity(cli) -> None:
+    """An int8 KV cache is served by neither engine copt runs: refused up front. Weights beyond the GPU leave a KV
+    cache of nothing, not of a negative size."""
+    refused = cli("advise", "--model", "llama-3.2-1b", "--task", "infer", "--gpu", "h100-sxm", "--kv-cache-dtype",
+                  "int8")
+    assert refused.returncode == 2 and "fp8" in refused.stderr
+    result = _advise_json(cli, "--model", "gpt3-175b", "--task", "infer", "--gpu", "h100-sxm", "--gpus", "8",
+                          "--batch", "1")
+    assert result["time"]["max_concurrent_seqs"] == 0
+    assert result["kv_cache"]["capacity_tokens"] == 0 and "exceed" in result["kv_cache"]["budget"]

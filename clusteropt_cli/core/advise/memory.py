@@ -848,8 +848,9 @@ def _copt_capacity(spec: ModelSpec, plan: InferPlan, target: Target, seq_tokens:
         why = (f"--gpu-memory-utilization {plan.gpu_memory_utilization:g}: less the weights and "
                f"{reserve / cal.GiB:.1f} GiB kept for activations")
     elif device == "cuda":
-        capacity = int((free_at_start - weights) * DEFAULT_GPU_MEMORY_FRACTION // per_token)
-        why = f"{DEFAULT_GPU_MEMORY_FRACTION:.0%} of the memory free after loading"
+        capacity = max(0, int((free_at_start - weights) * DEFAULT_GPU_MEMORY_FRACTION // per_token))
+        why = (f"{DEFAULT_GPU_MEMORY_FRACTION:.0%} of the memory free after loading" if free_at_start > weights
+               else "none: the weights alone exceed the GPU's memory")
     else:
         capacity, why = cpu_kv_capacity(per_token, cache_len, max_seqs, max(0, int(mem - weights)))
         why = f"CPU: {why}"
@@ -862,7 +863,7 @@ def _copt_capacity(spec: ModelSpec, plan: InferPlan, target: Target, seq_tokens:
         hit = shared * bs / plan.prompt_len if shared else 0.0
         return ServingCapacity("copt", "paged", per_token, num_blocks * bs, bs, num_blocks, max_len, seq_tokens,
                                shared, hit, held, max_seqs, why)
-    slots = min(max_seqs, capacity // cache_len)
+    slots = max(0, min(max_seqs, capacity // cache_len))
     held = slots if seq_tokens <= max_len else 0
     return ServingCapacity("copt", "slots", per_token, slots * cache_len, bs, None, max_len, seq_tokens, 0, 0.0,
                            held, max_seqs, why)

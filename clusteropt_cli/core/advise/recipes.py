@@ -152,7 +152,7 @@ def serve_command(plan: InferPlan, model_arg: str, quantize_method: str | None =
     serve = " ".join(["copt", "serve", shlex.quote(recipe["model"]), *_flags("serve", recipe)])
     if recipe["model"] != model_arg:
         method = quantize_method or {"int4": "awq", "int8": "int8", "fp8": "fp8"}[plan.weights]
-        calib = f" --calib {CALIB_PLACEHOLDER}" if method in ("awq", "gptq") else ""
+        calib = f" --calib {CALIB_PLACEHOLDER}" if method in ("awq", "gptq", "int8") else ""  # quantize needs them
         return (f"copt quantize {shlex.quote(model_arg)} --method {method}{calib} --output "
                 f"{shlex.quote(recipe['model'])} && {serve}")
     return serve

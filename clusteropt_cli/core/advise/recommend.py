@@ -99,6 +99,20 @@ def _gpu_checks(ctx: Context, need_fp8: bool = False, need_multi: bool = False) 
 
 
 # ---- the catalog: one function per technique ------------------------------------------------------------------
+def _stackable(plan: TrainPlan) -> TrainPlan:
+    """A recommendation's plan with the user's other options its layout rules out reset, as copt train's schema
+    rules them out (else its printed command would be refused): offload runs DeepSpeed's CPU AdamW whatever the
+    optimizer; ZeRO takes no DDP gradient compression; ZeRO-3 has no fused loss (its gathered head)."""
+    changes: dict[str, Any] = {}
+    if plan.offload != "none" and plan.optimizer != "adamw":
+        changes["optimizer"] = "adamw"
+    if plan.zero > 0 and plan.gradient_compression != "none":
+        changes["gradient_compression"] = "none"
+    if plan.zero == 3 and plan.loss_impl == "fused":
+        changes["loss_impl"] = "auto"
+    return plan.with_(**changes) if changes else plan
+
+
 def _train_recs(ctx: Context) -> list[Recommendation]:
     p: TrainPlan = ctx.plan  # type: ignore[assignment]
     spec, target = ctx.spec, ctx.target
@@ -109,6 +123,7 @@ def _train_recs(ctx: Context) -> list[Recommendation]:
             flags: list[str], checks: list[dict[str, Any]] | None = None) -> None:
         if new is None or new == p:
             return
+        new = _stackable(new)
         recs.append(Recommendation(rid, title, why, gain, source, cost, checks or [], plan=new, flags=flags))
 
     if not p.activation_checkpointing:
