@@ -76,7 +76,10 @@ def substitutions(fixtures, tmp_path_factory):
     prompts = tmp / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
     (tmp / "nvme").mkdir()
-    return {recipes.DATA_PLACEHOLDER: str(fixtures.train_text), recipes.TOKENIZER_PLACEHOLDER: str(fixtures.tokenizer),
+    hostfile = tmp / "hosts"
+    hostfile.write_text("node1 slots=8\nnode2 slots=8\n")
+    return {recipes.HOSTFILE_PLACEHOLDER: str(hostfile),
+            recipes.DATA_PLACEHOLDER: str(fixtures.train_text), recipes.TOKENIZER_PLACEHOLDER: str(fixtures.tokenizer),
             recipes.PROMPTS_PLACEHOLDER: str(prompts), recipes.STUDENT_PLACEHOLDER: str(fixtures.student),
             recipes.CALIB_PLACEHOLDER: str(fixtures.train_text), recipes.NVME_PLACEHOLDER: str(tmp / "nvme")}
 
@@ -96,7 +99,9 @@ def test_every_printed_command_runs(cli, fixtures, substitutions, tmp_path, monk
              ("train", ["--gpu", "h200", "--micro-batch", "4", "--seq-len", "128", "--optimizer", "sgd"]),
              ("train", ["--gpu", "h200", "--gpus", "8", "--micro-batch", "4", "--seq-len", "128",
                         "--memory-budget", "0.05", "--optimizer", "adamw-8bit", "loss_impl=fused"]),
-             ("infer", ["--gpu", "h200", "--batch", "4", "--prompt-len", "64", "--gen-len", "32", "--weights", "int8"])]
+             ("infer", ["--gpu", "h200", "--batch", "4", "--prompt-len", "64", "--gen-len", "32", "--weights", "int8"]),
+             # two nodes: the hosts come from a hostfile advise cannot know (HOSTFILE)
+             ("train", ["--gpu", "h200", "--gpus", "8", "--nodes", "2", "--micro-batch", "4", "--seq-len", "128"])]
     for task, args in cases:
         for symptom in (None, *SYMPTOMS):
             extra = ["--symptom", symptom] if symptom else []

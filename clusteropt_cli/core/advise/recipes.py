@@ -22,8 +22,9 @@ PROMPTS_PLACEHOLDER = "PROMPTS.jsonl"
 STUDENT_PLACEHOLDER = "STUDENT"
 CALIB_PLACEHOLDER = "CALIB.txt"
 NVME_PLACEHOLDER = "NVME_DIR"
+HOSTFILE_PLACEHOLDER = "HOSTFILE"  # a multi-node run's hosts, one 'hostname slots=N' line each
 PLACEHOLDERS = (DATA_PLACEHOLDER, TOKENIZER_PLACEHOLDER, PROMPTS_PLACEHOLDER, STUDENT_PLACEHOLDER, CALIB_PLACEHOLDER,
-                NVME_PLACEHOLDER)
+                NVME_PLACEHOLDER, HOSTFILE_PLACEHOLDER)
 
 QUANTIZE_METHODS = {"awq": "awq", "gptq": "gptq", "fp8-w8a8": "fp8"}
 # recipe keys without a flag of their own: passed as `key=value` overrides
@@ -53,6 +54,8 @@ def train_recipe_data(plan: TrainPlan, model_arg: str, gpus: int = 1, nodes: int
         out["loss_chunk_tokens"] = plan.loss_chunk_tokens
     if plan.offload == "nvme":
         out["nvme_path"] = nvme_path
+    if nodes > 1:  # copt train launches a multi-node run from a hostfile (or --master-addr on every node)
+        out["hostfile"] = HOSTFILE_PLACEHOLDER
     if plan.pp > 1:
         out["pipeline_micro_batches"] = plan.pp_micro_batches or plan.grad_accum
         if plan.pp_virtual_stages > 1:
