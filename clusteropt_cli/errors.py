@@ -133,9 +133,10 @@ def _from_os_error(exc: OSError) -> CoptError | None:
     if isinstance(exc, (IsADirectoryError, NotADirectoryError)) and exc.filename:
         kind = "a directory" if isinstance(exc, IsADirectoryError) else "not a directory"
         return BadInputError(f"{exc.filename} is {kind}.", hint="Check the paths given to copt.")
+    mapped = _model_files_mismatch(exc)
+    if mapped is not None:
+        return mapped
     text = str(exc)
-    if any(marker in text for marker in _MODEL_FILE_ERRORS):
-        return _model_files_mismatch(exc)
     if "is not a local folder" in text or "does not appear to have a file named" in text or (
         "Can't load" in text and "config" in text
     ):
@@ -173,10 +174,6 @@ def _model_files_mismatch(exc: BaseException) -> CoptError | None:
     return None
 
 
-def _from_value_error(exc: ValueError) -> CoptError | None:
-    return _model_files_mismatch(exc)
-
-
 def _torch_oom(exc: BaseException) -> CoptError | None:
     return OutOfMemoryError(
         f"The device ran out of memory: {str(exc).splitlines()[0] if str(exc) else 'CUDA OOM'}",
@@ -193,7 +190,7 @@ _BY_TYPE: list[tuple[type[BaseException], Callable]] = [
     (ImportError, _from_import_error),
     (OSError, _from_os_error),
     (RuntimeError, _from_runtime_error),
-    (ValueError, _from_value_error),
+    (ValueError, _model_files_mismatch),
 ]
 
 

@@ -14,19 +14,21 @@ class LoadedModel:
     config: dict[str, Any]
 
 
-def check_model_source(source: str) -> None:
-    """Fail fast (before importing torch) when MODEL cannot be resolved (copt train's resolver)."""
+def check_model_source(source: str) -> Any:
+    """Fail fast (before importing torch) when MODEL cannot be resolved (copt train's resolver); the resolved source,
+    for load_model."""
     from clusteropt_cli.core.train.model import resolve_model_source
 
-    resolve_model_source(source)
+    return resolve_model_source(source)
 
 
-def load_model(source: str, device: str, dtype: Any, attn: str = "sdpa", seed: int = 0) -> LoadedModel:
-    """The causal LM on `device` in `dtype`: trained weights when the directory has them, else random init."""
+def load_model(source: str, device: str, dtype: Any, attn: str = "sdpa", seed: int = 0,
+               resolved: Any = None) -> LoadedModel:
+    """The causal LM on `device` in `dtype`: trained weights when the directory has them, else random init
+    (`resolved`: check_model_source's result, so the model's files are checked once)."""
     from clusteropt_cli.core.train.model import load_model as build_model
-    from clusteropt_cli.core.train.model import resolve_model_source
 
-    resolved = resolve_model_source(source)
+    resolved = resolved if resolved is not None else check_model_source(source)
     model = build_model(resolved, seed, dtype=dtype, device=device, attn=attn)
     return LoadedModel(model=model, source=source, random_weights=resolved.kind != "pretrained",
                        config=resolved.config)

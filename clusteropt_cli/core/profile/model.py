@@ -102,7 +102,7 @@ def profile_model(s: ModelProfileSettings, log: Log | None = None) -> ProfileRep
     """Measure the model as `s` says and return the versioned ProfileReport (trace written when asked)."""
     log = log or (lambda _msg: None)
     s.validate()
-    check_model_source(s.model)
+    resolved = check_model_source(s.model)
     import torch
 
     device = resolve_device(s.device)
@@ -115,7 +115,7 @@ def profile_model(s: ModelProfileSettings, log: Log | None = None) -> ProfileRep
     if device == "cpu" and precision == "fp16" and s.mode == "infer":
         log("fp16 matmuls on CPU are slow; bf16 or fp32 are the usual CPU dtypes")
     log(f"loading {s.model} on {device} ({weights_dtype} weights)")
-    loaded = load_model(s.model, device, dtype_of(weights_dtype), attn=s.attn, seed=s.seed)
+    loaded = load_model(s.model, device, dtype_of(weights_dtype), attn=s.attn, seed=s.seed, resolved=resolved)
     model = loaded.model
     max_pos = getattr(model.config, "max_position_embeddings", None)
     needed = s.seq_len if s.mode == "train" else s.prompt_len + s.gen_len

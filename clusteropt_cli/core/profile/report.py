@@ -124,9 +124,10 @@ def load_profile(path: str) -> ProfileReport:
     p = Path(path)
     hint = "Pass the --json output of copt profile (or a guidellm / vllm bench serve report)."
     check_regular_file(p, "--from-profile", hint)
-    if p.stat().st_size > MAX_PROFILE_BYTES:
-        raise BadInputError(f"Profile {p} is {p.stat().st_size:,} bytes; a profile report is at most "
-                            f"{MAX_PROFILE_BYTES:,}.", hint=hint)
+    size = p.stat().st_size
+    if size > MAX_PROFILE_BYTES:
+        raise BadInputError(f"Profile {p} is {size:,} bytes; a profile report is at most {MAX_PROFILE_BYTES:,}.",
+                            hint=hint)
     try:
         data = json.loads(p.read_text())
     except OSError as exc:

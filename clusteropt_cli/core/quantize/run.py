@@ -96,9 +96,7 @@ def default_output(settings: QuantizeRecipe) -> Path:
 
 def _linear_in_features(config: dict) -> dict[str, int]:
     """Input widths of the Linear layers a Llama-style decoder quantizes (from config.json, no weights)."""
-    text = config.get("text_config", config)
-    if not isinstance(text, dict):
-        return {}
+    text = config.get("text_config") or config
     hidden = text.get("hidden_size")
     widths = {"hidden_size (q/k/v/gate/up_proj inputs)": hidden}
     if text.get("intermediate_size"):
@@ -131,7 +129,7 @@ def plan(settings: QuantizeRecipe, overwrite: bool = False, recipe: str | None =
     if quantization is not None and not isinstance(quantization, dict):
         raise BadInputError(f"MODEL {model_dir}: config.json's quantization_config is a {type(quantization).__name__}, "
                             "not an object.", hint="Restore config.json from the model's source.")
-    if isinstance(config.get("text_config"), (str, list, int, float)):
+    if config.get("text_config") is not None and not isinstance(config["text_config"], dict):
         raise BadInputError(f"MODEL {model_dir}: config.json's text_config is not an object.",
                             hint="Restore config.json from the model's source.")
     if (quantization or {}).get("quant_method"):
