@@ -19,7 +19,8 @@ SYMPTOM_HELP = "oom | high-ttft | low-throughput | slow-tpot | comm-bound | low-
 def advise(
     model: Annotated[str | None, typer.Option("--model", "-m", help="Preset name, model directory or config.json.",
                                               show_default=False)] = None,
-    task: Annotated[str, typer.Option("--task", help="train | infer")] = "train",
+    task: Annotated[str | None, typer.Option("--task", help="train | infer (default: infer for --symptom high-ttft "
+                                                            "or slow-tpot, else train).", show_default=False)] = None,
     gpu: Annotated[str | None, typer.Option("--gpu", help="Catalog GPU (e.g. h100-sxm, a100-80g, h200) or 'cpu'; "
                                                           "default: the detected GPU.", show_default=False)] = None,
     gpus: Annotated[int | None, typer.Option("--gpus", help="GPUs per node.", show_default=False)] = None,
@@ -131,7 +132,7 @@ def advise(
 ) -> None:
     """Predict per-GPU memory (with a breakdown) and time of a plan, and rank the fixes for its symptoms."""
     from clusteropt_cli.core.advise import api
-    from clusteropt_cli.core.profile.report import SYMPTOMS
+    from clusteropt_cli.core.profile.report import SYMPTOM_TASK, SYMPTOMS
     from clusteropt_cli.modelspec import list_presets as presets
     from clusteropt_cli.modelspec import load_model_spec
 
@@ -146,13 +147,14 @@ def advise(
     if list_presets or list_gpus:
         _print_lists(list_presets, list_gpus, json_out, presets())
         return
-    task = task.lower()
-    if task not in ("train", "infer"):
-        raise BadInputError(f"--task must be train or infer (got '{task}').")
     symptoms = [s.lower() for s in (symptom or [])]
     bad = [s for s in symptoms if s not in SYMPTOMS]
     if bad:
         raise BadInputError(f"Unknown --symptom {', '.join(bad)}.", hint=f"Choose from: {', '.join(SYMPTOMS)}")
+    task_given = task is not None
+    task = task.lower() if task is not None else _task_of(symptoms)
+    if task not in ("train", "infer"):
+        raise BadInputError(f"--task must be train or infer (got '{task}').")
     _check_choices(precision=("--precision", precision, _schema_choices("train", "precision")),
                    optimizer=("--optimizer", optimizer, _schema_choices("train", "optimizer")),
                    offload=("--offload", offload, _schema_choices("train", "offload")),
@@ -206,7 +208,8 @@ def advise(
                  "top_p": top_p, "top_k": top_k, "host_loop_ms": host_loop_ms}
         task, filled, profile_symptoms, measured = api.defaults_from_profile(report, task, given)
         closed_loop = api.measured_closed_loop(report)
-        symptoms = list(dict.fromkeys(symptoms + profile_symptoms))
+        # the profile's own symptoms for the task advised (a user's --symptom is checked below)
+        symptoms = list(dict.fromkeys(symptoms + [s for s in profile_symptoms if SYMPTOM_TASK.get(s, task) == task]))
         model, micro_batch, seq_len, precision = filled["model"], filled["micro_batch"], filled["seq_len"], \
             filled["precision"]
         grad_accum, activation_checkpointing = filled["grad_accum"], filled["activation_checkpointing"]
@@ -216,6 +219,7 @@ def advise(
         top_p, top_k, host_loop_ms = filled.get("top_p"), filled.get("top_k"), filled.get("host_loop_ms")
         if filled["loss_impl"] and not any(o.startswith("loss_impl=") for o in overrides or []):
             overrides = [*(overrides or []), f"loss_impl={filled['loss_impl']}"]
+    _check_symptom_tasks(symptoms, task, task_given or from_profile is not None)
     if rate is not None and task != "infer":  # after --from-profile, which makes an endpoint's profile infer
         raise BadInputError("--rate needs --task infer.", hint="It is the request rate of a serving load.")
     if host_loop_ms is not None and task != "infer":
@@ -242,7 +246,7 @@ def advise(
 
     written = []
     if emit_recipe is not None:
-        written.append(str(api.emit_recipe(result, model_arg, emit_recipe, overwrite)))
+        written.append(str(api.emit_recipe(result, model_arg, emit_recipe, overwrite, spec)))
     if emit_ds_config is not None:
         written.append(str(api.emit_ds_config(result, emit_ds_config, overwrite)))
     result["written"] = written
@@ -254,6 +258,29 @@ def advise(
         console.log(f"wrote {path}")
     if fail_if_oom:
         api.check_fits(result)
+
+
+def _task_of(symptoms: list[str]) -> str:
+    """The task --symptom implies when --task is not given: infer for a serving symptom, else train."""
+    from clusteropt_cli.core.profile.report import SYMPTOM_TASK
+
+    return "infer" if any(SYMPTOM_TASK.get(s) == "infer" for s in symptoms) else "train"
+
+
+def _check_symptom_tasks(symptoms: list[str], task: str, task_given: bool) -> None:
+    """Every --symptom belongs to the task advised (a serving symptom ranks no training technique, and the reverse)."""
+    from clusteropt_cli.core.profile.report import SYMPTOM_TASK
+
+    wrong = [s for s in symptoms if SYMPTOM_TASK.get(s, task) != task]
+    if not wrong:
+        return
+    kinds = {"infer": "serving", "train": "training"}
+    named = ", ".join(f"{s} ({kinds[SYMPTOM_TASK[s]]})" for s in wrong)
+    if task_given:
+        raise BadInputError(f"--symptom {named} does not apply to a {kinds[task]} plan (--task {task}).",
+                            hint=f"Pass --task {SYMPTOM_TASK[wrong[0]]}, or drop the symptom.")
+    raise BadInputError(f"--symptom {named} mixes serving and training symptoms.",
+                        hint="Pass the symptoms of one task, with --task train or --task infer.")
 
 
 def _alias(value: Any, old: Any, flag: str, old_flag: str) -> Any:

@@ -14,7 +14,7 @@ import typer
 
 from clusteropt_cli.app import app, main
 from clusteropt_cli.core.advise import recipes
-from clusteropt_cli.core.profile.report import SYMPTOMS
+from clusteropt_cli.core.profile.report import SYMPTOM_TASK, SYMPTOMS
 
 
 @pytest.fixture
@@ -101,9 +101,20 @@ def test_every_printed_command_runs(cli, fixtures, substitutions, tmp_path, monk
                         "--memory-budget", "0.05", "--optimizer", "adamw-8bit", "loss_impl=fused"]),
              ("infer", ["--gpu", "h200", "--batch", "4", "--prompt-len", "64", "--gen-len", "32", "--weights", "int8"]),
              # two nodes: the hosts come from a hostfile advise cannot know (HOSTFILE)
-             ("train", ["--gpu", "h200", "--gpus", "8", "--nodes", "2", "--micro-batch", "4", "--seq-len", "128"])]
+             ("train", ["--gpu", "h200", "--gpus", "8", "--nodes", "2", "--micro-batch", "4", "--seq-len", "128"]),
+             # a pipeline copt train runs (one stage per GPU): what is stacked on it runs too (ZeRO replaces the
+             # stages; no fp8 or gradient compression on the pipeline)
+             ("train", ["--gpu", "h200", "--gpus", "2", "--pipeline-stages", "2", "--micro-batch", "4",
+                        "--grad-accum", "2", "--seq-len", "128"]),
+             # a layout copt train does not run (stages × data parallelism): re-planned by advise, never printed
+             # as a copt train command that fails
+             ("train", ["--gpu", "h200", "--gpus", "8", "--pipeline-stages", "2", "--micro-batch", "4",
+                        "--seq-len", "128"]),
+             # the user's tensor parallelism: the pipeline recommendation takes the GPUs it leaves
+             ("train", ["--gpu", "h200", "--gpus", "2", "--tensor-parallel", "2", "--micro-batch", "4",
+                        "--seq-len", "128"])]
     for task, args in cases:
-        for symptom in (None, *SYMPTOMS):
+        for symptom in (None, *(s for s in SYMPTOMS if SYMPTOM_TASK.get(s, task) == task)):
             extra = ["--symptom", symptom] if symptom else []
             result = _advise_json(cli, "--model", model, "--task", task, "--data", str(fixtures.train_text),
                                   *args, *extra)
@@ -111,6 +122,34 @@ def test_every_printed_command_runs(cli, fixtures, substitutions, tmp_path, monk
                 assert model in command, f"the command does not name the user's model: {command}"
                 seen.add(command)
     assert len(seen) >= 15
+    _run_all(cli, seen, substitutions, model)
+
+
+def test_commands_for_a_preset_or_a_config_json_run(cli, fixtures, substitutions, tmp_path, monkeypatch) -> None:
+    """copt serve, quantize and distill take a model directory: for a preset (or a config.json without weights
+    beside it) advise prints MODEL_DIR, for a config.json inside a model directory that directory."""
+    monkeypatch.chdir(tmp_path)
+    seen: set[str] = set()
+    bare = tmp_path / "shape" / "config.json"
+    bare.parent.mkdir()
+    bare.write_text((fixtures.teacher / "config.json").read_text())
+    for model, named in (("llama-3.2-1b", recipes.MODEL_DIR_PLACEHOLDER), (str(bare), recipes.MODEL_DIR_PLACEHOLDER),
+                         (str(fixtures.teacher / "config.json"), str(fixtures.teacher))):
+        for symptom in ("slow-tpot", "low-throughput", "high-ttft", "oom"):
+            result = _advise_json(cli, "--model", model, "--task", "infer", "--gpu", "h200", "--batch", "4",
+                                  "--prompt-len", "64", "--gen-len", "32", "--symptom", symptom)
+            for command in _commands(result):
+                served = [w for step in _steps(command, {}) if step[0] in ("serve", "quantize") for w in step[1:2]]
+                assert all(w == named or w.endswith(("-awq", "-gptq", "-fp8", "-int8")) for w in served), command
+                if "copt serve" in command or "copt quantize" in command:
+                    assert named in command, command
+                seen.add(command)
+    substitutions = {**substitutions, recipes.MODEL_DIR_PLACEHOLDER: str(fixtures.teacher)}
+    _run_all(cli, seen, substitutions, str(fixtures.teacher))
+
+
+def _run_all(cli, commands: set[str], substitutions: dict[str, str], model: str) -> None:
+    seen = commands
     for command in sorted(seen):
         steps = _steps(command, substitutions)
         for i, argv in enumerate(steps):
@@ -213,3 +252,130 @@ def test_no_plan_advise_cannot_print_and_no_negative_capacity(cli) -> None:
                           "--batch", "1")
     assert result["time"]["max_concurrent_seqs"] == 0
     assert result["kv_cache"]["capacity_tokens"] == 0 and "exceed" in result["kv_cache"]["budget"]
+
+
+def test_layouts_copt_train_does_not_run_are_never_printed_as_train_commands(cli) -> None:
+    """A user's pipeline over 8 GPUs with 2 stages (data parallelism across stages) or in fp16 is a layout copt
+    train refuses: its figures stand, its commands re-plan it with advise (naming why), no recipe is written. On a
+    pipeline copt train runs, ZeRO replaces the stages and nothing train refuses (fp8, DDP compression) is stacked."""
+    base = ("--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--micro-batch", "2", "--seq-len", "4096")
+    megatron = _advise_json(cli, *base, "--gpus", "8", "--pipeline-stages", "2", "--symptom", "oom")
+    assert megatron["top_plan"]["command"] is None
+    assert any("copt train cannot run this layout (pipeline_stages: 2 stages need gpus × nodes = 2" in n
+               for n in megatron["notes"])
+    for rec in megatron["recommendations"]:
+        assert rec["command"].startswith("copt advise ") and "copt train cannot run this layout" in rec["command"], rec
+    runs = _advise_json(cli, *base, "--gpus", "2", "--pipeline-stages", "2", "--grad-accum", "4",
+                        "--symptom", "oom", "--symptom", "low-mfu")
+    assert runs["top_plan"]["command"].startswith("copt train ")
+    ids = {rec["id"]: rec for rec in runs["recommendations"]}
+    assert "fp8" not in ids and "gradient-compression" not in ids
+    for rid in ("zero-1", "zero-2", "cpu-offload"):
+        if rid in ids:
+            assert "--pipeline-stages" not in ids[rid]["command"] and "--zero" in ids[rid]["command"], ids[rid]
+    for rec in runs["recommendations"]:
+        assert rec["command"].startswith(("copt train ", "PYTORCH_CUDA_ALLOC_CONF")) or rec["id"] == "tensor-parallel"
+
+
+def test_what_no_trainer_or_server_runs_is_refused(cli) -> None:
+    """Beyond the model's positions (copt train and copt serve refuse it; advise allowed 4× before), gradient
+    compression on one GPU, several GPUs on `--gpu cpu`: exit 2 naming the flag."""
+    cases = [(["--model", "llama-3.2-1b", "--gpu", "h200", "--seq-len", "262144"], "max_position_embeddings"),
+             (["--model", "llama-3.2-1b", "--gpu", "h200", "gradient_compression=powersgd"], "gradient_compression"),
+             (["--model", "llama-3.2-1b", "--gpu", "h200", "--task", "infer", "--prompt-len", "131072",
+               "--gen-len", "64"], "max_position_embeddings"),
+             # a CPU plan is one process: --gpus was dropped silently and the error named "the 1 GPUs"
+             (["--model", "llama-3.2-1b", "--gpu", "cpu", "--gpus", "2", "--pipeline-stages", "2"], "--gpu cpu")]
+    for args, named in cases:
+        proc = cli("advise", *args)
+        assert proc.returncode == 2 and named in proc.stderr, (args, proc.stderr)
+
+
+def test_symptoms_pick_or_check_the_task(cli) -> None:
+    """A serving symptom without --task advises serving; with --task train it is refused (it ranked tensor
+    parallelism first, whose recipe copt train refused); mixed serving and training symptoms are refused."""
+    served = _advise_json(cli, "--model", "llama-3.2-1b", "--gpu", "h200", "--symptom", "slow-tpot")
+    assert served["task"] == "infer" and served["recommendations"]
+    assert _advise_json(cli, "--model", "llama-3.2-1b", "--gpu", "h200", "--symptom", "oom")["task"] == "train"
+    wrong = cli("advise", "--model", "llama-3.2-1b", "--gpu", "h200", "--task", "train", "--symptom", "slow-tpot")
+    assert wrong.returncode == 2 and "--task infer" in wrong.stderr
+    mixed = cli("advise", "--model", "llama-3.2-1b", "--gpu", "h200", "--symptom", "slow-tpot", "--symptom", "low-mfu")
+    assert mixed.returncode == 2 and "mixes" in mixed.stderr
+
+
+def test_an_emitted_train_recipe_runs_as_its_header_says(cli, fixtures, tmp_path, monkeypatch) -> None:
+    """`copt advise --emit-recipe plan.yaml` for a preset: the recipe names its output and the placeholders for
+    what advise cannot know (listed in the header); `copt train --recipe plan.yaml --data D --tokenizer T` runs."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    proc = cli("advise", "--model", "llama-3.2-1b", "--gpu", "h200", "--micro-batch", "2", "--seq-len", "128",
+               "--emit-recipe", "plan.yaml")
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "plan.yaml").read_text()
+    header = text.splitlines()[:3]
+    assert header[0] == "# copt train --recipe plan.yaml"
+    assert "DATA.txt (--data)" in header[2] and "TOKENIZER_DIR (--tokenizer)" in header[2]
+    data = yaml.safe_load(text)
+    assert data["output"] == "runs/plan" and data["data"] == recipes.DATA_PLACEHOLDER
+    run = cli("train", "--recipe", "plan.yaml", "--data", str(fixtures.train_text), "--tokenizer",
+              str(fixtures.tokenizer), "--dry-run")
+    assert run.returncode == 0, run.stderr
+    serve = cli("advise", "--model", "llama-3.2-1b", "--gpu", "h200", "--task", "infer", "--emit-recipe", "s.yaml")
+    assert serve.returncode == 0, serve.stderr
+    served = yaml.safe_load((tmp_path / "s.yaml").read_text())
+    assert served["model"] == recipes.MODEL_DIR_PLACEHOLDER and served["served_model_name"] == "llama-3.2-1b"
+    run = cli("serve", "--recipe", "s.yaml", str(fixtures.teacher), "--dry-run")
+    assert run.returncode == 0, run.stderr
+    pipeline = cli("advise", "--model", "llama-3.1-8b", "--gpu", "h200", "--gpus", "8", "--pipeline-stages", "2",
+                   "--emit-recipe", "pp.yaml")
+    assert pipeline.returncode == 2 and "pipeline_stages" in pipeline.stderr and not (tmp_path / "pp.yaml").exists()
+
+
+def test_a_pipeline_over_every_gpu_is_priced_as_copt_train_splits_it(cli, tmp_path, monkeypatch) -> None:
+    """`--gpus 4 --pipeline-stages 4 --micro-batch 4` is what copt train runs with its default micro-batches (one
+    per sequence): advise prices that split and prints copt train, where it had pinned one micro-batch per step
+    (fewer than the stages, so copt train refused its recipe)."""
+    monkeypatch.chdir(tmp_path)
+    args = ("--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--gpus", "4", "--pipeline-stages", "4",
+            "--micro-batch", "4", "--seq-len", "1024")
+    result = _advise_json(cli, *args)
+    assert result["top_plan"]["command"].startswith("copt train ")
+    assert "--pipeline-micro-batches" not in result["top_plan"]["command"]
+    assert any("stage 0 holds 4 micro-batches" in n for n in result["notes"])
+    assert cli("advise", *args, "--emit-recipe", "pp.yaml").returncode == 0
+
+
+def test_the_top_plan_is_one_copt_train_runs(cli, tmp_path, monkeypatch) -> None:
+    """comm-bound on ZeRO-3 with offload ranked tensor parallelism first: the top plan (and its recipe) is the
+    best one copt train runs; tensor parallelism stays a ranked recommendation with its advise command."""
+    monkeypatch.chdir(tmp_path)
+    args = ("--model", "llama-3.1-8b", "--task", "train", "--gpu", "h100-sxm", "--gpus", "2", "--symptom",
+            "comm-bound", "--zero", "3", "--offload", "cpu")
+    result = _advise_json(cli, *args)
+    assert "tensor-parallel" not in result["top_plan"]["applies"]
+    assert result["top_plan"]["command"] is None or result["top_plan"]["command"].startswith("copt train ")
+    proc = cli("advise", *args, "--emit-recipe", "plan.yaml")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_an_emitted_quantized_serve_recipe_names_its_quantize_step(cli, fixtures, substitutions, tmp_path,
+                                                                   monkeypatch) -> None:
+    """A serve recipe for int8/fp8 weights serves a checkpoint copt quantize writes: the header chains that step
+    (its placeholders listed), and the step and the recipe run as the header says."""
+    monkeypatch.chdir(tmp_path)
+    for model, weights in ((str(fixtures.teacher), "int8"), ("llama-3.2-1b", "fp8")):
+        name = f"{weights}.yaml"
+        proc = cli("advise", "--model", model, "--task", "infer", "--gpu", "h100-sxm", "--weights", weights,
+                   "--emit-recipe", name)
+        assert proc.returncode == 0, proc.stderr
+        lines = (tmp_path / name).read_text().splitlines()
+        assert lines[0].startswith("# copt quantize ") and lines[0].endswith(f"&& copt serve --recipe {name}")
+        steps = _steps(lines[0][2:], {**substitutions, recipes.MODEL_DIR_PLACEHOLDER: str(fixtures.teacher)})
+        if model == "llama-3.2-1b":
+            assert recipes.MODEL_DIR_PLACEHOLDER in lines[2]
+        _run_step(cli, steps[0], lines[0])
+        output = steps[0][steps[0].index("--output") + 1]
+        # quantize's dry run writes nothing: the recipe's serve dry run takes the original in its place
+        assert f"model: {output}" in lines
+        _run_step(cli, [*steps[1], str(fixtures.teacher)], lines[0])

@@ -136,3 +136,23 @@ def test_sft_lowers_the_students_loss_on_held_out_traces(fixtures, teacher_trace
     metrics = read_jsonl(tmp_path / "student" / "metrics.jsonl")
     assert len(metrics) == 16 and metrics[-1]["loss"] < metrics[0]["loss"]
     assert (tmp_path / "student" / "model.safetensors").exists()
+
+
+def test_a_prompt_beyond_the_teachers_context_is_refused_before_tokenizing(fixtures, monkeypatch):
+    """A prompt that cannot fit the context (at least chars / longest vocabulary entry tokens) exits 2 without
+    being tokenized (a 200 MB prompt took 8.5 GB to tokenize before the context check)."""
+    from clusteropt_cli.core.distill.generate import SamplingSettings, TeacherGenerator
+    from clusteropt_cli.errors import BadInputError
+
+    generator = TeacherGenerator(fixtures.teacher, device="cpu")
+    longest = max(len(t) for t in generator.tokenizer.get_vocab())
+    context = json.loads((fixtures.teacher / "config.json").read_text())["max_position_embeddings"]
+    prompt = "x" * (longest * context + 1)
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("tokenized a prompt that cannot fit")
+
+    monkeypatch.setattr(type(generator.tokenizer), "__call__", never)
+    with pytest.raises(BadInputError, match="at least") as info:
+        generator([prompt], SamplingSettings(max_new_tokens=8))
+    assert info.value.exit_code == 2

@@ -61,7 +61,7 @@ def test_70b_on_4xh200_routes_awq_to_vllm_and_tensor_parallelism_to_vllm() -> No
         assert rec["predicted"]["peak_mem_bytes"] < 45 * GiB  # packed int4 on vLLM's kernels
         assert "dequantizes" in rec["why"] and "vLLM" in rec["why"]
     tp = _rec(result, "tensor-parallel")
-    assert tp["command"] == "copt serve llama-3.1-70b --tensor-parallel 4 --engine vllm"
+    assert tp["command"] == "copt serve MODEL_DIR --tensor-parallel 4 --engine vllm"
     # the top plan is a vLLM plan (tensor parallelism or 4-bit on Marlin), never the dequantized 4-bit on copt
     assert "--engine vllm" in result["top_plan"]["command"]
     # by the memory model the bf16 weights (141.1 GB) fit one H200 (150.8 GB): copt-engine commands that stay are
@@ -124,7 +124,7 @@ def test_8b_awq_on_one_h200_is_served_by_vllm_on_one_gpu() -> None:
     result = _infer("llama-3.1-8b", "h200", 1, ["slow-tpot"])
     _assert_engines_honest(result)
     rec = _rec(result, "awq")
-    assert rec["command"] == ("copt quantize llama-3.1-8b --method awq --calib CALIB.txt --output llama-3.1-8b-awq"
+    assert rec["command"] == ("copt quantize MODEL_DIR --method awq --calib CALIB.txt --output llama-3.1-8b-awq"
                               " && copt serve llama-3.1-8b-awq --engine vllm")
     assert rec["predicted"]["peak_mem_bytes"] < 8 * GiB
     assert rec["predicted"]["tpot_s"] < result["time"]["tpot_s"]
@@ -149,7 +149,7 @@ def test_tensor_parallel_plan_is_priced_and_printed_for_vllm() -> None:
     assert result["workload"]["engine"] == "vllm"
     assert any("--tensor-parallel 2 is served by vLLM" in n for n in result["notes"])
     assert result["assumptions"]["engine"] == "vllm"
-    assert result["top_plan"]["command"] == "copt serve llama-3.1-8b --tensor-parallel 2 --engine vllm"
+    assert result["top_plan"]["command"] == "copt serve MODEL_DIR --tensor-parallel 2 --engine vllm"
     _assert_engines_honest(_infer("llama-3.1-8b", "h200", 2, ["slow-tpot"], tp=2))
 
 

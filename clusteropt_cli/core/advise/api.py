@@ -20,7 +20,7 @@ from clusteropt_cli.core.advise.memory import (
     train_memory,
 )
 from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan, validate_infer, validate_train
-from clusteropt_cli.core.advise.recipes import command_for, serve_recipe_data, train_recipe_data
+from clusteropt_cli.core.advise.recipes import command_for, copt_train_problems, serve_recipe_data, train_recipe_data
 from clusteropt_cli.core.advise.recommend import Context, Recommendation, recommend, weights_exceed_gpu
 from clusteropt_cli.core.advise.timing import infer_time, train_time
 from clusteropt_cli.core.profile.stats import positive_number
@@ -76,6 +76,13 @@ def resolve_target(gpu: str | None, gpus: int | None = None, nodes: int | None =
 
             budget = int(psutil.virtual_memory().total)
             notes.append(f"CPU budget = host RAM {budget / GiB:.1f} GiB (set --memory-budget to change it)")
+        if (gpus or 1) > 1 or (nodes or 1) > 1:
+            if gpu is not None:
+                raise BadInputError(f"--gpu cpu models one process on this machine's CPU; --gpus {gpus or 1} "
+                                    f"--nodes {nodes or 1} do not apply.",
+                                    hint="Drop --gpus/--nodes, or pass --gpu NAME to plan for GPUs.")
+            notes.append(f"--gpus {gpus or 1} --nodes {nodes or 1} ignored: no GPU detected, so the plan is one "
+                         "CPU process (pass --gpu NAME to plan for GPUs)")
         gpus, nodes = 1, 1
     usd = gpu_hour_usd
     if usd is None and spec is not None:
@@ -294,21 +301,17 @@ def _top_plan(ctx: Context, ranked: list[Recommendation], symptoms: list[str],
             applied.append(best[0].id)
             plan, current = best[1], best[2]
         return plan, applied
-    return ranked[0].plan, [ranked[0].id]
+    if ctx.train and not _copt_train_runs(ctx.plan, ctx):
+        return ranked[0].plan, [ranked[0].id]  # a layout copt train does not run: re-planned as it is
+    for rec in ranked:  # the best plan copt train runs (tensor parallelism stays a ranked recommendation)
+        if not ctx.train or _copt_train_runs(rec.plan, ctx):
+            return rec.plan, [rec.id]
+    return ctx.plan, []
 
 
 def _copt_train_runs(plan: TrainPlan, ctx: Context) -> bool:
-    """Whether the stacked plan is a recipe copt train accepts (its schema's cross-field rules)."""
-    from pydantic import ValidationError
-
-    from clusteropt_cli.recipe.schema.train import TrainRecipe
-
-    data = train_recipe_data(plan, ctx.model_arg, ctx.target.gpus_per_node, ctx.target.nodes)
-    try:
-        TrainRecipe.model_validate({k: v for k, v in data.items() if k != "prediction"})
-    except ValidationError:
-        return False
-    return True
+    """Whether the stacked plan is a recipe copt train accepts (its schema's and layout checks' rules)."""
+    return not copt_train_problems(plan, ctx.spec, ctx.target, ctx.model_arg)
 
 
 def _merge(current: Any, changed: Any, original: Any) -> Any:
@@ -347,7 +350,7 @@ def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptom
     ctx = Context(spec, target, plan, evaluate, base, model_arg)
     ranked, rejected = recommend(ctx, symptoms)
     for rec in ranked + rejected:
-        rec.command = command_for(rec.id, task, rec.plan, model_arg, target, data)
+        rec.command = command_for(rec.id, task, rec.plan, model_arg, target, data, spec)
     # steps that do not fit one GPU alone on copt's engine may still be stacked into a plan that does
     top, applied = _top_plan(ctx, ranked, symptoms, [r for r in rejected if r.stack_only])
     if task == "infer" and top.serving_engine == "vllm":
@@ -387,8 +390,13 @@ def advise(spec: ModelSpec, target: Target, plan: TrainPlan | InferPlan, symptom
         result["vllm"] = vllm_capacity(result["workload"], None if on_vllm is None else on_vllm.kv_concurrent_seqs)
     result["prediction"] = prediction_figures(result["top_plan"]["memory"], result["top_plan"]["time"], task)
     # the command that runs the top plan as predicted (the same recipe --emit-recipe writes)
-    result["top_plan"]["command"] = command_for(
-        "+".join(applied) or "plan", task, top, model_arg, target, data) if task == "infer" or top.tp == 1 else None
+    train_problems = copt_train_problems(top, spec, target, model_arg) if task == "train" else []
+    result["top_plan"]["command"] = None if train_problems else command_for(
+        "+".join(applied) or "plan", task, top, model_arg, target, data, spec)
+    if train_problems:
+        result["notes"].append("copt train cannot run this layout (" + "; ".join(
+            p.removeprefix("--") for p in train_problems) + "): the figures are for Megatron-LM / torchtitan; "
+            "change the flags named for a plan copt train runs")
     if task == "infer" and top.engine == "copt" and weights_exceed_gpu(top_result["memory"]):
         # copt's engine (one GPU) cannot even load these weights: no command to run
         result["top_plan"]["command"] = None
@@ -565,11 +573,16 @@ def _absolute_if_local(value: str) -> str:
     return str(local.resolve()) if os.path.exists(local) else value
 
 
-def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: bool = False) -> Path:
-    """A copt recipe (validated by its schema) for the top plan, with a prediction block."""
+def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: bool = False,
+                spec: ModelSpec | None = None) -> Path:
+    """A copt recipe (validated by its schema) for the top plan, with a prediction block. A training plan copt
+    train would refuse (its layout rules, checked against `spec`) gets no recipe; what advise cannot know (the
+    training text, a preset's tokenizer) is named by its placeholder, listed in the header."""
     import yaml
 
+    from clusteropt_cli.core.advise import recipes
     from clusteropt_cli.core.io import atomic_write_text
+    from clusteropt_cli.modelspec import load_model_spec
     from clusteropt_cli.recipe.load import validate_recipe
 
     path = Path(path)
@@ -585,14 +598,30 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
                                   if isinstance(v, (int, float, str))},
                   "recommendation": ",".join(result["top_plan"]["applies"]) or None}
     check_recipe_runnable(result["task"], w["tp"])
+    hw = result["hardware"]
     if result["task"] == "train":
-        data = train_recipe_data(TrainPlan(**w), model_arg, result["hardware"]["gpus_per_node"],
-                                 result["hardware"]["nodes"], data=result.get("data"))
+        plan = TrainPlan(**w)
+        problems = copt_train_problems(plan, spec or load_model_spec(model_arg),
+                                       Target(None, hw["gpus_per_node"], hw["nodes"]), model_arg)
+        if problems:
+            raise BadInputError("--emit-recipe: copt train cannot run the top plan:\n" + "\n".join(
+                f"  - {p}" for p in problems), hint="Change the flags named above (the figures printed stand).")
+        data = train_recipe_data(plan, model_arg, hw["gpus_per_node"], hw["nodes"],
+                                 data=result.get("data") or recipes.DATA_PLACEHOLDER)
+        if recipes.needs_tokenizer(model_arg):
+            data["tokenizer"] = recipes.TOKENIZER_PLACEHOLDER
+        data["output"] = f"runs/{path.stem}"
         data["prediction"] = prediction
         task = "train"
         header = f"# copt train --recipe {path.name}\n"
     else:
-        data = serve_recipe_data(InferPlan(**w), model_arg)
+        method = recipes.quantize_method_of(result["top_plan"]["applies"])
+        data = serve_recipe_data(InferPlan(**w), model_arg, method)
+        if data["model"] == recipes.MODEL_DIR_PLACEHOLDER or model_arg != recipes.model_dir_arg(model_arg):
+            # a preset or a config.json: clients (and `copt profile endpoint --expect`) name the model, not the
+            # directory the user puts in for MODEL_DIR
+            local = Path(model_arg)
+            data["served_model_name"] = local.parent.name if local.suffix == ".json" else local.name
         data["prediction"] = prediction
         if w["weights"] in ("int4", "fp8", "int8"):
             prediction["assumptions"]["weights"] = w["weights"]
@@ -605,9 +634,16 @@ def emit_recipe(result: dict[str, Any], model_arg: str, path: Path, overwrite: b
         if w.get("shared_prefix_len"):  # the figures price a prefix every request shares
             prediction["assumptions"]["shared_prefix_len"] = int(w["shared_prefix_len"])
         task = "serve"
-        header = f"# copt serve --recipe {path.name}\n"
+        # quantized weights: the checkpoint the recipe serves is written by copt quantize first
+        quantize = recipes.quantize_command(InferPlan(**w), model_arg, method)
+        header = f"# {quantize + ' && ' if quantize else ''}copt serve --recipe {path.name}\n"
     validated = validate_recipe(task, data, origin="The emitted recipe")
     text = header + "# written by copt advise; the prediction block is checked by copt profile --expect\n"
+    named = (data.get("model"), data.get("data"), data.get("tokenizer"), data.get("hostfile"), data.get("nvme_path"))
+    placeholders = [p for p in recipes.PLACEHOLDERS if p in named or p in header.split()]
+    if placeholders:
+        text += ("# placeholders: replace them here or on the command line: " + ", ".join(
+            f"{p} ({recipes.PLACEHOLDER_FLAGS[p]})" for p in placeholders) + "\n")
     text += yaml.safe_dump(validated.model_dump(mode="json", exclude_defaults=False), sort_keys=False)
     atomic_write_text(path, text)
     return path

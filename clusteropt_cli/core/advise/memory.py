@@ -382,13 +382,13 @@ def train_memory(spec: ModelSpec, plan: TrainPlan, target: Target) -> MemoryEsti
 
     # activations
     per_token = activation_bytes_per_token(spec, plan, compiled, loss)
-    tokens = plan.micro_batch * plan.seq_len
+    tokens = plan.sequences_per_micro_batch * plan.seq_len  # one forward/backward's
     layers_local = spec.num_layers / plan.pp
     moe_frac = spec.num_moe_layers / spec.num_layers
     full_layer = (1 - moe_frac) * per_token["dense_layer"] + moe_frac * per_token["moe_layer"]
     in_flight = 1
     if plan.pp > 1:
-        m = plan.pp_micro_batches or plan.grad_accum
+        m = plan.micro_batches_per_step
         in_flight = min(plan.pp, m)  # 1F1B: stage 0 holds up to p micro-batches
         notes.append(f"pipeline stage 0 holds {in_flight} micro-batches of activations (1F1B)")
     if plan.activation_checkpointing:

@@ -59,7 +59,7 @@ class TrainPlan:
     attn: Literal["sdpa", "flash", "eager"] = "sdpa"
     tp: int = 1
     pp: int = 1
-    pp_micro_batches: int | None = None  # default: grad_accum
+    pp_micro_batches: int | None = None  # default: copt train's, one per sequence of the step
     pp_virtual_stages: int = 1
     compile: bool | None = None  # None: copt train's default (on for CUDA; never under DeepSpeed), as in the recipe
     gradient_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
@@ -73,6 +73,20 @@ class TrainPlan:
     @property
     def pipeline_stages(self) -> int:  # the recipe's name, so copt train's rules read a plan like its options
         return self.pp
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """The pipeline's micro-batches per optimizer step, as copt train splits them: --pipeline-micro-batches,
+        else one per sequence (micro_batch × grad_accum)."""
+        return self.pp_micro_batches or self.micro_batch * self.grad_accum
+
+    @property
+    def sequences_per_micro_batch(self) -> float | int:
+        """Sequences one forward/backward holds: the micro-batch, or with pipeline stages the step's sequences
+        split into its micro-batches (copt train's pipeline runs micro_batch × grad_accum sequences per step)."""
+        if self.pp == 1:
+            return self.micro_batch
+        return self.micro_batch * self.grad_accum / self.micro_batches_per_step
 
     def runs_compiled(self, device: str) -> bool:
         """Whether copt train runs this plan's decoder under torch.compile on `device` (train's own rule)."""
@@ -187,9 +201,12 @@ def validate_train(spec: ModelSpec, plan: TrainPlan, target: Target) -> None:
         problems.append("--offload needs DeepSpeed ZeRO: add --zero 1, 2 or 3")
     if plan.zero == 3 and plan.pp > 1:
         problems.append("--zero 3 cannot be combined with --pipeline-stages > 1 (use --zero 1 with pipelines)")
-    if plan.seq_len > 4 * spec.max_position_embeddings:
-        problems.append(f"--seq-len {plan.seq_len} is far beyond the model's max_position_embeddings "
-                        f"{spec.max_position_embeddings}")
+    if plan.seq_len > spec.max_position_embeddings:  # refused by copt train, and by every trainer without RoPE scaling
+        problems.append(f"--seq-len {plan.seq_len} exceeds the model's max_position_embeddings "
+                        f"({spec.max_position_embeddings})")
+    if plan.gradient_compression != "none" and target.world == 1:
+        problems.append(f"gradient_compression={plan.gradient_compression} compresses gradients between "
+                        "data-parallel GPUs: plan --gpus/--nodes above 1, or drop it")
     if target.device == "cpu" and (plan.zero or plan.tp > 1 or plan.pp > 1):
         problems.append("--gpu cpu models a single-process CPU step: drop --zero/--tensor-parallel/--pipeline-stages")
     if problems:
@@ -209,8 +226,9 @@ def validate_infer(spec: ModelSpec, plan: InferPlan, target: Target) -> None:
     if plan.shared_prefix_len < 0 or plan.shared_prefix_len > plan.prompt_len:
         problems.append(f"--shared-prefix-len {plan.shared_prefix_len} must be between 0 and --prompt-len "
                         f"{plan.prompt_len} (the shared prefix is part of each prompt)")
-    if plan.prompt_len + plan.gen_len > 4 * spec.max_position_embeddings:
-        problems.append(f"--prompt-len + --gen-len exceeds the model's context ({spec.max_position_embeddings})")
+    if plan.prompt_len + plan.gen_len > spec.max_position_embeddings:  # copt serve and vLLM refuse such requests
+        problems.append(f"--prompt-len + --gen-len = {plan.prompt_len + plan.gen_len} exceeds the model's context "
+                        f"(max_position_embeddings {spec.max_position_embeddings})")
     if problems:
         raise BadInputError("Impossible inference plan:\n" + "\n".join(f"  - {p}" for p in problems),
                             hint="Fix the flags named above (copt advise --help lists them).")

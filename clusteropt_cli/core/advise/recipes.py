@@ -23,8 +23,16 @@ STUDENT_PLACEHOLDER = "STUDENT"
 CALIB_PLACEHOLDER = "CALIB.txt"
 NVME_PLACEHOLDER = "NVME_DIR"
 HOSTFILE_PLACEHOLDER = "HOSTFILE"  # a multi-node run's hosts, one 'hostname slots=N' line each
+# the local directory with the model's weights: copt serve, quantize and distill take no preset or config.json
+MODEL_DIR_PLACEHOLDER = "MODEL_DIR"
 PLACEHOLDERS = (DATA_PLACEHOLDER, TOKENIZER_PLACEHOLDER, PROMPTS_PLACEHOLDER, STUDENT_PLACEHOLDER, CALIB_PLACEHOLDER,
-                NVME_PLACEHOLDER, HOSTFILE_PLACEHOLDER)
+                NVME_PLACEHOLDER, HOSTFILE_PLACEHOLDER, MODEL_DIR_PLACEHOLDER)
+# how each placeholder is given on the command line instead of in a recipe
+PLACEHOLDER_FLAGS = {DATA_PLACEHOLDER: "--data", TOKENIZER_PLACEHOLDER: "--tokenizer",
+                     HOSTFILE_PLACEHOLDER: "--hostfile", NVME_PLACEHOLDER: "--nvme-path",
+                     MODEL_DIR_PLACEHOLDER: "the model's local directory", PROMPTS_PLACEHOLDER: "--prompts",
+                     STUDENT_PLACEHOLDER: "--student", CALIB_PLACEHOLDER: "--calib"}
+_WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.pt", "*.gguf")
 
 QUANTIZE_METHODS = {"awq": "awq", "gptq": "gptq", "fp8-w8a8": "fp8"}
 # recipe keys without a flag of their own: passed as `key=value` overrides
@@ -57,11 +65,47 @@ def train_recipe_data(plan: TrainPlan, model_arg: str, gpus: int = 1, nodes: int
     if nodes > 1:  # copt train launches a multi-node run from a hostfile (or --master-addr on every node)
         out["hostfile"] = HOSTFILE_PLACEHOLDER
     if plan.pp > 1:
-        out["pipeline_micro_batches"] = plan.pp_micro_batches or plan.grad_accum
+        if plan.pp_micro_batches:  # else copt train's default, one micro-batch per sequence (as priced)
+            out["pipeline_micro_batches"] = plan.pp_micro_batches
         if plan.pp_virtual_stages > 1:
             out["pipeline_schedule"] = "interleaved-1f1b"
             out["virtual_stages"] = plan.pp_virtual_stages
     return out
+
+
+def copt_train_problems(plan: TrainPlan, spec: Any, target: Target, model_arg: str = "MODEL") -> list[str]:
+    """What copt train would refuse in the recipe that runs `plan` (empty: it runs it): its schema's cross-field
+    rules and train's layout checks against the model (the same functions copt train calls), and tensor
+    parallelism, which copt train does not run."""
+    from pydantic import ValidationError
+
+    from clusteropt_cli.core.train.validate import layout_problems
+    from clusteropt_cli.recipe.schema.train import TrainRecipe
+
+    problems = [f"tensor_parallel: copt train has no tensor parallelism (--tensor-parallel {plan.tp})"] \
+        if plan.tp > 1 else []
+    data = train_recipe_data(plan, model_arg, target.gpus_per_node, target.nodes)
+    try:
+        recipe = TrainRecipe.model_validate(data)
+    except ValidationError as exc:
+        for error in exc.errors():
+            message = str(error.get("msg", "")).removeprefix("Value error, ")
+            problems += [part for part in message.split("; ") if part]
+        return problems
+    return problems + layout_problems(recipe, {"max_position_embeddings": spec.max_position_embeddings,
+                                               "num_hidden_layers": spec.num_layers})
+
+
+def model_dir_arg(model_arg: str) -> str:
+    """What `copt serve`, `copt quantize` and `copt distill --teacher` are given for `model_arg`: its directory
+    (a model directory as is, the directory of a config.json that sits beside weights), else MODEL_DIR (a preset, a
+    bare config.json: advise priced the shape, the user has the weights somewhere)."""
+    path = Path(model_arg).expanduser()
+    if path.is_dir():
+        return model_arg
+    if path.is_file() and any(any(path.parent.glob(pattern)) for pattern in _WEIGHT_FILES):
+        return str(Path(model_arg).parent)
+    return MODEL_DIR_PLACEHOLDER
 
 
 def quantized_path(model_arg: str, method: str) -> str:
@@ -75,10 +119,10 @@ def quantized_path(model_arg: str, method: str) -> str:
 
 def serve_recipe_data(plan: InferPlan, model_arg: str, quantize_method: str | None = None) -> dict[str, Any]:
     """The `copt serve` recipe (as a dict, ServeRecipe fields) that serves `plan`."""
-    model = model_arg
-    if plan.weights in ("int4", "int8", "fp8"):
-        model = quantized_path(model_arg, quantize_method or {"int4": "awq", "int8": "int8", "fp8": "fp8"}
-                               [plan.weights])
+    model = model_dir_arg(model_arg)
+    if plan.weights in ("int4", "int8", "fp8"):  # beside the model's directory, else named after the preset
+        model = quantized_path(model if model != MODEL_DIR_PLACEHOLDER else model_arg,
+                               quantize_method or {"int4": "awq", "int8": "int8", "fp8": "fp8"}[plan.weights])
     data: dict[str, Any] = {"task": "serve", "model": model, "tensor_parallel": plan.tp,
                             # copt's engine runs one GPU; its paged cache keeps fp8 blocks, an int8 cache is vLLM's
                             "engine": plan.serving_engine,
@@ -132,7 +176,8 @@ def _flags(task: str, data: dict[str, Any], always: tuple[str, ...] = ()) -> lis
     return flags + overrides
 
 
-def _needs_tokenizer(model_arg: str) -> bool:
+def needs_tokenizer(model_arg: str) -> bool:
+    """Whether copt train needs --tokenizer for `model_arg` (no tokenizer files beside it)."""
     path = Path(model_arg)
     return not (path.is_dir() and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
                                                                      "tokenizer.model")))
@@ -143,36 +188,73 @@ def train_command(plan: TrainPlan, model_arg: str, target: Target, data: str | N
     """`copt train` with the flags of the recipe that runs `plan`."""
     recipe = train_recipe_data(plan, model_arg, target.gpus_per_node, target.nodes, data=data or DATA_PLACEHOLDER)
     parts = ["copt", "train", "--model", shlex.quote(model_arg)]
-    if _needs_tokenizer(model_arg):
+    if needs_tokenizer(model_arg):
         parts += ["--tokenizer", TOKENIZER_PLACEHOLDER]
     parts += _flags("train", recipe, _TRAIN_ALWAYS) + ["--output", output]
     return " ".join(parts)
+
+
+def quantize_command(plan: InferPlan, model_arg: str, quantize_method: str | None = None) -> str | None:
+    """`copt quantize` writing the checkpoint the serve recipe of `plan` names (None: the plan serves the model's own
+    weights)."""
+    if plan.weights not in ("int4", "int8", "fp8"):
+        return None
+    method = quantize_method or {"int4": "awq", "int8": "int8", "fp8": "fp8"}[plan.weights]
+    calib = f" --calib {CALIB_PLACEHOLDER}" if method in ("awq", "gptq", "int8") else ""  # quantize needs them
+    output = serve_recipe_data(plan, model_arg, quantize_method)["model"]
+    return (f"copt quantize {shlex.quote(model_dir_arg(model_arg))} --method {method}{calib} --output "
+            f"{shlex.quote(output)}")
 
 
 def serve_command(plan: InferPlan, model_arg: str, quantize_method: str | None = None) -> str:
     """`copt serve` with the flags of the recipe that serves `plan` (after `copt quantize` for quantized weights)."""
     recipe = serve_recipe_data(plan, model_arg, quantize_method)
     serve = " ".join(["copt", "serve", shlex.quote(recipe["model"]), *_flags("serve", recipe)])
-    if recipe["model"] != model_arg:
-        method = quantize_method or {"int4": "awq", "int8": "int8", "fp8": "fp8"}[plan.weights]
-        calib = f" --calib {CALIB_PLACEHOLDER}" if method in ("awq", "gptq", "int8") else ""  # quantize needs them
-        return (f"copt quantize {shlex.quote(model_arg)} --method {method}{calib} --output "
-                f"{shlex.quote(recipe['model'])} && {serve}")
-    return serve
+    quantize = quantize_command(plan, model_arg, quantize_method)
+    return f"{quantize} && {serve}" if quantize else serve
+
+
+def advise_layout_command(plan: TrainPlan, model_arg: str, target: Target, problems: list[str]) -> str:
+    """For a training layout copt train does not run (tensor parallelism, a pipeline with data parallelism or ZeRO,
+    ...): the advise command that re-plans it, with the reasons and where such layouts run."""
+    head = f"copt advise --model {shlex.quote(model_arg)} --task train --gpu {target.name}"
+    if target.world > 1:
+        head += f" --gpus {target.gpus_per_node}" + (f" --nodes {target.nodes}" if target.nodes > 1 else "")
+    if target.budget_bytes is not None:
+        head += f" --memory-budget {target.budget_bytes / 1024**3:.6g}"
+    head += f" --micro-batch {plan.micro_batch} --seq-len {plan.seq_len}"
+    attn = "flash_attention_2" if plan.attn == "flash" else plan.attn
+    for flag, value, default in (("--grad-accum", plan.grad_accum, 1), ("--tensor-parallel", plan.tp, 1),
+                                 ("--pipeline-stages", plan.pp, 1),
+                                 ("--pipeline-micro-batches", plan.pp_micro_batches, None),
+                                 ("--virtual-stages", plan.pp_virtual_stages, 1), ("--zero", plan.zero, 0),
+                                 ("--offload", plan.offload, "none"), ("--precision", plan.precision, None),
+                                 ("--optimizer", plan.optimizer, "adamw"), ("--attn", attn, "sdpa")):
+        if value != default:
+            head += f" {flag} {value}"
+    if plan.activation_checkpointing:
+        head += " --activation-checkpointing"
+    for key, value, default in (("gradient_compression", plan.gradient_compression, "none"),
+                                ("loss_impl", plan.loss_impl, "auto")):
+        if value != default:
+            head += f" {key}={value}"
+    if plan.tp > 1 and len(problems) == 1:
+        return head + "  # copt train has no tensor parallelism: run this layout with Megatron-LM or torchtitan"
+    reasons = "; ".join(p.removeprefix("--") for p in problems)
+    return head + f"  # copt train cannot run this layout ({reasons}): run it with Megatron-LM or torchtitan"
 
 
 def command_for(rec_id: str, task: str, plan: TrainPlan | InferPlan, model_arg: str, target: Target,
-                data: str | None = None) -> str:
-    """The complete command that applies recommendation `rec_id` (its changed plan `plan`)."""
+                data: str | None = None, spec: Any = None) -> str:
+    """The complete command that applies recommendation `rec_id` (its changed plan `plan`); `spec` (the model's
+    ModelSpec) checks a training plan against what copt train runs."""
     if task == "train":
         assert isinstance(plan, TrainPlan)
-        if plan.tp > 1:
-            # the figures are for a Megatron-style layout copt train cannot run: re-plan it with advise
-            head = f"copt advise --model {shlex.quote(model_arg)} --task train --gpu {target.name}"
-            if target.world > 1:
-                head += f" --gpus {target.gpus_per_node}" + (f" --nodes {target.nodes}" if target.nodes > 1 else "")
-            return (f"{head} --micro-batch {plan.micro_batch} --seq-len {plan.seq_len} --tensor-parallel {plan.tp}"
-                    "  # copt train has no tensor parallelism: run this layout with Megatron-LM or torchtitan")
+        problems = copt_train_problems(plan, spec, target, model_arg) if spec is not None else \
+            ([f"--tensor-parallel {plan.tp}"] if plan.tp > 1 else [])
+        if problems:
+            # the figures are for a layout copt train cannot run: re-plan it with advise
+            return advise_layout_command(plan, model_arg, target, problems)
         command = train_command(plan, model_arg, target, data, output=f"runs/{rec_id}")
         if rec_id == "expandable-segments":
             command = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True " + command
@@ -180,11 +262,17 @@ def command_for(rec_id: str, task: str, plan: TrainPlan | InferPlan, model_arg: 
     assert isinstance(plan, InferPlan)
     m = shlex.quote(model_arg)
     if rec_id == "distillation":
-        return (f"copt distill traces --teacher {m} --prompts {PROMPTS_PLACEHOLDER} --output traces.jsonl && "
+        teacher = shlex.quote(model_dir_arg(model_arg))
+        return (f"copt distill traces --teacher {teacher} --prompts {PROMPTS_PLACEHOLDER} --output traces.jsonl && "
                 f"copt distill sft --student {STUDENT_PLACEHOLDER} --traces traces.jsonl --output student")
     if rec_id == "prefix-caching" and not plan.shared_prefix_len:
         return (f"copt advise --model {m} --task infer --prompt-len {plan.prompt_len} --shared-prefix-len N  "
                 "# price the prefix your requests share (copt serve and vLLM cache prefixes by default)")
     if rec_id == "operator-fusion":
         return f"{serve_command(plan, model_arg)} --cuda-graphs --compile"
-    return serve_command(plan, model_arg, QUANTIZE_METHODS.get(rec_id))
+    return serve_command(plan, model_arg, quantize_method_of(rec_id.split("+")))
+
+
+def quantize_method_of(applied: list[str]) -> str | None:
+    """The `copt quantize --method` of the recommendations applied (None: the weights' default method)."""
+    return next((QUANTIZE_METHODS[r] for r in applied if r in QUANTIZE_METHODS), None)

@@ -14,7 +14,9 @@ from typing import Any
 
 from clusteropt_cli.core.advise import calibration as cal
 from clusteropt_cli.core.advise.memory import host_train_memory, kv_layout
-from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan
+from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan, validate_train
+from clusteropt_cli.core.advise.recipes import copt_train_problems
+from clusteropt_cli.errors import BadInputError
 from clusteropt_cli.modelspec import ModelSpec
 
 BENCH = "docs/benchmarks.md"
@@ -118,12 +120,27 @@ def _train_recs(ctx: Context) -> list[Recommendation]:
     spec, target = ctx.spec, ctx.target
     recs: list[Recommendation] = []
     mem = ctx.base["memory"]
+    # a plan copt train runs gets only recommendations it runs too (tensor parallelism aside: ranked below, its
+    # command says where such layouts run); a layout it does not run is re-planned as the layout it is
+    runs = not copt_train_problems(p, spec, target, ctx.model_arg)
 
     def add(rid: str, title: str, why: str, gain: str, source: str, cost: str, new: TrainPlan | None,
             flags: list[str], checks: list[dict[str, Any]] | None = None) -> None:
         if new is None or new == p:
             return
         new = _stackable(new)
+        try:
+            validate_train(spec, new, target)  # a layout advise itself calls impossible is never recommended
+        except BadInputError:
+            return
+        if runs and new.tp == 1 and copt_train_problems(new, spec, target, ctx.model_arg):
+            if new.pp == 1 or new.zero == 0:
+                return
+            # copt's pipeline engine runs without ZeRO: ZeRO partitions over data parallelism instead of stages
+            new = new.with_(pp=1, pp_micro_batches=None, pp_virtual_stages=1)
+            if copt_train_problems(new, spec, target, ctx.model_arg):
+                return
+            flags = [*flags, "--pipeline-stages 1"]
         recs.append(Recommendation(rid, title, why, gain, source, cost, checks or [], plan=new, flags=flags))
 
     if not p.activation_checkpointing:
@@ -188,15 +205,16 @@ def _train_recs(ctx: Context) -> list[Recommendation]:
         add("8bit-optimizer", "8-bit AdamW (bitsandbytes)", "Adam states are 8 bytes/param",
             "optimizer states 8 → 2 bytes/param", "Dettmers et al. arXiv:2110.02861", "bitsandbytes dependency",
             p.with_(optimizer="adamw-8bit"), ["--optimizer adamw-8bit"])
-    if p.tp == 1 and target.gpus_per_node > 1 and spec.num_heads % min(8, target.gpus_per_node) == 0:
-        t = min(8, target.gpus_per_node)
+    # the widest power-of-two degree inside a node that leaves whole pipelines (tp × pp divides the GPUs)
+    t = max([d for d in (2, 4, 8) if d <= target.gpus_per_node and target.world % (d * p.pp) == 0], default=1)
+    if p.tp == 1 and t > 1 and spec.num_heads % t == 0:
         add("tensor-parallel", f"Tensor parallelism over {t} GPUs", "splits every layer's weights and activations",
             f"weights and activations ÷{t}", "Megatron-LM arXiv:1909.08053",
             "4 all-reduces per layer on NVLink; stays inside a node", p.with_(tp=t), [f"--tensor-parallel {t}"],
             _gpu_checks(ctx, need_multi=True))
     # copt train's pipeline engine: one stage per process (no data parallelism), no ZeRO, bf16 or fp32
-    if p.pp == 1 and 1 < target.world <= min(8, spec.num_layers) and p.zero == 0 and p.precision in ("bf16", "fp32"):
-        stages = target.world
+    stages = target.world // p.tp  # the GPUs a tensor-parallel group leaves: one stage per group
+    if p.pp == 1 and 1 < stages <= min(8, spec.num_layers) and p.zero == 0 and p.precision in ("bf16", "fp32"):
         m = max(4 * stages, p.grad_accum)
         add("pipeline-parallel", f"Pipeline parallelism, {stages} stages (1F1B)", "splits the layers across GPUs",
             f"weights ÷{stages}; bubble (p−1)/(m+p−1) = {(stages - 1) / (m + stages - 1):.0%} at m={m}",

@@ -248,7 +248,7 @@ def train_time(spec: ModelSpec, plan: TrainPlan, target: Target) -> TimeEstimate
         mfu = cal.TRAIN_MFU_EAGER * (cal.FP8_MFU_FACTOR if dtype == "fp8" else 1.0)
         compute = tokens_replica * (model_flops_token + recompute) / shard / (peak * mfu)
         assumptions["mfu"] = mfu
-    m = plan.pp_micro_batches or plan.grad_accum
+    m = plan.micro_batches_per_step
     bubble = bubble_fraction(plan.pp, m, plan.pp_virtual_stages)
     compute /= 1 - bubble
     grad_bytes = 4.0 if plan.precision == "fp32" else 2.0

@@ -113,6 +113,26 @@ class TeacherGenerator:
         self.engine = Engine.from_settings(settings, device=self.device).start()
         return self.engine
 
+    def _check_lengths(self, prompts: list[str], max_new_tokens: int) -> None:
+        """Refuse a prompt that cannot fit the teacher's context before tokenizing it (a 200 MB prompt took
+        8.5 GB to tokenize): no token spans more characters than the vocabulary's longest entry."""
+        from clusteropt_cli.core.distill.vocab import read_config
+        from clusteropt_cli.errors import BadInputError
+
+        context = read_config(self.teacher).get("max_position_embeddings")
+        if not context:
+            return
+        if not hasattr(self, "_longest_token"):
+            self._longest_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
+        room = max(0, int(context) - max_new_tokens - 1)
+        for prompt in prompts:
+            fewest = -(-len(prompt) // self._longest_token)  # tokens this many characters take at the least
+            if fewest > room:
+                raise BadInputError(
+                    f"A prompt of {len(prompt):,} characters takes at least {fewest:,} tokens; with --max-new-tokens "
+                    f"{max_new_tokens} the teacher's context of {int(context):,} leaves room for {room:,}.",
+                    hint="Shorten or split the prompts (or lower --max-new-tokens).")
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.stop()
@@ -122,6 +142,7 @@ class TeacherGenerator:
         from clusteropt_cli.core.serve.engine import GenerationRequest
 
         tok = self.tokenizer
+        self._check_lengths(prompts, sampling.max_new_tokens)
         encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         longest = max(len(ids) for ids in encoded) + sampling.max_new_tokens + 1
         engine = self._engine(longest)

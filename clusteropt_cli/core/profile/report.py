@@ -19,6 +19,8 @@ Bottleneck = Literal[
 ]
 # symptom ids that `copt advise --symptom` accepts
 SYMPTOMS = ("oom", "high-ttft", "low-throughput", "slow-tpot", "comm-bound", "low-mfu")
+# the task each symptom belongs to (oom and low-throughput: both)
+SYMPTOM_TASK = {"high-ttft": "infer", "slow-tpot": "infer", "comm-bound": "train", "low-mfu": "train"}
 
 
 class _Model(BaseModel):

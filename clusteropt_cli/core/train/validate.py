@@ -47,29 +47,11 @@ def validate_train(settings: TrainRecipe, *, overwrite: bool = False, check_outp
         problems.append("--tokenizer: training from a config/preset needs a local tokenizer directory")
     elif not Path(source.tokenizer_path).is_dir():
         problems.append(f"--tokenizer: {source.tokenizer_path} is not a directory")
-    max_positions = config.get("max_position_embeddings")
-    if max_positions and settings.seq_len > int(max_positions):
-        problems.append(f"--seq-len: {settings.seq_len} exceeds the model's max_position_embeddings ({max_positions})")
-    layers = config.get("num_hidden_layers")
-    chunks = settings.pipeline_stages * (settings.virtual_stages if settings.pipeline_schedule == "interleaved-1f1b"
-                                         else 1)
-    if settings.pipeline_stages > 1 and layers and chunks > int(layers):
-        problems.append(f"--pipeline-stages: {settings.pipeline_stages} stages × {settings.virtual_stages} virtual "
-                        f"stages = {chunks} chunks exceed the model's {layers} layers")
-    if settings.pipeline_stages > 1 and settings.pipeline_schedule != "gpipe":
-        n_micro = settings.pipeline_micro_batches or settings.micro_batch * settings.grad_accum
-        if n_micro < settings.pipeline_stages:
-            problems.append(f"--pipeline-micro-batches: {settings.pipeline_schedule} needs at least "
-                            f"{settings.pipeline_stages} micro-batches per step, got {n_micro} (raise --micro-batch)")
+    problems += layout_problems(settings, config)
     if settings.zero > 0 and version_of("deepspeed") is None:
         problems.append("--zero: DeepSpeed is not installed (pip install 'clusteropt-cli[train]')")
     if settings.offload == "nvme" and settings.nvme_path and not Path(settings.nvme_path).is_dir():
         problems.append(f"--nvme-path: {settings.nvme_path} is not a directory")
-    if settings.gradient_compression != "none" and settings.gpus * settings.nodes == 1:
-        problems.append("--gradient-compression: compresses gradients between data-parallel ranks; it needs "
-                        "--gpus/--nodes > 1")
-    if settings.gradient_compression != "none" and settings.pipeline_stages > 1:
-        problems.append("--gradient-compression: applies to data-parallel (DDP) runs, not pipelines")
     if settings.nodes > 1 and not (settings.hostfile or settings.master_addr):
         problems.append("--hostfile: a multi-node run needs a hostfile (or --master-addr)")
     if settings.hostfile and not Path(settings.hostfile).is_file():
@@ -91,6 +73,33 @@ def validate_train(settings: TrainRecipe, *, overwrite: bool = False, check_outp
         check_hardware(settings, device_type)
     assert source is not None  # a model that did not resolve is one of the problems above
     return source
+
+
+def layout_problems(settings: TrainRecipe, config: dict[str, Any]) -> list[str]:
+    """What copt train refuses in a schema-valid recipe given the model's config (no files, no hardware): the
+    sequence length against the model's positions, the pipeline's chunks against its layers and micro-batches,
+    gradient compression without data parallelism. copt advise checks its plans with the same function."""
+    problems: list[str] = []
+    max_positions = config.get("max_position_embeddings")
+    if max_positions and settings.seq_len > int(max_positions):
+        problems.append(f"--seq-len: {settings.seq_len} exceeds the model's max_position_embeddings ({max_positions})")
+    layers = config.get("num_hidden_layers")
+    chunks = settings.pipeline_stages * (settings.virtual_stages if settings.pipeline_schedule == "interleaved-1f1b"
+                                         else 1)
+    if settings.pipeline_stages > 1 and layers and chunks > int(layers):
+        problems.append(f"--pipeline-stages: {settings.pipeline_stages} stages × {settings.virtual_stages} virtual "
+                        f"stages = {chunks} chunks exceed the model's {layers} layers")
+    if settings.pipeline_stages > 1 and settings.pipeline_schedule != "gpipe":
+        n_micro = settings.pipeline_micro_batches or settings.micro_batch * settings.grad_accum
+        if n_micro < settings.pipeline_stages:
+            problems.append(f"--pipeline-micro-batches: {settings.pipeline_schedule} needs at least "
+                            f"{settings.pipeline_stages} micro-batches per step, got {n_micro} (raise --micro-batch)")
+    if settings.gradient_compression != "none" and settings.gpus * settings.nodes == 1:
+        problems.append("--gradient-compression: compresses gradients between data-parallel ranks; it needs "
+                        "--gpus/--nodes > 1")
+    if settings.gradient_compression != "none" and settings.pipeline_stages > 1:
+        problems.append("--gradient-compression: applies to data-parallel (DDP) runs, not pipelines")
+    return problems
 
 
 def check_hardware(settings: TrainingOptions, device_type: str) -> None:
