@@ -173,10 +173,11 @@ def advise(
                             hint="Use --kv-cache-dtype fp8.")
     if zero is not None and zero not in (0, 1, 2, 3):
         raise BadInputError(f"--zero must be 0, 1, 2 or 3 (got {zero}).")
-    bad_numbers = [f"{flag} must be a finite number (got {value})" for flag, value in (
-        ("--memory-budget", memory_budget), ("--host-memory", host_memory), ("--gpu-hour-usd", gpu_hour_usd),
-        ("--host-loop-ms", host_loop_ms),
-        ("--temperature", temperature), ("--top-p", top_p)) if value is not None and not math.isfinite(value)]
+    from clusteropt_cli.core.profile.stats import non_finite_problems
+
+    bad_numbers = non_finite_problems({"--memory-budget": memory_budget, "--host-memory": host_memory,
+                                       "--gpu-hour-usd": gpu_hour_usd, "--host-loop-ms": host_loop_ms,
+                                       "--temperature": temperature, "--top-p": top_p})
     if bad_numbers:
         raise BadInputError("; ".join(bad_numbers) + ".", hint="Give plain numbers (no inf or nan).")
     if rate is not None and not (math.isfinite(rate) and rate > 0):

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from clusteropt_cli.errors import BadInputError
+
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 
 
@@ -44,8 +46,23 @@ def torch_dtype(name: str, device: str, precision: str = "fp32") -> Any:
 def load_causal_lm(path: str | Path, dtype: str | Any = "auto", device: str = "cpu", precision: str = "fp32"):
     """A local HF causal LM directory, loaded on `device` (never downloads); `dtype` a name, auto or a torch
     dtype."""
+    dtype = torch_dtype(dtype, device, precision) if isinstance(dtype, str) else dtype
+    model = pretrained_causal_lm(path, dtype=dtype, local_files_only=True)
+    return model.to(device)
+
+
+def pretrained_causal_lm(path: str | Path, flag: str = "MODEL", **kwargs: Any) -> Any:
+    """AutoModelForCausalLM.from_pretrained(path, **kwargs), refusing a checkpoint that leaves parameters its
+    config.json names uninitialized (a config with one layer more than the weights trained, served or quantized
+    that layer from random values, with transformers' warning only)."""
     from transformers import AutoModelForCausalLM
 
-    dtype = torch_dtype(dtype, device, precision) if isinstance(dtype, str) else dtype
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-    return model.to(device)
+    model, info = AutoModelForCausalLM.from_pretrained(str(path), output_loading_info=True, **kwargs)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise BadInputError(f"{flag} {path}: the weights lack {len(missing)} tensor(s) its config.json names "
+                            f"({shown}); they would start from random values.",
+                            hint="Make config.json match the checkpoint (num_hidden_layers, vocab_size, ...), or pass "
+                                 "the directory the weights came with.")
+    return model

@@ -166,3 +166,25 @@ def test_small_files_read_as_users_write_them(copt, fixtures, tmp_path) -> None:
     empty.write_text("")
     with pytest.raises(BadInputError, match="--eval-data"):
         build_text_dataset(empty, None, 8, flag="--eval-data")
+
+
+def test_a_config_naming_layers_the_weights_lack_is_refused(copt, fixtures, tmp_path) -> None:
+    """config.json with one layer more than the checkpoint: copt train, quantize and serve's engine started that
+    layer from random values (transformers' load report only); now exit 2 naming the missing tensors."""
+    model = tmp_path / "one-more-layer"
+    shutil.copytree(fixtures.teacher, model)
+    config = json.loads((model / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    (model / "config.json").write_text(json.dumps(config))
+    layer = f"model.layers.{config['num_hidden_layers'] - 1}."
+    train = copt("train", "--model", str(model), "--data", str(fixtures.train_text), "--output",
+                str(tmp_path / "out"), "--max-steps", "1", "--seq-len", "32", "--micro-batch", "1")
+    quantize = copt("quantize", str(model), "--method", "rtn", "--output", str(tmp_path / "q"))
+    for proc in (train, quantize):
+        assert proc.returncode == 2 and layer in proc.stderr and "random values" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "q").exists()
+    from clusteropt_cli.core.serve.runner import ModelRunner
+    from clusteropt_cli.errors import BadInputError
+
+    with pytest.raises(BadInputError, match="random values"):
+        ModelRunner(str(model), device="cpu", num_slots=1, max_len=64)

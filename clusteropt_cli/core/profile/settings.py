@@ -95,13 +95,14 @@ class EndpointSettings:
     def validate(self) -> None:
         import math
 
+        from clusteropt_cli.core.profile.stats import non_finite_problems
+
         problems = []
         numbers = {"--temperature": self.temperature, "--top-p": self.top_p, "--duration": self.duration_s,
                    "--request-timeout": self.request_timeout_s, "--slo-ttft-ms": self.slo_ttft_ms,
                    "--slo-tpot-ms": self.slo_tpot_ms,
                    "--rate": next((r for r in self.rate if not math.isfinite(r)), None)}
-        problems += [f"{flag} must be a finite number (got {value})" for flag, value in numbers.items()
-                     if value is not None and not math.isfinite(value)]
+        problems += non_finite_problems(numbers)
         if problems:
             _raise_problems(problems, "copt profile endpoint --help lists the options")
         if self.client_processes is not None and self.client_processes < 1:

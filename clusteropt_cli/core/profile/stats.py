@@ -35,6 +35,12 @@ def latency_summary(values: Sequence[float]) -> dict[str, float]:
             "mean": float(sum(values) / len(values))}
 
 
+def non_finite_problems(values: dict[str, float | None]) -> list[str]:
+    """'FLAG must be a finite number (got inf)' for each flag whose value is inf or nan (None: not given)."""
+    return [f"{flag} must be a finite number (got {value})" for flag, value in values.items()
+            if value is not None and not math.isfinite(value)]
+
+
 def positive_number(value: object) -> float | None:
     """A finite positive number from a report or recipe field, else None (missing, malformed, hostile: a bool, a
     string, NaN, infinity)."""

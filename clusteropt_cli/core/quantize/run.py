@@ -212,9 +212,9 @@ def _device() -> str:
 
 
 def _load(model_dir: Path, device: str = "cpu"):
-    from transformers import AutoModelForCausalLM
+    from clusteropt_cli.core.models import pretrained_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    model = pretrained_causal_lm(model_dir, dtype="auto")
     return model.to(device)
 
 

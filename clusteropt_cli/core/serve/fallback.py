@@ -32,14 +32,16 @@ class TransformersRunner:
     def __init__(self, model_path: str, *, device: str, dtype: str = "auto", num_slots: int | None,
                  max_len: int | None, reason: str = "", trust_remote_code: bool = False, **_ignored: Any):
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.reason = reason
         self.dtype = resolve_dtype(dtype, device, getattr(config, "dtype", None))
         self.device = torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, trust_remote_code=trust_remote_code)
+        from clusteropt_cli.core.models import pretrained_causal_lm
+
+        model = pretrained_causal_lm(model_path, dtype=self.dtype, trust_remote_code=trust_remote_code)
         model.to(self.device).eval()
         model.requires_grad_(False)
         self.model = model

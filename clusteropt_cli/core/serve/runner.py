@@ -484,15 +484,17 @@ class ModelRunner:
                  cuda_graphs: bool = False, compile_decode: bool = False, compile_mode: str = "default",
                  decode_attention: str = "sdpa", trust_remote_code: bool = False):
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         register_attention()
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.dtype = resolve_dtype(dtype, device, getattr(config, "dtype", None))
         self.device = torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, attn_implementation="sdpa",
-                                                     trust_remote_code=trust_remote_code)
+        from clusteropt_cli.core.models import pretrained_causal_lm
+
+        model = pretrained_causal_lm(model_path, dtype=self.dtype, attn_implementation="sdpa",
+                                     trust_remote_code=trust_remote_code)
         model.to(self.device).eval()
         model.requires_grad_(False)
         # quantized checkpoints (compressed-tensors): FP8 layers on FP8 GEMMs, packed/int8 weights dequantized

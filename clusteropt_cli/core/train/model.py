@@ -79,7 +79,9 @@ def load_model(source: ModelSource, seed: int = 0, *, dtype: Any = None, device:
     extra = {"attn_implementation": attn} if attn else {}
     partitioned = is_deepspeed_zero3_enabled()
     if source.kind == "pretrained":
-        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, **extra)
+        from clusteropt_cli.core.models import pretrained_causal_lm
+
+        model = pretrained_causal_lm(source.path, "--model", dtype=dtype, **extra)
         return model if partitioned else model.to(device)
     config_dict = dict(source.config)
     model_type = config_dict.pop("model_type", None)
