@@ -102,6 +102,11 @@ def check_output(output: str | Path, inputs: Mapping[str, str | Path | None] | N
             raise BadInputError(f"{flag} {output} was not written by copt (it has no {OUTPUT_MARKER}); --resume "
                                 f"continues only a copt output, and would write into: {_listing(out)}.",
                                 hint=f"Resume from the {flag} of the earlier copt run, or choose a new {flag}.")
+        writer = _marker_command(out)
+        if writer is not None and writer not in RESUMABLE_COMMANDS:
+            raise BadInputError(f"{flag} {output} was written by 'copt {writer}'; --resume continues the checkpoints "
+                                f"of a training run ({', '.join(RESUMABLE_COMMANDS)}) and would write over its files.",
+                                hint=f"Choose a new {flag}.")
         return
     if not overwrite:
         raise BadInputError(f"{flag} {output} already exists.",
@@ -141,9 +146,27 @@ def check_distinct_outputs(outputs: Mapping[str, str | Path | None]) -> None:
         raise BadInputError("; ".join(problems) + ".", hint="Give each output its own path.")
 
 
+# the commands whose outputs `--resume` continues (their checkpoints and metrics)
+RESUMABLE_COMMANDS = ("train", "distill logits", "distill sft")
+
+
+def _marker_command(directory: Path) -> str | None:
+    """The command a copt output's marker names (None: an older marker without one); unreadable → '?'."""
+    try:
+        value = json.loads((directory / OUTPUT_MARKER).read_text(encoding="utf-8")).get("command")
+    except (OSError, ValueError, AttributeError):
+        return "?"
+    return value if isinstance(value, str) or value is None else "?"
+
+
 def _is_empty(directory: Path) -> bool:
-    """Empty, or holding only copt's marker (a run that failed before writing anything)."""
-    return all(p.name == OUTPUT_MARKER for p in directory.iterdir())
+    """Empty, or holding only copt's marker (a run that failed before writing anything: with its empty
+    metrics.jsonl at most)."""
+    items = list(directory.iterdir())
+    if not any(p.name == OUTPUT_MARKER for p in items):
+        return not items
+    return all(p.name == OUTPUT_MARKER or (p.name == "metrics.jsonl" and p.is_file() and not p.is_symlink()
+                                            and p.stat().st_size == 0) for p in items)
 
 
 def write_output_marker(directory: str | Path, command: str) -> None:
@@ -296,6 +319,7 @@ def replacing_output_dir(path: Path, *, overwrite: bool, resume: bool = False, c
             shutil.rmtree(backup, ignore_errors=True)
         elif path.is_dir() and _is_empty(path):  # nothing written: leave no trace (a new dir goes, an old stays empty)
             (path / OUTPUT_MARKER).unlink(missing_ok=True)
+            (path / "metrics.jsonl").unlink(missing_ok=True)
             if not existed:
                 path.rmdir()
         raise

@@ -65,7 +65,10 @@ def _recipe_loader() -> type:
             seen = set()
             for key_node, _ in node.value:
                 key = self.construct_object(key_node, deep=deep)
-                if isinstance(key, (str, int, float, bool)) and key in seen:
+                if not isinstance(key, (str, int, float, bool)) and key is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"a {type(key).__name__} as a key: recipe keys are names", key_node.start_mark)
+                if key in seen:
                     raise yaml.constructor.ConstructorError(
                         None, None, f"the key {key!r} is given twice; keep one", key_node.start_mark)
                 seen.add(key)

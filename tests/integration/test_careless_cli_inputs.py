@@ -241,3 +241,28 @@ def test_quantize_reports_every_bad_key_at_once(copt, fixtures, tmp_path):
                 "--output", str(tmp_path / "q"))
     assert proc.returncode == 2 and "bits" in proc.stderr and "group_size" in proc.stderr
     assert not (tmp_path / "q").exists()
+
+
+def test_a_diverged_run_stops_and_its_metrics_stay_json(copt, fixtures, tmp_path):
+    """--lr 1e30 saved a model of NaNs and exited 0, with bare NaN in metrics.jsonl: now exit 6 at the step the
+    loss stops being a number, the row written with null."""
+    out = tmp_path / "out"
+    proc = copt("train", "--model", str(fixtures.student), "--data", str(fixtures.train_text), "--output", str(out),
+                "--seq-len", "32", "--max-steps", "3", "--lr", "1e30", "--precision", "fp32")
+    assert proc.returncode == 6 and "diverged" in proc.stderr, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["loss"] is None and not (out / "model.safetensors").exists()
+
+
+def test_sizes_no_run_can_use_are_refused_up_front(copt, fixtures, tmp_path):
+    """A 10^20 micro-batch loaded everything before running out of memory; a 1-token sequence trained on no
+    target (loss 0); calibration text of one token failed with StopIteration after the model loaded."""
+    base = ("train", "--model", str(fixtures.student), "--data", str(fixtures.train_text), "--output",
+            str(tmp_path / "o"), "--dry-run")
+    proc = copt(*base, "--micro-batch", "99999999999999999999", "--seq-len", "1")
+    assert proc.returncode == 2 and "micro_batch" in proc.stderr and "seq_len" in proc.stderr, proc.stderr
+    one = tmp_path / "one.txt"
+    one.write_text("a\n")
+    proc = copt("quantize", str(fixtures.student), "--method", "int8", "--calib", str(one), "--output",
+                str(tmp_path / "q"))
+    assert proc.returncode == 2 and "--calib" in proc.stderr and not (tmp_path / "q").exists(), proc.stderr[-2000:]

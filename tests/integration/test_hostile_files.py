@@ -43,6 +43,9 @@ def test_recipes_refuse_aliases_repeated_keys_and_a_task_that_is_not_a_word(copt
     listed.write_text("task: [train]\n")
     _refused(copt("recipes", "validate", str(listed)), "task")
     _refused(copt("train", "--recipe", str(listed), "--dry-run"), "task")
+    keyed = tmp_path / "keyed.yaml"  # a list as a key: "unhashable type" and exit 1 before
+    keyed.write_text("task: train\n? [a, b]\n: 1\n")
+    _refused(copt("recipes", "validate", str(keyed)), "a list as a key")
     latin = tmp_path / "latin.yaml"
     latin.write_bytes(b"task: train\nmodel: caf\xe9\n")
     _refused(copt("recipes", "show", str(latin)), "UTF-8")

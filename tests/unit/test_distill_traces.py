@@ -266,3 +266,23 @@ def test_a_run_that_fails_before_its_first_prompt_leaves_no_files(tmp_path):
     with pytest.raises(RuntimeError):
         run(tmp_path, FailsSecond(REPLIES))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["traces.jsonl", "traces.jsonl.progress.jsonl"]
+
+
+def test_a_rerun_never_drops_lines_it_did_not_write(tmp_path):
+    """Lines a user added to the traces file (ids of no prompt of this run) stop the rerun instead of being
+    deleted; a file at the progress path that copt did not write (here the prompts themselves) is neither used nor
+    removed."""
+    run(tmp_path, ScriptedTeacher(REPLIES), prompts=PROMPTS[:2], verify=True)
+    out = tmp_path / "traces.jsonl"
+    mine = out.read_text() + json.dumps({"prompt_id": "mine-1", "note": "kept by hand"}) + "\n"
+    out.write_text(mine)
+    with pytest.raises(BadInputError, match="line .* is not a trace of this run's unfinished prompts"):
+        run(tmp_path, ScriptedTeacher(REPLIES), verify=True)
+    assert out.read_text() == mine
+    fresh = tmp_path / "fresh.jsonl"
+    users = progress_path(fresh)
+    users.write_text(json.dumps({"prompt": "my own prompts"}) + "\n")
+    with pytest.raises(BadInputError, match="copt did not write"):
+        run_traces(PROMPTS[:1], fresh, ScriptedTeacher(REPLIES), lambda p: p, teacher="t",
+                   sampling=SamplingSettings(samples=1, max_new_tokens=8))
+    assert users.read_text() == json.dumps({"prompt": "my own prompts"}) + "\n" and not fresh.exists()

@@ -57,7 +57,7 @@ def test_overwrite_replaces_only_what_copt_wrote_or_an_empty_dir(tree):
         io.check_output(out, {}, overwrite=False)
     with pytest.raises(BadInputError, match=r"not written by copt.*would delete: notes.txt"):
         io.check_output(out, {}, overwrite=True)
-    io.write_output_marker(out, "test")
+    io.write_output_marker(out, "train")
     io.check_output(out, {}, overwrite=True)  # copt's own output: replaceable
     io.check_output(out, {}, overwrite=False, resume=True)  # resuming continues it
 
@@ -234,3 +234,37 @@ def test_a_full_disk_behind_any_librarys_error_is_exit_7_and_leaves_no_partial_f
         with pytest.raises(DiskFullError), disk_full_as_error(tmp_path / "out", cleanup=partial):
             raise exc
         assert not partial.exists()
+
+
+def test_resume_continues_only_a_training_runs_output(tmp_path) -> None:
+    """`--resume` on a directory `copt quantize` wrote went on to write a trained model over the quantized one."""
+    from clusteropt_cli.core.io import write_output_marker
+
+    quantized = tmp_path / "q"
+    quantized.mkdir()
+    write_output_marker(quantized, "quantize")
+    (quantized / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(BadInputError, match="written by 'copt quantize'"):
+        io.check_output(quantized, None, resume=True)
+    trained = tmp_path / "t"
+    trained.mkdir()
+    write_output_marker(trained, "train")
+    (trained / "metrics.jsonl").write_text('{"step": 1}\n')
+    io.check_output(trained, None, resume=True)
+
+
+def test_a_run_that_wrote_nothing_leaves_an_output_a_rerun_takes(tmp_path) -> None:
+    """A failed run's directory with copt's marker and an empty metrics.jsonl counts as empty: the rerun needs no
+    --overwrite; a user's directory with an empty file of that name does not."""
+    from clusteropt_cli.core.io import write_output_marker
+
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    write_output_marker(failed, "train")
+    (failed / "metrics.jsonl").write_text("")
+    io.check_output(failed, None)
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "metrics.jsonl").write_text("")
+    with pytest.raises(BadInputError, match="already exists"):
+        io.check_output(users, None)

@@ -372,11 +372,15 @@ def check_traces_output(output: Path) -> None:
                             hint="Choose another --output, or move that file away yourself.")
 
 
-def _load_progress(output: Path, key: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """Prompts already done (id → counts). Repairs the output when a run stopped between a batch and its record."""
+def _load_progress(output: Path, key: dict[str, Any], prompt_ids: set[str]) -> dict[str, dict[str, int]]:
+    """Prompts already done (id → counts). Repairs the output when a run stopped between a batch and its record:
+    only the trailing trace lines of that batch (prompts of this run not recorded as done) and a torn last line go;
+    any other line is the user's, and the run stops instead of deleting it."""
     progress = progress_path(output)
     if not output.exists():
-        progress.unlink(missing_ok=True)
+        if os.path.lexists(progress):  # an earlier run's, whose traces file is gone: only a progress file copt wrote
+            _check_progress_file(progress)
+            progress.unlink()
         return {}
     check_traces_output(output)
     lines, torn = _json_lines(progress)
@@ -390,19 +394,45 @@ def _load_progress(output: Path, key: dict[str, Any]) -> dict[str, dict[str, int
 
         atomic_write_text(progress, "".join(json.dumps(row) + "\n" for row in lines))
     done = {row["prompt_id"]: row for row in lines[1:]}
-    # Drop trace lines of prompts that were not recorded as done (a run stopped mid-batch).
-    kept_lines = []
-    dropped = False
-    for line in output.read_text(encoding="utf-8").splitlines():
-        if line.strip() and _prompt_id(line) in done:
-            kept_lines.append(line)
-        elif line.strip():  # not recorded as done, or the torn last line of a killed run
-            dropped = True
-    if dropped:
+    text = output.read_text(encoding="utf-8")
+    numbered = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    last_done = max((i for i, (_, line) in enumerate(numbered) if _prompt_id(line) in done), default=-1)
+    kept_lines = [line for _, line in numbered[:last_done + 1]]
+    for i, (number, line) in enumerate(numbered[last_done + 1:], last_done + 1):
+        torn_tail = i == len(numbered) - 1 and not text.endswith("\n") and _prompt_id(line) is None
+        if torn_tail or _trace_row_of(line, prompt_ids):
+            continue  # the unfinished batch of a stopped run
+        raise BadInputError(f"--output {output} line {number} is not a trace of this run's unfinished prompts; "
+                            "resuming would drop it.",
+                            hint="Move lines you added to another file, or pass --overwrite to start over.")
+    stray = [number for number, line in numbered[:last_done + 1] if _prompt_id(line) not in done]
+    if stray:
+        raise BadInputError(f"--output {output} line {stray[0]} is not a trace of a prompt the progress file records "
+                            "as done; resuming would drop it.",
+                            hint="Move lines you added to another file, or pass --overwrite to start over.")
+    if len(kept_lines) != len(numbered):
         from clusteropt_cli.core.io import atomic_write_text
 
         atomic_write_text(output, "".join(line + "\n" for line in kept_lines))
     return done
+
+
+def _trace_row_of(line: str, prompt_ids: set[str]) -> bool:
+    """A trace line (a JSON object) for one of `prompt_ids`, the prompts of this run."""
+    return _prompt_id(line) in prompt_ids
+
+
+def _check_progress_file(progress: Path) -> None:
+    """A file at the progress path that copt did not write (its first line a settings record) is not removed."""
+    try:
+        with progress.open(encoding="utf-8", errors="replace") as handle:
+            first = json.loads(handle.readline() or "null")
+    except (OSError, ValueError):
+        first = None
+    if not (isinstance(first, dict) and isinstance(first.get("settings"), dict)):
+        raise BadInputError(f"{progress} is where 'copt distill traces' keeps its progress for this --output, and it "
+                            "holds a file copt did not write; copt neither uses nor deletes it.",
+                            hint="Choose another --output, or move that file away yourself.")
 
 
 GenerateFn = Callable[[list[str], SamplingSettings], list[list[Generation]]]
@@ -438,8 +468,9 @@ def run_traces(
     key = _settings_key(teacher, sampling, verify, think_prefix, template_kwargs)
     if not overwrite:
         started_here = not os.path.lexists(output)
+        done = _load_progress(output, key, {p.id for p in prompts})  # refusals here created nothing to remove
         try:
-            return _generate_traces(prompts, output, generate, format_prompt, key, _load_progress(output, key),
+            return _generate_traces(prompts, output, generate, format_prompt, key, done,
                                     teacher=teacher, sampling=sampling, verify=verify, default_match=default_match,
                                     think_prefix=think_prefix, batch_prompts=batch_prompts, on_batch=on_batch)
         except BaseException:
@@ -447,6 +478,8 @@ def run_traces(
                 _remove_if_nothing_done(output)
             raise
     check_traces_output(output)
+    if os.path.lexists(progress_path(output)):
+        _check_progress_file(progress_path(output))
     # --overwrite: the earlier traces stay aside until this run completes, and come back if it fails
     pairs = [(path, path.with_name(f".{path.name}.replaced")) for path in (output, progress_path(output))]
     for path, aside in pairs:

@@ -141,6 +141,12 @@ def calibration_dataset(tokenizer, texts: list[str], seq_len: int):
 
     ids = [tokenizer(t, add_special_tokens=False, truncation=True, max_length=seq_len)["input_ids"] for t in texts]
     ids = [x for x in ids if len(x) >= 2]
+    if not ids:
+        from clusteropt_cli.errors import BadInputError
+
+        raise BadInputError(f"--calib: none of its {len(texts)} samples has 2 tokens or more (with --seq-len "
+                            f"{seq_len}): nothing to calibrate on.",
+                            hint="Pass calibration text of whole sentences (hundreds of tokens each works best).")
     return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]}), ids
 
 

@@ -16,6 +16,7 @@ Under a launcher every rank calls it; only rank 0 writes files other than checkp
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -430,6 +431,13 @@ class _StepReadout:
         if self.writer is not None:
             self.writer.write(row)
             _emit(self.callbacks, "on_step", row)
+        if not math.isfinite(loss_value):
+            from clusteropt_cli.errors import CheckFailedError
+
+            raise CheckFailedError(f"Training diverged: the loss of step {step_no} is {loss_value}; the weights it "
+                                   "would save are not numbers.",
+                                   hint="Lower --lr (or use bf16 instead of fp16); checkpoints saved before this step "
+                                        "are kept, and --resume continues from the last one.")
 
     def result(self, *, tokens_per_step: int, **fields: Any) -> TrainResult:
         """The run's TrainResult: losses, throughput (mean over the steps after the first), MFU, peak memory."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -169,7 +170,9 @@ class MetricsWriter:
         self._handle = self.path.open("a")
 
     def write(self, row: dict[str, Any]) -> None:
-        self._handle.write(json.dumps(row) + "\n")
+        # strict JSON: a diverged step's NaN or infinity is written as null
+        self._handle.write(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                       for k, v in row.items()}) + "\n")
         self._handle.flush()
 
     def close(self) -> None:

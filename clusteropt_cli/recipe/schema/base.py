@@ -51,9 +51,10 @@ class TrainingOptions(Strict):
         "(16-bit weights, fp32 master weights and Adam states: 2+2+12 bytes/param); fp8; fp32.")
     activation_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     attn: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
-    micro_batch: PositiveInt = 1
-    grad_accum: PositiveInt = 1
-    seq_len: PositiveInt = 512
+    # bounded: a careless 10^20 was accepted and loaded everything before the process ran out of memory
+    micro_batch: int = Field(1, ge=1, le=65_536)
+    grad_accum: int = Field(1, ge=1, le=65_536)
+    seq_len: int = Field(512, ge=2, le=2**21, description="Tokens per sequence (at least 2: a token and its target).")
     max_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps.")
     epochs: float | None = Field(None, gt=0, description="Passes over the data (when max_steps is not set).")
     lr: float = Field(3e-4, gt=0)

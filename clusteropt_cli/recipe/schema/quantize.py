@@ -49,7 +49,7 @@ class QuantizeRecipe(Strict):
     symmetric: bool = Field(True, description="Symmetric integer weights (no zero point); awq/gptq/rtn.")
     calib: str | None = Field(None, description=".txt (one sample a line) or .jsonl with a text field.")
     num_samples: PositiveInt = Field(128, description="Calibration samples used (the first N of --calib).")
-    seq_len: PositiveInt = Field(512, description="Tokens per calibration sample (longer ones are truncated).")
+    seq_len: int = Field(512, ge=2, description="Tokens per calibration sample (longer ones are truncated).")
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"],
                               description="Modules kept in full precision (names or re:regex).")
     backend: Literal["llmcompressor", "gptqmodel", "auto-gptq", "autoawq"] = "llmcompressor"
