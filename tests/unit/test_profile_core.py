@@ -362,3 +362,15 @@ def test_a_full_closed_loops_ttft_missed_by_what_its_tok_s_and_tpot_imply_is_exp
     assert not Comparison("r.yaml", 0.15, unexplained).passed
     beside_a_miss, caveats = explain_amplified_ttft(level, checks(0.213 * 0.60, tok_pred=13_288 * 1.3), 0.15)
     assert beside_a_miss[0].status == "miss" and "explained" not in caveats[0]
+
+
+def test_a_password_in_the_url_is_never_shown() -> None:
+    """`--url http://user:secret@host` was echoed whole in errors and written into the report's workload."""
+    from clusteropt_cli.core.profile.settings import shown_url
+    from clusteropt_cli.errors import BadInputError
+
+    assert shown_url("http://user:s3cret@127.0.0.1:8000/v1") == "http://user:***@127.0.0.1:8000/v1"
+    assert shown_url("http://127.0.0.1:8000") == "http://127.0.0.1:8000"
+    with pytest.raises(BadInputError) as info:
+        EndpointSettings(url="http://user:s3cret@host:0", model="m").validate()
+    assert "s3cret" not in str(info.value) and "***" in str(info.value)

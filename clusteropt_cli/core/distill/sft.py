@@ -156,7 +156,13 @@ def distill_sft(settings: DistillRecipe, *, output_dir: Any, overwrite: bool = F
 
     if not settings.traces:
         raise BadInputError("distill sft needs --traces.", hint="Pass the traces.jsonl written by copt distill traces.")
-    rows = iter_kept(read_traces(settings.traces))
+    all_rows = read_traces(settings.traces)
+    rows = iter_kept(all_rows)
+    if all_rows and not rows:
+        raise BadInputError(f"--traces {settings.traces}: all {len(all_rows)} traces are marked verified: false "
+                            "(answers that did not match), so none is trained on.",
+                            hint="Regenerate with `copt distill traces --verify` on prompts the teacher gets right, or "
+                                 "pass traces that were not verified.")
     eval_rows = iter_kept(read_traces(settings.eval_traces, flag="--eval-traces")) if settings.eval_traces else None
     from clusteropt_cli.core.train.validate import check_hardware
 

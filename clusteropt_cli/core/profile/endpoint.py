@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 
 from clusteropt_cli import __version__
 from clusteropt_cli.core.profile.report import EndpointLevel, HardwareInfo, ProfileReport
-from clusteropt_cli.core.profile.settings import EndpointSettings
+from clusteropt_cli.core.profile.settings import EndpointSettings, shown_url
 from clusteropt_cli.core.profile.stats import latency_summary
 from clusteropt_cli.core.profile.verdict import endpoint_verdict
 from clusteropt_cli.core.textfiles import jsonl_rows, string_field
@@ -773,7 +773,7 @@ def profile_endpoint(s: EndpointSettings, log: Log | None = None,
     metrics["error_rate"] = (sum(sum(lv.errors.values()) for lv in levels) / total) if total else None
     verdict = endpoint_verdict(levels, slo_ttft_s=s.slo_ttft_ms / 1e3 if s.slo_ttft_ms else None,
                                slo_tpot_s=s.slo_tpot_ms / 1e3 if s.slo_tpot_ms else None)
-    workload = {"url": s.url, "concurrency": s.concurrency or None, "rate": s.rate or None,
+    workload = {"url": shown_url(s.url), "concurrency": s.concurrency or None, "rate": s.rate or None,
                 "num_requests": s.num_requests, "duration_s": s.duration_s, "prompt_len": s.prompt_len,
                 "gen_len": s.gen_len, "dataset": str(s.dataset) if s.dataset else None,
                 "slo_ttft_ms": s.slo_ttft_ms, "slo_tpot_ms": s.slo_tpot_ms,
@@ -783,7 +783,7 @@ def profile_endpoint(s: EndpointSettings, log: Log | None = None,
                 "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed,
                 "client_processes": {str(c): s.client_processes_for(c) for c in s.concurrency} or None}
     return ProfileReport(kind="endpoint", mode="endpoint", created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-                         copt_version=__version__, hardware=_server_hardware(s.url), model={"name": s.model},
+                         copt_version=__version__, hardware=_server_hardware(shown_url(s.url)), model={"name": s.model},
                          workload=workload, metrics=metrics, levels=levels, verdict=verdict)
 
 
@@ -797,7 +797,7 @@ def _all_failed(s: EndpointSettings, levels: list[EndpointLevel], failures: dict
     """Every request failed: an error that passes on what the server said."""
     total = sum(lv.requests for lv in levels)
     kinds = ", ".join(f"{kind}: {msg}" if msg else kind for kind, msg in failures.items()) or "no requests sent"
-    message = f"Every request to {completions_url(s.url)} failed ({total} sent): {kinds}"
+    message = f"Every request to {shown_url(completions_url(s.url))} failed ({total} sent): {kinds}"
     if any(k in ("http_404", "http_400", "http_401", "http_403", "http_422", "connect", "bad_url")
            for k in failures):
         hint = ("Check --url, --model (GET /v1/models lists the names the server serves) and --api-key."

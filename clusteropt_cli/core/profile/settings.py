@@ -20,6 +20,20 @@ def _raise_problems(problems: list[str], hint: str) -> None:
         raise BadInputError(text, hint=hint)
 
 
+def shown_url(url: str) -> str:
+    """`url` as messages and reports show it: a password in it (http://user:secret@host) replaced by ***."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
 @dataclass
 class ModelProfileSettings:
     """What `copt profile model` measures: one inference request shape or one training step."""
@@ -114,7 +128,7 @@ class EndpointSettings:
         if self.top_k is not None and self.top_k < -1:
             problems.append(f"--top-k must be -1, 0 (both: off) or a positive count (got {self.top_k})")
         if not self.url.startswith(("http://", "https://")):
-            problems.append(f"--url {self.url!r} must start with http:// or https://")
+            problems.append(f"--url {shown_url(self.url)!r} must start with http:// or https://")
         else:
             from urllib.parse import urlsplit
 
@@ -122,13 +136,13 @@ class EndpointSettings:
                 parts = urlsplit(self.url)
                 port = parts.port  # raises on a port out of range or not a number
                 if not parts.hostname:
-                    problems.append(f"--url {self.url!r} names no host")
+                    problems.append(f"--url {shown_url(self.url)!r} names no host")
                 elif not _valid_numeric_host(parts.hostname):
-                    problems.append(f"--url {self.url!r}: {parts.hostname} is not an IPv4 address")
+                    problems.append(f"--url {shown_url(self.url)!r}: {parts.hostname} is not an IPv4 address")
                 elif port == 0:
-                    problems.append(f"--url {self.url!r}: port 0 is not a server's port")
+                    problems.append(f"--url {shown_url(self.url)!r}: port 0 is not a server's port")
             except ValueError as exc:
-                problems.append(f"--url {self.url!r} is not a valid URL ({exc})")
+                problems.append(f"--url {shown_url(self.url)!r} is not a valid URL ({exc})")
         if not self.model:
             problems.append("--model must name the served model (GET /v1/models lists them)")
         if self.concurrency and self.rate:

@@ -94,6 +94,11 @@ def default_output(settings: QuantizeRecipe) -> Path:
     return parent / f"{model.name or 'model'}-{settings.method}-{tag}"
 
 
+def _dividing_group_size(widths: list[int]) -> int:
+    """The largest of the usual group sizes (128, 64, 32, 16, 8) that divides every width (8 if none does)."""
+    return next((g for g in (128, 64, 32, 16, 8) if all(w % g == 0 for w in widths)), 8)
+
+
 def _linear_in_features(config: dict) -> dict[str, int]:
     """Input widths of the Linear layers a Llama-style decoder quantizes (from config.json, no weights)."""
     text = config.get("text_config") or config
@@ -141,7 +146,9 @@ def plan(settings: QuantizeRecipe, overwrite: bool = False, recipe: str | None =
         if bad:
             raise RecipeError("--group-size does not divide the layer widths:",
                               problems=[f"group_size {settings.group_size}: {k} = {v}" for k, v in bad.items()],
-                              hint="Choose a group size that divides them (e.g. 64 or 128), or -1 for per-channel.")
+                              hint="Choose a group size that divides them (e.g. "
+                                   f"{_dividing_group_size(list(_linear_in_features(config).values()))}), or -1 for "
+                                   "per-channel.")
     if settings.method in ("fp8", "int8") and settings.group_size != 128:
         warnings.append(f"--group-size is ignored for {settings.method} (weights get one scale per output channel)")
     if settings.method in ("fp8", "int8") and not settings.symmetric:

@@ -38,7 +38,9 @@ def validate_train(settings: TrainRecipe, *, overwrite: bool = False, check_outp
         problems.append(f"--data: {settings.data} is a directory; pass one .txt or .jsonl file (concatenate the "
                         "directory's files into one)")
     elif not Path(settings.data).is_file():
-        problems.append(f"--data: {settings.data} does not exist")
+        problems.append(f"--data: {settings.data} " + ("is not a regular file (a pipe or a device?); pass a .txt or "
+                                                       ".jsonl file" if Path(settings.data).exists()
+                                                       else "does not exist"))
     elif Path(settings.data).suffix not in (".txt", ".jsonl", ".md", ".text", ""):
         problems.append(f"--data: {settings.data} is neither .txt nor .jsonl")
     if source is None:
