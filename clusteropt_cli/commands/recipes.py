@@ -64,7 +64,7 @@ def validate_cmd(
 @app.command("cp")
 def cp_cmd(
     name: Annotated[str, typer.Argument(help="Built-in recipe name.")],
-    dest: Annotated[Path, typer.Argument(help="Destination file or directory.")],
+    dest_text: Annotated[str, typer.Argument(metavar="DEST", help="Destination file or directory.")],
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Copy a built-in recipe to edit it."""
@@ -76,6 +76,10 @@ def cp_cmd(
     from clusteropt_cli.recipe.registry import builtin_recipe
 
     source = builtin_recipe(name)
+    dest = Path(dest_text).expanduser()
+    if dest_text.endswith(("/", os.sep)) and not dest.is_dir():  # Path() drops the slash that names a directory
+        raise BadInputError(f"DEST {dest_text} names a directory that does not exist.",
+                            hint=f"Create it first (mkdir -p {dest_text}), or drop the trailing slash to name a file.")
     target = dest / source.name if dest.is_dir() else dest
     check_parent_is_directory(target, "DEST", dest)
     if os.path.lexists(target) and not overwrite:  # a dangling symlink is the user's too

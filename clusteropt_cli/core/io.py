@@ -78,6 +78,8 @@ def check_output(output: str | Path, inputs: Mapping[str, str | Path | None] | N
                             "inputs.", hint=f"Choose a {flag} outside every input"
                             + (" (e.g. a new sibling directory)." if kind == "dir" else "."))
     if not os.path.lexists(out_given):
+        if kind == "file":
+            _check_writable(out.parent, flag, output)
         return
     if kind == "file":
         if out.is_dir():
@@ -117,6 +119,19 @@ def check_output(output: str | Path, inputs: Mapping[str, str | Path | None] | N
         raise BadInputError(f"{flag} {output} was not written by copt (it has no {OUTPUT_MARKER}); --overwrite "
                             f"would delete: {_listing(out)}.",
                             hint=f"Choose a new {flag}, or move that directory away yourself.")
+
+
+def _check_writable(directory: Path, flag: str, given: str | Path) -> None:
+    """A file can be created in `directory` (a read-only or pseudo file system such as /proc fails here, before the
+    work, not when the results are written)."""
+    if not directory.is_dir():
+        return  # check_parent_is_directory names that
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise BadInputError(f"{flag} {given}: cannot create a file in {directory} ({exc.strerror or exc}).",
+                            hint=f"Choose a {flag} in a directory you can write to.") from None
 
 
 def check_parent_is_directory(path: Path, flag: str, given: str | Path | None = None) -> None:

@@ -266,3 +266,26 @@ def test_sizes_no_run_can_use_are_refused_up_front(copt, fixtures, tmp_path):
     proc = copt("quantize", str(fixtures.student), "--method", "int8", "--calib", str(one), "--output",
                 str(tmp_path / "q"))
     assert proc.returncode == 2 and "--calib" in proc.stderr and not (tmp_path / "q").exists(), proc.stderr[-2000:]
+
+
+def test_limits_checked_before_any_work(copt, fixtures, tmp_path):
+    """A tokenizer with more tokens than the model's embedding (IndexError, exit 1, after the data and the model
+    loaded), 10^8 profile clients (killed by the kernel), `recipes cp NAME newdir/` (wrote a file named newdir), a
+    --report where no file can be created (found after the sweep)."""
+    import shutil
+
+    small = tmp_path / "small-vocab"
+    shutil.copytree(fixtures.student, small)
+    config = json.loads((small / "config.json").read_text())
+    config["vocab_size"] = 16
+    (small / "config.json").write_text(json.dumps(config))
+    proc = copt("train", "--model", str(small / "config.json"), "--tokenizer", str(fixtures.tokenizer), "--data",
+                str(fixtures.train_text), "--output", str(tmp_path / "o"), "--max-steps", "1", "--seq-len", "16")
+    assert proc.returncode == 2 and "vocab_size" in proc.stderr, proc.stderr[-2000:]
+    proc = copt("profile", "endpoint", "--url", "http://127.0.0.1:9", "--model", "m", "--concurrency", "100000000")
+    assert proc.returncode == 2 and "at most" in proc.stderr, proc.stderr[-2000:]
+    proc = copt("recipes", "cp", "train-oom-checkpointing", str(tmp_path / "newdir") + "/")
+    assert proc.returncode == 2 and not (tmp_path / "newdir").exists(), proc.stderr
+    if Path("/proc").is_dir():  # a report nobody can create failed only after the whole sweep, losing it
+        proc = copt("profile", "endpoint", "--url", "http://127.0.0.1:9", "--model", "m", "--report", "/proc/r.json")
+        assert proc.returncode == 2 and "cannot create a file" in proc.stderr, proc.stderr[-2000:]

@@ -20,6 +20,9 @@ def _raise_problems(problems: list[str], hint: str) -> None:
         raise BadInputError(text, hint=hint)
 
 
+MAX_CONCURRENCY = 65_536  # concurrent clients one profile level opens
+
+
 def shown_url(url: str) -> str:
     """`url` as messages and reports show it: a password in it (http://user:secret@host) replaced by ***."""
     from urllib.parse import urlsplit, urlunsplit
@@ -149,6 +152,9 @@ class EndpointSettings:
             problems.append("--concurrency and --rate: give a concurrency sweep or request rates, not both")
         if any(c < 1 for c in self.concurrency):
             problems.append(f"--concurrency values must be at least 1 (got {self.concurrency})")
+        if any(c > MAX_CONCURRENCY for c in self.concurrency):  # 10^8 clients were accepted, then the kernel's OOM kill
+            problems.append(f"--concurrency values must be at most {MAX_CONCURRENCY:,} clients (got "
+                            f"{max(self.concurrency):,})")
         if any(r <= 0 for r in self.rate):
             problems.append(f"--rate values must be positive requests/s (got {self.rate})")
         if self.num_requests is not None and self.num_requests < 1:

@@ -61,7 +61,15 @@ def load_tokenizer(source: ModelSource) -> Any:
                             hint="pass --tokenizer DIR (a local tokenizer directory)")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(source.tokenizer_path))
+    tokenizer = AutoTokenizer.from_pretrained(str(source.tokenizer_path))
+    config = source.config.get("text_config") if isinstance(source.config.get("text_config"), dict) else source.config
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and len(tokenizer) > vocab:  # its ids past the embedding: IndexError after the load
+        raise BadInputError(f"The tokenizer at {source.tokenizer_path} has {len(tokenizer):,} tokens; the model's "
+                            f"embedding has {vocab:,} (vocab_size).",
+                            hint="Pass the model's own tokenizer (--tokenizer), or a config whose vocab_size covers "
+                                 "it.")
+    return tokenizer
 
 
 def load_model(source: ModelSource, seed: int = 0, *, dtype: Any = None, device: Any = "cpu",
