@@ -7,7 +7,7 @@ Exit codes (documented in the README):
     3  a missing optional dependency (install the extra named in the hint)
     4  unsupported hardware (e.g. FP8 on a GPU below compute capability 8.9)
     5  out of memory
-    6  a check failed: the plan does not fit (--fail-if-oom) or a prediction missed (--tolerance)
+    6  a check failed: the plan does not fit (--fail-if-oom), a prediction missed (--tolerance), training diverged
     7  no space left on the device an output is written to (the partial files are removed)
     130 interrupted (Ctrl-C); 143 terminated (SIGTERM)
 """
