@@ -189,7 +189,7 @@ def _get(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
-def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+def text_config_of(cfg: dict[str, Any]) -> dict[str, Any]:
     """Multimodal configs nest the language model under text_config."""
     if "hidden_size" not in cfg and "n_embd" not in cfg and isinstance(cfg.get("text_config"), dict):
         return {**cfg["text_config"], "architectures": cfg.get("architectures")}
@@ -364,7 +364,7 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
     """A ModelSpec from a config.json dict."""
     if not isinstance(config, dict):
         raise BadInputError(f"Model config {name} is not a JSON object.", hint="Pass a Hugging Face config.json.")
-    cfg = _text_config(copy.deepcopy(config))
+    cfg = text_config_of(copy.deepcopy(config))
     if str(cfg.get("model_type", "")) in GPT2_LIKE or ("n_embd" in cfg and "hidden_size" not in cfg):
         return _spec_gpt2(cfg, name)
     return _spec_decoder(cfg, name)

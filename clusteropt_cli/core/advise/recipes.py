@@ -35,6 +35,8 @@ PLACEHOLDER_FLAGS = {DATA_PLACEHOLDER: "--data", TOKENIZER_PLACEHOLDER: "--token
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.pt", "*.gguf")
 
 QUANTIZE_METHODS = {"awq": "awq", "gptq": "gptq", "fp8-w8a8": "fp8"}
+# the `copt quantize --method` for a plan's weights when no recommendation names one
+DEFAULT_QUANTIZE_METHOD = {"int4": "awq", "int8": "int8", "fp8": "fp8"}
 # recipe keys without a flag of their own: passed as `key=value` overrides
 _TRAIN_OVERRIDES = ("optimizer", "loss_impl", "loss_chunk_tokens")
 # recipe keys that are always spelled out in a train command (the workload the prediction is for)
@@ -120,9 +122,9 @@ def quantized_path(model_arg: str, method: str) -> str:
 def serve_recipe_data(plan: InferPlan, model_arg: str, quantize_method: str | None = None) -> dict[str, Any]:
     """The `copt serve` recipe (as a dict, ServeRecipe fields) that serves `plan`."""
     model = model_dir_arg(model_arg)
-    if plan.weights in ("int4", "int8", "fp8"):  # beside the model's directory, else named after the preset
+    if plan.weights in DEFAULT_QUANTIZE_METHOD:  # beside the model's directory, else named after the preset
         model = quantized_path(model if model != MODEL_DIR_PLACEHOLDER else model_arg,
-                               quantize_method or {"int4": "awq", "int8": "int8", "fp8": "fp8"}[plan.weights])
+                               quantize_method or DEFAULT_QUANTIZE_METHOD[plan.weights])
     data: dict[str, Any] = {"task": "serve", "model": model, "tensor_parallel": plan.tp,
                             # copt's engine runs one GPU; its paged cache keeps fp8 blocks, an int8 cache is vLLM's
                             "engine": plan.serving_engine,
@@ -197,9 +199,9 @@ def train_command(plan: TrainPlan, model_arg: str, target: Target, data: str | N
 def quantize_command(plan: InferPlan, model_arg: str, quantize_method: str | None = None) -> str | None:
     """`copt quantize` writing the checkpoint the serve recipe of `plan` names (None: the plan serves the model's own
     weights)."""
-    if plan.weights not in ("int4", "int8", "fp8"):
+    if plan.weights not in DEFAULT_QUANTIZE_METHOD:
         return None
-    method = quantize_method or {"int4": "awq", "int8": "int8", "fp8": "fp8"}[plan.weights]
+    method = quantize_method or DEFAULT_QUANTIZE_METHOD[plan.weights]
     calib = f" --calib {CALIB_PLACEHOLDER}" if method in ("awq", "gptq", "int8") else ""  # quantize needs them
     output = serve_recipe_data(plan, model_arg, quantize_method)["model"]
     return (f"copt quantize {shlex.quote(model_dir_arg(model_arg))} --method {method}{calib} --output "
@@ -245,13 +247,12 @@ def advise_layout_command(plan: TrainPlan, model_arg: str, target: Target, probl
 
 
 def command_for(rec_id: str, task: str, plan: TrainPlan | InferPlan, model_arg: str, target: Target,
-                data: str | None = None, spec: Any = None) -> str:
+                data: str | None, spec: Any) -> str:
     """The complete command that applies recommendation `rec_id` (its changed plan `plan`); `spec` (the model's
     ModelSpec) checks a training plan against what copt train runs."""
     if task == "train":
         assert isinstance(plan, TrainPlan)
-        problems = copt_train_problems(plan, spec, target, model_arg) if spec is not None else \
-            ([f"--tensor-parallel {plan.tp}"] if plan.tp > 1 else [])
+        problems = copt_train_problems(plan, spec, target, model_arg)
         if problems:
             # the figures are for a layout copt train cannot run: re-plan it with advise
             return advise_layout_command(plan, model_arg, target, problems)

@@ -73,6 +73,7 @@ class TeacherGenerator:
         self.max_batch_size = max_batch_size
         self.engine: Any = None
         self._tokenizer: Any = None
+        self._context: tuple[int, int] | None = None  # _check_lengths' (context, longest vocabulary entry)
         self.template_kwargs: dict[str, Any] = {}  # e.g. {"enable_thinking": True} (thinking_mode)
 
     @property
@@ -119,18 +120,19 @@ class TeacherGenerator:
         from clusteropt_cli.core.distill.vocab import read_config
         from clusteropt_cli.errors import BadInputError
 
-        context = read_config(self.teacher).get("max_position_embeddings")
+        if self._context is None:  # read once: (the teacher's context, its vocabulary's longest entry)
+            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
+            self._context = (int(read_config(self.teacher).get("max_position_embeddings") or 0), longest)
+        context, longest = self._context
         if not context:
             return
-        if not hasattr(self, "_longest_token"):
-            self._longest_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
-        room = max(0, int(context) - max_new_tokens - 1)
+        room = max(0, context - max_new_tokens - 1)
         for prompt in prompts:
-            fewest = -(-len(prompt) // self._longest_token)  # tokens this many characters take at the least
+            fewest = -(-len(prompt) // longest)  # tokens this many characters take at the least
             if fewest > room:
                 raise BadInputError(
                     f"A prompt of {len(prompt):,} characters takes at least {fewest:,} tokens; with --max-new-tokens "
-                    f"{max_new_tokens} the teacher's context of {int(context):,} leaves room for {room:,}.",
+                    f"{max_new_tokens} the teacher's context of {context:,} leaves room for {room:,}.",
                     hint="Shorten or split the prompts (or lower --max-new-tokens).")
 
     def close(self) -> None:

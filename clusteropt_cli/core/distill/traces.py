@@ -396,16 +396,17 @@ def _load_progress(output: Path, key: dict[str, Any], prompt_ids: set[str]) -> d
     done = {row["prompt_id"]: row for row in lines[1:]}
     text = output.read_text(encoding="utf-8")
     numbered = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    last_done = max((i for i, (_, line) in enumerate(numbered) if _prompt_id(line) in done), default=-1)
+    ids = [_prompt_id(line) for _, line in numbered]
+    last_done = max((i for i, pid in enumerate(ids) if pid in done), default=-1)
     kept_lines = [line for _, line in numbered[:last_done + 1]]
-    for i, (number, line) in enumerate(numbered[last_done + 1:], last_done + 1):
-        torn_tail = i == len(numbered) - 1 and not text.endswith("\n") and _prompt_id(line) is None
-        if torn_tail or _trace_row_of(line, prompt_ids):
+    for i in range(last_done + 1, len(numbered)):
+        torn_tail = i == len(numbered) - 1 and not text.endswith("\n") and ids[i] is None
+        if torn_tail or ids[i] in prompt_ids:
             continue  # the unfinished batch of a stopped run
-        raise BadInputError(f"--output {output} line {number} is not a trace of this run's unfinished prompts; "
-                            "resuming would drop it.",
+        raise BadInputError(f"--output {output} line {numbered[i][0]} is not a trace of this run's unfinished "
+                            "prompts; resuming would drop it.",
                             hint="Move lines you added to another file, or pass --overwrite to start over.")
-    stray = [number for number, line in numbered[:last_done + 1] if _prompt_id(line) not in done]
+    stray = [numbered[i][0] for i in range(last_done + 1) if ids[i] not in done]
     if stray:
         raise BadInputError(f"--output {output} line {stray[0]} is not a trace of a prompt the progress file records "
                             "as done; resuming would drop it.",
@@ -415,11 +416,6 @@ def _load_progress(output: Path, key: dict[str, Any], prompt_ids: set[str]) -> d
 
         atomic_write_text(output, "".join(line + "\n" for line in kept_lines))
     return done
-
-
-def _trace_row_of(line: str, prompt_ids: set[str]) -> bool:
-    """A trace line (a JSON object) for one of `prompt_ids`, the prompts of this run."""
-    return _prompt_id(line) in prompt_ids
 
 
 def _check_progress_file(progress: Path) -> None:

@@ -62,8 +62,9 @@ def load_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(source.tokenizer_path))
-    config = source.config.get("text_config") if isinstance(source.config.get("text_config"), dict) else source.config
-    vocab = config.get("vocab_size")
+    from clusteropt_cli.modelspec import text_config_of
+
+    vocab = text_config_of(source.config).get("vocab_size")
     if isinstance(vocab, int) and len(tokenizer) > vocab:  # its ids past the embedding: IndexError after the load
         raise BadInputError(f"The tokenizer at {source.tokenizer_path} has {len(tokenizer):,} tokens; the model's "
                             f"embedding has {vocab:,} (vocab_size).",
