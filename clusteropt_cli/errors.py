@@ -152,12 +152,21 @@ def _from_runtime_error(exc: RuntimeError) -> CoptError | None:
     if mapped is not None:
         return mapped
     text = str(exc)
+    if "can't allocate memory" in text:  # torch's CPU allocator (DefaultCPUAllocator)
+        return _host_oom(exc)
     if "out of memory" in text.lower():
         return OutOfMemoryError(
             "The device ran out of memory.",
             hint="add --activation-checkpointing, lower --micro-batch, or run 'copt advise --symptom oom'",
         )
     return _model_files_mismatch(exc)
+
+
+def _host_oom(exc: BaseException) -> CoptError:
+    """Python's MemoryError or torch's CPU allocator failing: the host's RAM, not a GPU's."""
+    detail = str(exc).splitlines()[0].split("DefaultCPUAllocator: ")[-1] if str(exc) else ""
+    return OutOfMemoryError("The host ran out of memory" + (f": {detail}" if detail else "."),
+                            hint="Use a smaller dtype (bf16), a GPU, or a smaller model; lower the batch size.")
 
 
 # what transformers and tokenizers raise when a model directory's files do not fit together or cannot be parsed
@@ -187,6 +196,7 @@ _BY_CLASS_NAME: dict[str, Callable[[BaseException], CoptError | None]] = {
     "OutOfMemoryError": _torch_oom,  # torch.cuda.OutOfMemoryError / torch.OutOfMemoryError
 }
 _BY_TYPE: list[tuple[type[BaseException], Callable]] = [
+    (MemoryError, _host_oom),
     (ImportError, _from_import_error),
     (OSError, _from_os_error),
     (RuntimeError, _from_runtime_error),

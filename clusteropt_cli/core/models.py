@@ -1,5 +1,6 @@
-"""Loading a causal LM for inference-side work (a teacher, a trained student, an evaluation) and the dtype names
-copt's flags take. Never downloads: models are local Hugging Face directories.
+"""Loading a causal LM for inference-side work (a teacher, a trained student, an evaluation), the dtype names
+copt's flags take, and the host-memory check made before a model is built on the host. Never downloads: models are
+local Hugging Face directories.
 
     from clusteropt_cli.core.models import load_causal_lm, pick_device
     model = load_causal_lm("path/to/model", "auto", pick_device(), precision="bf16")
@@ -8,10 +9,11 @@ copt's flags take. Never downloads: models are local Hugging Face directories.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from clusteropt_cli.errors import BadInputError
+from clusteropt_cli.errors import BadInputError, OutOfMemoryError
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 
@@ -41,6 +43,36 @@ def torch_dtype(name: str, device: str, precision: str = "fp32") -> Any:
             return torch.float32
         return {"fp16": torch.float16, "fp32": torch.float32}.get(precision, torch.bfloat16)
     return dtype_of(name)
+
+
+def host_memory_available() -> int:
+    """Bytes the host can give this process now without swapping (psutil's `available`)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_host_memory(models: Sequence[tuple[str, dict[str, Any], Any]], hint: str) -> None:
+    """Refuse (exit 5), before anything is allocated, models whose weights alone exceed the host memory available
+    now: each entry (what, its config.json dict, the torch dtype its weights are built in). Past that memory the
+    kernel's out-of-memory killer ends the process (exit 137) without a message. A config whose size
+    clusteropt_cli.modelspec cannot tell is not counted."""
+    from clusteropt_cli.modelspec import load_model_spec
+
+    needed, parts = 0, []
+    for what, config, dtype in models:
+        try:
+            params = int(load_model_spec(config).num_params)
+        except Exception:  # noqa: BLE001 - an architecture modelspec does not know: loading tells
+            continue
+        needed += params * dtype.itemsize
+        count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
+        parts.append(f"{what}: {count} parameters × {dtype.itemsize} bytes")
+    available = host_memory_available()
+    if needed > available:
+        gib = 2**30
+        raise OutOfMemoryError(f"Not enough host memory: the weights alone need about {needed / gib:.1f} GiB "
+                               f"({'; '.join(parts)}); {available / gib:.1f} GiB is available.", hint=hint)
 
 
 def load_causal_lm(path: str | Path, dtype: str | Any = "auto", device: str = "cpu", precision: str = "fp32"):

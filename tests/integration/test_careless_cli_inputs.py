@@ -289,3 +289,35 @@ def test_limits_checked_before_any_work(copt, fixtures, tmp_path):
     if Path("/proc").is_dir():  # a report nobody can create failed only after the whole sweep, losing it
         proc = copt("profile", "endpoint", "--url", "http://127.0.0.1:9", "--model", "m", "--report", "/proc/r.json")
         assert proc.returncode == 2 and "cannot create a file" in proc.stderr, proc.stderr[-2000:]
+
+
+def _copt_in_bounded_memory(*args: str) -> subprocess.CompletedProcess:
+    """copt with its address space capped at 6 GiB: a model built before the host-memory check fails there at once
+    instead of filling the machine's RAM."""
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("COPT_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "clusteropt_cli", *args], capture_output=True, text=True, env=env,
+                          timeout=300, preexec_fn=cap)
+
+
+def test_a_model_larger_than_host_memory_is_refused_before_loading(fixtures, tmp_path):
+    """profile model and distill logits on a 405B preset (1.5 TiB of fp32 weights) on the CPU were killed by the
+    kernel (exit 137) while the random weights were written: now exit 5 before anything is allocated, teacher and
+    student counted together."""
+    proc = _copt_in_bounded_memory("profile", "model", "llama-3.1-405b", "--device", "cpu")
+    assert proc.returncode == 5 and "Not enough host memory" in proc.stderr, proc.stderr[-2000:]
+    assert "--dtype" in proc.stderr
+    out = tmp_path / "out"
+    proc = _copt_in_bounded_memory("distill", "logits", "--teacher", str(fixtures.teacher), "--student",
+                                   "llama-3.1-405b", "--data", str(fixtures.train_text), "--output", str(out))
+    assert proc.returncode == 5 and "Not enough host memory" in proc.stderr, proc.stderr[-2000:]
+    assert "--student llama-3.1-405b" in proc.stderr and not out.exists()
+    import torch
+
+    if not torch.cuda.is_available():  # on a CPU the teacher is held beside the student
+        assert "--teacher" in proc.stderr and "--teacher-dtype" in proc.stderr

@@ -109,6 +109,20 @@ def test_map_exception_torch_oom_class():
     assert isinstance(map_exception(CoptError("x")), CoptError)
 
 
+def test_map_exception_host_out_of_memory():
+    """Python's MemoryError and torch's CPU allocator failing (a RuntimeError) are the host's out of memory: exit 5,
+    not an internal error."""
+    cpu = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+        "you tried to allocate 8589934592 bytes. Error code 12 (Cannot allocate memory)"
+    )
+    for exc in (MemoryError(), cpu):
+        mapped = map_exception(exc)
+        assert isinstance(mapped, OutOfMemoryError) and mapped.exit_code == 5, exc
+        assert "host" in mapped.message and mapped.hint
+    assert "8589934592 bytes" in map_exception(cpu).message
+
+
 def test_env_json_is_one_document(copt):
     result = copt("env", "--json")
     assert result.returncode == 0, result.stderr

@@ -144,6 +144,7 @@ def distill_sft(settings: DistillRecipe, *, output_dir: Any, overwrite: bool = F
     from clusteropt_cli.core.distill.logits import (
         _train_summary,
         build_student,
+        check_distill_host_memory,
         load_causal_lm,
         pick_device,
         prepare_output_dir,
@@ -173,6 +174,7 @@ def distill_sft(settings: DistillRecipe, *, output_dir: Any, overwrite: bool = F
         raise BadInputError(f"--student {settings.student} has no tokenizer files.",
                             hint="SFT renders the traces with the student's chat template: pass a model directory "
                                  "that holds its tokenizer.")
+    check_distill_host_memory(settings, source)
     from clusteropt_cli.core.io import replacing_output_dir
     from clusteropt_cli.core.train.launch import is_launched_child
 

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from clusteropt_cli import __version__
-from clusteropt_cli.core.models import dtype_of
+from clusteropt_cli.core.models import check_host_memory, dtype_of
 from clusteropt_cli.core.profile.loading import check_model_source, load_model, model_spec
 from clusteropt_cli.core.profile.memory import (
     SavedTensorTracker,
@@ -114,6 +114,11 @@ def profile_model(s: ModelProfileSettings, log: Log | None = None) -> ProfileRep
         precision = weights_dtype = resolve_dtype(s.dtype, device)
     if device == "cpu" and precision == "fp16" and s.mode == "infer":
         log("fp16 matmuls on CPU are slow; bf16 or fp32 are the usual CPU dtypes")
+    if device == "cpu":  # the weights are held in host memory
+        smaller = "in a smaller --dtype (bf16), " if s.mode == "infer" and weights_dtype == "fp32" else ""
+        check_host_memory([(s.model, resolved.config, dtype_of(weights_dtype))],
+                          hint=f"Profile {smaller}on a GPU (--device cuda), or a smaller model"
+                               + (" (training keeps fp32 weights)." if s.mode == "train" else "."))
     log(f"loading {s.model} on {device} ({weights_dtype} weights)")
     loaded = load_model(s.model, device, dtype_of(weights_dtype), attn=s.attn, seed=s.seed, resolved=resolved)
     model = loaded.model

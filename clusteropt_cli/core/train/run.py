@@ -49,6 +49,14 @@ def train_from_settings(settings: TrainRecipe, *, overwrite: bool = False, callb
         # ZeRO-3: built partitioned under deepspeed.zero.Init (kept alive for the run; see zero3_model_init)
         zero3 = zero3_model_init(settings, settings.gpus * settings.nodes, device_type()) \
             if settings.zero == 3 else None
+        if zero3 is None:  # built whole, in fp32, on the host
+            import torch
+
+            from clusteropt_cli.core.models import check_host_memory
+
+            check_host_memory([(f"--model {settings.model}", source.config, torch.float32)],
+                              hint="Train a smaller model, use a machine with more host memory, or --zero 3 (built "
+                                   "partitioned).")
         model = load_model(source, seed=settings.seed)
         if rank == 0 and log is not None:
             count = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
