@@ -321,3 +321,25 @@ def test_a_model_larger_than_host_memory_is_refused_before_loading(fixtures, tmp
 
     if not torch.cuda.is_available():  # on a CPU the teacher is held beside the student
         assert "--teacher" in proc.stderr and "--teacher-dtype" in proc.stderr
+
+
+def test_distill_sft_refuses_a_tokenizer_larger_than_the_students_vocabulary(copt, fixtures, tmp_path):
+    """A student directory (config + tokenizer, trained from scratch) whose vocab_size is below its tokenizer's
+    size failed with an IndexError (exit 1) in the first step, after the traces and the model loaded: refused up front
+    with copt train's check."""
+    student = tmp_path / "student"
+    student.mkdir()
+    for f in fixtures.student.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            (student / f.name).write_bytes(f.read_bytes())
+    config = json.loads((student / "config.json").read_text())
+    config["vocab_size"] = 16
+    (student / "config.json").write_text(json.dumps(config))
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "completion": f"It is {i + 1}."}) + "\n"
+                              for i in range(4)))
+    out = tmp_path / "out"
+    proc = copt("distill", "sft", "--student", str(student), "--traces", str(traces), "--output", str(out),
+                "--max-steps", "1", "--seq-len", "32", "--precision", "fp32")
+    assert proc.returncode == 2 and "the model's embedding has 16 (vocab_size)" in proc.stderr, proc.stderr[-2000:]
+    assert not out.exists()

@@ -154,6 +154,7 @@ def distill_sft(settings: DistillRecipe, *, output_dir: Any, overwrite: bool = F
     from clusteropt_cli.core.distill.traces import iter_kept, read_traces
     from clusteropt_cli.core.distill.vocab import has_tokenizer, load_tokenizer
     from clusteropt_cli.core.train import run_training
+    from clusteropt_cli.core.train.model import check_tokenizer_fits
 
     if not settings.traces:
         raise BadInputError("distill sft needs --traces.", hint="Pass the traces.jsonl written by copt distill traces.")
@@ -174,6 +175,11 @@ def distill_sft(settings: DistillRecipe, *, output_dir: Any, overwrite: bool = F
         raise BadInputError(f"--student {settings.student} has no tokenizer files.",
                             hint="SFT renders the traces with the student's chat template: pass a model directory "
                                  "that holds its tokenizer.")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    check_tokenizer_fits(tokenizer, source.config, tokenizer_dir,
+                         hint="The student's config.json and tokenizer must come from the same save_pretrained: "
+                              "restore the directory from the model's source, or resize its embeddings to the "
+                              "tokenizer.")
     check_distill_host_memory(settings, source)
     from clusteropt_cli.core.io import replacing_output_dir
     from clusteropt_cli.core.train.launch import is_launched_child
@@ -183,7 +189,6 @@ def distill_sft(settings: DistillRecipe, *, output_dir: Any, overwrite: bool = F
         prepare_output_dir(Path(output_dir), overwrite=overwrite, resume=settings.resume, inputs=sft_inputs(settings))
     with replacing_output_dir(Path(output_dir), overwrite=overwrite, resume=settings.resume, command="distill sft",
                               enabled=not launched):
-        tokenizer = load_tokenizer(tokenizer_dir)
         dataset = build_sft_dataset(rows, tokenizer, settings.seq_len)
         eval_set = build_sft_dataset(eval_rows, tokenizer, settings.seq_len) if eval_rows else None
         student = build_student(source, settings.seed)

@@ -62,15 +62,21 @@ def load_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(source.tokenizer_path))
+    check_tokenizer_fits(tokenizer, source.config, source.tokenizer_path)
+    return tokenizer
+
+
+def check_tokenizer_fits(tokenizer: Any, config: dict[str, Any], where: Any,
+                         hint: str = "Pass the model's own tokenizer (--tokenizer), or a config whose vocab_size "
+                                     "covers it.") -> None:
+    """Refuse a tokenizer with more tokens than the model's embedding (config.json's vocab_size): its ids past the
+    embedding fail with an IndexError only after the data and the model loaded."""
     from clusteropt_cli.modelspec import text_config_of
 
-    vocab = text_config_of(source.config).get("vocab_size")
-    if isinstance(vocab, int) and len(tokenizer) > vocab:  # its ids past the embedding: IndexError after the load
-        raise BadInputError(f"The tokenizer at {source.tokenizer_path} has {len(tokenizer):,} tokens; the model's "
-                            f"embedding has {vocab:,} (vocab_size).",
-                            hint="Pass the model's own tokenizer (--tokenizer), or a config whose vocab_size covers "
-                                 "it.")
-    return tokenizer
+    vocab = text_config_of(config).get("vocab_size")
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise BadInputError(f"The tokenizer at {where} has {len(tokenizer):,} tokens; the model's embedding has "
+                            f"{vocab:,} (vocab_size).", hint=hint)
 
 
 def load_model(source: ModelSource, seed: int = 0, *, dtype: Any = None, device: Any = "cpu",
