@@ -32,8 +32,9 @@ def quantize(
     calib: _opt("--calib", "Calibration text: .txt (one sample a line) or .jsonl with a 'text' field.") = None,
     num_samples: _opt("--num-samples", "Calibration samples to use (default 128).", int) = None,
     seq_len: _opt("--seq-len", "Tokens per calibration sample and eval block (default 512).", int) = None,
-    ignore: Annotated[list[str] | None, typer.Option("--ignore", help="Module kept in full precision (repeat; "
-                                                     "default lm_head).", show_default=False)] = None,
+    ignore: Annotated[list[str] | None, typer.Option("--ignore", help="Module kept in full precision: its exact "
+                                                     "name, re:REGEX or a class name; must match a module of the "
+                                                     "model (repeat; default lm_head).", show_default=False)] = None,
     backend: _opt("--backend", "llmcompressor (default) | gptqmodel | auto-gptq | autoawq.") = None,
     eval_file: _opt("--eval", "Held-out text file: perplexity before and after.") = None,
     compare_rtn: Annotated[bool | None, typer.Option("--compare-rtn", help="Also score round-to-nearest at the "

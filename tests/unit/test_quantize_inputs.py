@@ -197,3 +197,40 @@ def test_quantize_dot_from_inside_the_model_writes_beside_it(model_dir, monkeypa
     rc, out, err = _copt(capsys, "quantize", "model", "--method", "rtn", "--dry-run", "--json")
     assert rc == 0, err
     assert json.loads(out)["output"] == str(model_dir.parent / "model-rtn-w4g128")
+
+
+def test_ignore_entries_must_match_a_module_of_the_model(fixtures, tmp_path, monkeypatch, capsys):
+    """--ignore down_proj (not a module's full name) was accepted and llm-compressor quantized every down_proj: an
+    entry that matches no module (exact name, re:REGEX from the start of a name, or a class name) is refused before
+    any loading, naming real modules; the default lm_head is not checked."""
+    base = ("quantize", str(fixtures.student), "--method", "fp8", "--output", str(tmp_path / "q"), "--dry-run")
+    rc, _, err = _copt(capsys, *base, "--ignore", "lm_head", "--ignore", "down_proj")
+    assert rc == 2 and "--ignore down_proj: no module" in err, err
+    assert r"re:.*\.down_proj$" in err and "model.layers.0.self_attn.q_proj" in err and "lm_head" in err
+    rc, _, err = _copt(capsys, *base, "--ignore", r"re:.*\.layers\.7\.", "--ignore", "re:(")
+    assert rc == 2 and "--ignore re:(: not a regular expression" in err, err
+    rc, _, err = _copt(capsys, *base, "--ignore", r"re:.*\.layers\.7\.")
+    assert rc == 2 and "no module of the model" in err, err
+    rc, _, err = _copt(capsys, *base, "--ignore", "lm_head", "--ignore", r"re:.*\.down_proj$", "--ignore",
+                       "model.layers.1.mlp.up_proj", "--ignore", "LlamaDecoderLayer")
+    assert rc == 0, err
+    assert not (tmp_path / "q").exists()
+
+    from clusteropt_cli.core.quantize import ignore
+    from clusteropt_cli.core.quantize.run import plan, run
+    from clusteropt_cli.recipe.load import load_settings
+
+    def no_meta_build(_model_dir):
+        raise RuntimeError("cannot be built on the meta device")
+
+    monkeypatch.setattr(ignore, "meta_modules", no_meta_build)
+    settings = load_settings("quantize", None, None, {"model": str(fixtures.student), "method": "fp8",
+                                                      "ignore": ["down_proj"], "output": str(tmp_path / "q")})
+    deferred = plan(settings)
+    assert deferred.ignore_after_load  # checked once the model is loaded, before any quantization
+    with pytest.raises(BadInputError, match="--ignore down_proj: no module"):
+        run(deferred)
+    assert not (tmp_path / "q").exists()
+    default = load_settings("quantize", None, None, {"model": str(fixtures.student), "method": "fp8",
+                                                     "output": str(tmp_path / "q")})
+    assert not plan(default).ignore_after_load

@@ -30,6 +30,7 @@ class Plan:
     calib_texts: list[str] | None
     eval_text: str | None
     warnings: list[str] = field(default_factory=list)
+    ignore_after_load: bool = False  # --ignore is checked against the loaded model (its meta build failed)
 
 
 @dataclass
@@ -113,7 +114,8 @@ def _linear_in_features(config: dict) -> dict[str, int]:
 
 
 def plan(settings: QuantizeRecipe, overwrite: bool = False, recipe: str | None = None) -> Plan:
-    """Validate every input up front (no heavy imports); raise one error naming the flag to change."""
+    """Validate every input up front; raise one error naming the flag to change. No heavy imports, but for a given
+    --ignore: its entries are matched against the model's modules, built on the meta device (no weights)."""
     warnings: list[str] = []
     model_dir = Path(settings.model).expanduser()
     if not model_dir.is_dir():
@@ -188,7 +190,17 @@ def plan(settings: QuantizeRecipe, overwrite: bool = False, recipe: str | None =
     servable = vllm_servability(settings)
     if not servable.servable:
         warnings.append(f"vLLM will not serve this checkpoint: {servable.reason}")
-    return Plan(settings, model_dir, output, calib_texts, eval_text, warnings)
+    ignore_after_load = False
+    if "ignore" in settings.model_fields_set:  # given (flag or recipe key), not the default lm_head
+        from clusteropt_cli.core.quantize.ignore import check_ignore, meta_modules
+
+        try:
+            modules = meta_modules(model_dir)
+        except Exception:  # noqa: BLE001 - a model that cannot be built without weights: checked once loaded
+            ignore_after_load = True
+        else:
+            check_ignore(settings.ignore, modules)
+    return Plan(settings, model_dir, output, calib_texts, eval_text, warnings, ignore_after_load)
 
 
 def _hardware_warnings(settings: QuantizeRecipe) -> list[str]:
@@ -258,6 +270,10 @@ def run(plan_: Plan, progress=None, verbose: bool = False) -> QuantizeReport:
     ppl_before = ppl_after = ppl_rtn = None
     original = after = None
     model = _load(plan_.model_dir)
+    if plan_.ignore_after_load:
+        from clusteropt_cli.core.quantize.ignore import check_ignore
+
+        check_ignore(s.ignore, model.named_modules())
     if plan_.eval_text is not None:
         step("scoring the original model")
         blocks = eval_blocks(tokenizer, plan_.eval_text, min(s.seq_len, _max_positions(model)), s.eval_tokens)
