@@ -88,6 +88,17 @@ def test_bad_input_is_refused_before_any_work(case, tmp_path, model_dir, calib, 
     assert not out_dir.exists() and not list(tmp_path.glob(".out.tmp-*"))
 
 
+@pytest.mark.parametrize(("args", "chosen"), [(["--method", "fp8"], "--method fp8"),
+                                              (["--method", "int8"], "--method int8"),
+                                              (["--scheme", "FP8_DYNAMIC"], "--scheme FP8_DYNAMIC")])
+def test_8_bit_methods_with_other_bits_name_the_flags_and_what_goes_together(capsys, model_dir, args, chosen):
+    """--method fp8 --bits 4 said 'bits: method fp8 is W8A8' and '- bits must be 8 (got 4)' as two problems."""
+    rc, _, err = _copt(capsys, "quantize", str(model_dir), *args, "--bits", "4")
+    assert rc == 2 and "1 problem(s)" in err, err
+    assert (f"--bits: {chosen} writes 8-bit weights (W8A8), so --bits must be 8 (got 4): leave --bits out, or use "
+            "--method awq, gptq or rtn for 4-bit weights") in " ".join(err.split()), err
+
+
 def test_existing_output_is_not_overwritten(tmp_path, model_dir, capsys):
     out_dir = tmp_path / "out"
     out_dir.mkdir()

@@ -102,9 +102,9 @@ class QuantizeRecipe(Strict):
         if self.bits not in (None, 2, 3, 4, 8):
             problems.append(f"bits: must be 2, 3, 4 or 8 (got {self.bits})")
         elif self.method in ("fp8", "int8") and self.bits not in (None, 8):
-            problems.append(f"bits: `method` {self.method} writes 8-bit weights (W8A8), so `bits` must be 8 (got "
-                            f"{self.bits}): leave `bits` out, or use `method` awq, gptq or rtn for {self.bits}-bit "
-                            "weights")
+            chosen = f"`scheme` {self.scheme}" if self.scheme else f"`method` {self.method}"
+            problems.append(f"bits: {chosen} writes 8-bit weights (W8A8), so `bits` must be 8 (got {self.bits}): "
+                            f"leave `bits` out, or use `method` awq, gptq or rtn for {self.bits}-bit weights")
         if self.group_size == 0 or self.group_size < -1:
             problems.append("group_size: must be positive or -1 (per-channel)")
         if self.method not in BACKEND_METHODS[self.backend]:
