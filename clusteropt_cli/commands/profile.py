@@ -27,7 +27,9 @@ ReportOpt = Annotated[
 ]
 ExpectOpt = Annotated[
     str | None,
-    typer.Option("--expect", help="A recipe with a prediction block (copt advise --emit-recipe): check it."),
+    typer.Option("--expect", help="A recipe with a prediction block (copt advise --emit-recipe): check it. Its "
+                                  "figures must be positive (a 0 or negative one is refused, exit 2, before any "
+                                  "measurement); a figure this profile does not measure is not checked."),
 ]
 ToleranceOpt = Annotated[
     float, typer.Option("--tolerance", help="Allowed relative error per predicted figure with --expect (a full "
