@@ -200,6 +200,27 @@ def test_expect_refuses_a_prediction_of_zero_or_below_before_measuring(capsys, m
     assert [(c.name, c.status) for c in checks] == [("peak_mem_bytes", "not-measured"), ("step_time_s", "pass")]
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--gen-len", "0"], "--gen-len must be at least 1 token (got 0)"),
+    (["--prompt-len", "0"], "--prompt-len must be at least 1 token (got 0)"),
+    (["--concurrency", ","], "--concurrency ',' names no value"),
+    (["--concurrency", ""], "--concurrency '' names no value"),
+    (["--concurrency", " , "], "--concurrency ' , ' names no value"),
+    (["--rate", ","], "--rate ',' names no value"),
+    (["--tokenizer", "{empty}"], "holds no tokenizer files (none of tokenizer.json, tokenizer_config.json"),
+    (["--tokenizer", "{missing}"], "no such directory (a local tokenizer directory; copt never downloads)"),
+])
+def test_endpoint_load_flags_that_cannot_mean_what_was_typed_are_refused_before_any_request(
+        capsys, monkeypatch, tmp_path, args, message):
+    """--gen-len 0 and --prompt-len 0 were replaced by the defaults, --concurrency ',' ran the default level 1, and
+    a --tokenizer directory without tokenizer files failed as a broken model directory (a missing one: exit 1)."""
+    (tmp_path / "empty").mkdir()
+    args = [a.format(empty=tmp_path / "empty", missing=tmp_path / "missing") for a in args]
+    code, err = _profile_in_process(capsys, monkeypatch, "profile", "endpoint", "--url", "http://127.0.0.1:9",
+                                    "--model", "m", *args)
+    assert code == 2 and message in " ".join(err.split()), err
+
+
 def test_a_rate_level_keeps_its_poisson_schedule_on_a_busy_loop():
     """Every request of a --rate level goes out at its own Poisson time, measured from the level's start: a loop that
     spends 1 ms of CPU on each request (a client busy with its streams) sends late but catches up. Sleeping the gaps
