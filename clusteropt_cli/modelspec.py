@@ -399,6 +399,18 @@ def read_config_json(path: Path, flag: str = "--model") -> dict[str, Any]:
     return config
 
 
+def refuse_config_file(path: str | Path | None, flag: str) -> None:
+    """Where a model directory is wanted (serve, quantize, distill's teacher and on-policy student), a path to a file
+    in one (its config.json) is refused naming the directory to pass instead."""
+    if not path:
+        return
+    p = Path(path).expanduser()
+    if p.is_file() and (p.name == "config.json" or (p.parent / "config.json").is_file()):
+        what = "its config.json" if p.name == "config.json" else p.name
+        raise BadInputError(f"{flag} {path} is a file in a model directory ({what}); {flag} takes the directory.",
+                            hint=f"Pass the directory instead: {p.parent}")
+
+
 # the files AutoTokenizer.from_pretrained reads a tokenizer from (one of them is enough)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 

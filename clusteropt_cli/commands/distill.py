@@ -393,7 +393,6 @@ def onpolicy(
     """On-policy distillation (GKD) with TRL's DistillationTrainer: the student samples, the teacher scores."""
     from clusteropt_cli import console
     from clusteropt_cli.core.distill.onpolicy import check_onpolicy_inputs, distill_onpolicy, read_prompt_texts
-    from clusteropt_cli.errors import BadInputError
     from clusteropt_cli.recipe.load import load_settings
 
     values = {"mode": "onpolicy", "teacher": teacher, "student": student, "prompts": prompts,
@@ -404,8 +403,10 @@ def onpolicy(
     settings = load_settings("distill", recipe, overrides, values, flags=_MODE_FLAG)
     out_dir = _require_output(settings)
     check_onpolicy_inputs(settings)  # every input problem before any model is loaded
-    if settings.eval_data and not Path(settings.eval_data).is_file():
-        raise BadInputError(f"--eval-data {settings.eval_data} does not exist.", hint="Pass a held-out text file.")
+    if settings.eval_data:
+        from clusteropt_cli.core.train.data import check_text_input
+
+        check_text_input(settings.eval_data, "--eval-data", read=True)
     held_out = read_prompt_texts(eval_prompts, "--eval-prompts") if eval_prompts else None
     with _library_output_to_stderr():
         result = distill_onpolicy(settings, output_dir=out_dir, overwrite=overwrite, eval_text=settings.eval_data,

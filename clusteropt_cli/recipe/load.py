@@ -81,10 +81,7 @@ def read_recipe_text(source: str | Path) -> tuple[Path, str]:
     """A recipe's file (a path or a built-in name) and its text: a short UTF-8 file, checked before it is read."""
     from clusteropt_cli.recipe.registry import resolve_recipe
 
-    path = resolve_recipe(str(source))
-    if path.is_dir():
-        raise RecipeError(f"Recipe {path} is a directory.", hint="Pass a recipe YAML file or a built-in name "
-                                                                 "(copt recipes list).")
+    path = resolve_recipe(str(source))  # a directory is refused there
     try:
         size = path.stat().st_size  # before reading: a data file passed by mistake is not read into memory
         raw = b""

@@ -289,3 +289,63 @@ def test_limits_checked_before_any_work(copt, fixtures, tmp_path):
     if Path("/proc").is_dir():  # a report nobody can create failed only after the whole sweep, losing it
         proc = copt("profile", "endpoint", "--url", "http://127.0.0.1:9", "--model", "m", "--report", "/proc/r.json")
         assert proc.returncode == 2 and "cannot create a file" in proc.stderr, proc.stderr[-2000:]
+
+
+def _copt_here(capsys, *args) -> tuple[int, str]:
+    """copt in this process (for runs refused before any work)."""
+    from clusteropt_cli.app import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main([str(a) for a in args])
+    return int(info.value.code or 0), " ".join(capsys.readouterr().err.split())
+
+
+def test_a_directory_as_a_recipe_is_named_a_directory(capsys, tmp_path):
+    """`recipes validate some_dir.yaml` said the path was 'neither a file nor a built-in recipe'."""
+    folder = tmp_path / "some_dir.yaml"
+    folder.mkdir()
+    for args in (["recipes", "validate", folder], ["train", "--recipe", folder]):
+        code, err = _copt_here(capsys, *args)
+        assert code == 2 and f"Recipe {folder} is a directory." in err and "neither" not in err, err
+
+
+def test_a_model_file_where_a_model_directory_is_wanted_names_the_directory(capsys, fixtures, tmp_path):
+    """`distill onpolicy --student x/config.json` said 'is not a model directory (no config.json)'."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\n")
+    config, out = fixtures.student / "config.json", ["--output", tmp_path / "out"]
+    for args, named, folder in [
+        (["distill", "onpolicy", "--teacher", fixtures.teacher, "--student", config, "--prompts", prompts, *out],
+         f"--student {config}", fixtures.student),
+        (["distill", "onpolicy", "--teacher", fixtures.teacher / "config.json", "--student", fixtures.student,
+          "--prompts", prompts, *out], f"--teacher {fixtures.teacher / 'config.json'}", fixtures.teacher),
+        (["distill", "logits", "--teacher", fixtures.teacher / "config.json", "--student", fixtures.student,
+          "--data", fixtures.train_text, *out], f"--teacher {fixtures.teacher / 'config.json'}", fixtures.teacher),
+        (["serve", config], f"MODEL {config}", fixtures.student),
+        (["quantize", config, "--method", "rtn", *out], f"MODEL {config}", fixtures.student),
+    ]:
+        code, err = _copt_here(capsys, *args)
+        assert code == 2 and f"{named} is a file in a model directory (its config.json)" in err, err
+        assert f"Pass the directory instead: {folder}" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("bad", ["missing.txt", "empty.txt", "folder", "binary.txt", "/dev/null"])
+def test_eval_data_problems_read_as_the_same_problems_of_data(capsys, fixtures, tmp_path, bad):
+    """--eval-data that is a directory or a device said 'does not exist', and an empty one failed only after the
+    models loaded; --data's messages, named --eval-data, before any load (logits and onpolicy)."""
+    (tmp_path / "empty.txt").write_text("\n \n")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00text")
+    path = Path(bad) if bad.startswith("/") else tmp_path / bad
+    models = ["--teacher", fixtures.teacher, "--student", fixtures.student, "--output", tmp_path / "out"]
+    code, as_data = _copt_here(capsys, "distill", "logits", *models, "--data", path, "--max-steps", "1")
+    assert code == 2, as_data
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\n")
+    for args in (["distill", "logits", *models, "--data", fixtures.train_text],
+                 ["distill", "onpolicy", *models, "--prompts", prompts]):
+        code, err = _copt_here(capsys, *args, "--eval-data", path)
+        assert code == 2 and err == as_data.replace("--data", "--eval-data"), (err, as_data)
+    assert not (tmp_path / "out").exists()

@@ -115,6 +115,9 @@ def _linear_in_features(config: dict) -> dict[str, int]:
 def plan(settings: QuantizeRecipe, overwrite: bool = False, recipe: str | None = None) -> Plan:
     """Validate every input up front (no heavy imports); raise one error naming the flag to change."""
     warnings: list[str] = []
+    from clusteropt_cli.modelspec import refuse_config_file
+
+    refuse_config_file(settings.model, "MODEL")
     model_dir = Path(settings.model).expanduser()
     if not model_dir.is_dir():
         raise BadInputError(f"MODEL {model_dir}: no such directory.",
