@@ -399,6 +399,41 @@ def read_config_json(path: Path, flag: str = "--model") -> dict[str, Any]:
     return config
 
 
+def refuse_config_file(path: str | Path | None, flag: str) -> None:
+    """Where a model directory is wanted (serve, quantize, distill's teacher and on-policy student), a path to a file
+    in one (its config.json) is refused naming the directory to pass instead."""
+    if not path:
+        return
+    p = Path(path).expanduser()
+    if p.is_file() and (p.name == "config.json" or (p.parent / "config.json").is_file()):
+        what = "its config.json" if p.name == "config.json" else p.name
+        raise BadInputError(f"{flag} {path} is a file in a model directory ({what}); {flag} takes the directory.",
+                            hint=f"Pass the directory instead: {p.parent}")
+
+
+# the files AutoTokenizer.from_pretrained reads a tokenizer from (one of them is enough)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer_files(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and any((path / name).exists() for name in TOKENIZER_FILES)
+
+
+def tokenizer_dir_problem(path: str | Path, flag: str = "--tokenizer") -> str | None:
+    """Why `path` is not a local tokenizer directory (None when it has tokenizer files): it is missing, not a
+    directory, or holds none of TOKENIZER_FILES (transformers' own error then reads like a broken model)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        return f"{flag} {path}: no such directory (a local tokenizer directory; copt never downloads)"
+    if not p.is_dir():
+        return f"{flag} {path} is not a directory (pass the directory that holds the tokenizer files)"
+    if not has_tokenizer_files(p):
+        return (f"{flag} {path} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); pass the model "
+                "directory save_pretrained wrote the tokenizer into")
+    return None
+
+
 PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 CONVERT_HINT = ("python -c \"from transformers import AutoModelForCausalLM as M; "
                 "M.from_pretrained('{src}').save_pretrained('{src}-safetensors')\"")

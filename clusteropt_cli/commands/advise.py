@@ -329,7 +329,7 @@ def _train_settings(model: str | None, recipe: str | None, overrides: list[str] 
     # --tensor-parallel/--pipeline-* describe any Megatron-style layout advise can model; they stay out of the
     # train recipe
     # (copt train's own pipeline engine has narrower rules, checked only when a recipe is emitted)
-    s = load_settings("train", recipe, overrides, cli)
+    s = load_settings("train", recipe, overrides, cli, flags={"nvme_path": None})
     plan = TrainPlan(micro_batch=s.micro_batch, seq_len=s.seq_len, grad_accum=s.grad_accum, precision=s.precision,
                      optimizer=s.optimizer, zero=s.zero, offload=s.offload,
                      activation_checkpointing=s.activation_checkpointing,

@@ -34,6 +34,8 @@ TeacherOpt = Annotated[str | None, typer.Option("--teacher", help="Teacher model
 StudentOpt = Annotated[str | None, typer.Option(
     "--student", help="Student: model directory, config.json or preset (random init); must share the tokenizer.")]
 OutputDirOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Where the trained student is saved (HF).")]
+# recipe keys whose flag is not --key-with-dashes (recipe.load.flag_names); the subcommand sets `mode`
+_MODE_FLAG: dict[str, str | None] = {"mode": None}
 TeacherDtypeOpt = Annotated[str | None, typer.Option(
     "--teacher-dtype", help="Teacher weights: auto (bf16/fp16 on GPU, fp32 on CPU), bf16, fp16, fp32.")]
 
@@ -197,7 +199,7 @@ def logits(
               "top_k": top_k, "teacher_dtype": teacher_dtype, "eval_data": eval_data,
               **_training_values(precision, activation_checkpointing, micro_batch, grad_accum, seq_len, steps, epochs,
                                  lr, zero, offload, gpus, save_every, resume, seed)}
-    settings = load_settings("distill", recipe, overrides, values)
+    settings = load_settings("distill", recipe, overrides, values, flags=_MODE_FLAG)
     out_dir = _require_output(settings)
     if not _is_rank():
         prepare_output_dir(out_dir, overwrite=overwrite, resume=settings.resume,
@@ -267,7 +269,8 @@ def traces(
               "samples": samples, "max_new_tokens": max_new_tokens, "sample_temperature": temperature,
               "top_p": top_p, "verify": verify or None, "match": match, "think": think,
               "gen_batch": batch, "teacher_dtype": teacher_dtype, "seed": seed}
-    settings = load_settings("distill", recipe, overrides, values)
+    settings = load_settings("distill", recipe, overrides, values,
+                             flags={**_MODE_FLAG, "sample_temperature": "--temperature", "gen_batch": "--batch"})
     out = _require_output(settings)
     from clusteropt_cli.core.io import check_output
 
@@ -329,7 +332,7 @@ def sft(
               "output": str(output) if output else None,
               **_training_values(precision, activation_checkpointing, micro_batch, grad_accum, seq_len, steps, epochs,
                                  lr, zero, offload, gpus, save_every, resume, seed)}
-    settings = load_settings("distill", recipe, overrides, values)
+    settings = load_settings("distill", recipe, overrides, values, flags=_MODE_FLAG)
     out_dir = _require_output(settings)
     if not _is_rank():
         prepare_output_dir(out_dir, overwrite=overwrite, resume=settings.resume, inputs=sft_inputs(settings, recipe))
@@ -390,7 +393,6 @@ def onpolicy(
     """On-policy distillation (GKD) with TRL's DistillationTrainer: the student samples, the teacher scores."""
     from clusteropt_cli import console
     from clusteropt_cli.core.distill.onpolicy import check_onpolicy_inputs, distill_onpolicy, read_prompt_texts
-    from clusteropt_cli.errors import BadInputError
     from clusteropt_cli.recipe.load import load_settings
 
     values = {"mode": "onpolicy", "teacher": teacher, "student": student, "prompts": prompts,
@@ -398,11 +400,13 @@ def onpolicy(
               "max_new_tokens": max_new_tokens, "eval_data": eval_data, "precision": precision,
               "activation_checkpointing": activation_checkpointing, "micro_batch": micro_batch,
               "grad_accum": grad_accum, "seq_len": seq_len, "max_steps": steps, "lr": lr, "seed": seed}
-    settings = load_settings("distill", recipe, overrides, values)
+    settings = load_settings("distill", recipe, overrides, values, flags=_MODE_FLAG)
     out_dir = _require_output(settings)
     check_onpolicy_inputs(settings)  # every input problem before any model is loaded
-    if settings.eval_data and not Path(settings.eval_data).is_file():
-        raise BadInputError(f"--eval-data {settings.eval_data} does not exist.", hint="Pass a held-out text file.")
+    if settings.eval_data:
+        from clusteropt_cli.core.train.data import check_text_input
+
+        check_text_input(settings.eval_data, "--eval-data", read=True)
     held_out = read_prompt_texts(eval_prompts, "--eval-prompts") if eval_prompts else None
     with _library_output_to_stderr():
         result = distill_onpolicy(settings, output_dir=out_dir, overwrite=overwrite, eval_text=settings.eval_data,

@@ -27,7 +27,9 @@ ReportOpt = Annotated[
 ]
 ExpectOpt = Annotated[
     str | None,
-    typer.Option("--expect", help="A recipe with a prediction block (copt advise --emit-recipe): check it."),
+    typer.Option("--expect", help="A recipe with a prediction block (copt advise --emit-recipe): check it. Its "
+                                  "figures must be positive (a 0 or negative one is refused, exit 2, before any "
+                                  "measurement); a figure this profile does not measure is not checked."),
 ]
 ToleranceOpt = Annotated[
     float, typer.Option("--tolerance", help="Allowed relative error per predicted figure with --expect (a full "
@@ -316,23 +318,30 @@ def model(
 
 # ---- profile endpoint --------------------------------------------------------------------------------------
 def _int_list(text: str | None, flag: str) -> list[int]:
-    if not text:
-        return []
+    """A typed comma-separated list (None: not given, []); one that names no value (',', '') is refused."""
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        return _number_list(text, flag, int)
     except ValueError:
         raise BadInputError(f"{flag} {text!r} is not a comma-separated list of integers.",
                             hint=f"e.g. {flag} 1,8,32") from None
 
 
 def _float_list(text: str | None, flag: str) -> list[float]:
-    if not text:
-        return []
     try:
-        return [float(part) for part in text.split(",") if part.strip()]
+        return _number_list(text, flag, float)
     except ValueError:
         raise BadInputError(f"{flag} {text!r} is not a comma-separated list of numbers.",
                             hint=f"e.g. {flag} 2,4") from None
+
+
+def _number_list(text: str | None, flag: str, kind: type) -> list:
+    if text is None:
+        return []
+    values = [kind(part) for part in text.split(",") if part.strip()]
+    if not values:  # ',' or '' read as no list at all: the default level ran instead of the one meant
+        example = "1,8,32" if kind is int else "2,4"
+        raise BadInputError(f"{flag} {text!r} names no value.", hint=f"e.g. {flag} {example}")
+    return values
 
 
 def _endpoint_from_file(path: Path, load_flags: list[str], *, expect: str | None, tolerance: float,
@@ -506,7 +515,9 @@ def endpoint(
         # a typed bound replaces the recipe's open-loop bound (both typed: both apply, as without a recipe)
         num_requests=num_requests if num_requests is not None or duration is not None else given.get("num_requests"),
         duration_s=duration if duration is not None or num_requests is not None else given.get("duration_s"),
-        prompt_len=given["prompt_len"] or 128, gen_len=given["gen_len"] or 64, dataset=dataset, tokenizer=tokenizer,
+        # a typed 0 is checked (validate), not replaced by the default
+        prompt_len=128 if given["prompt_len"] is None else given["prompt_len"],
+        gen_len=64 if given["gen_len"] is None else given["gen_len"], dataset=dataset, tokenizer=tokenizer,
         slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, request_timeout_s=request_timeout, warmup=warmup,
         api_key=api_key, ignore_eos=ignore_eos, seed=seed, temperature=given["temperature"] or 0.0,
         top_p=given.get("top_p"), top_k=given.get("top_k"), client_processes=client_processes)

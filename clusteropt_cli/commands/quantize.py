@@ -52,7 +52,7 @@ def quantize(
         model=model, output=str(output) if output else None, scheme=scheme, method=method, bits=bits,
         group_size=group_size,
         symmetric=symmetric, calib=calib, num_samples=num_samples, seq_len=seq_len, ignore=ignore,
-        backend=backend, eval=eval_file, compare_rtn=compare_rtn))
+        backend=backend, eval=eval_file, compare_rtn=compare_rtn), flags={"model": "MODEL"})
     the_plan = plan(settings, overwrite=overwrite, recipe=recipe)
     for warning in the_plan.warnings:
         console.warn(warning)

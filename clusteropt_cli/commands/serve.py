@@ -153,7 +153,7 @@ def serve(
         grace_period=grace_period, api_server_count=api_server_count,
         max_request_bytes=max_request_bytes, max_prompt_chars=max_prompt_chars,
         trust_request_chat_template=trust_request_chat_template, metrics_public=metrics_public,
-        read_timeout=read_timeout, max_connections=max_connections))
+        read_timeout=read_timeout, max_connections=max_connections), flags={"model": "MODEL"})
 
     from clusteropt_cli.core.serve.launch import is_loopback, resolve_api_key
 

@@ -81,10 +81,7 @@ def read_recipe_text(source: str | Path) -> tuple[Path, str]:
     """A recipe's file (a path or a built-in name) and its text: a short UTF-8 file, checked before it is read."""
     from clusteropt_cli.recipe.registry import resolve_recipe
 
-    path = resolve_recipe(str(source))
-    if path.is_dir():
-        raise RecipeError(f"Recipe {path} is a directory.", hint="Pass a recipe YAML file or a built-in name "
-                                                                 "(copt recipes list).")
+    path = resolve_recipe(str(source))  # a directory is refused there
     try:
         size = path.stat().st_size  # before reading: a data file passed by mistake is not read into memory
         raw = b""
@@ -130,26 +127,56 @@ def read_recipe_file(source: str | Path) -> dict[str, Any]:
     return data
 
 
-def format_validation_error(exc: Any) -> list[str]:
-    """pydantic ValidationError → one line per problem, each naming its key."""
+_KEY_REFERENCE = re.compile(r"`([a-z][a-z0-9_]*)`")
+
+
+def split_problems(message: str) -> list[str]:
+    """A schema check's message → its problems (one a line, see recipe.schema.base.raise_problems)."""
+    return [line.strip() for line in message.removeprefix("Value error, ").splitlines() if line.strip()]
+
+
+def format_validation_error(exc: Any, names: dict[str, str] | None = None,
+                            flags: dict[str, str] | None = None) -> list[str]:
+    """pydantic ValidationError → one line per problem, each naming its key, or the flag `names` gives for it (a
+    value typed on the command line is named as the user typed it, e.g. --temperature, not sample_temperature); a
+    required key missing is named by its flag in `flags` (how to give it), e.g. 'MODEL is required'."""
+    names, flags = names or {}, flags or {}
+
+    def name(key: str) -> str:
+        return names.get(key, key)
+
+    def render(text: str) -> str:  # another key named in a message is written `key`
+        return _KEY_REFERENCE.sub(lambda m: name(m.group(1)), text)
+
     problems = []
     for error in exc.errors():
-        loc = ".".join(str(p) for p in error.get("loc", ()))
+        loc = [str(p) for p in error.get("loc", ())]
         msg = error.get("msg", "invalid")
+        if error.get("type") == "missing" and len(loc) == 1 and loc[0] in flags:
+            problems.append(f"{flags[loc[0]]} is required")
+            continue
+        if loc:
+            loc[0] = name(loc[0])
+        where = ".".join(loc)
         if error.get("type") == "extra_forbidden":
             msg = "unknown key (not part of this recipe's schema)"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
-        if not loc and ": " in msg:
-            # model-level checks name their key at the start of each '; '-separated part
-            problems.extend(part.strip() for part in msg.split("; "))
+        if not where:
+            # model-level checks: one problem a line, each naming its key at the start
+            for part in split_problems(msg):
+                key, sep, rest = part.partition(": ")
+                shown = flags[key] if rest.startswith("required") and key in flags else name(key)
+                problems.append(render(f"{shown}{sep}{rest}" if sep else part))
             continue
-        problems.append(f"{loc}: {msg}" if loc else msg)
+        problems.append(render(f"{where}: {msg}"))
     return problems
 
 
-def validate_recipe(task: str, data: dict[str, Any], *, origin: str = "recipe"):
-    """Validate a dict against the task's schema; every problem reported at once."""
+def validate_recipe(task: str, data: dict[str, Any], *, origin: str = "recipe", names: dict[str, str] | None = None,
+                    flags: dict[str, str] | None = None):
+    """Validate a dict against the task's schema; every problem reported at once (`names` and `flags`: see
+    format_validation_error)."""
     from pydantic import ValidationError
 
     from clusteropt_cli.recipe.schema import RECIPE_MODELS
@@ -167,12 +194,22 @@ def validate_recipe(task: str, data: dict[str, Any], *, origin: str = "recipe"):
     try:
         return model.model_validate({**data, "task": task})
     except ValidationError as exc:
-        problems = format_validation_error(exc)  # a model-level check may name several keys
-        raise RecipeError(
-            f"{origin} has {len(problems)} problem(s):",
-            problems=problems,
-            hint="Fix the keys named above (copt recipes show NAME prints a valid example).",
-        ) from None
+        problems = format_validation_error(exc, names, flags)  # a model-level check may name several keys
+        shown = (*(names or {}).values(), *(flags or {}).values())
+        flagged = [p.startswith(shown) for p in problems] if shown else [False]
+        hint = ("Fix the flags named above (--help lists them)." if all(flagged) else
+                "Fix the flags and keys named above (--help lists the flags; copt recipes show NAME prints a valid "
+                "recipe)." if any(flagged) else
+                "Fix the keys named above (copt recipes show NAME prints a valid example).")
+        raise RecipeError(f"{origin} has {len(problems)} problem(s):", problems=problems, hint=hint) from None
+
+
+def flag_names(cli_values: dict[str, Any], flags: dict[str, str | None] | None = None) -> dict[str, str]:
+    """Recipe key → the flag that sets it on this command: --key-with-dashes unless `flags` says otherwise (a
+    positional argument's name such as MODEL, or None for a value the command sets itself)."""
+    renamed = flags or {}
+    names = {key: renamed.get(key, "--" + key.replace("_", "-")) for key in cli_values}
+    return {key: flag for key, flag in names.items() if flag}
 
 
 def load_settings(
@@ -180,15 +217,25 @@ def load_settings(
     recipe: str | None = None,
     overrides: list[str] | None = None,
     cli_values: dict[str, Any] | None = None,
+    flags: dict[str, str | None] | None = None,
 ):
     """The one entry point for commands: recipe (optional) + overrides + typed flags → validated settings.
 
-    `cli_values` holds only the flags the user typed (None means "not given" and is dropped).
+    `cli_values` holds the values of the command's flags by recipe key; only those the user typed count (None means
+    "not given" and is dropped). `flags` names a key's flag where it is not --key-with-dashes (see flag_names). A
+    problem is named by the flag the user typed; by the key when a recipe or a key=value override set it (or nothing
+    did, under --recipe); by the flag again when nothing set it on a plain command line, and when a required key is
+    missing (MODEL is required).
     """
     data: dict[str, Any] = read_recipe_file(recipe) if recipe else {}
+    given = set(data) | {parse_override(text)[0][0] for text in overrides or []}
     data = apply_overrides(data, list(overrides or []))
+    typed = set()
     for key, value in (cli_values or {}).items():
         if value is not None:
             data[key] = value
+            typed.add(key)
+    all_flags = flag_names(cli_values or {}, flags)
+    names = {key: flag for key, flag in all_flags.items() if key in typed or (key not in given and not recipe)}
     origin = f"Recipe '{recipe}'" if recipe else "The command line"
-    return validate_recipe(task, data, origin=origin)
+    return validate_recipe(task, data, origin=origin, names=names, flags=all_flags)

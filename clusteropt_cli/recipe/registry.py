@@ -57,6 +57,12 @@ def resolve_recipe(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return path
+    if path.is_dir():  # a folder of recipes, or one named like a recipe: not "neither a file nor a built-in recipe"
+        try:
+            return builtin_recipe(name_or_path)
+        except BadInputError:
+            raise BadInputError(f"Recipe {name_or_path} is a directory.",
+                                hint="Pass a recipe YAML file or a built-in name (copt recipes list).") from None
     return builtin_recipe(name_or_path, what="neither a file nor a built-in recipe")
 
 

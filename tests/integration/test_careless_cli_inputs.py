@@ -239,7 +239,7 @@ def test_an_emitted_recipe_runs_from_any_directory(copt, fixtures, tmp_path):
 def test_quantize_reports_every_bad_key_at_once(copt, fixtures, tmp_path):
     proc = copt("quantize", str(fixtures.student), "--method", "rtn", "--bits", "5", "--group-size", "0",
                 "--output", str(tmp_path / "q"))
-    assert proc.returncode == 2 and "bits" in proc.stderr and "group_size" in proc.stderr
+    assert proc.returncode == 2 and "--bits" in proc.stderr and "--group-size" in proc.stderr
     assert not (tmp_path / "q").exists()
 
 
@@ -260,7 +260,7 @@ def test_sizes_no_run_can_use_are_refused_up_front(copt, fixtures, tmp_path):
     base = ("train", "--model", str(fixtures.student), "--data", str(fixtures.train_text), "--output",
             str(tmp_path / "o"), "--dry-run")
     proc = copt(*base, "--micro-batch", "99999999999999999999", "--seq-len", "1")
-    assert proc.returncode == 2 and "micro_batch" in proc.stderr and "seq_len" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "--micro-batch" in proc.stderr and "--seq-len" in proc.stderr, proc.stderr
     one = tmp_path / "one.txt"
     one.write_text("a\n")
     proc = copt("quantize", str(fixtures.student), "--method", "int8", "--calib", str(one), "--output",
@@ -343,3 +343,63 @@ def test_distill_sft_refuses_a_tokenizer_larger_than_the_students_vocabulary(cop
                 "--max-steps", "1", "--seq-len", "32", "--precision", "fp32")
     assert proc.returncode == 2 and "the model's embedding has 16 (vocab_size)" in proc.stderr, proc.stderr[-2000:]
     assert not out.exists()
+
+
+def _copt_here(capsys, *args) -> tuple[int, str]:
+    """copt in this process (for runs refused before any work)."""
+    from clusteropt_cli.app import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main([str(a) for a in args])
+    return int(info.value.code or 0), " ".join(capsys.readouterr().err.split())
+
+
+def test_a_directory_as_a_recipe_is_named_a_directory(capsys, tmp_path):
+    """`recipes validate some_dir.yaml` said the path was 'neither a file nor a built-in recipe'."""
+    folder = tmp_path / "some_dir.yaml"
+    folder.mkdir()
+    for args in (["recipes", "validate", folder], ["train", "--recipe", folder]):
+        code, err = _copt_here(capsys, *args)
+        assert code == 2 and f"Recipe {folder} is a directory." in err and "neither" not in err, err
+
+
+def test_a_model_file_where_a_model_directory_is_wanted_names_the_directory(capsys, fixtures, tmp_path):
+    """`distill onpolicy --student x/config.json` said 'is not a model directory (no config.json)'."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\n")
+    config, out = fixtures.student / "config.json", ["--output", tmp_path / "out"]
+    for args, named, folder in [
+        (["distill", "onpolicy", "--teacher", fixtures.teacher, "--student", config, "--prompts", prompts, *out],
+         f"--student {config}", fixtures.student),
+        (["distill", "onpolicy", "--teacher", fixtures.teacher / "config.json", "--student", fixtures.student,
+          "--prompts", prompts, *out], f"--teacher {fixtures.teacher / 'config.json'}", fixtures.teacher),
+        (["distill", "logits", "--teacher", fixtures.teacher / "config.json", "--student", fixtures.student,
+          "--data", fixtures.train_text, *out], f"--teacher {fixtures.teacher / 'config.json'}", fixtures.teacher),
+        (["serve", config], f"MODEL {config}", fixtures.student),
+        (["quantize", config, "--method", "rtn", *out], f"MODEL {config}", fixtures.student),
+    ]:
+        code, err = _copt_here(capsys, *args)
+        assert code == 2 and f"{named} is a file in a model directory (its config.json)" in err, err
+        assert f"Pass the directory instead: {folder}" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("bad", ["missing.txt", "empty.txt", "folder", "binary.txt", "/dev/null"])
+def test_eval_data_problems_read_as_the_same_problems_of_data(capsys, fixtures, tmp_path, bad):
+    """--eval-data that is a directory or a device said 'does not exist', and an empty one failed only after the
+    models loaded; --data's messages, named --eval-data, before any load (logits and onpolicy)."""
+    (tmp_path / "empty.txt").write_text("\n \n")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00text")
+    path = Path(bad) if bad.startswith("/") else tmp_path / bad
+    models = ["--teacher", fixtures.teacher, "--student", fixtures.student, "--output", tmp_path / "out"]
+    code, as_data = _copt_here(capsys, "distill", "logits", *models, "--data", path, "--max-steps", "1")
+    assert code == 2, as_data
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\n")
+    for args in (["distill", "logits", *models, "--data", fixtures.train_text],
+                 ["distill", "onpolicy", *models, "--prompts", prompts]):
+        code, err = _copt_here(capsys, *args, "--eval-data", path)
+        assert code == 2 and err == as_data.replace("--data", "--eval-data"), (err, as_data)
+    assert not (tmp_path / "out").exists()

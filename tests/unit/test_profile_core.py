@@ -163,6 +163,64 @@ def test_expect_recipe_to_settings(tmp_path):
         load_expectation(str(bare))
 
 
+def _profile_in_process(capsys, monkeypatch, *args: str) -> tuple[int, str]:
+    """copt profile ARGS in this process; a load test or a model measurement that starts fails the test."""
+    from clusteropt_cli.app import main
+    from clusteropt_cli.core.profile import endpoint, model
+
+    def started(*_args, **_kwargs):
+        raise AssertionError("the measurement started")
+
+    monkeypatch.setattr(endpoint, "profile_endpoint", started)
+    monkeypatch.setattr(model, "profile_model", started)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(list(args))
+    return int(info.value.code or 0), capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("figures", "named"), [
+    ("    peak_mem_bytes: -1.0e12\n    step_time_s: 0.05\n", "peak_mem_bytes -1e+12"),
+    ("    peak_mem_bytes: 1.0e9\n    step_time_s: 0\n", "step_time_s 0"),
+])
+@pytest.mark.parametrize("command", ["model", "endpoint"])
+def test_expect_refuses_a_prediction_of_zero_or_below_before_measuring(capsys, monkeypatch, tmp_path, figures,
+                                                                        named, command):
+    """A predicted 0 was reported as 'not measured' (it was), and a negative one passed at --tolerance 1.5
+    (-931 GiB predicted, 18 MiB measured: +100%)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"task: {'train' if command == 'model' else 'serve'}\nmodel: m\nprediction:\n  figures:\n"
+                      f"{figures}")
+    code, err = _profile_in_process(capsys, monkeypatch, "profile", command, "--expect", str(recipe),
+                                    "--tolerance", "1.5")
+    assert code == 2 and f"--expect {recipe}: predicted {named}: a predicted figure must be positive" in err, err
+    # a figure compare_to_prediction is handed anyway is never a check
+    exp = Expectation(path="r", task="train", recipe=None, figures={"peak_mem_bytes": -1e12, "step_time_s": 0.05})
+    checks = compare_to_prediction(_report({"peak_mem_bytes": 1.8e7, "step_time_s": 0.05}), exp, 1.5).checks
+    assert [(c.name, c.status) for c in checks] == [("peak_mem_bytes", "not-measured"), ("step_time_s", "pass")]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--gen-len", "0"], "--gen-len must be at least 1 token (got 0)"),
+    (["--prompt-len", "0"], "--prompt-len must be at least 1 token (got 0)"),
+    (["--concurrency", ","], "--concurrency ',' names no value"),
+    (["--concurrency", ""], "--concurrency '' names no value"),
+    (["--concurrency", " , "], "--concurrency ' , ' names no value"),
+    (["--rate", ","], "--rate ',' names no value"),
+    (["--tokenizer", "{empty}"], "holds no tokenizer files (none of tokenizer.json, tokenizer_config.json"),
+    (["--tokenizer", "{missing}"], "no such directory (a local tokenizer directory; copt never downloads)"),
+])
+def test_endpoint_load_flags_that_cannot_mean_what_was_typed_are_refused_before_any_request(
+        capsys, monkeypatch, tmp_path, args, message):
+    """--gen-len 0 and --prompt-len 0 were replaced by the defaults, --concurrency ',' ran the default level 1, and
+    a --tokenizer directory without tokenizer files failed as a broken model directory (a missing one: exit 1)."""
+    (tmp_path / "empty").mkdir()
+    args = [a.format(empty=tmp_path / "empty", missing=tmp_path / "missing") for a in args]
+    code, err = _profile_in_process(capsys, monkeypatch, "profile", "endpoint", "--url", "http://127.0.0.1:9",
+                                    "--model", "m", *args)
+    assert code == 2 and message in " ".join(err.split()), err
+
+
 def test_a_rate_level_keeps_its_poisson_schedule_on_a_busy_loop():
     """Every request of a --rate level goes out at its own Poisson time, measured from the level's start: a loop that
     spends 1 ms of CPU on each request (a client busy with its streams) sends late but catches up. Sleeping the gaps

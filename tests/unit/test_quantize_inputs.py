@@ -56,9 +56,9 @@ def _cases(tmp_path, model_dir, calib):
         "fp8 at 3 bits": ([m, "--method", "fp8", "--bits", "3"], 2, "bits must be 8"),
         "unknown method": ([m, "--method", "nf4"], 2, "method"),
         "group does not divide": ([m, "--method", "rtn", "--group-size", "96"], 2, "hidden_size"),
-        "compare-rtn without eval": ([m, "--method", "rtn", "--compare-rtn"], 2, "compare_rtn: needs eval"),
+        "compare-rtn without eval": ([m, "--method", "rtn", "--compare-rtn"], 2, "--compare-rtn: needs --eval"),
         "eval file missing": ([m, "--method", "rtn", "--eval", str(tmp_path / "e.txt")], 2, "--eval"),
-        "backend cannot run fp8": ([m, "--method", "fp8", "--backend", "gptqmodel"], 2, "does not run method"),
+        "backend cannot run fp8": ([m, "--method", "fp8", "--backend", "gptqmodel"], 2, "does not run --method fp8"),
         "archived backend absent": ([m, "--method", "gptq", "--backend", "auto-gptq", "--calib", str(calib)], 3,
                                     "gptqmodel"),
         "model has no weights": ([str(tmp_path)], 2, "config.json"),
@@ -86,6 +86,17 @@ def test_bad_input_is_refused_before_any_work(case, tmp_path, model_dir, calib, 
     assert "error:" in err and "hint:" in err and "Traceback" not in err
     assert out == ""
     assert not out_dir.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+@pytest.mark.parametrize(("args", "chosen"), [(["--method", "fp8"], "--method fp8"),
+                                              (["--method", "int8"], "--method int8"),
+                                              (["--scheme", "FP8_DYNAMIC"], "--scheme FP8_DYNAMIC")])
+def test_8_bit_methods_with_other_bits_name_the_flags_and_what_goes_together(capsys, model_dir, args, chosen):
+    """--method fp8 --bits 4 said 'bits: method fp8 is W8A8' and '- bits must be 8 (got 4)' as two problems."""
+    rc, _, err = _copt(capsys, "quantize", str(model_dir), *args, "--bits", "4")
+    assert rc == 2 and "1 problem(s)" in err, err
+    assert (f"--bits: {chosen} writes 8-bit weights (W8A8), so --bits must be 8 (got 4): leave --bits out, or use "
+            "--method awq, gptq or rtn for 4-bit weights") in " ".join(err.split()), err
 
 
 def test_existing_output_is_not_overwritten(tmp_path, model_dir, capsys):
@@ -132,7 +143,7 @@ def test_schema_defaults_and_cross_checks():
         load_settings("quantize", None, None, {"model": "m", "method": "int8", "bits": 4, "group_size": 0,
                                                "backend": "autoawq"})
     text = str(exc.value)
-    assert "bits must be 8" in text and "group_size" in text and "autoawq does not run method int8" in text
+    assert "--bits must be 8" in text and "--group-size" in text and "autoawq does not run --method int8" in text
     assert load_settings("quantize", None, ["awq_duo_scaling=false"], {"model": "m"}).awq_duo_scaling is False
     with pytest.raises(RecipeError, match="awq_duo_scaling"):
         load_settings("quantize", None, ["awq_duo_scaling=both"], {"model": "m", "method": "gptq"})

@@ -40,10 +40,10 @@ def test_scheme_presets_as_llm_compressor_names_them():
     assert _q(scheme="w8a16").weight_bits == 8 and _q(scheme="W8A16").group_size == 128
     assert _q(scheme="W8A8").method == "int8" and _q(scheme="FP8_DYNAMIC").method == "fp8"
     assert _q(scheme="W4A16", bits=4).weight_bits == 4  # agreeing keys are fine
-    for bad, message in [({"scheme": "W4A16", "bits": 8}, "disagrees with bits=8"),
+    for bad, message in [({"scheme": "W4A16", "bits": 8}, "disagrees with --bits=8"),
                          ({"scheme": "W4A16", "method": "fp8"}, "weight-only"),
                          ({"scheme": "FP8"}, "FP8_DYNAMIC"),
                          ({"scheme": "NF4"}, "unknown"),
-                         ({"scheme": "W8A8", "method": "awq"}, "disagrees with method=awq")]:
+                         ({"scheme": "W8A8", "method": "awq"}, "disagrees with --method=awq")]:
         with pytest.raises(RecipeError, match=message):
             load_settings("quantize", None, [], {"model": "m", **bad})

@@ -133,7 +133,7 @@ def test_cli_aliases_version_and_engine_name(copt):
     r = copt("serve", "/models/llama", "--engine", "vllm", "--dry-run", "--vllm-version", "0.12", "--draft-model", "/d")
     assert r.returncode == 2 and "not supported yet" in r.stderr
     r = copt("serve", "/models/llama", "--engine", "vllm", "--dry-run", "--vllm-version", "twelve")
-    assert r.returncode == 2 and "vllm_version" in r.stderr
+    assert r.returncode == 2 and "--vllm-version" in r.stderr
     assert ServeRecipe(model="/m", engine="transformers").engine == "copt"
     r = copt("serve", "/no/such/model", "--engine", "transformers")
     assert r.returncode == 2 and "not a local model directory" in r.stderr

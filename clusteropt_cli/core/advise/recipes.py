@@ -90,10 +90,9 @@ def copt_train_problems(plan: TrainPlan, spec: Any, target: Target, model_arg: s
     try:
         recipe = TrainRecipe.model_validate(data)
     except ValidationError as exc:
-        for error in exc.errors():
-            message = str(error.get("msg", "")).removeprefix("Value error, ")
-            problems += [part for part in message.split("; ") if part]
-        return problems
+        from clusteropt_cli.recipe.load import format_validation_error
+
+        return problems + format_validation_error(exc)
     return problems + layout_problems(recipe, {"max_position_embeddings": spec.max_position_embeddings,
                                                "num_hidden_layers": spec.num_layers})
 

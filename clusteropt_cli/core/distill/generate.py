@@ -182,7 +182,9 @@ def distill_traces(settings: DistillRecipe, *, output: Path, overwrite: bool = F
     from clusteropt_cli.core.distill.traces import check_traces_output, run_traces
     from clusteropt_cli.core.distill.traces import read_prompts as _read
     from clusteropt_cli.errors import BadInputError
+    from clusteropt_cli.modelspec import refuse_config_file
 
+    refuse_config_file(settings.teacher, "--teacher")
     if not settings.teacher or not Path(settings.teacher).is_dir():
         raise BadInputError(f"--teacher {settings.teacher} is not a model directory.",
                             hint="Pass the teacher's local Hugging Face directory.")

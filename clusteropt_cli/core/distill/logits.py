@@ -197,12 +197,19 @@ class LogitsResult:
 
 def check_logits_inputs(settings: DistillRecipe) -> tuple[Any, VocabCheck]:
     """Every up-front check of `distill logits`: paths, the student, the shared vocabulary."""
+    from clusteropt_cli.modelspec import refuse_config_file
+
+    refuse_config_file(settings.teacher, "--teacher")
     if not settings.teacher or not Path(settings.teacher).is_dir():
         raise BadInputError(f"--teacher {settings.teacher} is not a model directory.",
                             hint="Pass the teacher's local Hugging Face directory (config.json, weights, tokenizer).")
-    if not settings.data or not Path(settings.data).is_file():
-        what = "is a directory" if settings.data and Path(settings.data).is_dir() else "does not exist"
-        raise BadInputError(f"--data {settings.data} {what}.", hint="Pass a .txt or .jsonl (text) file.")
+    from clusteropt_cli.core.train.data import check_text_input
+
+    if not settings.data:
+        raise BadInputError("--data is required.", hint="Pass a .txt or .jsonl (text) file to distill on.")
+    check_text_input(settings.data, "--data")
+    if settings.eval_data:  # held out: read now, so an empty one fails before the models load, as --data would
+        check_text_input(settings.eval_data, "--eval-data", read=True)
     from clusteropt_cli.modelspec import check_loadable_model
 
     check_loadable_model(Path(settings.teacher), read_config(Path(settings.teacher)), "--teacher")
@@ -241,8 +248,10 @@ def distill_logits(settings: DistillRecipe, *, output_dir: Path, overwrite: bool
 
     student_source, vocab = check_logits_inputs(settings)
     eval_text = eval_text or settings.eval_data
-    if eval_text is not None and not Path(eval_text).is_file():
-        raise BadInputError(f"--eval-data {eval_text} does not exist.", hint="Pass a held-out .txt/.jsonl file.")
+    if eval_text is not None and eval_text != settings.eval_data:
+        from clusteropt_cli.core.train.data import check_text_input
+
+        check_text_input(eval_text, "--eval-data", read=True)
     from clusteropt_cli.core.io import replacing_output_dir
     from clusteropt_cli.core.train.launch import is_launched_child
 

@@ -74,11 +74,14 @@ def read_prompt_texts(path: str | Path, flag: str = "--prompts") -> list[str]:
 def check_onpolicy_inputs(settings: DistillRecipe) -> list[str]:
     """Every up-front check: models, shared vocabulary, prompts, options TRL's trainer cannot honour here."""
     from clusteropt_cli.core.distill.vocab import check_vocab_compatible
+    from clusteropt_cli.modelspec import refuse_config_file
 
     for flag, value in (("--teacher", settings.teacher), ("--student", settings.student)):
+        refuse_config_file(value, flag)
         if not value or not (Path(value) / "config.json").is_file():
+            what = "the student checkpoint it trains" if flag == "--student" else "the teacher"
             raise BadInputError(f"{flag} {value} is not a model directory (no config.json).",
-                                hint="distill onpolicy trains an existing student checkpoint; pass its directory.")
+                                hint=f"distill onpolicy loads {what}: pass its local Hugging Face directory.")
     unsupported = [f"{flag} {value}" for flag, value, default in (
         ("--zero", settings.zero, 0), ("--offload", settings.offload, "none"), ("--gpus", settings.gpus, 1),
         ("--nodes", settings.nodes, 1)) if value != default]
@@ -183,7 +186,7 @@ def distill_onpolicy(settings: DistillRecipe, *, output_dir: Path, overwrite: bo
                             settings.micro_batch, max_new, settings.lr, trl.__version__)
     blocks = None
     if eval_text is not None:
-        blocks = build_text_dataset(eval_text, tokenizer, settings.seq_len).blocks[:EVAL_BLOCKS]
+        blocks = build_text_dataset(eval_text, tokenizer, settings.seq_len, flag="--eval-data").blocks[:EVAL_BLOCKS]
         result.eval_kl_before = mean_kl_to_teacher(student, teacher, blocks)
     if eval_prompts:
         result.on_policy_kl_before = on_policy_kl(student, teacher, tokenizer, eval_prompts, max_new_tokens=max_new,

@@ -40,8 +40,9 @@ def _vocab_size(config: dict) -> int | None:
 
 
 def has_tokenizer(path: Path) -> bool:
-    return path.is_dir() and any((path / name).exists() for name in
-                                 ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
+    from clusteropt_cli.modelspec import has_tokenizer_files
+
+    return has_tokenizer_files(path)
 
 
 def load_tokenizer(path: Path):

@@ -77,6 +77,14 @@ def load_expectation(path: str) -> Expectation:
     if prediction is None or not prediction.figures:
         raise BadInputError(f"--expect {path}: the recipe has no prediction.figures to check.",
                             hint="Write one with 'copt advise ... --emit-recipe R.yaml', or add a prediction block.")
+    # every figure is an amount (bytes, seconds, tokens/s, a fraction): an error relative to 0 or to a negative
+    # prediction is no check (it divided by zero, or passed -931 GiB against 18 MiB measured)
+    not_positive = [f"{name} {value:g}" for name, value in prediction.figures.items() if not value > 0]
+    if not_positive:
+        raise BadInputError(f"--expect {path}: predicted {', '.join(not_positive)}: a predicted figure must be "
+                            "positive (the check is the measured figure's error relative to it).",
+                            hint="Correct or remove those figures, or emit the recipe again with copt advise "
+                                 "--emit-recipe.")
     return Expectation(path=str(path), task=task, figures=dict(prediction.figures), recipe=recipe,
                        gpu=prediction.gpu, budget_bytes=prediction.budget_bytes,
                        assumptions=dict(prediction.assumptions))
@@ -242,7 +250,7 @@ def compare_to_prediction(report: ProfileReport, exp: Expectation, tolerance: fl
     checks = []
     for name, predicted in figures.items():
         value = measured.get(name)
-        if value is None or predicted == 0:
+        if value is None or not predicted > 0:  # load_expectation refuses those; not a check
             checks.append(FigureCheck(name, float(predicted), value, None, "not-measured", notes.get(name)))
             continue
         err = (float(value) - float(predicted)) / abs(float(predicted))

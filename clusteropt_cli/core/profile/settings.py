@@ -161,10 +161,15 @@ class EndpointSettings:
             problems.append(f"--num-requests must be at least 1 (got {self.num_requests})")
         if self.duration_s is not None and self.duration_s <= 0:
             problems.append(f"--duration must be positive seconds (got {self.duration_s})")
-        if self.prompt_len < 1 or self.gen_len < 1:
-            problems.append("--prompt-len and --gen-len must be at least 1")
+        for flag, value in (("--prompt-len", self.prompt_len), ("--gen-len", self.gen_len)):
+            if value < 1:
+                problems.append(f"{flag} must be at least 1 token (got {value})")
         if self.dataset is not None and not self.dataset.is_file():
             problems.append(f"--dataset {self.dataset}: no such file (a .jsonl with a 'prompt' or 'text' field)")
+        if self.tokenizer is not None:
+            from clusteropt_cli.modelspec import tokenizer_dir_problem
+
+            problems += [p for p in [tokenizer_dir_problem(self.tokenizer)] if p]
         if self.request_timeout_s <= 0:
             problems.append("--request-timeout must be positive seconds")
         if self.warmup < 0:

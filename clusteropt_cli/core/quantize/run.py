@@ -117,6 +117,9 @@ def plan(settings: QuantizeRecipe, overwrite: bool = False, recipe: str | None =
     """Validate every input up front; raise one error naming the flag to change. No heavy imports, but for a given
     --ignore: its entries are matched against the model's modules, built on the meta device (no weights)."""
     warnings: list[str] = []
+    from clusteropt_cli.modelspec import refuse_config_file
+
+    refuse_config_file(settings.model, "MODEL")
     model_dir = Path(settings.model).expanduser()
     if not model_dir.is_dir():
         raise BadInputError(f"MODEL {model_dir}: no such directory.",

@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 
 
 def _check_model_dir(path: str, flag: str) -> None:
-    from clusteropt_cli.modelspec import check_model_files, read_config_json
+    from clusteropt_cli.modelspec import check_model_files, read_config_json, refuse_config_file
 
+    refuse_config_file(path, flag)
     p = Path(path).expanduser()
     if not p.is_dir() or not (p / "config.json").is_file():
         raise BadInputError(f"{flag} '{path}' is not a local model directory (no config.json there).",

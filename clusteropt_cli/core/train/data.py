@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clusteropt_cli.core.textfiles import jsonl_rows, read_text_file, string_field
+from clusteropt_cli.core.textfiles import check_regular_file, jsonl_rows, read_text_file, string_field
 from clusteropt_cli.errors import BadInputError
 
 IGNORE_INDEX = -100
@@ -35,6 +35,19 @@ def read_texts(path: str | Path, text_field: str = "text", flag: str = "--data")
         return [text]
     raise BadInputError(f"{flag} {path} is neither .txt nor .jsonl.",
                         hint="Convert it to .txt or .jsonl (text field).")
+
+
+def check_text_input(path: str | Path, flag: str, text_field: str = "text", *, read: bool = False) -> None:
+    """Before any model loads: `path` is a regular .txt or .jsonl file (a missing path, a directory, a pipe or a
+    device named as such); with `read`, it holds text as read_texts reads it (empty, not UTF-8: the same messages
+    a --data file gets when it is read). For held-out files, small enough to read twice."""
+    path = Path(path)
+    check_regular_file(path, flag, hint=f"Pass a .txt or .jsonl file (with a '{text_field}' field) to {flag}.")
+    if path.suffix not in (".jsonl", ".txt", ".md", ".text", ""):
+        raise BadInputError(f"{flag} {path} is neither .txt nor .jsonl.",
+                            hint="Convert it to .txt or .jsonl (text field).")
+    if read:
+        read_texts(path, text_field, flag)
 
 
 def pack_token_ids(documents: list[list[int]], seq_len: int, eos_id: int | None) -> Any:

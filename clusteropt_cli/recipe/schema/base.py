@@ -15,6 +15,13 @@ PATH_KEYS = frozenset({"model", "data", "eval_data", "output", "teacher", "stude
                        "eval_traces", "calib", "eval", "draft_model", "tokenizer", "hostfile", "nvme_path"})
 
 
+def raise_problems(problems: list[str]) -> None:
+    """End a model validator: every problem at once, one a line as 'key: what is wrong'. Another key a message
+    names is written `key`: a recipe's error shows the key, a command line's the flag the user types for it."""
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
@@ -92,16 +99,15 @@ class TrainingOptions(Strict):
     def _check_training(self) -> TrainingOptions:
         problems = []
         if self.offload != "none" and self.zero == 0:
-            problems.append("offload: CPU/NVMe offload needs DeepSpeed ZeRO; set zero to 1, 2 or 3")
+            problems.append("offload: CPU/NVMe offload needs DeepSpeed ZeRO (set `zero` to 1, 2 or 3)")
         if self.offload == "nvme" and not self.nvme_path:
-            problems.append("nvme_path: offload=nvme needs nvme_path (a fast local directory)")
+            problems.append("nvme_path: `offload` nvme needs `nvme_path` (a fast local directory)")
         if self.offload != "none" and self.optimizer != "adamw":
-            problems.append(f"optimizer: with offload={self.offload} DeepSpeed runs its own CPU AdamW on the host, "
-                            f"so {self.optimizer} does not apply (use optimizer adamw, or offload none)")
+            problems.append(f"optimizer: with `offload` {self.offload} DeepSpeed runs its own CPU AdamW on the host, "
+                            f"so {self.optimizer} does not apply (use `optimizer` adamw, or `offload` none)")
         if self.max_steps is not None and self.epochs is not None:
-            problems.append("max_steps: give max_steps or epochs, not both")
+            problems.append("max_steps: give `max_steps` or `epochs`, not both")
         if self.loss_chunk_tokens is not None and self.loss_impl == "hf":
-            problems.append("loss_chunk_tokens: sets the fused loss's chunks; loss_impl hf has none")
-        if problems:
-            raise ValueError("; ".join(problems))
+            problems.append("loss_chunk_tokens: sets the fused loss's chunks; `loss_impl` hf has none")
+        raise_problems(problems)
         return self

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, model_validator
 
-from clusteropt_cli.recipe.schema.base import Prediction, TrainingOptions
+from clusteropt_cli.recipe.schema.base import Prediction, TrainingOptions, raise_problems
 
 
 class DistillRecipe(TrainingOptions):
@@ -56,9 +56,8 @@ class DistillRecipe(TrainingOptions):
                  "onpolicy": ("teacher", "student")}
         for key in needs[self.mode]:
             if not getattr(self, key):
-                problems.append(f"{key}: distill {self.mode} needs {key}")
+                problems.append(f"{key}: required for distill {self.mode}")
         if self.mode == "logits" and self.alpha == 0 and self.top_k is not None:
-            problems.append("top_k: with alpha 0 there is no distillation term to apply top_k to")
-        if problems:
-            raise ValueError("; ".join(problems))
+            problems.append("top_k: with `alpha` 0 there is no distillation term to apply `top_k` to")
+        raise_problems(problems)
         return self

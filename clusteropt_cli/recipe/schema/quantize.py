@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, model_validator
 
-from clusteropt_cli.recipe.schema.base import Prediction, Strict
+from clusteropt_cli.recipe.schema.base import Prediction, Strict, raise_problems
 
 # Which backend can run which method (the llm-compressor backend runs them all).
 BACKEND_METHODS: dict[str, tuple[str, ...]] = {
@@ -87,9 +87,9 @@ class QuantizeRecipe(Strict):
         data = {**data, "scheme": name}
         fixed = dict(SCHEMES[name])
         if "bits" in fixed and data.get("method") in ("fp8", "int8"):
-            raise ValueError(f"scheme: {name} is weight-only; method {data['method']} writes W8A8 (use method awq, "
-                             "gptq or rtn, or scheme W8A8/FP8_DYNAMIC)")
-        clashes = [f"{key}={data[key]}" for key, value in fixed.items()
+            raise ValueError(f"scheme: {name} is weight-only; `method` {data['method']} writes W8A8 (use `method` "
+                             "awq, gptq or rtn, or `scheme` W8A8/FP8_DYNAMIC)")
+        clashes = [f"`{key}`={data[key]}" for key, value in fixed.items()
                    if data.get(key) is not None and data[key] != value]
         if clashes:
             raise ValueError(f"scheme: {name} sets {', '.join(f'{k}={v}' for k, v in fixed.items())}; "
@@ -102,26 +102,28 @@ class QuantizeRecipe(Strict):
         if self.bits not in (None, 2, 3, 4, 8):
             problems.append(f"bits: must be 2, 3, 4 or 8 (got {self.bits})")
         elif self.method in ("fp8", "int8") and self.bits not in (None, 8):
-            problems.append(f"bits: method {self.method} is W8A8; bits must be 8 (got {self.bits})")
+            chosen = f"`scheme` {self.scheme}" if self.scheme else f"`method` {self.method}"
+            problems.append(f"bits: {chosen} writes 8-bit weights (W8A8), so `bits` must be 8 (got {self.bits}): "
+                            f"leave `bits` out, or use `method` awq, gptq or rtn for {self.bits}-bit weights")
         if self.group_size == 0 or self.group_size < -1:
             problems.append("group_size: must be positive or -1 (per-channel)")
         if self.method not in BACKEND_METHODS[self.backend]:
-            problems.append(f"backend: {self.backend} does not run method {self.method} "
+            problems.append(f"backend: {self.backend} does not run `method` {self.method} "
                             f"(it runs {', '.join(BACKEND_METHODS[self.backend])}; llmcompressor runs all)")
         if self.awq_duo_scaling is not True and not self.llmcompressor_awq:
-            problems.append("awq_duo_scaling: applies to method awq on the llmcompressor backend only")
+            problems.append("awq_duo_scaling: applies to `method` awq on the llmcompressor `backend` only")
         if self.awq_clip and not self.llmcompressor_awq:
-            problems.append("awq_clip: applies to method awq on the llmcompressor backend only")
+            problems.append("awq_clip: applies to `method` awq on the llmcompressor `backend` only")
         if self.observer not in (None, "minmax") and (self.method not in ("awq", "gptq", "rtn")
                                                       or self.backend != "llmcompressor"):
-            problems.append("observer: applies to integer weights (awq, gptq, rtn) on the llmcompressor backend only")
+            problems.append("observer: applies to integer weights (`method` awq, gptq, rtn) on the llmcompressor "
+                            "`backend` only")
         elif self.observer == "imatrix_mse" and self.method == "rtn":
             problems.append("observer: imatrix_mse weighs by calibration activations; rtn runs none (use mse, or "
-                            "method awq/gptq)")
+                            "`method` awq/gptq)")
         if self.compare_rtn and not self.eval:
-            problems.append("compare_rtn: needs eval (a text file to measure perplexity on)")
-        if problems:
-            raise ValueError("; ".join(problems))
+            problems.append("compare_rtn: needs `eval` (a text file to measure perplexity on)")
+        raise_problems(problems)
         return self
 
     @property

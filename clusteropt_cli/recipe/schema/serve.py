@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from clusteropt_cli.core.serve.kv_budget import DEFAULT_MAX_BATCH_SIZE
-from clusteropt_cli.recipe.schema.base import Prediction, Strict
+from clusteropt_cli.recipe.schema.base import Prediction, Strict, raise_problems
 
 
 def api_key_problems(key: str, source: str) -> list[str]:
@@ -123,16 +123,16 @@ class ServeRecipe(Strict):
         if self.api_key is not None:
             problems.extend(api_key_problems(self.api_key, "api_key"))
         if self.kv_cache_blocks is not None and self.kv_cache_memory is not None:
-            problems.append("kv_cache_blocks: give kv_cache_blocks or kv_cache_memory, not both")
+            problems.append("kv_cache_blocks: give `kv_cache_blocks` or `kv_cache_memory`, not both")
         if self.draft_model and self.prompt_lookup:
-            problems.append("draft_model: choose a draft model or prompt_lookup, not both")
+            problems.append("draft_model: choose a draft model or `prompt_lookup`, not both")
         no_compiled_layers = self.engine == "vllm" or self.compile is False
         if self.compile_mode not in ("auto", "default") and no_compiled_layers:
             problems.append("compile_mode: applies to the copt engine's compiled decode layers "
-                            "(not with engine vllm or compile false)")
+                            "(not with `engine` vllm, nor with compilation off)")
         if self.decode_attention in ("flex", "math") and no_compiled_layers:
             problems.append("decode_attention: flex and math apply to the copt engine's compiled decode "
-                            "layers (not with engine vllm or compile false)")
+                            "layers (not with `engine` vllm, nor with compilation off)")
         if self.kv_layout != "auto" and self.engine == "vllm":
             problems.append("kv_layout: chooses the copt engine's KV cache (vLLM's is always paged)")
         if self.vllm_version is not None:
@@ -142,6 +142,5 @@ class ServeRecipe(Strict):
                 parse_version(self.vllm_version)
             except ValueError as exc:
                 problems.append(f"vllm_version: {exc}")
-        if problems:
-            raise ValueError("; ".join(problems))
+        raise_problems(problems)
         return self
