@@ -17,6 +17,10 @@ from tests.integration.test_serve_architectures import (
 
 pytestmark = pytest.mark.gpu
 
+# transformers' MoE experts below bf16's grouped GEMM (fp32/fp16) read the per-expert offsets on the host, which CUDA
+# graph capture refuses: the engine warns and decodes those steps eagerly (measured on an H100, transformers 5.17)
+MOE_FAMILIES = {"mixtral-sliding", "qwen2moe-sliding", "qwen3moe-sliding"}
+
 
 @pytest.fixture(scope="module")
 def family_dirs(fixtures, tmp_path_factory):
@@ -39,8 +43,10 @@ def test_native_families_through_graphs_match_hf_greedy_on_gpu(family_dirs, name
                                  max_model_len=128, max_batch_tokens=MAX_BATCH_TOKENS, cuda_graphs=True,
                                  compile=True, async_scheduling=True, decode_attention=decode_attention))
     with engine:
-        assert engine.stats.graphs_captured > 0 and engine.runner.compile_error is None
-        assert engine.runner.compiled_layers == 4 and engine.runner.decode_attention == decode_attention
+        if name not in MOE_FAMILIES:  # MoE in fp32: eager decode steps, checked for the same tokens below
+            assert engine.stats.graphs_captured > 0 and engine.runner.compile_error is None
+            assert engine.runner.compiled_layers == 4
+        assert engine.runner.decode_attention == decode_attention
         results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True)
                                    for p in prompts])
         alone = engine.generate([GenerationRequest(prompt_ids=prompts[0], max_new_tokens=NEW_TOKENS,
@@ -66,8 +72,47 @@ def test_windowed_rings_through_graphs_match_hf_greedy_on_gpu(family_dirs, name,
                                  max_model_len=128, max_batch_tokens=MAX_BATCH_TOKENS, cuda_graphs=True,
                                  compile=True, async_scheduling=True))
     with engine:
-        assert engine.stats.graphs_captured > 0 and engine.runner.compile_error is None
+        if name not in MOE_FAMILIES:
+            assert engine.stats.graphs_captured > 0 and engine.runner.compile_error is None
         assert any(engine.runner.rings)
         results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True)
                                    for p in prompts])
     assert [r.output_ids for r in results] == expected
+
+
+@pytest.mark.xfail(strict=True, reason="fp32 MoE experts read their offsets on the host during CUDA graph capture")
+def test_fp32_moe_decode_is_captured(family_dirs):
+    """Pins the limitation: when this passes, the engine captures fp32 MoE decode steps and the exemptions above go."""
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model=str(family_dirs["mixtral-sliding"]), device="cuda", dtype="fp32",
+                                 max_batch_size=4, max_model_len=128, max_batch_tokens=MAX_BATCH_TOKENS,
+                                 cuda_graphs=True, compile=True))
+    with engine:
+        assert engine.stats.graphs_captured > 0
+
+
+@pytest.mark.parametrize("name", sorted(MOE_FAMILIES))
+def test_bf16_moe_decode_through_graphs(family_dirs, name):
+    """bf16, the dtype MoE checkpoints ship in: transformers' grouped GEMM keeps the routing on the GPU, so the
+    decode steps are captured over compiled layers; batch-1 and batched graphs give the tokens the eager engine
+    gives wherever bf16's top-2 logits are apart."""
+    from transformers import AutoConfig
+
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
+
+    prompts = _prompts(int(AutoConfig.from_pretrained(family_dirs[name]).vocab_size))
+    outputs = {}
+    for graphs in (False, True):
+        engine = Engine(EngineConfig(model=str(family_dirs[name]), device="cuda", dtype="bf16", max_batch_size=4,
+                                     max_model_len=128, max_batch_tokens=MAX_BATCH_TOKENS, cuda_graphs=graphs,
+                                     compile=graphs))
+        with engine:
+            if graphs:
+                assert engine.stats.graphs_captured > 0 and engine.runner.compile_error is None
+            results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+                                       for p in prompts])
+        outputs[graphs] = [r.output_ids for r in results]
+    assert all(len(ids) == NEW_TOKENS for ids in outputs[True])
+    # bf16 rounding differs between compiled and eager layers: the first tokens agree, later ones may drift on ties
+    assert [ids[:2] for ids in outputs[True]] == [ids[:2] for ids in outputs[False]]
