@@ -27,6 +27,17 @@ SeedOpt = Annotated[int | None, typer.Option("--seed", help="Random seed.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print what would run, then exit.")]
 
 
+def model_and_overrides(model: str | None, overrides: list[str] | None) -> tuple[str | None, list[str]]:
+    """MODEL and the key=value overrides after it: with --recipe and no MODEL, the first override lands in MODEL
+    (`copt quantize --recipe r.yaml bits=8`); a path that exists stays MODEL."""
+    from pathlib import Path
+
+    overrides = list(overrides or [])
+    if model is not None and "=" in model and not Path(model).expanduser().exists():
+        return None, [model, *overrides]
+    return model, overrides
+
+
 def opt(name: str, help: str, kind: Any = str):  # noqa: A002 - mirrors typer's keyword
     """An optional typed flag whose default (None: not given) leaves the value to the recipe schema."""
     return Annotated[kind | None, typer.Option(name, help=help, show_default=False)]

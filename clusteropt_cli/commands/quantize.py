@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from clusteropt_cli import console
-from clusteropt_cli.options import DryRunOpt, JsonOpt, OverridesArg, OverwriteOpt, RecipeOpt
+from clusteropt_cli.options import DryRunOpt, JsonOpt, OverridesArg, OverwriteOpt, RecipeOpt, model_and_overrides
 from clusteropt_cli.options import opt as _opt
 
 
@@ -48,6 +48,7 @@ def quantize(
     from clusteropt_cli.core.quantize import plan, run
     from clusteropt_cli.recipe.load import load_settings
 
+    model, overrides = model_and_overrides(model, overrides)
     settings = load_settings("quantize", recipe, overrides, dict(
         model=model, output=str(output) if output else None, scheme=scheme, method=method, bits=bits,
         group_size=group_size,

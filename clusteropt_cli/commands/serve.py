@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from clusteropt_cli import console
 from clusteropt_cli.errors import BadInputError
-from clusteropt_cli.options import DryRunOpt, JsonOpt, OverridesArg, RecipeOpt
+from clusteropt_cli.options import DryRunOpt, JsonOpt, OverridesArg, RecipeOpt, model_and_overrides
 
 ModelArg = Annotated[
     str | None,
@@ -124,10 +123,7 @@ def serve(
     """Serve MODEL over an OpenAI-compatible HTTP API with continuous batching and speculative decoding."""
     from clusteropt_cli.recipe.load import load_settings
 
-    overrides = list(overrides or [])
-    if model is not None and "=" in model and not Path(model).exists():
-        overrides.insert(0, model)  # `copt serve --recipe r.yaml port=9000`: the first override landed in MODEL
-        model = None
+    model, overrides = model_and_overrides(model, overrides)
     if kv_cache_memory_bytes is not None:
         if kv_cache_memory is not None:
             raise BadInputError("Give --kv-cache-memory (GiB) or --kv-cache-memory-bytes, not both.",

@@ -403,3 +403,29 @@ def test_eval_data_problems_read_as_the_same_problems_of_data(capsys, fixtures, 
         code, err = _copt_here(capsys, *args, "--eval-data", path)
         assert code == 2 and err == as_data.replace("--data", "--eval-data"), (err, as_data)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_key_value_after_a_recipe_is_an_override_not_the_model(capsys, fixtures, tmp_path):
+    """`copt quantize --recipe r.yaml bits=8` (the model in the recipe) read `bits=8` as the model directory: it is an
+    override there as it is for serve; a directory whose name holds '=' stays the model."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {fixtures.student}\nmethod: rtn\ngroup_size: 32\n")
+    code, err = _copt_here(capsys, "quantize", "--recipe", recipe, "bits=8", "--dry-run", "--output", tmp_path / "q")
+    assert code == 0, err
+    from clusteropt_cli.options import model_and_overrides
+
+    named = tmp_path / "a=b"
+    named.mkdir()
+    assert model_and_overrides(str(named), ["bits=8"]) == (str(named), ["bits=8"])
+    assert model_and_overrides("bits=8", ["seq_len=64"]) == (None, ["bits=8", "seq_len=64"])
+
+
+def test_train_tokenizer_without_tokenizer_files_is_named(capsys, tmp_path):
+    """`copt train --tokenizer DIR` with no tokenizer files in DIR failed in transformers with a message about the
+    model's files; refused up front naming the files looked for."""
+    data = tmp_path / "d.txt"
+    data.write_text("some text\n")
+    (tmp_path / "tok").mkdir()
+    code, err = _copt_here(capsys, "train", "--model", "llama-3.2-1b", "--tokenizer", tmp_path / "tok", "--data", data,
+                           "--output", tmp_path / "out", "--dry-run")
+    assert code == 2 and f"--tokenizer {tmp_path / 'tok'} holds no tokenizer files" in err, err

@@ -24,6 +24,7 @@ def validate_train(settings: TrainRecipe, *, overwrite: bool = False, check_outp
                    device_type: str | None = None, recipe: str | None = None) -> ModelSource:
     """Validate a TrainRecipe against the files and the hardware; returns the resolved model source."""
     from clusteropt_cli.deps import version_of
+    from clusteropt_cli.modelspec import tokenizer_dir_problem
 
     problems: list[str] = []
     try:
@@ -47,8 +48,8 @@ def validate_train(settings: TrainRecipe, *, overwrite: bool = False, check_outp
         pass
     elif source.tokenizer_path is None:
         problems.append("--tokenizer: training from a config/preset needs a local tokenizer directory")
-    elif not Path(source.tokenizer_path).is_dir():
-        problems.append(f"--tokenizer: {source.tokenizer_path} is not a directory")
+    elif (problem := tokenizer_dir_problem(source.tokenizer_path)) is not None:
+        problems.append(problem)
     problems += layout_problems(settings, config)
     if settings.zero > 0 and version_of("deepspeed") is None:
         problems.append("--zero: DeepSpeed is not installed (pip install 'clusteropt-cli[train]')")
