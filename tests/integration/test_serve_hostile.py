@@ -305,6 +305,15 @@ def test_half_open_and_excess_connections_are_closed(server):
     assert httpx.get(server + "/health", timeout=5).status_code == 200
 
 
+def wait_for(check, seconds: float, every: float = 0.1):
+    deadline = time.time() + seconds
+    while True:
+        value = check()
+        if value or time.time() > deadline:
+            return value
+        time.sleep(every)
+
+
 def test_metrics_behind_the_key(server):
     assert httpx.get(server + "/metrics").status_code == 401
     assert httpx.get(server + "/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
@@ -489,6 +498,31 @@ def test_a_device_error_kills_the_engine_and_the_server_exits_nonzero(fixtures):
     assert seen["stream"]["error"] is not None and "device-side assert" in seen["stream"]["error"]["message"]
     assert seen["plain"] == 500 and seen["health"] == 503
     assert seen["new"].status_code == 500 and seen["new"].json()["error"]["code"] == "engine_dead"
+
+
+def test_requests_cancelled_in_the_queue_leave_its_count_at_once(engine):
+    """Requests cancelled while they wait for a slot are dropped at the next step and the waiting count says so at
+    once, not after the decode stretch the others go on with (up to 256 tokens: seconds during which /metrics
+    showed them waiting)."""
+    from clusteropt_cli.core.serve.engine import GenerationRequest
+
+    prompt = engine.tokenizer.encode("def f(x):", add_special_tokens=False)
+    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=200, ignore_eos=True)
+    running = [engine.submit(request) for _ in range(8)]  # every slot of the fixture's engine
+    queued = [engine.submit(request) for _ in range(5)]
+    try:
+        assert wait_for(lambda: all(h._seq.out for h in running) and engine.stats.waiting == 5, 30, every=0.005)
+        for h in queued:
+            h.cancel()
+        assert wait_for(lambda: all(h.done for h in queued), 10, every=0.005)
+        assert all(h.result().finish_reason == "abort" and not h.result().output_ids for h in queued)
+        assert wait_for(lambda: engine.stats.waiting == 0, 0.3, every=0.005), engine.stats.waiting
+        assert not any(h.done for h in running)  # the others still decode
+    finally:
+        for h in running + queued:
+            h.cancel()
+    assert wait_for(lambda: engine.idle and engine.stats.running == 0, 10, every=0.01)
+    assert engine.stats.kv_cache_usage == 0
 
 
 def test_stop_strings_cost_the_engine_linear_time(engine, monkeypatch):
