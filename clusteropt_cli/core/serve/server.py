@@ -9,7 +9,8 @@ and tokenization run on worker threads (the event loop only moves bytes), every 
 tensor is validated before admission (400 naming the field), a request that fails inside an engine step fails alone
 (500), and an unrecoverable device error marks the engine dead (/health 503, every request 500) and the process
 exits with status 1 so a supervisor restarts it. Connections that send no complete request within the read timeout
-are closed, and connections beyond --max-connections are closed at once.
+are closed; a connection that stops reading its response (the socket's buffers full) for the write timeout is cut
+and its requests cancelled; connections beyond --max-connections are closed at once.
 
 This module builds the app (auth, body limits, error handlers, /health, /metrics) and runs the server;
 openai_routes.py holds the OpenAI endpoints.
@@ -18,6 +19,8 @@ openai_routes.py holds the OpenAI endpoints.
 
 import asyncio
 import hmac
+import socket
+import struct
 import time
 from collections import deque
 from collections.abc import Callable
@@ -46,6 +49,7 @@ class ServerLimits:
     metrics_public: bool = False
     read_timeout: float = 30.0  # seconds to send a request's headers, and between two pieces of its body
     max_connections: int | None = None  # None: from the open-file limit
+    write_timeout: float = 30.0  # seconds a client may leave the response unread (the send buffers full)
 
     def prompt_chars(self, max_model_len: int) -> int:
         return self.max_prompt_chars or max(65_536, 64 * max_model_len)
@@ -464,14 +468,22 @@ def raise_open_file_limit() -> int:
         return 1024
 
 
-def guarded_protocol(read_timeout: float, max_connections: int) -> type:
+def guarded_protocol(read_timeout: float, max_connections: int, write_timeout: float = 30.0) -> type:
     """uvicorn's HTTP protocol (httptools or h11, as uvicorn picks) that closes a connection which has not sent a
     complete request head within `read_timeout` seconds of connecting or of its previous response (half-open and
-    slowloris connections), and closes connections beyond `max_connections` as soon as they are accepted."""
+    slowloris connections), cuts one whose writes stay paused for `write_timeout` seconds (the client stopped
+    reading: its receive buffer and the server's send buffer are full), and closes connections beyond
+    `max_connections` as soon as they are accepted.
+
+    A cut connection is reset (its unsent bytes dropped: a close would wait for the client to read them): the app
+    sees the disconnect, so a stream's or a request's engine handles are cancelled and their KV cache freed.
+    Without it a stream's send waited for the client for ever, its connection held, and the engine generated every
+    token of the request for nobody."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         _head_timer: asyncio.TimerHandle | None = None
+        _write_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -496,7 +508,32 @@ def guarded_protocol(read_timeout: float, max_connections: int) -> type:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_head_timer()
+            self._cancel_write_timer()
             super().connection_lost(exc)
+
+        # the transport's write buffer passed its high-water mark (the kernel's send buffer is full already)
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(write_timeout, self._write_timed_out)
+
+        def resume_writing(self) -> None:
+            self._cancel_write_timer()
+            super().resume_writing()
+
+        def _cancel_write_timer(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_timed_out(self) -> None:
+            self._write_timer = None
+            sock = self.transport.get_extra_info("socket")
+            try:  # a reset: the kernel drops the megabytes still queued for the client too
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except (AttributeError, OSError):
+                pass
+            self.transport.abort()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -548,7 +585,7 @@ def run_server(engine: Engine, *, host: str, port: int, served_model_name: str, 
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics=metrics, limits=limits)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=grace_period, lifespan="off", timeout_keep_alive=5,
-                            http=guarded_protocol(limits.read_timeout, max_connections))
+                            http=guarded_protocol(limits.read_timeout, max_connections, limits.write_timeout))
     dead = False
 
     class _Server(uvicorn.Server):
