@@ -112,7 +112,8 @@ def serve(
                                                         help="Serve /metrics without the API key.")] = None,
     read_timeout: Annotated[float | None, typer.Option("--read-timeout",
                                                        help="Seconds a connection may take to send a request "
-                                                            "(head, or between body pieces); default 30.")] = None,
+                                                            "(head, or between body pieces; the whole body: this "
+                                                            "plus 1 s per 16 KiB); default 30.")] = None,
     write_timeout: Annotated[float | None, typer.Option("--write-timeout",
                                                         help="Seconds a client may leave its response unread "
                                                              "before the connection is cut and its requests "

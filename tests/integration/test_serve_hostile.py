@@ -3,13 +3,14 @@
 Poison payloads and malformed fields get a 4xx naming the field while other requests keep streaming; injected
 faults in an engine step fail only the request they belong to; a device error kills the engine (/health 503,
 every request 500, run_server returns non-zero); big bodies, prompts and template bombs never stall /health;
-half-open connections are closed; a client that stops reading its stream is cut and its requests cancelled; clients
-that disconnect (streamed or not, n > 1, queued) leave nothing behind in the engine; the API key holds (empty keys
-refused, /metrics behind it)."""
+half-open connections are closed, and so are bodies trickled byte by byte; a client that stops reading its stream is
+cut and its requests cancelled; clients that disconnect (streamed or not, n > 1, queued) leave nothing behind in the
+engine; the API key holds (empty keys refused, /metrics behind it)."""
 
 from __future__ import annotations
 
 import json
+import select
 import socket
 import struct
 import threading
@@ -368,6 +369,35 @@ def test_a_client_that_stops_reading_its_stream_is_cut_and_its_requests_cancelle
             pass
     finally:
         stuck.close()
+
+
+def test_a_body_trickled_a_byte_at_a_time_is_cut(server):
+    """Every piece of the body arrives within --read-timeout (2 s), but the whole body must come within the read
+    timeout plus a second per 16 KiB: the connection gets 408 and is closed at about 2 s (it held one of
+    --max-connections for as long as the client trickled)."""
+    port = int(server.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port))
+    try:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+                     "application/json\r\nContent-Length: 100000\r\n\r\n{\"prompt\": \"".encode())
+        t0 = time.time()
+        answer = None
+        while answer is None and time.time() - t0 < 10:
+            if select.select([sock], [], [], 0.5)[0]:  # the server answered (408) or closed
+                try:
+                    answer = sock.recv(4096)
+                except ConnectionResetError:
+                    answer = b""
+                break
+            try:
+                sock.sendall(b"a")
+            except OSError:
+                answer = b""
+        assert answer is not None, "the trickled body kept its connection for 10 s"
+        assert time.time() - t0 < 6, time.time() - t0
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    finally:
+        sock.close()
 
 
 def test_clients_that_disconnect_leave_nothing_behind(server):

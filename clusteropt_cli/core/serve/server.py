@@ -8,9 +8,10 @@ One client cannot hurt the others: bodies are capped (413) and read with a timeo
 and tokenization run on worker threads (the event loop only moves bytes), every request field that reaches a
 tensor is validated before admission (400 naming the field), a request that fails inside an engine step fails alone
 (500), and an unrecoverable device error marks the engine dead (/health 503, every request 500) and the process
-exits with status 1 so a supervisor restarts it. Connections that send no complete request within the read timeout
-are closed; a connection that stops reading its response (the socket's buffers full) for the write timeout is cut
-and its requests cancelled; connections beyond --max-connections are closed at once.
+exits with status 1 so a supervisor restarts it. Connections that send no complete request head within the read
+timeout, or whose body comes slower than that allows, are closed; a connection that stops reading its response (the
+socket's buffers full) for the write timeout is cut and its requests cancelled; connections beyond --max-connections
+are closed at once.
 
 This module builds the app (auth, body limits, error handlers, /health, /metrics) and runs the server;
 openai_routes.py holds the OpenAI endpoints.
@@ -37,6 +38,9 @@ from clusteropt_cli.core.serve.requests import (
 )
 
 ENGINE_DEAD_EXIT = 1  # the engine died of a device error: non-zero so that a supervisor restarts the server
+# a request body must arrive within --read-timeout plus one second per this many bytes received (Apache's
+# mod_reqtimeout MinRate): a body trickled a byte per piece would otherwise hold its connection for ever
+BODY_MIN_BYTES_PER_S = 16 * 1024
 
 
 @dataclass
@@ -47,7 +51,7 @@ class ServerLimits:
     max_prompt_chars: int | None = None  # None: 64 characters per token of --max-model-len
     trust_request_chat_template: bool = False
     metrics_public: bool = False
-    read_timeout: float = 30.0  # seconds to send a request's headers, and between two pieces of its body
+    read_timeout: float = 30.0  # seconds to send the headers, between two pieces of the body (whole body: + 1 s/16 KiB)
     max_connections: int | None = None  # None: from the open-file limit
     write_timeout: float = 30.0  # seconds a client may leave the response unread (the send buffers full)
 
@@ -349,7 +353,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         return response
 
     async def read_body(scope: dict, receive: Callable) -> bytes | JSONResponse:
-        """The whole body, refused (413) past the cap before it is read, closed (408) when it stalls."""
+        """The whole body, refused (413) past the cap before it is read, closed (408) when it stalls for the read
+        timeout or arrives slower than the read timeout plus a second per BODY_MIN_BYTES_PER_S bytes allow."""
         length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
         if length is not None:
             try:
@@ -359,11 +364,18 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             if declared > limits.max_request_bytes:
                 return too_large(declared)
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limits.read_timeout
         while True:
             try:
-                message = await asyncio.wait_for(receive(), timeout=limits.read_timeout)
+                wait = min(limits.read_timeout, deadline + size / BODY_MIN_BYTES_PER_S - loop.time())
+                if wait <= 0:
+                    raise TimeoutError
+                message = await asyncio.wait_for(receive(), timeout=wait)
             except TimeoutError:
-                response = error(408, f"The request body did not arrive within {limits.read_timeout:g} s.")
+                response = error(408, f"The request body did not arrive in time (--read-timeout "
+                                      f"{limits.read_timeout:g} s between two pieces, and the read timeout plus a "
+                                      f"second per {BODY_MIN_BYTES_PER_S // 1024} KiB for the whole body).")
                 response.headers["Connection"] = "close"
                 return response
             if message["type"] == "http.disconnect":
