@@ -112,7 +112,12 @@ def serve(
                                                         help="Serve /metrics without the API key.")] = None,
     read_timeout: Annotated[float | None, typer.Option("--read-timeout",
                                                        help="Seconds a connection may take to send a request "
-                                                            "(head, or between body pieces); default 30.")] = None,
+                                                            "(head, or between body pieces; the whole body: this "
+                                                            "plus 1 s per 16 KiB); default 30.")] = None,
+    write_timeout: Annotated[float | None, typer.Option("--write-timeout",
+                                                        help="Seconds a client may leave its response unread "
+                                                             "before the connection is cut and its requests "
+                                                             "cancelled; default 30.")] = None,
     max_connections: Annotated[int | None, typer.Option("--max-connections",
                                                         help="Open connections at most (default: the open-file "
                                                              "limit less 64).")] = None,
@@ -149,7 +154,8 @@ def serve(
         grace_period=grace_period, api_server_count=api_server_count,
         max_request_bytes=max_request_bytes, max_prompt_chars=max_prompt_chars,
         trust_request_chat_template=trust_request_chat_template, metrics_public=metrics_public,
-        read_timeout=read_timeout, max_connections=max_connections), flags={"model": "MODEL"})
+        read_timeout=read_timeout, write_timeout=write_timeout, max_connections=max_connections),
+        flags={"model": "MODEL"})
 
     from clusteropt_cli.core.serve.launch import is_loopback, resolve_api_key
 

@@ -3,12 +3,16 @@
 Poison payloads and malformed fields get a 4xx naming the field while other requests keep streaming; injected
 faults in an engine step fail only the request they belong to; a device error kills the engine (/health 503,
 every request 500, run_server returns non-zero); big bodies, prompts and template bombs never stall /health;
-half-open connections are closed; the API key holds (empty keys refused, /metrics behind it)."""
+half-open connections are closed, and so are bodies trickled byte by byte; a client that stops reading its stream is
+cut and its requests cancelled; clients that disconnect (streamed or not, n > 1, queued) leave nothing behind in the
+engine; the API key holds (empty keys refused, /metrics behind it)."""
 
 from __future__ import annotations
 
 import json
+import select
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +32,7 @@ POISON = {"prompt": "x", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [99
 @pytest.fixture(scope="module")
 def server(fixtures):
     with running_server(fixtures.teacher, "--api-key", KEY, "--max-model-len", "512", "--read-timeout", "2",
-                        "--max-connections", "40") as (url, proc):
+                        "--write-timeout", "2", "--max-connections", "40") as (url, proc):
         yield url
 
 
@@ -305,6 +309,142 @@ def test_half_open_and_excess_connections_are_closed(server):
     assert httpx.get(server + "/health", timeout=5).status_code == 200
 
 
+def engine_gauges(url: str) -> dict[str, float]:
+    """The engine's gauges and finished-request counts from /metrics."""
+    out = {}
+    for line in httpx.get(url + "/metrics", headers=AUTH, timeout=10).text.splitlines():
+        if line.startswith(("copt_num_requests_", "copt_kv_cache_usage_ratio ", "copt_request_finished_total{")):
+            name, value = line.rsplit(" ", 1)
+            out[name.replace("copt_request_finished_total", "finished")] = float(value)
+    return out
+
+
+def raw_request(port: int, path: str, body: dict, rcvbuf: int | None = None) -> socket.socket:
+    sock = socket.socket()
+    if rcvbuf is not None:  # before connecting: the window the client offers stays this small
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json"
+                 f"\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def wait_for(check, seconds: float, every: float = 0.1):
+    deadline = time.time() + seconds
+    while True:
+        value = check()
+        if value or time.time() > deadline:
+            return value
+        time.sleep(every)
+
+
+def test_a_client_that_stops_reading_its_stream_is_cut_and_its_requests_cancelled(server):
+    """A streaming client that never reads: once the socket's buffers are full the server's sends wait; after
+    --write-timeout (2 s here) the connection is cut and its 32 sequences are aborted, their KV cache freed (the
+    engine generated every one of their tokens for nobody, and the connection stayed open for ever). Other streams
+    and /health go on meanwhile."""
+    port = int(server.rsplit(":", 1)[1])
+    before = engine_gauges(server)
+    # 32 choices × 400 tokens with 20 top logprobs: about 19 MB of events, far more than the socket buffers hold
+    stuck = raw_request(port, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "n": 32, "logprobs": True,
+        "top_logprobs": 20, "ignore_eos": True, "stream": True}, rcvbuf=4096)
+    try:
+        assert wait_for(lambda: engine_gauges(server)["copt_num_requests_running"] >= 32, 30)
+        with health_watch(server) as samples:
+            others = [f.result(timeout=120) for f in six_streams(server, tokens=30)]
+        assert [r["finish_reason"] for r in others] == ["length"] * 6
+        assert all(status == 200 for status, _ in samples) and max(s for _, s in samples) < 1.0
+        assert wait_for(lambda: engine_gauges(server)["copt_num_requests_running"] == 0, 60)
+        after = engine_gauges(server)
+        aborted = after.get('finished{reason="abort"}', 0) - before.get('finished{reason="abort"}', 0)
+        assert aborted == 32, (before, after)
+        assert after["copt_num_requests_waiting"] == 0 and after["copt_kv_cache_usage_ratio"] == 0
+        stuck.settimeout(5)  # the server has cut the connection: reading reaches its end (or its reset)
+        try:
+            while stuck.recv(1 << 20):
+                pass
+        except ConnectionResetError:
+            pass
+    finally:
+        stuck.close()
+
+
+def test_a_body_trickled_a_byte_at_a_time_is_cut(server):
+    """Every piece of the body arrives within --read-timeout (2 s), but the whole body must come within the read
+    timeout plus a second per 16 KiB: the connection gets 408 and is closed at about 2 s (it held one of
+    --max-connections for as long as the client trickled)."""
+    port = int(server.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port))
+    try:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+                     "application/json\r\nContent-Length: 100000\r\n\r\n{\"prompt\": \"".encode())
+        t0 = time.time()
+        answer = None
+        while answer is None and time.time() - t0 < 10:
+            if select.select([sock], [], [], 0.5)[0]:  # the server answered (408) or closed
+                try:
+                    answer = sock.recv(4096)
+                except ConnectionResetError:
+                    answer = b""
+                break
+            try:
+                sock.sendall(b"a")
+            except OSError:
+                answer = b""
+        assert answer is not None, "the trickled body kept its connection for 10 s"
+        assert time.time() - t0 < 6, time.time() - t0
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    finally:
+        sock.close()
+
+
+def test_clients_that_disconnect_leave_nothing_behind(server):
+    """60 clients that go away mid-stream (n > 1, include_usage, logprobs), mid-request (not streamed, n > 1) or
+    right after sending: every sequence is aborted in the engine, the running and waiting counts and the KV cache
+    come back to zero, and the next request is served."""
+    port = int(server.rsplit(":", 1)[1])
+    before = engine_gauges(server)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    kinds = [
+        ("/v1/completions", {"prompt": "def f(x):", "stream": True}, 1),
+        ("/v1/completions", {"prompt": "def f(x):", "stream": True, "n": 3,
+                             "stream_options": {"include_usage": True}}, 3),
+        ("/v1/chat/completions", {**chat, "stream": True, "n": 2, "logprobs": True, "top_logprobs": 2,
+                                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, 2),
+        ("/v1/completions", {"prompt": "def f(x):", "n": 3}, 3),
+        ("/v1/chat/completions", {**chat, "n": 2}, 2),
+        ("/v1/completions", {"prompt": "def f(x):"}, 1),
+    ]
+
+    def client(i: int) -> None:
+        path, body, _ = kinds[i % len(kinds)]
+        sock = raw_request(port, path, {**body, "max_tokens": 400, "ignore_eos": True})
+        if body.get("stream"):
+            sock.settimeout(30)
+            got = b""
+            while b"data: " not in got:
+                got += sock.recv(4096)
+        elif i % 4:
+            time.sleep(0.2)
+        if i % 2:  # half of them reset the connection instead of closing it
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+
+    with ThreadPoolExecutor(10) as pool:
+        list(pool.map(client, range(60)))
+    sequences = sum(kinds[i % len(kinds)][2] for i in range(60))
+    key = 'finished{reason="abort"}'
+    assert wait_for(lambda: engine_gauges(server).get(key, 0) - before.get(key, 0) == sequences, 10)
+    assert wait_for(lambda: engine_gauges(server)["copt_num_requests_running"] == 0, 10)
+    after = engine_gauges(server)
+    assert after["copt_num_requests_waiting"] == 0 and after["copt_kv_cache_usage_ratio"] == 0, after
+    assert after.get(key, 0) - before.get(key, 0) == sequences  # none ran to its end
+    r = httpx.post(server + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, headers=AUTH, timeout=30)
+    assert r.status_code == 200
+
+
 def test_metrics_behind_the_key(server):
     assert httpx.get(server + "/metrics").status_code == 401
     assert httpx.get(server + "/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
@@ -489,6 +629,31 @@ def test_a_device_error_kills_the_engine_and_the_server_exits_nonzero(fixtures):
     assert seen["stream"]["error"] is not None and "device-side assert" in seen["stream"]["error"]["message"]
     assert seen["plain"] == 500 and seen["health"] == 503
     assert seen["new"].status_code == 500 and seen["new"].json()["error"]["code"] == "engine_dead"
+
+
+def test_requests_cancelled_in_the_queue_leave_its_count_at_once(engine):
+    """Requests cancelled while they wait for a slot are dropped at the next step and the waiting count says so at
+    once, not after the decode stretch the others go on with (up to 256 tokens: seconds during which /metrics
+    showed them waiting)."""
+    from clusteropt_cli.core.serve.engine import GenerationRequest
+
+    prompt = engine.tokenizer.encode("def f(x):", add_special_tokens=False)
+    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=200, ignore_eos=True)
+    running = [engine.submit(request) for _ in range(8)]  # every slot of the fixture's engine
+    queued = [engine.submit(request) for _ in range(5)]
+    try:
+        assert wait_for(lambda: all(h._seq.out for h in running) and engine.stats.waiting == 5, 30, every=0.005)
+        for h in queued:
+            h.cancel()
+        assert wait_for(lambda: all(h.done for h in queued), 10, every=0.005)
+        assert all(h.result().finish_reason == "abort" and not h.result().output_ids for h in queued)
+        assert wait_for(lambda: engine.stats.waiting == 0, 0.3, every=0.005), engine.stats.waiting
+        assert not any(h.done for h in running)  # the others still decode
+    finally:
+        for h in running + queued:
+            h.cancel()
+    assert wait_for(lambda: engine.idle and engine.stats.running == 0, 10, every=0.01)
+    assert engine.stats.kv_cache_usage == 0
 
 
 def test_stop_strings_cost_the_engine_linear_time(engine, monkeypatch):

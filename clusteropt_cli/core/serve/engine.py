@@ -567,14 +567,19 @@ class Engine(EngineLoading, SpeculativeDecoding):
         stats = self.stats
         clock = time.perf_counter
         t0 = clock()
-        # 1. cancellations
+        # 1. cancellations (the gauges say so at once: the step may go on for a decode stretch of many tokens)
+        cancelled = False
         if any(s.handle._cancelled for s in self._running):
             for seq in [s for s in self._running if s.handle._cancelled]:
                 self._finish(seq, "abort")
+            cancelled = True
         if any(s.handle._cancelled for s in self._waiting):
             for seq in [s for s in self._waiting if s.handle._cancelled]:
                 self._waiting.remove(seq)
                 self._finish(seq, "abort")
+            cancelled = True
+        if cancelled:
+            self._update_gauges()
         # 2. admission into free slots (paged: and the blocks its prompt needs). Paged, a request is admitted only
         # while the prefill already admitted leaves room in a step's token budget (as vLLM schedules): one that
         # waits a step finds the blocks its predecessors computed in the prefix cache instead of computing them too
@@ -636,15 +641,20 @@ class Engine(EngineLoading, SpeculativeDecoding):
             self._prefill_step(chunks)
         t2 = clock()
         stats.steps += 1
+        self._update_gauges()
+        if self.pool is not None:
+            stats.prefix_cache_queries, stats.prefix_cache_hits = self.pool.stats.queries, self.pool.stats.hits
+        stats.add_phase("bookkeeping", clock() - t2)
+
+    def _update_gauges(self) -> None:
+        """The running and waiting counts and the KV-cache usage of the stats (/metrics)."""
+        stats = self.stats
         stats.running = len(self._running)
         stats.waiting = len(self._waiting) + len(self._incoming)
         if self.pool is not None:
             stats.kv_cache_usage = self.pool.usage
-            stats.prefix_cache_queries, stats.prefix_cache_hits = self.pool.stats.queries, self.pool.stats.hits
         else:
-            used = sum(s.length for s in self._running)
-            stats.kv_cache_usage = used / max(1, stats.kv_cache_tokens)
-        stats.add_phase("bookkeeping", clock() - t2)
+            stats.kv_cache_usage = sum(s.length for s in self._running) / max(1, stats.kv_cache_tokens)
 
     # ---- paged KV cache -------------------------------------------------------------------------------------
     def _admit_blocks(self, seq: _Seq) -> bool:

@@ -64,7 +64,7 @@ def server_limits(settings: ServeRecipe) -> Any:
     return ServerLimits(max_request_bytes=settings.max_request_bytes, max_prompt_chars=settings.max_prompt_chars,
                         trust_request_chat_template=settings.trust_request_chat_template,
                         metrics_public=settings.metrics_public, read_timeout=settings.read_timeout,
-                        max_connections=settings.max_connections)
+                        write_timeout=settings.write_timeout, max_connections=settings.max_connections)
 
 
 # what copt serve's serve extra installs for speed on a GPU: the split server's IPC, uvicorn's fast loop and parser

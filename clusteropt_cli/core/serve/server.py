@@ -8,8 +8,10 @@ One client cannot hurt the others: bodies are capped (413) and read with a timeo
 and tokenization run on worker threads (the event loop only moves bytes), every request field that reaches a
 tensor is validated before admission (400 naming the field), a request that fails inside an engine step fails alone
 (500), and an unrecoverable device error marks the engine dead (/health 503, every request 500) and the process
-exits with status 1 so a supervisor restarts it. Connections that send no complete request within the read timeout
-are closed, and connections beyond --max-connections are closed at once.
+exits with status 1 so a supervisor restarts it. Connections that send no complete request head within the read
+timeout, or whose body comes slower than that allows, are closed; a connection that stops reading its response (the
+socket's buffers full) for the write timeout is cut and its requests cancelled; connections beyond --max-connections
+are closed at once.
 
 This module builds the app (auth, body limits, error handlers, /health, /metrics) and runs the server;
 openai_routes.py holds the OpenAI endpoints.
@@ -18,6 +20,8 @@ openai_routes.py holds the OpenAI endpoints.
 
 import asyncio
 import hmac
+import socket
+import struct
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +38,9 @@ from clusteropt_cli.core.serve.requests import (
 )
 
 ENGINE_DEAD_EXIT = 1  # the engine died of a device error: non-zero so that a supervisor restarts the server
+# a request body must arrive within --read-timeout plus one second per this many bytes received (Apache's
+# mod_reqtimeout MinRate): a body trickled a byte per piece would otherwise hold its connection for ever
+BODY_MIN_BYTES_PER_S = 16 * 1024
 
 
 @dataclass
@@ -44,8 +51,9 @@ class ServerLimits:
     max_prompt_chars: int | None = None  # None: 64 characters per token of --max-model-len
     trust_request_chat_template: bool = False
     metrics_public: bool = False
-    read_timeout: float = 30.0  # seconds to send a request's headers, and between two pieces of its body
+    read_timeout: float = 30.0  # seconds to send the headers, between two pieces of the body (whole body: + 1 s/16 KiB)
     max_connections: int | None = None  # None: from the open-file limit
+    write_timeout: float = 30.0  # seconds a client may leave the response unread (the send buffers full)
 
     def prompt_chars(self, max_model_len: int) -> int:
         return self.max_prompt_chars or max(65_536, 64 * max_model_len)
@@ -345,7 +353,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         return response
 
     async def read_body(scope: dict, receive: Callable) -> bytes | JSONResponse:
-        """The whole body, refused (413) past the cap before it is read, closed (408) when it stalls."""
+        """The whole body, refused (413) past the cap before it is read, closed (408) when it stalls for the read
+        timeout or arrives slower than the read timeout plus a second per BODY_MIN_BYTES_PER_S bytes allow."""
         length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
         if length is not None:
             try:
@@ -355,11 +364,18 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
             if declared > limits.max_request_bytes:
                 return too_large(declared)
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limits.read_timeout
         while True:
             try:
-                message = await asyncio.wait_for(receive(), timeout=limits.read_timeout)
+                wait = min(limits.read_timeout, deadline + size / BODY_MIN_BYTES_PER_S - loop.time())
+                if wait <= 0:
+                    raise TimeoutError
+                message = await asyncio.wait_for(receive(), timeout=wait)
             except TimeoutError:
-                response = error(408, f"The request body did not arrive within {limits.read_timeout:g} s.")
+                response = error(408, f"The request body did not arrive in time (--read-timeout "
+                                      f"{limits.read_timeout:g} s between two pieces, and the read timeout plus a "
+                                      f"second per {BODY_MIN_BYTES_PER_S // 1024} KiB for the whole body).")
                 response.headers["Connection"] = "close"
                 return response
             if message["type"] == "http.disconnect":
@@ -464,14 +480,22 @@ def raise_open_file_limit() -> int:
         return 1024
 
 
-def guarded_protocol(read_timeout: float, max_connections: int) -> type:
+def guarded_protocol(read_timeout: float, max_connections: int, write_timeout: float = 30.0) -> type:
     """uvicorn's HTTP protocol (httptools or h11, as uvicorn picks) that closes a connection which has not sent a
     complete request head within `read_timeout` seconds of connecting or of its previous response (half-open and
-    slowloris connections), and closes connections beyond `max_connections` as soon as they are accepted."""
+    slowloris connections), cuts one whose writes stay paused for `write_timeout` seconds (the client stopped
+    reading: its receive buffer and the server's send buffer are full), and closes connections beyond
+    `max_connections` as soon as they are accepted.
+
+    A cut connection is reset (its unsent bytes dropped: a close would wait for the client to read them): the app
+    sees the disconnect, so a stream's or a request's engine handles are cancelled and their KV cache freed.
+    Without it a stream's send waited for the client for ever, its connection held, and the engine generated every
+    token of the request for nobody."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         _head_timer: asyncio.TimerHandle | None = None
+        _write_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -496,7 +520,32 @@ def guarded_protocol(read_timeout: float, max_connections: int) -> type:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_head_timer()
+            self._cancel_write_timer()
             super().connection_lost(exc)
+
+        # the transport's write buffer passed its high-water mark (the kernel's send buffer is full already)
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(write_timeout, self._write_timed_out)
+
+        def resume_writing(self) -> None:
+            self._cancel_write_timer()
+            super().resume_writing()
+
+        def _cancel_write_timer(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_timed_out(self) -> None:
+            self._write_timer = None
+            sock = self.transport.get_extra_info("socket")
+            try:  # a reset: the kernel drops the megabytes still queued for the client too
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except (AttributeError, OSError):
+                pass
+            self.transport.abort()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -548,7 +597,7 @@ def run_server(engine: Engine, *, host: str, port: int, served_model_name: str, 
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics=metrics, limits=limits)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=grace_period, lifespan="off", timeout_keep_alive=5,
-                            http=guarded_protocol(limits.read_timeout, max_connections))
+                            http=guarded_protocol(limits.read_timeout, max_connections, limits.write_timeout))
     dead = False
 
     class _Server(uvicorn.Server):

@@ -100,7 +100,11 @@ class ServeRecipe(Strict):
         "400, only the model's own template is used.")
     metrics_public: bool = Field(False, description="Serve /metrics without the API key.")
     read_timeout: float = Field(30.0, gt=0, description="Seconds a connection may take to send a request head, "
-                                                       "and between two pieces of a body; then it is closed.")
+                                                       "and between two pieces of a body (the whole body: this plus "
+                                                       "a second per 16 KiB); then it is closed.")
+    write_timeout: float = Field(30.0, gt=0, description="Seconds a client may leave its response unread (the "
+                                                         "server's sends blocked); then the connection is cut and "
+                                                         "its requests cancelled.")
     max_connections: PositiveInt | None = Field(
         None, description="Open connections at most; more are closed at once. None = the open-file limit less 64.")
     prediction: Prediction | None = None
