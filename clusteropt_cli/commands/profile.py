@@ -415,7 +415,9 @@ def endpoint(
     num_requests: Annotated[int | None, typer.Option(
         "--num-requests", help="Requests per level (default: 4 per concurrent slot, at least 8; 32 per rate).")
     ] = None,
-    duration: Annotated[float | None, typer.Option("--duration", help="Seconds per level at most.")] = None,
+    duration: Annotated[float | None, typer.Option(
+        "--duration", help="Seconds per level in which requests are sent (those in flight then finish, each "
+                           "within --request-timeout).")] = None,
     prompt_len: Annotated[int | None, typer.Option(
         "--prompt-len", help="Synthetic prompt length in tokens (default 128; with --expect, the predicted "
                              "workload's).", show_default=False)] = None,
@@ -536,7 +538,10 @@ def endpoint(
     from clusteropt_cli.core.profile.endpoint import profile_endpoint
 
     requests_out: list[dict[str, Any]] | None = [] if save_requests is not None else None
-    report = profile_endpoint(settings, log=console.log, requests_out=requests_out)
+    from rich.markup import escape
+
+    # the log quotes the server's messages: their brackets are text, not markup
+    report = profile_endpoint(settings, log=lambda message: console.log(escape(message)), requests_out=requests_out)
     if save_requests is not None:
         import json
 

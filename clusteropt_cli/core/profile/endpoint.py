@@ -6,6 +6,12 @@ never raised. TTFT = time to the first streamed text; ITL = gaps between streame
 (output tokens − 1), output tokens from the final `usage` chunk when the server sends it, else one per chunk.
 A stream that ends with finish_reason "abort"/"error" counts as an error ("aborted").
 
+A server is not trusted to be well-formed: a redirect is not followed (the API key stays with --url; "redirect"),
+responses are asked for and read without content encoding, an error body is read up to ERROR_BODY_BYTES and
+/metrics up to METRICS_BYTES, an event that is not an OpenAI completion chunk, more text events than max_tokens and a
+usage figure that is not a count up to max_tokens fail their request ("bad_stream", "bad_usage") with the reason,
+and what the server says reaches the terminal without control characters.
+
 Output lengths: requests carry vLLM's `ignore_eos` so each runs to max_tokens. Servers that validate strictly
 (`transformers serve`: HTTP 422 "Unexpected fields in the request: {'ignore_eos'}") reject it; unless
 --ignore-eos forces it, copt then drops the field for the rest of the run, bounds outputs by max_tokens alone and
@@ -19,7 +25,9 @@ import asyncio
 import contextlib
 import gc
 import json
+import math
 import random
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -161,20 +169,39 @@ def metrics_url(base: str) -> str:
     return base + "/metrics"
 
 
+_COUNTER_LINE = re.compile(r"^vllm:prefix_cache_(?:queries|hits)_total[{ ].*$", re.M)
+METRICS_BYTES = 8 * 2**20  # a /metrics body longer than this is not read: the counters are left unknown
+
+
 def prefix_cache_counters(text: str) -> tuple[float, float] | None:
     """(prompt tokens looked up, found) in a Prometheus text exposition, summed over label sets; None when the
     server exports neither counter."""
     totals = {PREFIX_CACHE_QUERIES: 0.0, PREFIX_CACHE_HITS: 0.0}
     seen = False
-    for line in text.splitlines():
+    for match in _COUNTER_LINE.finditer(text):  # the counters' lines only: no list of every line of the body
+        line = match.group().rstrip("\r")
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in totals:
             try:
-                totals[name] += float(line.rsplit(" ", 1)[1])
-                seen = True
+                value = float(line.rsplit(" ", 1)[1])
             except (IndexError, ValueError):
                 continue
+            if math.isfinite(value) and value >= 0:  # a counter: NaN, inf or below zero is not one
+                totals[name] += value
+                seen = True
     return (totals[PREFIX_CACHE_QUERIES], totals[PREFIX_CACHE_HITS]) if seen else None
+
+
+def http_client(connections: int, request_timeout_s: float) -> Any:
+    """The aiohttp client a level's requests go through: `connections` at most (0: no limit), a request's connect
+    and read timeouts, and bodies asked for and read as sent (no gzip or deflate: nothing for a server to inflate in
+    the client's memory)."""
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=connections)
+    timeout = aiohttp.ClientTimeout(total=None, connect=min(5.0, request_timeout_s), sock_read=request_timeout_s)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20, auto_decompress=False,
+                                 headers={"Accept-Encoding": "identity"})
 
 
 def request_options(url: str, api_key: str | None) -> dict[str, Any]:
@@ -210,41 +237,80 @@ async def read_prefix_cache(client: Any, url: str, options: dict[str, Any]) -> t
     import aiohttp
 
     try:
-        async with client.get(metrics_url(url), **options, timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
-            if resp.status != 200:
+        async with client.get(metrics_url(url), **options, allow_redirects=False,
+                              timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+            if resp.status != 200 or not _identity(resp):
                 return None
-            return prefix_cache_counters(await resp.text(errors="replace"))
+            body = await read_capped(resp, METRICS_BYTES + 1)
+            if len(body) > METRICS_BYTES:
+                return None
+            return prefix_cache_counters(body.decode("utf-8", "replace"))
     except Exception:  # noqa: BLE001 - the counters are descriptive; the load's figures do not depend on them
         return None
 
 
 def hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
-    """Prompt tokens found in the prefix cache over those looked up between two readings."""
+    """Prompt tokens found in the prefix cache over those looked up between two readings (None where the counters
+    do not make a share: none looked up, or more found than looked up)."""
     if before is None or after is None or after[0] - before[0] <= 0:
         return None
-    return max(0.0, after[1] - before[1]) / (after[0] - before[0])
+    rate = max(0.0, after[1] - before[1]) / (after[0] - before[0])
+    return rate if math.isfinite(rate) and rate <= 1.0 else None
+
+
+ERROR_BODY_BYTES = 64 * 1024  # what is read of an error response's body (its message is cut to 500 characters)
+
+
+async def read_capped(resp: Any, limit: int) -> bytes:
+    """At most `limit` bytes of a response's body, however long the body is."""
+    body = bytearray()
+    while len(body) < limit:
+        part = await resp.content.read(limit - len(body))
+        if not part:
+            break
+        body += part
+    return bytes(body)
+
+
+def _identity(resp: Any) -> bool:
+    """Whether a response's body comes without content encoding (copt asks for none and decodes none)."""
+    return resp.headers.get("Content-Encoding", "identity").strip().lower() in ("", "identity")
+
+
+def printable(text: str, limit: int = 500) -> str:
+    """A server's text as one line fit for a terminal: control and format characters (escape sequences, bidi
+    overrides, newlines) as spaces, cut to `limit` characters."""
+    return "".join(ch if ch.isprintable() else " " for ch in text[:limit]).strip()
 
 
 def server_message(body: bytes) -> str:
-    """The error message in an error response: OpenAI's error.message, FastAPI's detail, else the text."""
+    """The error message in an error response: OpenAI's error.message, FastAPI's detail, else the text (printable,
+    at most 500 characters)."""
     text = body.decode("utf-8", "replace").strip()
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
-        return text[:500]
+    except (ValueError, RecursionError):  # not JSON, a number past int's digits, or nested past the parser's depth
+        return printable(text)
     if isinstance(data, dict):
         err = data.get("error")
         if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])[:500]
+            return printable(str(err["message"]))
         if isinstance(err, str):
-            return err[:500]
+            return printable(err)
         detail = data.get("detail", data.get("message"))
         if isinstance(detail, list):  # pydantic errors: [{"loc": [...], "msg": ...}, ...]
-            return "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" if isinstance(d, dict)
-                             else str(d) for d in detail)[:500]
+            return printable("; ".join(_pydantic_error(d) for d in detail[:20]))
         if detail is not None:
-            return str(detail)[:500]
-    return text[:500]
+            return printable(str(detail))
+    return printable(text)
+
+
+def _pydantic_error(item: Any) -> str:
+    if not isinstance(item, dict):
+        return str(item)
+    loc = item.get("loc", [])
+    where = ".".join(map(str, loc)) if isinstance(loc, list) else str(loc)
+    return f"{where}: {item.get('msg')}"
 
 
 def rejects_ignore_eos(result: RequestResult) -> bool:
@@ -256,15 +322,70 @@ def rejects_ignore_eos(result: RequestResult) -> bool:
 
 
 # ---- one request -------------------------------------------------------------------------------------------
-def _text_of(chunk: dict[str, Any]) -> str:
-    choices = chunk.get("choices") or []
-    if not choices:
+class _BadResponse(Exception):
+    """A response that is not what an OpenAI-compatible server sends: its request fails with `kind` and the reason."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words: "an object", "a string", ..."""
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number"}
+    return kinds.get(type(value), "null" if value is None else type(value).__name__)
+
+
+def _first_choice(chunk: Any) -> dict[str, Any] | None:
+    """A streamed event's first choice (None: no choices, as in the usage event); _BadResponse for an event that is
+    not a completion chunk."""
+    if not isinstance(chunk, dict):
+        raise _BadResponse("bad_stream", f"an event is {_json_kind(chunk)}, not an object")
+    choices = chunk.get("choices")
+    if choices is None or choices == []:
+        return None
+    if not isinstance(choices, list):
+        raise _BadResponse("bad_stream", f"an event's choices are {_json_kind(choices)}, not an array")
+    if not isinstance(choices[0], dict):
+        raise _BadResponse("bad_stream", f"an event's choice is {_json_kind(choices[0])}, not an object")
+    return choices[0]
+
+
+def _text_of(choice: dict[str, Any] | None) -> str:
+    """The text a choice streams: `text` (completions) or `delta.content` (chat)."""
+    if choice is None:
         return ""
-    choice = choices[0]
     text = choice.get("text")
     if text is None:
-        text = (choice.get("delta") or {}).get("content")
+        delta = choice.get("delta")
+        if delta is not None and not isinstance(delta, dict):
+            raise _BadResponse("bad_stream", f"an event's delta is {_json_kind(delta)}, not an object")
+        text = (delta or {}).get("content")
+    if text is not None and not isinstance(text, str):
+        raise _BadResponse("bad_stream", f"an event's text is {_json_kind(text)}, not a string")
     return text or ""
+
+
+def _count(usage: dict[str, Any], key: str, most: int, most_named: str) -> int | None:
+    """usage[key] as a token count from 0 to `most` (None where the server leaves it out); _BadResponse for anything
+    else: a negative, fractional, infinite or larger number, a string, a boolean."""
+    value = usage.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
+        shown = json.dumps(value) if isinstance(value, (int, float)) else _json_kind(value)
+        shown = shown if len(shown) <= 24 else f"a {len(shown)}-digit number"
+        raise _BadResponse("bad_usage", f"usage.{key} is {shown}, not a count of 0 to {most_named}")
+    return value
+
+
+def _stream_error(error: Any) -> str:
+    """The message of an error event (OpenAI's {"error": {"message": ...}}), printable."""
+    message = error.get("message") if isinstance(error, dict) else error
+    return printable(message if isinstance(message, str) else json.dumps(message)[:500])
 
 
 async def one_request(client: Any, url: str, payload: dict[str, Any], options: dict[str, Any],
@@ -276,38 +397,53 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], options: d
     result = RequestResult(ok=False, sent_at=time.time())
     start = time.perf_counter()
     last: float | None = None
-    chunks = 0
-    usage: dict[str, Any] | None = None
+    chunks = events = 0
+    usage: Any = None
+    max_tokens = payload.get("max_tokens")
+    content_type = ""
 
     async def consume() -> None:
-        nonlocal last, chunks, usage
-        async with client.post(url, json=payload, **options) as resp:
+        nonlocal last, chunks, events, usage, content_type
+        # redirects are not followed: the request (and its Authorization) goes to --url's server alone
+        async with client.post(url, json=payload, **options, allow_redirects=False) as resp:
+            if 300 <= resp.status < 400:
+                result.error = "redirect"
+                result.detail = (f"HTTP {resp.status} to {printable(resp.headers.get('Location', '(no Location)'))}"
+                                 "; redirects are not followed")
+                return
             if resp.status != 200:
                 result.error = f"http_{resp.status}"
-                result.detail = server_message(await resp.read())
+                result.detail = server_message(await read_capped(resp, ERROR_BODY_BYTES))
                 return
+            if not _identity(resp):
+                raise _BadResponse("bad_stream", f"the response is Content-Encoding "
+                                   f"{printable(resp.headers['Content-Encoding'], 40)}, not the identity asked for")
+            content_type = printable(resp.headers.get("Content-Type", ""), 80)
             async for raw in resp.content:  # one SSE line at a time (aiohttp splits on b"\n")
                 if not raw.startswith(b"data:"):
                     continue
+                events += 1
                 data = raw[5:].strip()
                 if data == b"[DONE]":
                     break
                 try:
                     chunk = json.loads(data)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    result.error = "bad_stream"
-                    return
+                except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+                    raise _BadResponse("bad_stream", f"an event is not JSON ({type(exc).__name__})") from None
                 if isinstance(chunk, dict) and chunk.get("error"):
                     result.error = "stream_error"
+                    result.detail = _stream_error(chunk["error"])
                     return
-                choices = chunk.get("choices") if isinstance(chunk, dict) else None
-                if choices and choices[0].get("finish_reason") in ("abort", "error"):
+                choice = _first_choice(chunk)
+                if choice is not None and choice.get("finish_reason") in ("abort", "error"):
                     result.error = "aborted"
                     return
-                if isinstance(chunk, dict) and chunk.get("usage"):
+                if chunk.get("usage"):
                     usage = chunk["usage"]
-                text = _text_of(chunk) if isinstance(chunk, dict) else ""
+                text = _text_of(choice)
                 if text:
+                    if max_tokens is not None and chunks >= max_tokens:  # each text event carries a token or more
+                        raise _BadResponse("bad_stream", f"more text events than max_tokens ({max_tokens})")
                     now = time.perf_counter()
                     if result.ttft_s is None:
                         result.ttft_s = now - start
@@ -318,6 +454,8 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], options: d
 
     try:
         await asyncio.wait_for(consume(), timeout=timeout_s)
+    except _BadResponse as bad:
+        result.error, result.detail = bad.kind, bad.reason
     except TimeoutError:
         result.error = "timeout"
     except aiohttp.ClientConnectorError:
@@ -337,9 +475,19 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], options: d
     result.e2e_s = time.perf_counter() - start
     if result.ttft_s is None:
         result.error = "empty"
+        result.detail = ("the stream ended before any text" if events else
+                         "no server-sent events (data: lines) in the response"
+                         + (f" (Content-Type {content_type})" if content_type else ""))
         return result
-    result.output_tokens = int(usage.get("completion_tokens") or chunks) if usage else chunks
-    result.prompt_tokens = int(usage["prompt_tokens"]) if usage and usage.get("prompt_tokens") else None
+    try:
+        if usage is not None and not isinstance(usage, dict):
+            raise _BadResponse("bad_usage", f"usage is {_json_kind(usage)}, not an object")
+        most = (max_tokens, f"max_tokens ({max_tokens})") if max_tokens is not None else (2**53, "2^53")
+        result.output_tokens = (_count(usage, "completion_tokens", *most) if usage else None) or chunks
+        result.prompt_tokens = (_count(usage, "prompt_tokens", 2**53, "2^53") if usage else None) or None
+    except _BadResponse as bad:
+        result.error, result.detail = bad.kind, bad.reason
+        return result
     result.ok = True
     return result
 
@@ -533,24 +681,23 @@ def _server_hardware(url: str) -> HardwareInfo:
 
 async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | SyntheticPrompts, log: Log,
                requests_out: list[dict[str, Any]] | None = None) -> tuple[list[EndpointLevel], dict[str, Any]]:
-    import aiohttp
-
     levels: list[EndpointLevel] = []
     # aiohttp, not httpx: at 128 streams httpx's pool spent ~150 µs of client CPU per streamed token against ~30 µs
     # (a 2-core host), so one client process capped what a fast server could be measured at
-    connector = aiohttp.TCPConnector(limit=max(s.concurrency) + 4 if s.concurrency else 0)
-    timeout = aiohttp.ClientTimeout(total=None, connect=min(5.0, s.request_timeout_s),
-                                    sock_read=s.request_timeout_s)
     # HTTP(S)_PROXY, NO_PROXY and .netrc apply (request_options), looked up once, not per request
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20) as client:
+    async with http_client(max(s.concurrency) + 4 if s.concurrency else 0, s.request_timeout_s) as client:
         runner = _Runner(s, client, prompts)
         runner.log = log
         failures: dict[str, str] = {}  # error kind → the server's first message for it
 
-        def note(results: list[RequestResult]) -> None:
+        def note(results: list[RequestResult]) -> list[str]:
+            """Records the first message of each kind of failure; returns the kinds not seen before."""
+            new = []
             for r in results:
                 if not r.ok and r.error and r.error not in failures:
                     failures[r.error] = r.detail or ""
+                    new.append(r.error)
+            return new
 
         for i in range(s.warmup):
             warm = await runner.request()
@@ -570,7 +717,7 @@ async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | Synthet
             before = await read_prefix_cache(client, s.url, runner.options)
             quiet_heap()
             results, duration = await load()
-            note(results)
+            first_seen = note(results)
             if requests_out is not None:
                 requests_out.extend(r.row(tag) for r in results)
             level = summarize_level(results, duration, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, **kind)
@@ -580,6 +727,9 @@ async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | Synthet
             level.client_loop_lag_s = latency_summary(runner.loop_lag_s) or None
             levels.append(level)
             log(_level_line(level))
+            for kind in first_seen:  # why, where the server said or copt could tell
+                if failures[kind]:
+                    log(f"  {kind}: {failures[kind]}")
             lagged = client_backlog_s(level)
             if lagged is not None:
                 log(f"  the client's event loop ran late: p90 {lagged * 1e3:.1f} ms against a TTFT p50 of "
@@ -664,13 +814,9 @@ def _client_process(s: EndpointSettings, concurrency: int, limit: int | None, so
     """One client process of a level: prompts and HTTP client first, then ready; sends once the parent says go
     (every process at once) and puts (results, start, end, rejection, loop lag samples) — wall-clock times — on
     `out`."""
-    import aiohttp
 
     async def level() -> tuple[list[RequestResult], float, float, str | None, list[float]]:
-        connector = aiohttp.TCPConnector(limit=concurrency + 4)
-        timeout = aiohttp.ClientTimeout(total=None, connect=min(5.0, s.request_timeout_s),
-                                        sock_read=s.request_timeout_s)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20) as client:
+        async with http_client(concurrency + 4, s.request_timeout_s) as client:
             runner = _Runner(s, client, source.build())
             runner.send_ignore_eos = send_ignore_eos
             quiet_heap()  # the process ends with the level: nothing to give back
@@ -798,9 +944,15 @@ def _all_failed(s: EndpointSettings, levels: list[EndpointLevel], failures: dict
     total = sum(lv.requests for lv in levels)
     kinds = ", ".join(f"{kind}: {msg}" if msg else kind for kind, msg in failures.items()) or "no requests sent"
     message = f"Every request to {shown_url(completions_url(s.url))} failed ({total} sent): {kinds}"
+    if "redirect" in failures:
+        return BadInputError(message, hint="copt does not follow a redirect (it would take --api-key to another "
+                                           "address): pass the URL the server names as --url.")
     if any(k in ("http_404", "http_400", "http_401", "http_403", "http_422", "connect", "bad_url")
            for k in failures):
         hint = ("Check --url, --model (GET /v1/models lists the names the server serves) and --api-key."
                 if "connect" not in failures else "Is the server running at --url?")
         return BadInputError(message, hint=hint)
+    if set(failures) <= {"bad_stream", "bad_usage", "empty"}:
+        return CheckFailedError(message, hint="Is --url an OpenAI-compatible server? copt reads /v1/completions "
+                                              "streamed as server-sent events (data: lines of JSON chunks).")
     return CheckFailedError(message, hint="The server failed the requests; its log says why.")
