@@ -89,12 +89,16 @@ def grid(title: str, headers: list[str], rows: list[list[Any]]) -> Table:
 
 
 def log(message: str) -> None:
-    """A progress/log line on stderr."""
-    _err().print(message, highlight=False)
+    """A progress/log line on stderr, printed as text: brackets in a path or a server's message are not markup."""
+    from rich.markup import escape
+
+    _err().print(escape(message), highlight=False)
 
 
 def warn(message: str) -> None:
-    _err().print(f"[yellow]warning:[/yellow] {message}", highlight=False)
+    from rich.markup import escape
+
+    _err().print(f"[yellow]warning:[/yellow] {escape(message)}", highlight=False)
 
 
 @contextmanager

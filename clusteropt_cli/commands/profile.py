@@ -538,10 +538,7 @@ def endpoint(
     from clusteropt_cli.core.profile.endpoint import profile_endpoint
 
     requests_out: list[dict[str, Any]] | None = [] if save_requests is not None else None
-    from rich.markup import escape
-
-    # the log quotes the server's messages: their brackets are text, not markup
-    report = profile_endpoint(settings, log=lambda message: console.log(escape(message)), requests_out=requests_out)
+    report = profile_endpoint(settings, log=console.log, requests_out=requests_out)
     if save_requests is not None:
         import json
 

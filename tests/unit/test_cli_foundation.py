@@ -171,3 +171,13 @@ def test_library_noise_is_routed_to_debug():
         assert noise not in quiet.stderr and noise in loud.stderr, noise
     assert "a real library error" in quiet.stderr and "copt says" in quiet.stderr
     assert quiet.stdout.split() == ["1", "error"] and loud.stdout.split() == ["None", "None"]
+
+
+def test_log_and_warning_lines_print_brackets_as_text(capsys):
+    """A path or a server's message holding '[/x]' or '[bold]' raised rich's MarkupError (exit 1) in a log line."""
+    from clusteropt_cli import console
+
+    console.log("loading runs/exp[/x] and [bold]m[/bold]")
+    console.warn("server said [/x]")
+    err = capsys.readouterr().err
+    assert "runs/exp[/x] and [bold]m[/bold]" in err and "warning: server said [/x]" in err
