@@ -795,3 +795,12 @@ def test_a_constant_rate_recipe_is_not_checked_against_poisson_sends(copt, tmp_p
     refused = copt("profile", "endpoint", "--from-profile", report, "--expect", str(recipe), timeout=60)
     assert refused.returncode == 2
     assert "48.0 requests/s (evenly spaced) for 10 s; the profile's level sent 48.0/s (Poisson)" in refused.stderr
+
+
+def test_prefix_cache_counters_read_samples_with_timestamps_and_quoted_labels():
+    """A sample's optional timestamp was read as its value, and a label value holding a space split the line."""
+    from clusteropt_cli.core.profile.endpoint import prefix_cache_counters
+
+    text = ('vllm:prefix_cache_queries_total{model_name="my model",x="a}b"} 100 1712345678000\n'
+            'vllm:prefix_cache_hits_total{model_name="my model"} 40 1712345678000\n')
+    assert prefix_cache_counters(text) == (100.0, 40.0)

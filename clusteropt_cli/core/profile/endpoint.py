@@ -170,6 +170,8 @@ def metrics_url(base: str) -> str:
 
 
 _COUNTER_LINE = re.compile(r"^vllm:prefix_cache_(?:queries|hits)_total[{ ].*$", re.M)
+# a sample line: name, optional {labels} (quoted values may hold spaces and braces), value, optional timestamp
+_SAMPLE = re.compile(r'^([^\s{]+)(?:\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?\s+(\S+)(?:\s+-?\d+)?\s*$')
 METRICS_BYTES = 8 * 2**20  # a /metrics body longer than this is not read: the counters are left unknown
 
 
@@ -179,12 +181,12 @@ def prefix_cache_counters(text: str) -> tuple[float, float] | None:
     totals = {PREFIX_CACHE_QUERIES: 0.0, PREFIX_CACHE_HITS: 0.0}
     seen = False
     for match in _COUNTER_LINE.finditer(text):  # the counters' lines only: no list of every line of the body
-        line = match.group().rstrip("\r")
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+        sample = _SAMPLE.match(match.group().rstrip("\r"))
+        name = sample.group(1) if sample else None
         if name in totals:
             try:
-                value = float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
+                value = float(sample.group(2))
+            except ValueError:
                 continue
             if math.isfinite(value) and value >= 0:  # a counter: NaN, inf or below zero is not one
                 totals[name] += value
