@@ -103,15 +103,16 @@ def train(
     refuse_outside_launcher("train")
 
     from clusteropt_cli.core.train.loop import RESULT_FILE
-    from clusteropt_cli.core.train.run import device_type
+    from clusteropt_cli.core.train.run import check_host_memory_for_ranks, device_type
     from clusteropt_cli.core.train.validate import check_offload_resources, validate_train
 
     # the hardware check imports torch: a launching parent leaves it to the ranks, which check before any work
     launching = settings.gpus * settings.nodes > 1
     source = validate_train(settings, overwrite=overwrite,
                             device_type=None if dry_run or launching else device_type(), recipe=recipe)
-    if launching and settings.nodes == 1 and not dry_run:
-        check_offload_resources(settings, source.config)  # this machine is the node: refuse before starting the ranks
+    if launching and settings.nodes == 1 and not dry_run:  # this machine is the node: refuse before starting the ranks
+        check_offload_resources(settings, source.config)
+        check_host_memory_for_ranks(settings, source.config, processes=settings.gpus)
     ranks_args = child_args(settings, ["train"], exclude={"task", "prediction"}, extra=["--json"] if json_out else [])
     plan = plan_launch(settings, [a for a in ranks_args if a != "--dry-run"])
     if dry_run:

@@ -429,3 +429,17 @@ def test_train_tokenizer_without_tokenizer_files_is_named(capsys, tmp_path):
     code, err = _copt_here(capsys, "train", "--model", "llama-3.2-1b", "--tokenizer", tmp_path / "tok", "--data", data,
                            "--output", tmp_path / "out", "--dry-run")
     assert code == 2 and f"--tokenizer {tmp_path / 'tok'} holds no tokenizer files" in err, err
+
+
+def test_train_counts_every_rank_of_the_node_against_host_memory(capsys, fixtures, tmp_path, monkeypatch):
+    """Each rank of `copt train --gpus N` builds the whole fp32 model on the host: the launching parent checks N
+    copies before starting any rank (each rank had checked one copy alone, while the others were filling the RAM)."""
+    from clusteropt_cli.modelspec import load_model_spec, read_config_json
+
+    one = load_model_spec(read_config_json(fixtures.student / "config.json")).num_params * 4
+    monkeypatch.setattr("clusteropt_cli.core.models.host_memory_available", lambda: int(one * 1.5))
+    out = tmp_path / "out"
+    code, err = _copt_here(capsys, "train", "--model", fixtures.student, "--data", fixtures.train_text, "--output",
+                           out, "--gpus", "2", "--max-steps", "1")
+    assert code == 5 and "in each of 2 processes" in err and "Not enough host memory" in err, err
+    assert not out.exists()

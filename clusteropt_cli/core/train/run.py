@@ -18,6 +18,21 @@ if TYPE_CHECKING:
     from clusteropt_cli.recipe.schema.train import TrainRecipe
 
 
+def check_host_memory_for_ranks(settings: Any, config: dict[str, Any], processes: int) -> None:
+    """Refuse (exit 5) before any work when `processes` ranks on this machine, each building the model whole in
+    fp32 on the host (everything but ZeRO-3), need more than the host memory available now."""
+    if settings.zero == 3:
+        return
+    import torch
+
+    from clusteropt_cli.core.models import check_host_memory
+
+    what = f"--model {settings.model}" + (f" in each of {processes} processes" if processes > 1 else "")
+    check_host_memory([(what, config, torch.float32)], copies=processes,
+                      hint="Train a smaller model, use a machine with more host memory, or --zero 3 (built "
+                           "partitioned).")
+
+
 def device_type() -> str:
     """'cuda' when torch sees a GPU, else 'cpu'."""
     import torch
@@ -49,14 +64,8 @@ def train_from_settings(settings: TrainRecipe, *, overwrite: bool = False, callb
         # ZeRO-3: built partitioned under deepspeed.zero.Init (kept alive for the run; see zero3_model_init)
         zero3 = zero3_model_init(settings, settings.gpus * settings.nodes, device_type()) \
             if settings.zero == 3 else None
-        if zero3 is None:  # built whole, in fp32, on the host
-            import torch
-
-            from clusteropt_cli.core.models import check_host_memory
-
-            check_host_memory([(f"--model {settings.model}", source.config, torch.float32)],
-                              hint="Train a smaller model, use a machine with more host memory, or --zero 3 (built "
-                                   "partitioned).")
+        if zero3 is None and not launched:  # a launching parent checked its node's ranks together
+            check_host_memory_for_ranks(settings, source.config, processes=1)
         model = load_model(source, seed=settings.seed)
         if rank == 0 and log is not None:
             count = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
