@@ -432,3 +432,16 @@ def test_a_password_in_the_url_is_never_shown() -> None:
     with pytest.raises(BadInputError) as info:
         EndpointSettings(url="http://user:s3cret@host:0", model="m").validate()
     assert "s3cret" not in str(info.value) and "***" in str(info.value)
+
+
+def test_all_failed_names_a_non_openai_server_only_where_its_responses_said_so():
+    """With no request sent there is no response to judge: the hint must not blame the server's format."""
+    from clusteropt_cli.core.profile.endpoint import _all_failed
+    from clusteropt_cli.errors import CheckFailedError
+
+    s = EndpointSettings(url="http://127.0.0.1:9", model="m", concurrency=[1])
+    malformed = _all_failed(s, [], {"bad_stream": "an event is not JSON (JSONDecodeError)"})
+    assert isinstance(malformed, CheckFailedError) and "OpenAI-compatible" in malformed.hint
+    nothing = _all_failed(s, [], {})
+    assert isinstance(nothing, CheckFailedError) and "no requests sent" in nothing.message
+    assert "OpenAI-compatible" not in nothing.hint

@@ -954,7 +954,7 @@ def _all_failed(s: EndpointSettings, levels: list[EndpointLevel], failures: dict
         hint = ("Check --url, --model (GET /v1/models lists the names the server serves) and --api-key."
                 if "connect" not in failures else "Is the server running at --url?")
         return BadInputError(message, hint=hint)
-    if set(failures) <= {"bad_stream", "bad_usage", "empty"}:
+    if failures and set(failures) <= {"bad_stream", "bad_usage", "empty"}:  # none at all: no request was sent
         return CheckFailedError(message, hint="Is --url an OpenAI-compatible server? copt reads /v1/completions "
                                               "streamed as server-sent events (data: lines of JSON chunks).")
     return CheckFailedError(message, hint="The server failed the requests; its log says why.")
