@@ -169,7 +169,7 @@ def metrics_url(base: str) -> str:
     return base + "/metrics"
 
 
-_COUNTER_LINE = re.compile(r"^vllm:prefix_cache_(?:queries|hits)_total[{ ].*$", re.M)
+_COUNTER_LINE = re.compile(rf"^(?:{re.escape(PREFIX_CACHE_QUERIES)}|{re.escape(PREFIX_CACHE_HITS)})[{{ ].*$", re.M)
 # a sample line: name, optional {labels} (quoted values may hold spaces and braces), value, optional timestamp
 _SAMPLE = re.compile(r'^([^\s{]+)(?:\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?\s+(\S+)(?:\s+-?\d+)?\s*$')
 METRICS_BYTES = 8 * 2**20  # a /metrics body longer than this is not read: the counters are left unknown
