@@ -463,3 +463,19 @@ def test_an_explicit_compile_under_deepspeed_says_the_decoder_runs_eager():
                              log=logs.append)
     assert any("decoder compiled" in line for line in logs)
     assert compiled.get_decoder()._compiled_call_impl is not None
+
+
+def test_text_inputs_share_one_suffix_rule(tmp_path):
+    """--data/--eval-data are read, checked up front, and validated by copt train with the same suffixes."""
+    from clusteropt_cli.core.train.data import TEXT_SUFFIXES, check_text_input, read_texts
+    from clusteropt_cli.errors import BadInputError
+
+    table = tmp_path / "d.csv"
+    table.write_text("text\nhello\n")
+    for check in (lambda: read_texts(table, flag="--data"), lambda: check_text_input(table, "--data", read=True)):
+        with pytest.raises(BadInputError, match=r"--data .*d\.csv is neither \.txt nor \.jsonl"):
+            check()
+    for suffix in TEXT_SUFFIXES:
+        doc = tmp_path / f"doc{suffix}"
+        doc.write_text('{"text": "hello"}\n' if suffix == ".jsonl" else "hello\n")
+        check_text_input(doc, "--data", read=True)

@@ -28,13 +28,22 @@ def read_texts(path: str | Path, text_field: str = "text", flag: str = "--data")
         if not any(t.strip() for t in texts):
             raise BadInputError(f"{flag} {path} holds no text (no non-empty '{text_field}' records).", hint=hint)
         return texts
-    if path.suffix in (".txt", ".md", ".text", ""):
-        text = read_text_file(path, flag, hint)
-        if not text.strip():
-            raise BadInputError(f"{flag} {path} is empty.", hint=hint)
-        return [text]
-    raise BadInputError(f"{flag} {path} is neither .txt nor .jsonl.",
-                        hint="Convert it to .txt or .jsonl (text field).")
+    _check_text_suffix(path, flag)
+    text = read_text_file(path, flag, hint)
+    if not text.strip():
+        raise BadInputError(f"{flag} {path} is empty.", hint=hint)
+    return [text]
+
+
+# what read_texts reads: .jsonl a record a line, the others whole, as one document
+TEXT_SUFFIXES = (".jsonl", ".txt", ".md", ".text", "")
+
+
+def _check_text_suffix(path: Path, flag: str) -> None:
+    """Refuse a file whose suffix is not one of TEXT_SUFFIXES."""
+    if path.suffix not in TEXT_SUFFIXES:
+        raise BadInputError(f"{flag} {path} is neither .txt nor .jsonl.",
+                            hint="Convert it to .txt or .jsonl (text field).")
 
 
 def check_text_input(path: str | Path, flag: str, text_field: str = "text", *, read: bool = False) -> None:
@@ -43,9 +52,7 @@ def check_text_input(path: str | Path, flag: str, text_field: str = "text", *, r
     a --data file gets when it is read). For held-out files, small enough to read twice."""
     path = Path(path)
     check_regular_file(path, flag, hint=f"Pass a .txt or .jsonl file (with a '{text_field}' field) to {flag}.")
-    if path.suffix not in (".jsonl", ".txt", ".md", ".text", ""):
-        raise BadInputError(f"{flag} {path} is neither .txt nor .jsonl.",
-                            hint="Convert it to .txt or .jsonl (text field).")
+    _check_text_suffix(path, flag)
     if read:
         read_texts(path, text_field, flag)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from clusteropt_cli.core.train.data import TEXT_SUFFIXES
 from clusteropt_cli.core.train.model import ModelSource, resolve_model_source
 from clusteropt_cli.errors import BadInputError, UnsupportedHardwareError
 
@@ -42,7 +43,7 @@ def validate_train(settings: TrainRecipe, *, overwrite: bool = False, check_outp
         problems.append(f"--data: {settings.data} " + ("is not a regular file (a pipe or a device?); pass a .txt or "
                                                        ".jsonl file" if Path(settings.data).exists()
                                                        else "does not exist"))
-    elif Path(settings.data).suffix not in (".txt", ".jsonl", ".md", ".text", ""):
+    elif Path(settings.data).suffix not in TEXT_SUFFIXES:
         problems.append(f"--data: {settings.data} is neither .txt nor .jsonl")
     if source is None:
         pass
