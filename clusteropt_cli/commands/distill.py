@@ -403,10 +403,6 @@ def onpolicy(
     settings = load_settings("distill", recipe, overrides, values, flags=_MODE_FLAG)
     out_dir = _require_output(settings)
     check_onpolicy_inputs(settings)  # every input problem before any model is loaded
-    if settings.eval_data:
-        from clusteropt_cli.core.train.data import check_text_input
-
-        check_text_input(settings.eval_data, "--eval-data", read=True)
     held_out = read_prompt_texts(eval_prompts, "--eval-prompts") if eval_prompts else None
     with _library_output_to_stderr():
         result = distill_onpolicy(settings, output_dir=out_dir, overwrite=overwrite, eval_text=settings.eval_data,

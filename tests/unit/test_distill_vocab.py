@@ -65,3 +65,24 @@ def test_teacher_without_tokenizer_is_refused(fixtures, tmp_path):
     shutil.copy(fixtures.teacher / "config.json", teacher / "config.json")
     with pytest.raises(BadInputError, match="no tokenizer"):
         check_vocab_compatible(teacher, fixtures.student)
+
+
+def test_onpolicy_input_check_reads_eval_data_before_the_tokenizers(fixtures, tmp_path, monkeypatch):
+    """check_onpolicy_inputs is every up-front check, --eval-data included (distill_onpolicy calls it too): an empty
+    held-out file is refused before the tokenizers are loaded for the vocabulary check."""
+    from clusteropt_cli.core.distill import vocab
+    from clusteropt_cli.core.distill.onpolicy import check_onpolicy_inputs
+    from clusteropt_cli.recipe.load import load_settings
+
+    def loaded(*_args, **_kwargs):
+        raise AssertionError("the tokenizers were loaded")
+
+    monkeypatch.setattr(vocab, "check_vocab_compatible", loaded)
+    prompts, empty = tmp_path / "p.txt", tmp_path / "held_out.txt"
+    prompts.write_text("def f(x):\n")
+    empty.write_text("\n")
+    settings = load_settings("distill", None, None, {"mode": "onpolicy", "teacher": str(fixtures.teacher),
+                                                     "student": str(fixtures.student), "prompts": str(prompts),
+                                                     "eval_data": str(empty)})
+    with pytest.raises(BadInputError, match=r"--eval-data .*held_out\.txt is empty"):
+        check_onpolicy_inputs(settings)

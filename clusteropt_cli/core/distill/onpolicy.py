@@ -72,7 +72,8 @@ def read_prompt_texts(path: str | Path, flag: str = "--prompts") -> list[str]:
 
 
 def check_onpolicy_inputs(settings: DistillRecipe) -> list[str]:
-    """Every up-front check: models, shared vocabulary, prompts, options TRL's trainer cannot honour here."""
+    """Every up-front check: models, shared vocabulary, prompts, --eval-data, options TRL's trainer cannot honour
+    here."""
     from clusteropt_cli.core.distill.vocab import check_vocab_compatible
     from clusteropt_cli.modelspec import refuse_config_file
 
@@ -93,6 +94,10 @@ def check_onpolicy_inputs(settings: DistillRecipe) -> list[str]:
     if not settings.prompts:
         raise BadInputError("--prompts is required.", hint="Pass prompts the student should learn to continue.")
     prompts = read_prompt_texts(settings.prompts)
+    if settings.eval_data:  # held out: read now, so an empty one fails before the models load, as --data would
+        from clusteropt_cli.core.train.data import check_text_input
+
+        check_text_input(settings.eval_data, "--eval-data", read=True)
     check_vocab_compatible(Path(settings.teacher), Path(settings.student))  # loads both tokenizers: the last check
     return prompts
 
