@@ -152,9 +152,10 @@ def distill_sft(settings: DistillRecipe, *, output_dir: Any, overwrite: bool = F
         write_result,
     )
     from clusteropt_cli.core.distill.traces import iter_kept, read_traces
-    from clusteropt_cli.core.distill.vocab import has_tokenizer, load_tokenizer
+    from clusteropt_cli.core.distill.vocab import load_tokenizer
     from clusteropt_cli.core.train import run_training
     from clusteropt_cli.core.train.model import check_tokenizer_fits
+    from clusteropt_cli.modelspec import has_tokenizer_files
 
     if not settings.traces:
         raise BadInputError("distill sft needs --traces.", hint="Pass the traces.jsonl written by copt distill traces.")
@@ -171,7 +172,7 @@ def distill_sft(settings: DistillRecipe, *, output_dir: Any, overwrite: bool = F
     check_hardware(settings, "cuda" if pick_device().startswith("cuda") else "cpu")
     source = resolve_student(settings.student)
     tokenizer_dir = source.path if source.path is not None and source.path.is_dir() else None
-    if tokenizer_dir is None or not has_tokenizer(tokenizer_dir):
+    if tokenizer_dir is None or not has_tokenizer_files(tokenizer_dir):
         raise BadInputError(f"--student {settings.student} has no tokenizer files.",
                             hint="SFT renders the traces with the student's chat template: pass a model directory "
                                  "that holds its tokenizer.")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clusteropt_cli.errors import BadInputError
+from clusteropt_cli.modelspec import has_tokenizer_files
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,6 @@ def _vocab_size(config: dict) -> int | None:
     return int(text["vocab_size"]) if "vocab_size" in text else None
 
 
-def has_tokenizer(path: Path) -> bool:
-    from clusteropt_cli.modelspec import has_tokenizer_files
-
-    return has_tokenizer_files(path)
-
-
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
@@ -65,12 +60,12 @@ def check_vocab_compatible(teacher_dir: Path, student: Path, student_config: dic
     teacher_dir, student = Path(teacher_dir), Path(student)
     teacher_vocab = _vocab_size(read_config(teacher_dir))
     student_vocab = _vocab_size(student_config if student_config is not None else read_config(student))
-    if not has_tokenizer(teacher_dir):
+    if not has_tokenizer_files(teacher_dir):
         raise BadInputError(f"{flag_teacher} {teacher_dir} has no tokenizer files.",
                             hint="The teacher directory must hold its tokenizer (save it with save_pretrained).")
     t_tok = load_tokenizer(teacher_dir)
     t_vocab = t_tok.get_vocab()
-    student_tok_present = has_tokenizer(student)
+    student_tok_present = has_tokenizer_files(student)
     if student_tok_present:
         s_vocab = load_tokenizer(student).get_vocab()
         if s_vocab != t_vocab:
