@@ -412,6 +412,8 @@ def _fmt_s(x: float | None) -> str:
 
 
 def _render(r: dict[str, Any]) -> None:
+    from rich.markup import escape
+
     out = console.out
     m, hw, mem, tm = r["model"], r["hardware"], r["memory"], r["time"]
     where = f"{hw['world']}× {hw['label']}" if hw["device"] == "cuda" else "CPU"
@@ -517,7 +519,7 @@ def _render(r: dict[str, Any]) -> None:
         out.print(console.grid("Recommendations (best first)", ["#", "id", "why here; expected gain [source]",
                                                                  "cost", "predicted after"], rec_rows))
         for rec in r["recommendations"][:10]:
-            out.print(f"  [bold]{rec['id']}[/bold]: {rec['command']}", highlight=False)
+            out.print(f"  [bold]{rec['id']}[/bold]: {escape(rec['command'])}", highlight=False)
     if r["not_applicable"]:
         out.print(console.grid("Not applicable here", ["id", "why not"],
                                [[n["id"], "; ".join(n["reasons"])] for n in r["not_applicable"]]))
@@ -528,8 +530,6 @@ def _render(r: dict[str, Any]) -> None:
                   f"{console.human_bytes(top['memory']['per_gpu_bytes'])} peak"
                   + ("" if fits is None else (" (fits)" if fits else " (still does not fit)")))
     if top.get("command"):
-        from rich.markup import escape
-
         out.print(f"[bold]Run it:[/bold] {escape(top['command'])}", highlight=False)
     if r.get("measured"):
         out.print(console.grid("Profile vs prediction", ["metric", "measured", "predicted", "error"],

@@ -58,7 +58,9 @@ def validate_cmd(
     if json_output:
         console.print_json({"valid": True, "task": task, "settings": settings}, "copt.recipes/1")
     else:
-        console.out.print(f"[green]valid[/green] {task} recipe: {file}")
+        from rich.markup import escape
+
+        console.out.print(f"[green]valid[/green] {task} recipe: {escape(str(file))}")
 
 
 @app.command("cp")

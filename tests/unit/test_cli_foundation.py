@@ -181,3 +181,23 @@ def test_log_and_warning_lines_print_brackets_as_text(capsys):
     console.warn("server said [/x]")
     err = capsys.readouterr().err
     assert "runs/exp[/x] and [bold]m[/bold]" in err and "warning: server said [/x]" in err
+
+
+def test_paths_with_brackets_print_as_text_in_recipes_validate_and_advise(copt, tmp_path):
+    """'[/x]' in a recipe's path or a model directory's path raised rich's MarkupError (exit 1) where a command
+    printed it inside markup: recipes validate's verdict, advise's recommended commands."""
+    import json
+
+    folder = tmp_path / "m[" / "x]"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1000,
+        "max_position_embeddings": 512}))
+    recipe = tmp_path / "m[" / "x].yaml"
+    recipe.write_text("task: train\nmodel: m\n")
+    r = copt("recipes", "validate", str(recipe))
+    assert r.returncode == 0 and f"valid train recipe: {recipe}" in r.stdout, r.stderr
+    r = copt("advise", "--model", str(folder), "--gpu", "h100-sxm", "--task", "train")
+    assert r.returncode == 0, r.stderr
+    assert f"--model'{folder}'" in "".join(r.stdout.split()), r.stdout  # rich may wrap a long path
