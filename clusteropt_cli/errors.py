@@ -62,7 +62,7 @@ class UnsupportedHardwareError(CoptError):
 
 
 class OutOfMemoryError(CoptError):
-    """The device ran out of memory."""
+    """A GPU or the host ran out of memory, or would: weights larger than the host memory are refused up front."""
 
     exit_code = 5
 

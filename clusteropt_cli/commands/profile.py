@@ -318,7 +318,6 @@ def model(
 
 # ---- profile endpoint --------------------------------------------------------------------------------------
 def _int_list(text: str | None, flag: str) -> list[int]:
-    """A typed comma-separated list (None: not given, []); one that names no value (',', '') is refused."""
     try:
         return _number_list(text, flag, int)
     except ValueError:
@@ -335,6 +334,7 @@ def _float_list(text: str | None, flag: str) -> list[float]:
 
 
 def _number_list(text: str | None, flag: str, kind: type) -> list:
+    """A typed comma-separated list of `kind` (None: not given, []); one that names no value (',', '') is refused."""
     if text is None:
         return []
     values = [kind(part) for part in text.split(",") if part.strip()]
