@@ -411,8 +411,11 @@ def refuse_config_file(path: str | Path | None, flag: str) -> None:
                             hint=f"Pass the directory instead: {p.parent}")
 
 
-# the files AutoTokenizer.from_pretrained reads a tokenizer from (one of them is enough)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# the files AutoTokenizer.from_pretrained reads a tokenizer from (one of them is enough): what save_pretrained writes,
+# and the vocabulary files of tokenizers saved without tokenizer_config.json (their class comes from config.json):
+# WordPiece's vocab.txt, SentencePiece's spiece.model and sentencepiece.bpe.model
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
 
 
 def has_tokenizer_files(path: str | Path) -> bool:

@@ -117,3 +117,18 @@ def test_bad_sources(tmp_path) -> None:
         load_model_spec(tmp_path / "..")
     with pytest.raises(BadInputError, match="hidden_size"):
         load_model_spec({"model_type": "llama", "num_hidden_layers": 2})
+
+
+@pytest.mark.parametrize("vocab_file", ["vocab.txt", "spiece.model", "sentencepiece.bpe.model"])
+def test_a_tokenizer_saved_as_its_vocabulary_file_alone_is_a_tokenizer_directory(tmp_path, vocab_file):
+    """AutoTokenizer loads a directory holding config.json and a WordPiece or SentencePiece vocabulary file without
+    tokenizer_config.json (older checkpoints): --tokenizer such a directory was refused as holding no tokenizer."""
+    from clusteropt_cli.modelspec import has_tokenizer_files, tokenizer_dir_problem
+
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "vocab_size": 7}')
+    assert tokenizer_dir_problem(tmp_path) is not None
+    (tmp_path / vocab_file).write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nhello\nworld\n")
+    assert tokenizer_dir_problem(tmp_path) is None and has_tokenizer_files(tmp_path)
+    if vocab_file == "vocab.txt":  # the directory is one transformers reads
+        transformers = pytest.importorskip("transformers")
+        assert len(transformers.AutoTokenizer.from_pretrained(str(tmp_path))) == 7
