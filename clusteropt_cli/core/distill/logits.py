@@ -196,7 +196,8 @@ class LogitsResult:
 
 
 def check_logits_inputs(settings: DistillRecipe) -> tuple[Any, VocabCheck]:
-    """Every up-front check of `distill logits`: paths, the student, the shared vocabulary."""
+    """Every up-front check of `distill logits`: paths, --data and --eval-data, the student, the shared vocabulary,
+    the host memory the models are built in."""
     from clusteropt_cli.modelspec import refuse_config_file
 
     refuse_config_file(settings.teacher, "--teacher")
