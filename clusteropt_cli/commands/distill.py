@@ -335,6 +335,10 @@ def sft(
     settings = load_settings("distill", recipe, overrides, values, flags=_MODE_FLAG)
     out_dir = _require_output(settings)
     if not _is_rank():
+        if settings.gpus > 1:  # the ranks' students, counted together before any rank starts
+            from clusteropt_cli.core.distill.logits import check_distill_host_memory, resolve_student
+
+            check_distill_host_memory(settings, resolve_student(settings.student))
         prepare_output_dir(out_dir, overwrite=overwrite, resume=settings.resume, inputs=sft_inputs(settings, recipe))
 
     def run_here() -> Any:

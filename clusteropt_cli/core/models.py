@@ -67,7 +67,8 @@ def check_host_memory(models: Sequence[tuple[str, dict[str, Any], Any]], hint: s
             continue
         needed += params * dtype.itemsize * copies
         count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
-        parts.append(f"{what}: {count} parameters × {dtype.itemsize} bytes")
+        parts.append(f"{what}: {count} parameters × {dtype.itemsize} bytes"
+                     + (f" × {copies} copies (one a process)" if copies > 1 else ""))
     available = host_memory_available()
     if needed > available:
         gib = 2**30

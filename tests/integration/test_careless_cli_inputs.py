@@ -441,5 +441,26 @@ def test_train_counts_every_rank_of_the_node_against_host_memory(capsys, fixture
     out = tmp_path / "out"
     code, err = _copt_here(capsys, "train", "--model", fixtures.student, "--data", fixtures.train_text, "--output",
                            out, "--gpus", "2", "--max-steps", "1")
-    assert code == 5 and "in each of 2 processes" in err and "Not enough host memory" in err, err
+    assert code == 5 and "2 copies" in err and "Not enough host memory" in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("mode", ["logits", "sft"])
+def test_distill_counts_every_ranks_student_against_host_memory(capsys, fixtures, tmp_path, monkeypatch, mode):
+    """distill --gpus N builds N fp32 students on the host: the launching parent counts them all (logits checked one
+    copy, sft none before its ranks started)."""
+    from clusteropt_cli.modelspec import load_model_spec, read_config_json
+
+    one = load_model_spec(read_config_json(fixtures.student / "config.json")).num_params * 4
+    monkeypatch.setattr("clusteropt_cli.core.models.host_memory_available", lambda: int(one * 1.5))
+    out = tmp_path / "out"
+    if mode == "logits":
+        args = ["--teacher", fixtures.teacher, "--data", fixtures.train_text]
+    else:
+        traces = tmp_path / "t.jsonl"
+        traces.write_text(json.dumps({"prompt": "What is 1 + 1?", "completion": "It is 2."}) + "\n")
+        args = ["--traces", traces]
+    code, err = _copt_here(capsys, "distill", mode, "--student", fixtures.student, *args, "--output", out,
+                           "--gpus", "2", "--max-steps", "1")
+    assert code == 5 and "Not enough host memory" in err and "2 copies" in err, err
     assert not out.exists()

@@ -27,8 +27,7 @@ def check_host_memory_for_ranks(settings: Any, config: dict[str, Any], processes
 
     from clusteropt_cli.core.models import check_host_memory
 
-    what = f"--model {settings.model}" + (f" in each of {processes} processes" if processes > 1 else "")
-    check_host_memory([(what, config, torch.float32)], copies=processes,
+    check_host_memory([(f"--model {settings.model}", config, torch.float32)], copies=processes,
                       hint="Train a smaller model, use a machine with more host memory, or --zero 3 (built "
                            "partitioned).")
 
@@ -64,7 +63,8 @@ def train_from_settings(settings: TrainRecipe, *, overwrite: bool = False, callb
         # ZeRO-3: built partitioned under deepspeed.zero.Init (kept alive for the run; see zero3_model_init)
         zero3 = zero3_model_init(settings, settings.gpus * settings.nodes, device_type()) \
             if settings.zero == 3 else None
-        if zero3 is None and not launched:  # a launching parent checked its node's ranks together
+        # a single-node launching parent checked its ranks together; other nodes' ranks check their own copy
+        if zero3 is None and (not launched or settings.nodes > 1):
             check_host_memory_for_ranks(settings, source.config, processes=1)
         model = load_model(source, seed=settings.seed)
         if rank == 0 and log is not None:
