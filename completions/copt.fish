@@ -318,6 +318,7 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l tensor-parallel
 complete -c copt -n "__fish_seen_subcommand_from serve" -l tensor-parallel-size
 complete -c copt -n "__fish_seen_subcommand_from serve" -l trust-request-chat-template
 complete -c copt -n "__fish_seen_subcommand_from serve" -l vllm-version
+complete -c copt -n "__fish_seen_subcommand_from serve" -l write-timeout
 complete -c copt -n "__fish_seen_subcommand_from serve" -s r
 complete -c copt -n "__fish_seen_subcommand_from train" -l activation-checkpointing
 complete -c copt -n "__fish_seen_subcommand_from train" -l attn

@@ -729,9 +729,9 @@ async def _run(s: EndpointSettings, prompts: list[str] | CycledPrompts | Synthet
             level.client_loop_lag_s = latency_summary(runner.loop_lag_s) or None
             levels.append(level)
             log(_level_line(level))
-            for kind in first_seen:  # why, where the server said or copt could tell
-                if failures[kind]:
-                    log(f"  {kind}: {failures[kind]}")
+            for failure in first_seen:  # why, where the server said or copt could tell
+                if failures[failure]:
+                    log(f"  {failure}: {failures[failure]}")
             lagged = client_backlog_s(level)
             if lagged is not None:
                 log(f"  the client's event loop ran late: p90 {lagged * 1e3:.1f} ms against a TTFT p50 of "
