@@ -64,27 +64,46 @@ def print_json(obj: Any, schema: str) -> None:
     sys.stdout.flush()
 
 
+def markup(text: str) -> Any:
+    """A table cell styled with rich markup (`[green]fits[/green]`); every other cell is printed as text."""
+    from rich.text import Text
+
+    return Text.from_markup(text)
+
+
+def _cell(value: Any) -> Any:
+    """A table cell as text: brackets in a path or a server's words are not markup (markup() cells pass as they are)."""
+    from rich.markup import escape
+    from rich.text import Text
+
+    if isinstance(value, Text):
+        return value
+    return "" if value is None else escape(str(value))
+
+
 def kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
     """A two-column key/value table."""
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=title, show_header=False, title_justify="left")
+    table = Table(title=escape(title), show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     for key, value in rows:
-        table.add_row(key, "" if value is None else str(value))
+        table.add_row(_cell(key), _cell(value))
     return table
 
 
 def grid(title: str, headers: list[str], rows: list[list[Any]]) -> Table:
     """A table with a header row."""
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left")
+    table = Table(title=escape(title), title_justify="left")
     for h in headers:
-        table.add_column(h)
+        table.add_column(escape(h))
     for row in rows:
-        table.add_row(*["" if v is None else str(v) for v in row])
+        table.add_row(*[_cell(v) for v in row])
     return table
 
 

@@ -430,13 +430,14 @@ def _render(r: dict[str, Any]) -> None:
     rows.append(["peak (allocated)", console.human_bytes(mem["per_gpu_bytes"])])
     rows.append(["required (+allocator, context)", console.human_bytes(mem["required_bytes"])])
     verdict = "-" if mem["fits"] is None else ("[green]fits[/green]" if mem["fits"] else "[red]does NOT fit[/red]")
-    rows.append(["budget", f"{console.human_bytes(mem['budget_bytes'])} → {verdict}"])
+    rows.append(["budget", console.markup(f"{console.human_bytes(mem['budget_bytes'])} → {verdict}")])
     host = mem.get("host")
     if host and (host["terms"]["offload_buffers"] or host["fits"] is False):
         hverdict = "-" if host["fits"] is None else ("[green]fits[/green]" if host["fits"] else
                                                      "[red]does NOT fit[/red]")
         budget = console.human_bytes(host["budget_bytes"]) if host["budget_bytes"] else "unknown (--host-memory)"
-        rows.append(["host RAM per node", f"{console.human_bytes(host['peak_bytes'])} of {budget} → {hverdict}"])
+        rows.append(["host RAM per node",
+                     console.markup(f"{console.human_bytes(host['peak_bytes'])} of {budget} → {hverdict}")])
         if host["nvme_bytes"]:
             rows.append(["NVMe space per node", console.human_bytes(host["nvme_bytes"])])
     out.print(console.grid(f"Memory per {'GPU' if hw['device'] == 'cuda' else 'process'} "

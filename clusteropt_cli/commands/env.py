@@ -36,5 +36,5 @@ def env(json_output: JsonOpt = False) -> None:
     rows = []
     for extra, dists in report.backends.items():
         for dist, version in dists.items():
-            rows.append([extra, dist, version or "[dim]not installed[/dim]"])
+            rows.append([extra, dist, version or console.markup("[dim]not installed[/dim]")])
     console.out.print(console.grid("Backends", ["extra", "package", "version"], rows))

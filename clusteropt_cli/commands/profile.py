@@ -194,12 +194,14 @@ def _render_endpoint(report: Any, report_path: Path | None = None) -> None:
     _render_verdict(report, report_path)
 
 
+_STATUS_MARKUP = {"pass": "[green]pass[/green]", "miss": "[red]MISS[/red]", "explained": "[yellow]explained[/yellow]"}
+
+
 def _render_check(comparison: Any) -> None:
     rows = [[c.name + (f" ({c.note})" if c.note in ("out of step", "closed loop", "open loop") else ""),
              ("≤ " if c.note == "upper" else "") + fmt(c.name, c.predicted), fmt(c.name, c.measured),
              "-" if c.rel_error is None else f"{100 * c.rel_error:+.1f}%",
-             {"pass": "[green]pass[/green]", "miss": "[red]MISS[/red]",
-              "explained": "[yellow]explained[/yellow]"}.get(c.status, c.status)]
+             console.markup(_STATUS_MARKUP[c.status]) if c.status in _STATUS_MARKUP else c.status]
             for c in comparison.checks]
     where = f" at {comparison.level}" if comparison.level else ""
     console.out.print(console.grid(f"predicted vs measured{where} ({comparison.recipe}, tolerance "

@@ -201,3 +201,17 @@ def test_paths_with_brackets_print_as_text_in_recipes_validate_and_advise(copt, 
     r = copt("advise", "--model", str(folder), "--gpu", "h100-sxm", "--task", "train")
     assert r.returncode == 0, r.stderr
     assert f"--model'{folder}'" in "".join(r.stdout.split()), r.stdout  # rich may wrap a long path
+
+
+def test_table_cells_print_brackets_as_text_and_markup_cells_styled():
+    """A path or a server's words in a table cell ('[/x]') raised rich's MarkupError; styled cells say so."""
+    from rich.console import Console
+
+    from clusteropt_cli import console
+
+    out = Console(record=True, width=200, color_system="truecolor")
+    out.print(console.kv_table("runs/[/x]", [("model", "runs/exp[/x]"), ("[bold]k", None)]))
+    out.print(console.grid("t", ["a[/x]"], [["[red]v[/red]"], [console.markup("[green]fits[/green]")]]))
+    text = out.export_text()
+    assert "runs/exp[/x]" in text and "[bold]k" in text and "[red]v[/red]" in text and "a[/x]" in text
+    assert "fits" in text and "[green]" not in text
