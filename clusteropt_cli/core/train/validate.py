@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from clusteropt_cli.core.train.data import TEXT_SUFFIXES
 from clusteropt_cli.core.train.model import ModelSource, resolve_model_source
-from clusteropt_cli.errors import BadInputError, UnsupportedHardwareError
+from clusteropt_cli.errors import BadInputError, OutOfMemoryError, UnsupportedHardwareError
 
 if TYPE_CHECKING:
     from clusteropt_cli.recipe.schema.base import TrainingOptions
@@ -144,7 +144,7 @@ def check_offload_resources(settings: TrainingOptions, config: dict, host_bytes:
     needed = host["terms"]["model_load"] + host["terms"]["offload_buffers"]
     what = f"{spec.num_params / 1e9:.2f}B parameters"
     if needed > host_bytes:
-        raise BadInputError(
+        raise OutOfMemoryError(
             f"--offload {settings.offload} needs about {needed / gib:.0f} GiB of host RAM per node for this model "
             f"({what}: DeepSpeed's offloaded fp32 masters, Adam moments and gradients); this machine has "
             f"{host_bytes / gib:.0f} GiB.",
