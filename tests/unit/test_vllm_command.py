@@ -143,3 +143,20 @@ def test_api_server_count_is_forwarded_only_when_set():
     argv = plan_vllm_command(ServeRecipe(model="/m", engine="vllm", api_server_count=4), "0.11").argv
     assert argv[argv.index("--api-server-count") + 1] == "4"
     assert "--api-server-count" not in plan_vllm_command(ServeRecipe(model="/m", engine="vllm"), "0.11").argv
+
+
+def test_copt_server_limits_are_refused_with_the_vllm_engine():
+    """--write-timeout, --read-timeout, --max-connections, body and prompt limits, public metrics: copt's own HTTP
+    server's settings, silently dropped when vLLM's server ran; refused by name (defaults stay accepted)."""
+    from clusteropt_cli.errors import RecipeError
+    from clusteropt_cli.recipe.schema.serve import COPT_SERVER_KEYS
+
+    load_settings("serve", None, None, {"model": "m", "engine": "vllm"})
+    values = {"write_timeout": 5.0, "read_timeout": 5.0, "max_connections": 9, "max_request_bytes": 2**20,
+              "max_prompt_chars": 1000, "metrics_public": True}
+    assert set(values) == set(COPT_SERVER_KEYS)
+    with pytest.raises(RecipeError) as info:
+        load_settings("serve", None, None, {"model": "m", "engine": "vllm", **values})
+    assert len(info.value.problems) == len(values)
+    assert all("copt's own HTTP server" in problem for problem in info.value.problems)
+    load_settings("serve", None, None, {"model": "m", **values})  # the copt engine takes them

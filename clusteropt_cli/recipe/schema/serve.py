@@ -22,6 +22,11 @@ def api_key_problems(key: str, source: str) -> list[str]:
     return []
 
 
+# copt's HTTP server's own limits: vLLM's server (engine vllm) has no counterpart copt could pass them to
+COPT_SERVER_KEYS = ("max_request_bytes", "max_prompt_chars", "metrics_public", "read_timeout", "write_timeout",
+                    "max_connections")
+
+
 class ServeRecipe(Strict):
     """copt serve."""
 
@@ -139,6 +144,9 @@ class ServeRecipe(Strict):
                             "layers (not with `engine` vllm, nor with compilation off)")
         if self.kv_layout != "auto" and self.engine == "vllm":
             problems.append("kv_layout: chooses the copt engine's KV cache (vLLM's is always paged)")
+        if self.engine == "vllm":
+            problems.extend(f"{key}: a limit of copt's own HTTP server; `engine` vllm runs vLLM's server, which does "
+                            "not take it" for key in COPT_SERVER_KEYS if key in self.model_fields_set)
         if self.vllm_version is not None:
             from clusteropt_cli.core.serve.vllm import parse_version
 
