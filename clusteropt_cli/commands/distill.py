@@ -204,7 +204,9 @@ def logits(
     if not _is_rank():
         prepare_output_dir(out_dir, overwrite=overwrite, resume=settings.resume,
                            inputs=logits_inputs(settings, recipe))
-    check_logits_inputs(settings)  # every input problem before any model is loaded
+    if settings.gpus * settings.nodes > 1 and not _is_rank():  # a single process checks in distill_logits
+        check_logits_inputs(settings)  # every input problem before any rank starts
+
     def run_here() -> Any:
         with _library_output_to_stderr(), _progress_callbacks(f"distill {settings.loss}") as callbacks:
             return distill_logits(settings, output_dir=out_dir, overwrite=overwrite, callbacks=callbacks)
@@ -396,7 +398,7 @@ def onpolicy(
 ) -> None:
     """On-policy distillation (GKD) with TRL's DistillationTrainer: the student samples, the teacher scores."""
     from clusteropt_cli import console
-    from clusteropt_cli.core.distill.onpolicy import check_onpolicy_inputs, distill_onpolicy, read_prompt_texts
+    from clusteropt_cli.core.distill.onpolicy import distill_onpolicy, read_prompt_texts
     from clusteropt_cli.recipe.load import load_settings
 
     values = {"mode": "onpolicy", "teacher": teacher, "student": student, "prompts": prompts,
@@ -406,7 +408,6 @@ def onpolicy(
               "grad_accum": grad_accum, "seq_len": seq_len, "max_steps": steps, "lr": lr, "seed": seed}
     settings = load_settings("distill", recipe, overrides, values, flags=_MODE_FLAG)
     out_dir = _require_output(settings)
-    check_onpolicy_inputs(settings)  # every input problem before any model is loaded
     held_out = read_prompt_texts(eval_prompts, "--eval-prompts") if eval_prompts else None
     with _library_output_to_stderr():
         result = distill_onpolicy(settings, output_dir=out_dir, overwrite=overwrite, eval_text=settings.eval_data,
