@@ -52,22 +52,22 @@ def host_memory_available() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def check_host_memory(models: Sequence[tuple[str, dict[str, Any], Any]], hint: str, copies: int = 1) -> None:
+def check_host_memory(models: Sequence[tuple[str, dict[str, Any], int]], hint: str, copies: int = 1) -> None:
     """Refuse (exit 5), before anything is allocated, models whose weights alone exceed the host memory available
-    now: each entry (what, its config.json dict, the torch dtype its weights are built in), held `copies` times (one
+    now: each entry (what, its config.json dict, the bytes a weight is built in), held `copies` times (one
     per process of this machine). Past that memory the kernel's out-of-memory killer ends the process (exit 137)
     without a message. A config whose size clusteropt_cli.modelspec cannot tell is not counted."""
     from clusteropt_cli.modelspec import load_model_spec
 
     needed, parts = 0, []
-    for what, config, dtype in models:
+    for what, config, width in models:
         try:
             params = int(load_model_spec(config).num_params)
         except Exception:  # noqa: BLE001 - an architecture modelspec does not know: loading tells
             continue
-        needed += params * dtype.itemsize * copies
+        needed += params * width * copies
         count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
-        parts.append(f"{what}: {count} parameters × {dtype.itemsize} bytes"
+        parts.append(f"{what}: {count} parameters × {width} bytes"
                      + (f" × {copies} copies (one a process)" if copies > 1 else ""))
     available = host_memory_available()
     if needed > available:

@@ -33,8 +33,6 @@ def test_load_causal_lm_reads_a_local_directory(fixtures):
 def test_host_memory_check_adds_up_every_model(monkeypatch):
     """The weights of every model loaded together count against the host's available memory; a config whose size
     is unknown is not counted."""
-    import torch
-
     from clusteropt_cli.core import models
     from clusteropt_cli.errors import OutOfMemoryError
     from clusteropt_cli.modelspec import load_model_spec
@@ -42,12 +40,12 @@ def test_host_memory_check_adds_up_every_model(monkeypatch):
     spec = load_model_spec("llama-3.2-1b")
     config = spec.to_hf_config()
     monkeypatch.setattr(models, "host_memory_available", lambda: int(spec.num_params * 4 * 1.5))
-    unknown = ("custom", {"model_type": "not-a-model"}, torch.float32)
-    models.check_host_memory([("teacher", config, torch.float32), unknown], hint="h")
-    models.check_host_memory([("teacher", config, torch.bfloat16), ("student", config, torch.bfloat16)], hint="h")
+    unknown = ("custom", {"model_type": "not-a-model"}, 4)
+    models.check_host_memory([("teacher", config, 4), unknown], hint="h")
+    models.check_host_memory([("teacher", config, 2), ("student", config, 2)], hint="h")
     with pytest.raises(OutOfMemoryError) as info:
         models.check_host_memory(
-            [("teacher", config, torch.float32), ("student", config, torch.float32)], hint="a smaller dtype"
+            [("teacher", config, 4), ("student", config, 4)], hint="a smaller dtype"
         )
     assert info.value.exit_code == 5 and info.value.hint == "a smaller dtype"
     assert "teacher: 1.24B parameters × 4 bytes; student: 1.24B parameters × 4 bytes" in info.value.message

@@ -229,19 +229,16 @@ def check_distill_host_memory(settings: DistillRecipe, student: Any, teacher: Pa
     """The student is built in fp32 on the host (copt train's loading); on a CPU-only machine the teacher is held
     there beside it. Refused (exit 5) before either is loaded when their weights exceed the available memory; with
     --gpus N the launching parent counts its N ranks' students (the ranks do not check again)."""
-    import torch
-
     from clusteropt_cli.core.models import check_host_memory, torch_dtype
     from clusteropt_cli.core.train.launch import is_launched_child
 
     if is_launched_child():
         return
-
-    models = [(f"--student {settings.student}", student.config, torch.float32)]
+    models = [(f"--student {settings.student}", student.config, 4)]
     cpu = pick_device() == "cpu"
     if teacher is not None and cpu:
         dtype = torch_dtype(settings.teacher_dtype, "cpu", settings.precision)
-        models.insert(0, (f"--teacher {teacher}", read_config(teacher), dtype))
+        models.insert(0, (f"--teacher {teacher}", read_config(teacher), dtype.itemsize))
     hint = ("Load the teacher in bf16 (--teacher-dtype bf16), run on a GPU, or use smaller models." if len(models) > 1
             else "Use a smaller student, or a machine with more host memory.")
     check_host_memory(models, hint=hint, copies=max(1, int(settings.gpus)))

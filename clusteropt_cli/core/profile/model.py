@@ -116,7 +116,7 @@ def profile_model(s: ModelProfileSettings, log: Log | None = None) -> ProfileRep
         log("fp16 matmuls on CPU are slow; bf16 or fp32 are the usual CPU dtypes")
     if device == "cpu":  # the weights are held in host memory
         smaller = "in a smaller --dtype (bf16), " if s.mode == "infer" and weights_dtype == "fp32" else ""
-        check_host_memory([(s.model, resolved.config, dtype_of(weights_dtype))],
+        check_host_memory([(s.model, resolved.config, dtype_of(weights_dtype).itemsize)],
                           hint=f"Profile {smaller}on a GPU (--device cuda), or a smaller model"
                                + (" (training keeps fp32 weights)." if s.mode == "train" else "."))
     log(f"loading {s.model} on {device} ({weights_dtype} weights)")

@@ -23,11 +23,9 @@ def check_host_memory_for_ranks(settings: Any, config: dict[str, Any], processes
     fp32 on the host (everything but ZeRO-3), need more than the host memory available now."""
     if settings.zero == 3:
         return
-    import torch
-
     from clusteropt_cli.core.models import check_host_memory
 
-    check_host_memory([(f"--model {settings.model}", config, torch.float32)], copies=processes,
+    check_host_memory([(f"--model {settings.model}", config, 4)], copies=processes,
                       hint="Train a smaller model, use a machine with more host memory, or --zero 3 (built "
                            "partitioned).")
 
@@ -64,7 +62,7 @@ def train_from_settings(settings: TrainRecipe, *, overwrite: bool = False, callb
         zero3 = zero3_model_init(settings, settings.gpus * settings.nodes, device_type()) \
             if settings.zero == 3 else None
         # a single-node launching parent checked its ranks together; other nodes' ranks check their own copy
-        if zero3 is None and (not launched or settings.nodes > 1):
+        if not launched or settings.nodes > 1:
             check_host_memory_for_ranks(settings, source.config, processes=1)
         model = load_model(source, seed=settings.seed)
         if rank == 0 and log is not None:
