@@ -17,8 +17,8 @@ from tests.integration.test_serve_architectures import (
 
 pytestmark = pytest.mark.gpu
 
-# transformers' MoE experts below bf16's grouped GEMM (fp32/fp16) read the per-expert offsets on the host, which CUDA
-# graph capture refuses: the engine warns and decodes those steps eagerly (measured on an H100, transformers 5.17)
+# transformers' MoE experts below bf16's grouped GEMM read the per-expert offsets on the host, which CUDA graph capture
+# refuses: the engine warns and decodes those steps eagerly (seen in fp32 on an H100, transformers 5.17)
 MOE_FAMILIES = {"mixtral-sliding", "qwen2moe-sliding", "qwen3moe-sliding"}
 
 
