@@ -147,13 +147,13 @@ def plan(settings: QuantizeRecipe, overwrite: bool = False, recipe: str | None =
                             hint="Quantize the full-precision checkpoint instead.")
 
     if settings.method in ("awq", "gptq", "rtn") and settings.group_size != -1:
-        bad = {k: v for k, v in _linear_in_features(config).items() if v % settings.group_size}
+        widths = _linear_in_features(config)
+        bad = {k: v for k, v in widths.items() if v % settings.group_size}
         if bad:
             raise RecipeError("--group-size does not divide the layer widths:",
                               problems=[f"group_size {settings.group_size}: {k} = {v}" for k, v in bad.items()],
-                              hint="Choose a group size that divides them (e.g. "
-                                   f"{_dividing_group_size(list(_linear_in_features(config).values()))}), or -1 for "
-                                   "per-channel.")
+                              hint=f"Choose a group size that divides them (e.g. "
+                                   f"{_dividing_group_size(list(widths.values()))}), or -1 for per-channel.")
     if settings.method in ("fp8", "int8") and settings.group_size != 128:
         warnings.append(f"--group-size is ignored for {settings.method} (weights get one scale per output channel)")
     if settings.method in ("fp8", "int8") and not settings.symmetric:
