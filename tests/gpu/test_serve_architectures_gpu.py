@@ -17,8 +17,6 @@ from tests.integration.test_serve_architectures import (
 
 pytestmark = pytest.mark.gpu
 
-# transformers' MoE experts below bf16's grouped GEMM read the per-expert offsets on the host, which CUDA graph capture
-# refuses: the engine warns and decodes those steps eagerly (seen in fp32 on an H100, transformers 5.17)
 MOE_FAMILIES = {"mixtral-sliding", "qwen2moe-sliding", "qwen3moe-sliding"}
 
 
@@ -43,9 +41,9 @@ def test_native_families_through_graphs_match_hf_greedy_on_gpu(family_dirs, name
                                  max_model_len=128, max_batch_tokens=MAX_BATCH_TOKENS, cuda_graphs=True,
                                  compile=True, async_scheduling=True, decode_attention=decode_attention))
     with engine:
-        if name not in MOE_FAMILIES:  # MoE in fp32: eager layers and decode steps, checked for the same tokens below
-            assert engine.stats.graphs_captured > 0 and engine.runner.compile_error is None
-            assert engine.runner.compiled_layers == 4 and engine.runner.decode_attention == decode_attention
+        assert engine.stats.graphs_captured > 0 and engine.runner.compile_error is None
+        assert engine.runner.compiled_layers == 4 and engine.runner.decode_attention == decode_attention
+        assert (engine.runner.moe_layers > 0) == (name in MOE_FAMILIES)
         results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True)
                                    for p in prompts])
         alone = engine.generate([GenerationRequest(prompt_ids=prompts[0], max_new_tokens=NEW_TOKENS,
@@ -71,24 +69,27 @@ def test_windowed_rings_through_graphs_match_hf_greedy_on_gpu(family_dirs, name,
                                  max_model_len=128, max_batch_tokens=MAX_BATCH_TOKENS, cuda_graphs=True,
                                  compile=True, async_scheduling=True))
     with engine:
-        if name not in MOE_FAMILIES:
-            assert engine.stats.graphs_captured > 0 and engine.runner.compile_error is None
+        assert engine.stats.graphs_captured > 0 and engine.runner.compile_error is None
         assert any(engine.runner.rings)
         results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True)
                                    for p in prompts])
     assert [r.output_ids for r in results] == expected
 
 
-@pytest.mark.xfail(strict=True, reason="fp32 MoE experts read their offsets on the host during CUDA graph capture")
-def test_fp32_moe_decode_is_captured(family_dirs):
-    """Pins the limitation: when this passes, the engine captures fp32 MoE decode steps and the exemptions above go."""
-    from clusteropt_cli.core.serve.engine import Engine, EngineConfig
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_moe_decode_below_bf16_is_captured(family_dirs, dtype):
+    """transformers' experts below bf16 read their routing on the host, which capture refuses: copt's dense experts
+    (moe.py) keep the decode steps in graphs over the compiled layers."""
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
 
-    engine = Engine(EngineConfig(model=str(family_dirs["mixtral-sliding"]), device="cuda", dtype="fp32",
+    engine = Engine(EngineConfig(model=str(family_dirs["mixtral-sliding"]), device="cuda", dtype=dtype,
                                  max_batch_size=4, max_model_len=128, max_batch_tokens=MAX_BATCH_TOKENS,
                                  cuda_graphs=True, compile=True))
     with engine:
-        assert engine.stats.graphs_captured > 0
+        assert engine.stats.graphs_captured > 0 and engine.runner.compile_error is None
+        assert engine.runner.moe_layers == 4
+        results = engine.generate([GenerationRequest(prompt_ids=[5, 6, 7], max_new_tokens=8, ignore_eos=True)])
+    assert len(results[0].output_ids) == 8
 
 
 @pytest.mark.parametrize("name", sorted(MOE_FAMILIES))
@@ -109,6 +110,7 @@ def test_bf16_moe_decode_through_graphs(family_dirs, name):
         with engine:
             if graphs:
                 assert engine.stats.graphs_captured > 0 and engine.runner.compile_error is None
+                assert engine.runner.moe_layers > 0  # bf16 runs transformers' grouped GEMM inside the graphs
             results = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True)
                                        for p in prompts])
         outputs[graphs] = [r.output_ids for r in results]

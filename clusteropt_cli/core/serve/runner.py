@@ -559,6 +559,7 @@ class ModelRunner:
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._graph_pool = None
+        self.moe_layers = 0  # expert modules on copt's graph-capturable experts (capture_graphs)
         self._prefill_graphs: list[PrefillGraph] = []  # by token bucket, smallest first (capture_prefill_graphs)
         self.prefill_graph_error: str | None = None
         self.prefill_graph_steps = 0  # packed steps replayed from a prefill graph
@@ -1026,6 +1027,10 @@ class ModelRunner:
             return 0
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
+        from clusteropt_cli.core.serve.moe import use_capturable_experts
+
+        # MoE experts below bf16 read their routing on the host: decode steps compute them densely (moe.py)
+        self.moe_layers = use_capturable_experts(self.model, max(self._batch_buckets))
         # every decode graph writes its logits here (rows 0..bucket-1): one sampling graph per batch bucket reads them
         with torch.inference_mode():  # as the sampler's state: its kernels see inference tensors on every path
             self.logits_buf = torch.zeros(max(self._batch_buckets), self.vocab_size, dtype=torch.float32,

@@ -1,0 +1,144 @@
+"""MoE decode through copt serve's engine: CUDA graphs over copt's experts (dense below bf16, transformers' grouped
+GEMM in bf16) against the engine without graphs, per dtype and batch.
+
+    python3 bench/gpu_moe_decode.py --out moe.json                   (about 6 minutes on one H100/H200)
+    python3 bench/gpu_moe_decode.py --cpu-smoke --out /tmp/moe.json  (tiny shapes: checks the script)
+
+Shapes, random weights, fewer layers than the real models (the step's cost per layer is what differs):
+  qwen3moe-8l   Qwen3-30B-A3B's width: hidden 2,048, 128 experts of 768, top-8, 8 layers
+  mixtral-4l    Mixtral-8x7B's width: hidden 4,096, 8 experts of 14,336, top-2, 4 layers
+Each case: one engine (graphs on or off), `--batches` requests at once of 16 prompt tokens and `--new-tokens` new ones,
+greedy, ignore_eos; per batch the median of three timed rounds after one warm-up round. Reports ms per decode step
+(wall time of the round less its first token, over the new tokens) and the graphs the engine captured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import free_gpu, log  # noqa: E402
+
+SHAPES = {
+    "qwen3moe-8l": ("Qwen3MoeConfig", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                           num_experts=128, num_experts_per_tok=8, num_hidden_layers=8,
+                                           num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                           vocab_size=32000)),
+    "mixtral-4l": ("MixtralConfig", dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+                                         num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=32,
+                                         num_key_value_heads=8, vocab_size=32000)),
+}
+SMOKE = ("Qwen3MoeConfig", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                                num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=512))
+
+
+def build(path: Path, cls_name: str, fields: dict) -> None:
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = getattr(transformers, cls_name)(**fields, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                                             pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config.vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t1", eos_token="t2",
+                                         pad_token="t0").save_pretrained(path)
+
+
+def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new_tokens: int, device: str) -> dict:
+    import torch
+
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
+
+    started = time.perf_counter()
+    engine = Engine(EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_batch_size=max(batches),
+                                 max_model_len=256, cuda_graphs=graphs, compile=graphs))
+    result = {"dtype": dtype, "graphs": graphs, "per_batch": {}}
+    with engine:
+        result["start_s"] = round(time.perf_counter() - started, 1)
+        result["graphs_captured"] = engine.stats.graphs_captured
+        result["moe_layers"] = getattr(engine.runner, "moe_layers", None)
+        result["graph_error"] = getattr(engine.runner, "graph_error", None)
+        result["compile_error"] = engine.runner.compile_error
+        for batch in batches:
+            prompts = [[(7 * i + j) % 400 + 3 for j in range(16)] for i in range(batch)]
+
+            def one_round(n: int, prompts: list[list[int]] = prompts) -> float:
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True) for p in prompts])
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                return time.perf_counter() - t0
+
+            one_round(new_tokens)
+            first = statistics.median(one_round(1) for _ in range(3))
+            full = statistics.median(one_round(new_tokens) for _ in range(3))
+            result["per_batch"][str(batch)] = {"ms_per_step": round((full - first) / (new_tokens - 1) * 1e3, 3),
+                                               "first_token_ms": round(first * 1e3, 2)}
+            log(f"  {dtype} graphs={graphs} batch {batch}: {result['per_batch'][str(batch)]}")
+    free_gpu()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="qwen3moe-8l,mixtral-4l")
+    parser.add_argument("--dtypes", default="fp16,bf16")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--cpu-smoke", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    import torch
+
+    device = "cpu" if args.cpu_smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device (use --cpu-smoke to check the script)")
+    batches = [int(b) for b in args.batches.split(",")]
+    plan = {"smoke": SMOKE} if args.cpu_smoke else {s: SHAPES[s] for s in args.shapes.split(",")}
+    dtypes = ["fp32"] if args.cpu_smoke else args.dtypes.split(",")
+    out: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                 "torch": torch.__version__, "cases": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape, (cls_name, fields) in plan.items():
+            model_dir = Path(tmp) / shape
+            build(model_dir, cls_name, fields)
+            for dtype in dtypes:
+                for graphs in ((False,) if device == "cpu" else (True, False)):
+                    log(f"{shape} {dtype} graphs={graphs}")
+                    try:
+                        case = time_case(model_dir, dtype, graphs, batches, args.new_tokens, device)
+                    except Exception as exc:  # noqa: BLE001 - record it, go on with the next case
+                        traceback.print_exc()
+                        case = {"dtype": dtype, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"}
+                    case["shape"] = shape
+                    out["cases"].append(case)
+                    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"{'shape':<13} {'dtype':<5} {'graphs':<6} {'captured':>8} " + " ".join(f"{'b' + str(b) + ' ms':>9}"
+                                                                           for b in batches))
+    for case in out["cases"]:
+        cells = [f"{case.get('per_batch', {}).get(str(b), {}).get('ms_per_step', float('nan')):>9.3f}"
+                 for b in batches]
+        print(f"{case['shape']:<13} {case['dtype']:<5} {str(case['graphs']):<6} "
+              f"{case.get('graphs_captured', '-')!s:>8} " + " ".join(cells) + (f"  {case['error']}"
+                                                                             if "error" in case else ""))
+
+
+if __name__ == "__main__":
+    main()
