@@ -191,6 +191,12 @@ def _render_endpoint(report: Any, report_path: Path | None = None) -> None:
         console.out.print("prefix-cache hits (the server's /metrics): " + ", ".join(
             f"{'c=' + str(lv.concurrency) if lv.concurrency is not None else str(lv.rate) + '/s'} {rate:.1%}"
             for lv, rate in hits), highlight=False, markup=False)
+    split = [(lv, getattr(lv, "rechunked", 0)) for lv in report.levels if getattr(lv, "rechunked", 0)]
+    if split:
+        console.out.print("streams with more text events than tokens (split by a proxy; tokens and TPOT from usage, "
+                          "their event gaps left out of ITL): " + ", ".join(
+                              f"{'c=' + str(lv.concurrency) if lv.concurrency is not None else str(lv.rate) + '/s'} "
+                              f"{n}" for lv, n in split), highlight=False, markup=False)
     _render_verdict(report, report_path)
 
 

@@ -121,6 +121,9 @@ ROUTES: dict[str, bytes | Callable[[socket.socket], None]] = {
     "utf8": SSE + b'data: {"choices": [{"text": "\xff\xfe"}]}\n\n' + DONE,
     # more text events than max_tokens: a stream without end, ten bytes an event
     "tiny-events": endless(SSE, b'data: {"choices":[{"text":"a"}]}\n' * 1000, 64 * 2**20),
+    # a proxy that splits each of 8 tokens into 3 events, with and without the usage count
+    "rechunked": SSE + text_event("a") * 24 + b'data: {"choices": [], "usage": {"completion_tokens": 8}}\n\n' + DONE,
+    "rechunked-no-usage": SSE + text_event("a") * 24 + DONE,
     # no events, or none with text
     "plain": response("200 OK", b"hello world", "Content-Type: text/plain\r\n"),
     "done-first": SSE + DONE,
@@ -245,14 +248,32 @@ def test_a_well_formed_usage_is_taken(hostile):
     assert_sane(level)
 
 
-def test_more_text_events_than_max_tokens_fail_the_request_at_once(hostile):
-    """A server streaming tiny events without end: the request stops at max_tokens + 1 of them, instead of keeping a
-    gap for each until --request-timeout and counting it a success of that many tokens."""
+def test_a_stream_without_end_fails_the_request_at_once(hostile):
+    """A server streaming tiny events without end: the request stops at 16 × max_tokens of them, instead of keeping
+    a gap for each until --request-timeout and counting it a success of that many tokens."""
     start = time.perf_counter()
     level, failures = run_level(f"{hostile.url}/tiny-events", timeout_s=30)
     assert time.perf_counter() - start < 10
     assert level.errors == {"bad_stream": 2}
-    assert failures["bad_stream"] == "more text events than max_tokens (8)"
+    assert failures["bad_stream"] == "more than 16 text events per token of max_tokens (8)"
+
+
+def test_a_proxy_splitting_tokens_counts_by_usage_without_event_gaps(hostile, copt):
+    """Before: 24 events for 8 tokens failed as bad_stream. Now the usage count gives the tokens and TPOT, and the
+    gaps between events (a third of a token each) stay out of the ITL; without usage the count is unknown."""
+    level, failures = run_level(f"{hostile.url}/rechunked")
+    assert level.completed == 2 and level.errors == {} and level.rechunked == 2
+    assert level.output_tokens_per_s == pytest.approx(16 / level.duration_s)
+    assert level.itl_s == {} and level.tpot_s
+    assert_sane(level)
+    level, failures = run_level(f"{hostile.url}/rechunked-no-usage")
+    assert level.errors == {"bad_stream": 2}
+    assert failures["bad_stream"] == ("24 text events for max_tokens (8) and no usage count: the number of tokens "
+                                      "is unknown")
+    proc = copt("profile", "endpoint", "--url", f"{hostile.url}/rechunked", "--model", "m", "--concurrency", "1",
+                "--num-requests", "2", "--gen-len", "8", "--warmup", "0", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "more text events than tokens" in proc.stdout and "c=1 2" in proc.stdout
 
 
 @pytest.mark.parametrize("name, reason", [

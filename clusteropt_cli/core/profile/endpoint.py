@@ -8,9 +8,12 @@ A stream that ends with finish_reason "abort"/"error" counts as an error ("abort
 
 A server is not trusted to be well-formed: a redirect is not followed (the API key stays with --url; "redirect"),
 responses are asked for and read without content encoding, an error body is read up to ERROR_BODY_BYTES and
-/metrics up to METRICS_BYTES, an event that is not an OpenAI completion chunk, more text events than max_tokens and a
-usage figure that is not a count up to max_tokens fail their request ("bad_stream", "bad_usage") with the reason,
-and what the server says reaches the terminal without control characters.
+/metrics up to METRICS_BYTES, an event that is not an OpenAI completion chunk, more than RECHUNK_EVENTS × max_tokens
+text events (a stream without end), more text events than max_tokens without a usage count (a proxy that split
+tokens: their number is unknown) and a usage figure that is not a count up to max_tokens fail their request
+("bad_stream", "bad_usage") with the reason, and what the server says reaches the terminal without control
+characters. A stream of more text events than tokens (re-chunked by a proxy) keeps its TTFT, TPOT and tokens, not
+its gaps between events, which are not gaps between tokens (`rechunked` in the level).
 
 Output lengths: requests carry vLLM's `ignore_eos` so each runs to max_tokens. Servers that validate strictly
 (`transformers serve`: HTTP 422 "Unexpected fields in the request: {'ignore_eos'}") reject it; unless
@@ -60,6 +63,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     detail: str | None = None  # the server's error message (HTTP errors)
     sent_at: float | None = None  # time.time() when the request went out
+    rechunked: bool = False  # more text events than tokens: its event gaps are not inter-token latencies
 
     def row(self, level: str) -> dict[str, Any]:
         """The request as one line of --save-requests."""
@@ -260,6 +264,7 @@ def hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | No
     return rate if math.isfinite(rate) and rate <= 1.0 else None
 
 
+RECHUNK_EVENTS = 16  # text events per token of max_tokens a stream may send (a proxy splitting tokens) before it fails
 ERROR_BODY_BYTES = 64 * 1024  # what is read of an error response's body (its message is cut to 500 characters)
 
 
@@ -444,8 +449,9 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], options: d
                     usage = chunk["usage"]
                 text = _text_of(choice)
                 if text:
-                    if max_tokens is not None and chunks >= max_tokens:  # each text event carries a token or more
-                        raise _BadResponse("bad_stream", f"more text events than max_tokens ({max_tokens})")
+                    if max_tokens is not None and chunks >= RECHUNK_EVENTS * max_tokens:  # a stream without end
+                        raise _BadResponse("bad_stream", f"more than {RECHUNK_EVENTS} text events per token of "
+                                                         f"max_tokens ({max_tokens})")
                     now = time.perf_counter()
                     if result.ttft_s is None:
                         result.ttft_s = now - start
@@ -485,7 +491,13 @@ async def one_request(client: Any, url: str, payload: dict[str, Any], options: d
         if usage is not None and not isinstance(usage, dict):
             raise _BadResponse("bad_usage", f"usage is {_json_kind(usage)}, not an object")
         most = (max_tokens, f"max_tokens ({max_tokens})") if max_tokens is not None else (2**53, "2^53")
-        result.output_tokens = (_count(usage, "completion_tokens", *most) if usage else None) or chunks
+        counted = _count(usage, "completion_tokens", *most) if usage else None
+        if counted is None and max_tokens is not None and chunks > max_tokens:
+            raise _BadResponse("bad_stream", f"{chunks} text events for max_tokens ({max_tokens}) and no usage "
+                                             "count: the number of tokens is unknown")
+        result.output_tokens = counted or chunks
+        if chunks > result.output_tokens:  # a proxy split tokens into several events
+            result.rechunked, result.itl_s = True, []
         result.prompt_tokens = (_count(usage, "prompt_tokens", 2**53, "2^53") if usage else None) or None
     except _BadResponse as bad:
         result.error, result.detail = bad.kind, bad.reason
@@ -658,6 +670,7 @@ def summarize_level(results: list[RequestResult], duration_s: float, *, concurre
         itl_s=latency_summary([gap for r in ok for gap in r.itl_s]),
         tpot_s=latency_summary([r.tpot_s for r in ok if r.tpot_s is not None]),
         e2e_s=latency_summary([r.e2e_s for r in ok if r.e2e_s is not None]),
+        rechunked=sum(r.rechunked for r in ok),
     )
 
 

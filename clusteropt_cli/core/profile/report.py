@@ -81,6 +81,9 @@ class EndpointLevel(_Model):
     itl_s: dict[str, float] = Field(default_factory=dict)
     tpot_s: dict[str, float] = Field(default_factory=dict)
     e2e_s: dict[str, float] = Field(default_factory=dict)
+    # completed requests whose stream had more text events than tokens (a proxy splitting tokens): their TTFT,
+    # TPOT and tokens count, their gaps between events are left out of itl_s
+    rechunked: int = 0
     # prompt tokens the server found in its prefix cache over those looked up during the level (its /metrics
     # counters, vLLM's names); None when the server does not export them
     prefix_cache_hit_rate: float | None = None
