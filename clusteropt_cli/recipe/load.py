@@ -31,13 +31,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Merge key.sub=value overrides into a nested dict (a copy)."""
+def apply_overrides(data: dict[str, Any], overrides: list[str] | list[tuple[list[str], Any]]) -> dict[str, Any]:
+    """Merge key.sub=value overrides (texts, or what parse_override made of them) into a nested dict (a copy)."""
     import copy
 
     merged = copy.deepcopy(data)
-    for text in overrides:
-        path, value = parse_override(text)
+    for override in overrides:
+        path, value = parse_override(override) if isinstance(override, str) else override
         node = merged
         for part in path[:-1]:
             if not isinstance(node.get(part), dict):
@@ -228,8 +228,9 @@ def load_settings(
     missing (MODEL is required).
     """
     data: dict[str, Any] = read_recipe_file(recipe) if recipe else {}
-    given = set(data) | {parse_override(text)[0][0] for text in overrides or []}
-    data = apply_overrides(data, list(overrides or []))
+    parsed = [parse_override(text) for text in overrides or []]
+    given = set(data) | {path[0] for path, _ in parsed}
+    data = apply_overrides(data, parsed)
     typed = set()
     for key, value in (cli_values or {}).items():
         if value is not None:
