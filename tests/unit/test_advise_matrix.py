@@ -164,3 +164,21 @@ def test_kv_cache_quantization_only_where_fp8_exists() -> None:
                                                       ["low-throughput"]))
     on_h100 = advise(load_model_spec("llama-3.1-8b"), h100, plan, ["low-throughput"])
     assert "kv-cache-quantization" in _ids(on_h100)
+
+
+def test_moe_decode_below_bf16_is_priced_dense_on_copts_engine() -> None:
+    """copt serve decodes a MoE model's experts densely below bf16 (core/serve/moe.py): a batch-1 step reads every
+    expert, not the two Mixtral routes to; bf16 (transformers' grouped GEMM) and vLLM read the routed ones."""
+    from clusteropt_cli.core.advise.timing import infer_time
+
+    target, _ = resolve_target("h200")
+    spec = load_model_spec("mixtral-8x7b")
+    served = InferPlan(batch=1, prompt_len=256, gen_len=128, continuous_batching=True)
+    bf16 = infer_time(spec, served.with_(dtype="bf16"), target)
+    fp16 = infer_time(spec, served.with_(dtype="fp16"), target)
+    vllm = infer_time(spec, served.with_(dtype="fp16", engine="vllm"), target)
+    assert fp16.figures["tpot_floor_s"] / bf16.figures["tpot_floor_s"] == pytest.approx(
+        spec.num_params / spec.num_active_params, rel=0.05)
+    assert vllm.figures["tpot_floor_s"] == pytest.approx(bf16.figures["tpot_floor_s"], rel=1e-6)
+    assert any("MoE below bf16" in note for note in fp16.notes)
+    assert not any("MoE below bf16" in note for note in bf16.notes + vllm.notes)

@@ -374,6 +374,9 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     if engine:  # what the server adds to a request's first token (HTTP, tokenization, the first SSE event)
         ttft += engine.get("http_request_s", 0.0)  # the same for sampled requests (cal.SERVING_ENGINES)
     ctx = plan.prompt_len + plan.gen_len / 2
+    # copt's engine decodes MoE experts below bf16 densely (graph-capturable; transformers' grouped GEMM is bf16's)
+    dense_experts = spec.is_moe and engine_name == "copt" and (
+        plan.dtype in ("fp16", "fp32") or (plan.dtype == "auto" and plan.weights == "fp16"))
 
     def decode_step(rows: int) -> tuple[float, float, float, float]:
         """One decode step over `rows` sequences at the mean context: (seconds, floor seconds, bytes read,
@@ -381,7 +384,9 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         kv_read = kv_cache_bytes(spec, plan.with_(batch=rows) if rows != plan.batch else plan, ctx)
         # MoE decode reads only the experts the batch routes to: the active parameters (k experts per layer) plus
         # the other experts some token of the batch picks — E·(1 - (1 - k/E)^B) distinct experts, uniform routing
-        if spec.is_moe:
+        if dense_experts:  # copt's engine below bf16: every expert on every row (core/serve/moe.py)
+            active_w = w_bytes
+        elif spec.is_moe:
             k, experts = spec.experts_per_token, spec.num_experts
             distinct = experts * (1.0 - (1.0 - k / experts) ** rows)
             expert_share = min(1.0, max(0.0, (distinct - k) / max(1, experts - k)))
@@ -390,7 +395,10 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         else:
             active_w = w_bytes
         floor = (active_w + kv_read) / bandwidth
-        compute = rows * spec.forward_flops_per_token(int(ctx)) / (peak * cal.DECODE_COMPUTE_MFU)
+        flops = spec.forward_flops_per_token(int(ctx))
+        if dense_experts:
+            flops += 2.0 * (spec.num_params - spec.num_active_params)
+        compute = rows * flops / (peak * cal.DECODE_COMPUTE_MFU)
         seconds = max(floor / cal.DECODE_BANDWIDTH_EFFICIENCY, compute)
         if engine:
             seconds += engine["step_fixed_s"] + engine["step_per_seq_s"] * rows
@@ -463,6 +471,10 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     assumptions["sampling"] = (f"sampled (temperature > 0, {sampling_mode(plan, running).replace('_', ' ')})"
                                if plan.temperature > 0 else "greedy")
     notes = []
+    if dense_experts:
+        assumptions["moe_decode"] = "dense experts (copt's engine below bf16: every expert on every row)"
+        notes.append("MoE below bf16: copt serve decodes every expert on every row (CUDA-graph capturable; "
+                     "--dtype bf16 routes through transformers' grouped GEMM and reads only the picked experts)")
     if engine:
         assumptions.update({k: v for k, v in engine.items() if v})
     else:
