@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -66,7 +67,7 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
 
     started = time.perf_counter()
     engine = Engine(EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_batch_size=max(batches),
-                                 max_model_len=256, cuda_graphs=graphs, compile=graphs))
+                                 max_model_len=256, cuda_graphs=graphs, compile=graphs, kv_cache_memory_gib=4))
     result = {"dtype": dtype, "graphs": graphs, "per_batch": {}}
     with engine:
         result["start_s"] = round(time.perf_counter() - started, 1)
@@ -74,6 +75,7 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
         result["moe_layers"] = getattr(engine.runner, "moe_layers", None)
         result["graph_error"] = getattr(engine.runner, "graph_error", None)
         result["compile_error"] = engine.runner.compile_error
+        result["prefill_graph_error"] = engine.runner.prefill_graph_error
         for batch in batches:
             prompts = [[(7 * i + j) % 400 + 3 for j in range(16)] for i in range(batch)]
 
@@ -104,8 +106,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--case-timeout", type=float, default=240)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
+
+    if args.one:
+        model_dir, dtype, graphs, batches, new_tokens, device = json.loads(args.one)
+        try:
+            case = time_case(Path(model_dir), dtype, graphs, batches, new_tokens, device)
+        except Exception as exc:  # noqa: BLE001 - recorded by the parent
+            traceback.print_exc()
+            case = {"dtype": dtype, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(case))
+        return
 
     device = "cpu" if args.cpu_smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -122,11 +136,16 @@ def main() -> None:
             for dtype in dtypes:
                 for graphs in ((False,) if device == "cpu" else (True, False)):
                     log(f"{shape} {dtype} graphs={graphs}")
+                    # each engine in a process of its own: one engine's compiled graphs and pool leave the next
+                    # no room on the GPU
+                    one = [sys.executable, __file__, "--one", json.dumps([str(model_dir), dtype, graphs, batches,
+                                                                          args.new_tokens, device]), "--out", "-"]
+                    proc = subprocess.run(one, capture_output=True, text=True, timeout=args.case_timeout)
+                    sys.stderr.write(proc.stderr[-4000:])
                     try:
-                        case = time_case(model_dir, dtype, graphs, batches, args.new_tokens, device)
-                    except Exception as exc:  # noqa: BLE001 - record it, go on with the next case
-                        traceback.print_exc()
-                        case = {"dtype": dtype, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"}
+                        case = json.loads(proc.stdout.strip().splitlines()[-1])
+                    except (ValueError, IndexError):
+                        case = {"dtype": dtype, "graphs": graphs, "error": f"exit {proc.returncode}"}
                     case["shape"] = shape
                     out["cases"].append(case)
                     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -801,6 +801,9 @@ class ModelRunner:
         if not (self.use_graphs and self.paged and not self.windows
                 and not self.max_segment and self.kv_dtype == self.dtype):
             return 0
+        if self.moe_layers and self.dtype != torch.bfloat16:  # prompts take transformers' experts: host offsets
+            self.prefill_graph_error = "MoE experts below bf16 read their routing on the host: prefill runs eagerly"
+            return 0
         buckets = [b for b in PREFILL_GRAPH_BUCKETS if b <= min(max_tokens, PREFILL_GRAPH_MAX_TOKENS)]
         kinds = [[(b, False, self.varlen) for b in buckets]] if self.varlen is not None else []
         kinds.append([(b, single, None) for single, cap in ((True, PREFILL_GRAPH_MAX_TOKENS),
