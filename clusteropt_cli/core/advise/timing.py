@@ -473,7 +473,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     notes = []
     if dense_experts:
         assumptions["moe_decode"] = "dense experts (copt's engine below bf16: every expert on every row)"
-        notes.append("MoE below bf16: copt serve decodes every expert on every row (CUDA-graph capturable; "
+        notes.append("MoE below bf16: copt serve decodes every expert on every row (CUDA-graph capturable; copt serve "
                      "--dtype bf16 routes through transformers' grouped GEMM and reads only the picked experts)")
     if engine:
         assumptions.update({k: v for k, v in engine.items() if v})
