@@ -1,20 +1,17 @@
-"""lm-evaluation-harness (`local-completions`, in a venv of its own: tests/lm_eval_env.py) against `copt serve` on the
-fixture teacher: a loglikelihood (multiple-choice) task and a generation task from local JSONL files (no downloads),
-each checked against what HF transformers computes for the same tokens."""
+"""lm-evaluation-harness (`local-completions`, the dev extra) against `copt serve` on the fixture teacher: a
+loglikelihood (multiple-choice) task and a generation task from local JSONL files (no downloads), each checked
+against what HF transformers computes for the same tokens."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from tests.integration.test_serve_helpers import running_server
-from tests.lm_eval_env import lm_eval_python
 
 pytestmark = pytest.mark.slow
+lm_eval = pytest.importorskip("lm_eval")
 
 DOCS_MC = [
     {"context": "def add(a, b):\n    return", "choices": [" a + b", " a - b", " None"], "label": 0},
@@ -93,16 +90,15 @@ def test_lm_eval_loglikelihood_and_generation_tasks(fixtures, tmp_path, monkeypa
     targets[-1] += " (not what the model writes)"  # one miss: exact_match 2/3, so the metric is not vacuous
     _write_tasks(tmp_path, fixtures, targets)
 
-    python = lm_eval_python()
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
     with running_server(fixtures.teacher, "--served-model-name", "teacher", "--max-model-len", "256") as (url, _):
         args = (f"model=teacher,base_url={url}/v1/completions,tokenizer_backend=huggingface,"
                 f"tokenizer={fixtures.tokenizer},tokenized_requests=True,num_concurrent=2,max_retries=1")
-        out = tmp_path / "lm_eval.json"
-        proc = subprocess.run([str(python), str(Path(__file__).with_name("lm_eval_run.py")), args, str(tmp_path),
-                               str(out), "copt_mc", "copt_gen"], capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(out.read_text())
+        results = simple_evaluate(model="local-completions", model_args=args, tasks=["copt_mc", "copt_gen"],
+                                  task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
+                                  random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
     mc, gen = results["results"]["copt_mc"], results["results"]["copt_gen"]
     assert mc["acc,none"] == pytest.approx(expected_acc)
     # the loglikelihoods lm-eval read from copt serve equal HF's for every choice
