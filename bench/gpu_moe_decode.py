@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import free_gpu, log  # noqa: E402
+from common import log  # noqa: E402
 
 SHAPES = {
     "qwen3moe-8l": ("Qwen3MoeConfig", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -72,8 +72,8 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
     with engine:
         result["start_s"] = round(time.perf_counter() - started, 1)
         result["graphs_captured"] = engine.stats.graphs_captured
-        result["moe_layers"] = getattr(engine.runner, "moe_layers", None)
-        result["graph_error"] = getattr(engine.runner, "graph_error", None)
+        result["moe_layers"] = engine.runner.moe_layers
+        result["graph_error"] = getattr(engine.runner, "graph_error", None)  # set only when capture failed
         result["compile_error"] = engine.runner.compile_error
         result["prefill_graph_error"] = engine.runner.prefill_graph_error
         for batch in batches:
@@ -94,7 +94,6 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
             result["per_batch"][str(batch)] = {"ms_per_step": round((full - first) / (new_tokens - 1) * 1e3, 3),
                                                "first_token_ms": round(first * 1e3, 2)}
             log(f"  {dtype} graphs={graphs} batch {batch}: {result['per_batch'][str(batch)]}")
-    free_gpu()
     return result
 
 

@@ -161,10 +161,15 @@ def _render_model(report: Any, report_path: Path | None = None) -> None:
     _render_verdict(report, report_path)
 
 
+def _load_label(level: Any) -> str:
+    """A level as the tables name it: c=N (a concurrency) or R/s (a request rate)."""
+    return f"c={level.concurrency}" if level.concurrency is not None else f"{level.rate}/s"
+
+
 def _render_endpoint(report: Any, report_path: Path | None = None) -> None:
     rows = []
     for lv in report.levels:
-        load = f"c={lv.concurrency}" if lv.concurrency is not None else f"{lv.rate}/s"
+        load = _load_label(lv)
         errors = ", ".join(f"{k}:{n}" for k, n in lv.errors.items()) or "-"
 
         def ms(d: dict, key: str) -> str:
@@ -189,14 +194,13 @@ def _render_endpoint(report: Any, report_path: Path | None = None) -> None:
     hits = [(lv, lv.prefix_cache_hit_rate) for lv in report.levels if lv.prefix_cache_hit_rate is not None]
     if hits:
         console.out.print("prefix-cache hits (the server's /metrics): " + ", ".join(
-            f"{'c=' + str(lv.concurrency) if lv.concurrency is not None else str(lv.rate) + '/s'} {rate:.1%}"
-            for lv, rate in hits), highlight=False, markup=False)
-    split = [(lv, getattr(lv, "rechunked", 0)) for lv in report.levels if getattr(lv, "rechunked", 0)]
+            f"{_load_label(lv)} {rate:.1%}" for lv, rate in hits), highlight=False, markup=False)
+    split = [lv for lv in report.levels if lv.rechunked]
     if split:
         console.out.print("streams with more text events than tokens (split by a proxy; tokens and TPOT from usage, "
-                          "their event gaps left out of ITL): " + ", ".join(
-                              f"{'c=' + str(lv.concurrency) if lv.concurrency is not None else str(lv.rate) + '/s'} "
-                              f"{n}" for lv, n in split), highlight=False, markup=False)
+                          "their event gaps left out of ITL): "
+                          + ", ".join(f"{_load_label(lv)} {lv.rechunked}" for lv in split), highlight=False,
+                          markup=False)
     _render_verdict(report, report_path)
 
 

@@ -1,10 +1,10 @@
 """Mixture-of-experts layers that CUDA graphs can capture in every dtype.
 
 transformers 5 runs a MoE model's experts through `experts_implementation` (default `grouped_mm`). On CUDA in bf16
-its grouped GEMM takes the per-expert offsets as a device tensor, which a graph captures. In fp32 and fp16 it falls
-back to a loop over `offsets.tolist()` (compiled or not): a host sync that graph capture refuses, so the engine
-decoded such models without graphs. copt's implementation ("copt") keeps transformers' path for bf16 and for
-anything larger than a decode step, and computes the other decode steps densely: every expert on every row, each
+its grouped GEMM takes the per-expert offsets as a device tensor (histc/cumsum, written to be captured). In fp32 and
+fp16 it falls back to a loop over `offsets.tolist()` (compiled or not): a host sync that graph capture refuses, so
+the engine decoded such models without graphs. copt's implementation ("copt") keeps transformers' path for bf16 and
+for anything larger than a decode step, and computes the other decode steps densely: every expert on every row, each
 row's output weighted by its routing weights (zero for the experts it did not pick). A decode step of a few rows
 reads every expert's weights either way once the rows pick most of the experts; the dense form costs E/k times the
 routed FLOPs, which a memory-bound decode step of up to a few hundred rows hides.
@@ -44,24 +44,32 @@ def dense_experts_forward(experts: Any, hidden_states: Any, top_k_index: Any, to
     return out.to(hidden_states.dtype)
 
 
+def grouped_gemm_on_device(dtype: Any, device_type: str) -> bool:
+    """Whether transformers' grouped GEMM keeps its routing on the device (bf16 on CUDA); otherwise it reads the
+    per-expert offsets on the host, which CUDA graph capture refuses."""
+    import torch
+
+    return dtype == torch.bfloat16 and device_type == "cuda"
+
+
 def copt_experts_forward(experts: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
     """transformers' grouped GEMM in bf16 and for rows beyond `experts.copt_dense_rows` (prefill chunks);
     the dense form for the other steps (decode steps the engine captures in CUDA graphs)."""
-    import torch
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     dense_rows = int(getattr(experts, "copt_dense_rows", 0) or 0)
     weight = experts.gate_up_proj if getattr(experts, "has_gate", True) else experts.up_proj
-    if weight.dtype == torch.bfloat16 and weight.device.type == "cuda" or hidden_states.shape[0] > dense_rows:
+    if grouped_gemm_on_device(weight.dtype, weight.device.type) or hidden_states.shape[0] > dense_rows:
         return grouped_mm_experts_forward(experts, hidden_states, top_k_index, top_k_weights)
     return dense_experts_forward(experts, hidden_states, top_k_index, top_k_weights)
 
 
 def experts_modules(model: Any) -> list[Any]:
-    """The modules of `model` that dispatch through transformers' experts interface."""
-    return [m for m in model.modules()
-            if hasattr(m, "num_experts") and hasattr(m, "down_proj") and hasattr(m, "_apply_gate")
-            and getattr(getattr(m, "down_proj", None), "dim", lambda: 0)() == 3]
+    """The modules of `model` that dispatch through transformers' experts interface (3-D expert weights)."""
+    import torch
+
+    return [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "_apply_gate")
+            and isinstance(getattr(m, "down_proj", None), torch.Tensor) and m.down_proj.dim() == 3]
 
 
 def use_capturable_experts(model: Any, dense_rows: int) -> int:

@@ -801,7 +801,9 @@ class ModelRunner:
         if not (self.use_graphs and self.paged and not self.windows
                 and not self.max_segment and self.kv_dtype == self.dtype):
             return 0
-        if self.moe_layers and self.dtype != torch.bfloat16:  # prompts take transformers' experts: host offsets
+        from clusteropt_cli.core.serve.moe import grouped_gemm_on_device
+
+        if self.moe_layers and not grouped_gemm_on_device(self.dtype, self.device.type):  # prompts: host offsets
             self.prefill_graph_error = "MoE experts below bf16 read their routing on the host: prefill runs eagerly"
             return 0
         buckets = [b for b in PREFILL_GRAPH_BUCKETS if b <= min(max_tokens, PREFILL_GRAPH_MAX_TOKENS)]
