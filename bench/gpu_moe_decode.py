@@ -1,7 +1,7 @@
 """MoE decode through copt serve's engine: CUDA graphs over copt's experts (dense below bf16, transformers' grouped
 GEMM in bf16) against the engine without graphs, per dtype and batch.
 
-    python3 bench/gpu_moe_decode.py --out moe.json                   (about 6 minutes on one H100/H200)
+    python3 bench/gpu_moe_decode.py --out moe.json                   (qwen3moe-8l: 5 minutes on one H100)
     python3 bench/gpu_moe_decode.py --cpu-smoke --out /tmp/moe.json  (tiny shapes: checks the script)
 
 Shapes, random weights, fewer layers than the real models (the step's cost per layer is what differs):
@@ -9,7 +9,9 @@ Shapes, random weights, fewer layers than the real models (the step's cost per l
   mixtral-4l    Mixtral-8x7B's width: hidden 4,096, 8 experts of 14,336, top-2, 4 layers
 Each case: one engine (graphs on or off), `--batches` requests at once of 16 prompt tokens and `--new-tokens` new ones,
 greedy, ignore_eos; per batch the median of three timed rounds after one warm-up round. Reports ms per decode step
-(wall time of the round less its first token, over the new tokens) and the graphs the engine captured.
+(wall time of the round less its first token, over the new tokens), the graphs the engine captured, and next to each
+step with graphs (copt serve's default) the time `copt advise` predicts for it (the shape's config on the catalog
+entry of this GPU, the case's dtype).
 """
 
 from __future__ import annotations
@@ -97,6 +99,22 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
     return result
 
 
+def advise_ms_per_step(config: dict, device_name: str, dtype: str, batch: int, new_tokens: int) -> float | None:
+    """advise's time per decode step for this case (16 prompt tokens); None for a GPU outside its catalog."""
+    from clusteropt_cli.core.advise.api import resolve_target
+    from clusteropt_cli.core.advise.plan import InferPlan
+    from clusteropt_cli.core.advise.timing import infer_time
+    from clusteropt_cli.hardware import match_catalog
+    from clusteropt_cli.modelspec import load_model_spec
+
+    gpu = match_catalog(device_name)
+    if gpu is None:
+        return None
+    target, _ = resolve_target(gpu.name)
+    plan = InferPlan(batch=batch, prompt_len=16, gen_len=new_tokens, continuous_batching=True, dtype=dtype)
+    return round(infer_time(load_model_spec(config), plan, target).figures["tpot_s"] * 1e3, 3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen3moe-8l,mixtral-4l")
@@ -132,6 +150,8 @@ def main() -> None:
         for shape, (cls_name, fields) in plan.items():
             model_dir = Path(tmp) / shape
             build(model_dir, cls_name, fields)
+            config = json.loads((model_dir / "config.json").read_text())
+            out.setdefault("configs", {})[shape] = config
             for dtype in dtypes:
                 for graphs in ((False,) if device == "cpu" else (True, False)):
                     log(f"{shape} {dtype} graphs={graphs}")
@@ -146,13 +166,20 @@ def main() -> None:
                     except (ValueError, IndexError):
                         case = {"dtype": dtype, "graphs": graphs, "error": f"exit {proc.returncode}"}
                     case["shape"] = shape
+                    for batch, step in case.get("per_batch", {}).items() if graphs else ():  # copt serve's way
+                        step["advise_ms_per_step"] = advise_ms_per_step(config, out["device"], dtype, int(batch),
+                                                                        args.new_tokens)
                     out["cases"].append(case)
                     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"{'shape':<13} {'dtype':<5} {'graphs':<6} {'captured':>8} " + " ".join(f"{'b' + str(b) + ' ms':>9}"
-                                                                           for b in batches))
+                                                                           for b in batches) + "  (advise ÷ measured)")
     for case in out["cases"]:
-        cells = [f"{case.get('per_batch', {}).get(str(b), {}).get('ms_per_step', float('nan')):>9.3f}"
-                 for b in batches]
+        cells = []
+        for b in batches:
+            step = case.get("per_batch", {}).get(str(b), {})
+            ratio = (f"{step['advise_ms_per_step'] / step['ms_per_step']:.2f}" if step.get("advise_ms_per_step")
+                     and step.get("ms_per_step") else "-")
+            cells.append(f"{step.get('ms_per_step', float('nan')):>9.3f} ({ratio})")
         print(f"{case['shape']:<13} {case['dtype']:<5} {str(case['graphs']):<6} "
               f"{case.get('graphs_captured', '-')!s:>8} " + " ".join(cells) + (f"  {case['error']}"
                                                                              if "error" in case else ""))
