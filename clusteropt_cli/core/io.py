@@ -320,17 +320,18 @@ def replacing_output_dir(path: Path, *, overwrite: bool, resume: bool = False, c
     check_output(path, None, overwrite=overwrite, resume=resume)
     backup = None
     existed = path.is_dir()
-    if not resume and existed and not _is_empty(path):
-        backup = make_temp_dir(path.parent, f".{path.name}.replaced-")
-        os.replace(path, backup / "old")
-    path.mkdir(parents=True, exist_ok=True)
-    write_output_marker(path, command)
-    try:
+    try:  # a stop (SIGTERM, Ctrl-C) may land anywhere from here on, the move aside included
+        if not resume and existed and not _is_empty(path):
+            backup = make_temp_dir(path.parent, f".{path.name}.replaced-")
+            os.replace(path, backup / "old")
+        path.mkdir(parents=True, exist_ok=True)
+        write_output_marker(path, command)
         yield path
     except BaseException:
         if backup is not None:
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(backup / "old", path)
+            if os.path.lexists(backup / "old"):  # moved aside: the new output goes, the old comes back
+                shutil.rmtree(path, ignore_errors=True)
+                os.replace(backup / "old", path)
             shutil.rmtree(backup, ignore_errors=True)
         elif path.is_dir() and _is_empty(path):  # nothing written: leave no trace (a new dir goes, an old stays empty)
             (path / OUTPUT_MARKER).unlink(missing_ok=True)

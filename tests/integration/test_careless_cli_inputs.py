@@ -89,7 +89,8 @@ def test_sigterm_during_an_overwrite_restores_the_previous_output(copt, fixtures
     try:
         deadline = time.time() + 240
         while time.time() < deadline and proc.poll() is None:
-            moved_aside = list(tmp_path.glob(".out.replaced-*"))  # the new run started writing its own output
+            # the old output moved aside (its directory is made first), then the new run's own metrics
+            moved_aside = [d for d in tmp_path.glob(".out.replaced-*") if (d / "old").exists()]
             metrics = out / "metrics.jsonl"
             if moved_aside and metrics.exists() and metrics.read_text().count("\n") >= 2:
                 break

@@ -96,6 +96,39 @@ def test_replacing_output_dir_restores_the_old_output_when_the_run_fails(tree):
     assert sorted(p.name for p in tree.iterdir()) == ["data.jsonl", "keep.txt", "model", "out"]
 
 
+@pytest.mark.parametrize("stop_at", ["move", "mkdir", "marker"])
+def test_a_stop_while_the_old_output_is_moved_aside_restores_it(tree, monkeypatch, stop_at):
+    """SIGTERM (copt's Terminated) or Ctrl-C between the new run's start and its first step: the old output is
+    back where it was, nothing is left beside it."""
+    out = tree / "out"
+    with io.replacing_output_dir(out, overwrite=False, command="test"):
+        (out / "metrics.jsonl").write_text("old\n")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if stop_at == "move":  # the old output renamed aside, then the stop
+        real_replace, calls = os.replace, []
+
+        def replace_then_stop(src, dst):
+            real_replace(src, dst)
+            calls.append(dst)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(io.os, "replace", replace_then_stop)
+    elif stop_at == "mkdir":
+        monkeypatch.setattr(Path, "mkdir", stopped)
+    else:
+        monkeypatch.setattr(io, "write_output_marker", stopped)
+    with pytest.raises(KeyboardInterrupt), io.replacing_output_dir(out, overwrite=True, command="test"):
+        pytest.fail("the run started")
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tree.iterdir()) == ["data.jsonl", "keep.txt", "model", "out"]
+
+
 def test_stale_temp_dirs_of_dead_runs_are_cleaned_live_and_foreign_ones_kept(tree):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)
