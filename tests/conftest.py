@@ -77,11 +77,24 @@ def fixtures(pytestconfig):
     return built
 
 
+_zygote = None
+_WORKER_ENV = {**os.environ, "PYTHONPATH": str(REPO)}  # before any test changes it: what the fork server starts with
+
+
 def run_copt(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path | None = None,
              input: str | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m clusteropt_cli ARGS` in a subprocess and capture stdout/stderr separately."""
+    """Run `python -m clusteropt_cli ARGS` in a process of its own and capture stdout/stderr separately: forked from
+    a server that has imported torch and transformers once (tests/cli_zygote.py), or a fresh interpreter where a
+    fork could behave differently."""
+    global _zygote
+    from tests.cli_zygote import Zygote
+
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     full_env.pop("COPT_DEBUG", None) if env is None or "COPT_DEBUG" not in env else None
+    if _zygote is None:
+        _zygote = Zygote(_WORKER_ENV)
+    if _zygote.forkable(full_env, args):
+        return _zygote.run(args, full_env, cwd, timeout, input)
     return subprocess.run([sys.executable, "-m", "clusteropt_cli", *args], capture_output=True, text=True,
                           env=full_env, timeout=timeout, cwd=cwd, input=input)
 

@@ -1,0 +1,77 @@
+"""The CLI tests' fork server (tests/cli_zygote.py) gives what a fresh `python -m clusteropt_cli` gives: exit code,
+stdout and stderr apart, the caller's working directory, umask and COPT_ variables; a timeout kills the call's
+process group and raises as subprocess.run does; calls a fork could change go to a fresh interpreter."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.cli_zygote import REPO, Zygote
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    server = Zygote({**os.environ, "PYTHONPATH": str(REPO)})
+    yield server
+    if server.process is not None:
+        server.process.stdin.close()
+        server.process.wait(timeout=30)
+
+
+def _fresh(args: tuple[str, ...], env: dict, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clusteropt_cli", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize("args", [("--help",), ("advise", "--model", "no-such-model-anywhere"),
+                                  ("advise", "--model", "llama-3.2-1b", "--gpu", "h100", "--task", "train",
+                                   "--micro-batch", "2", "--seq-len", "512", "--json")])
+def test_a_forked_call_equals_a_fresh_interpreter(zygote, args):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    forked, fresh = zygote.run(args, env, None, 120, None), _fresh(args, env)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert forked.args == [sys.executable, "-m", "clusteropt_cli", *args]
+
+
+def test_the_callers_directory_umask_and_copt_variables_reach_the_call(zygote, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COPT_NO_SUCH_SETTING": "1"}
+    assert zygote.forkable(env, ())
+    args = ("advise", "--model", "llama-3.2-1b", "--gpu", "h100", "--task", "train", "--micro-batch", "2",
+            "--seq-len", "512", "--emit-recipe", "plan.yaml")
+    mask = os.umask(0o027)
+    try:
+        done = zygote.run(args, env, tmp_path, 120, None)
+    finally:
+        os.umask(mask)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "plan.yaml").stat().st_mode & 0o777 == 0o640
+
+
+def test_calls_a_fork_could_change_run_in_a_fresh_interpreter(zygote, monkeypatch):
+    base = {**os.environ, "PYTHONPATH": str(REPO)}
+    assert zygote.forkable(base, ("advise",))
+    assert not zygote.forkable(base, ("--debug", "advise"))
+    assert not zygote.forkable({**base, "COPT_DEBUG": "1"}, ("advise",))
+    assert not zygote.forkable({**base, "HOME": "/elsewhere"}, ("advise",))  # read by libraries at import
+    assert not zygote.forkable({**base, "OMP_NUM_THREADS": "7"}, ("advise",))
+    monkeypatch.setenv("COPT_TEST_SUBPROCESS", "1")
+    assert not zygote.forkable(base, ("advise",))
+
+
+def test_a_timeout_kills_the_call_and_raises_as_subprocess_does(zygote, fixtures):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
+        zygote.run(("serve", str(fixtures.student), "--port", str(port)), env, None, 5, None)
+    assert timed_out.value.cmd[-2:] == ["--port", str(port)]
+    with pytest.raises(ProcessLookupError):
+        os.kill(zygote.last_pid, 0)  # killed and reaped by the server
+    done = zygote.run(("--help",), env, None, 60, None)  # the server goes on
+    assert done.returncode == 0
