@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,8 +77,14 @@ def _child(request: dict, channel: tuple[io.TextIOBase, io.TextIOBase]) -> None:
 
     try:
         main(request["args"])
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
+        code = 0
+    except SystemExit as exit_:  # as the interpreter reads it: None is 0, a message goes to stderr and exits 1
+        code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
+        if not isinstance(exit_.code, int | None):
+            print(exit_.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - uncaught, as the interpreter reports it
+        traceback.print_exc()
+        code = 1
     # the interpreter's shutdown less its teardown of every module (seconds with torch loaded): non-daemon threads
     # joined, atexit handlers run, streams flushed
     threading._shutdown()
