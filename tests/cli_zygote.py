@@ -172,9 +172,9 @@ class Zygote:
         umask = os.umask(0o022)
         os.umask(umask)
         with tempfile.TemporaryDirectory(prefix="copt-call-") as tmp:
-            stdin = Path(tmp) / "stdin"
-            stdin.write_text(input or "")
-            stdout, stderr = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            stdin, stdout, stderr = Path(tmp) / "stdin", Path(tmp) / "stdout", Path(tmp) / "stderr"
+            if input is not None:
+                stdin.write_text(input)
             stdout.touch()
             stderr.touch()
             request = {"args": list(args), "env": env, "cwd": str(cwd or os.getcwd()), "umask": umask,

@@ -5,13 +5,13 @@ process group and raises as subprocess.run does; calls a fork could change go to
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from tests.cli_zygote import REPO, Zygote
+from tests.integration.test_serve_helpers import free_port
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +64,7 @@ def test_calls_a_fork_could_change_run_in_a_fresh_interpreter(zygote, monkeypatc
 
 
 def test_a_timeout_kills_the_call_and_raises_as_subprocess_does(zygote, fixtures):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with pytest.raises(subprocess.TimeoutExpired) as timed_out:
         zygote.run(("serve", str(fixtures.student), "--port", str(port)), env, None, 5, None)
