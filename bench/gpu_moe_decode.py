@@ -7,6 +7,7 @@ GEMM in bf16) against the engine without graphs, per dtype and batch.
 Shapes, random weights, fewer layers than the real models (the step's cost per layer is what differs):
   qwen3moe-8l   Qwen3-30B-A3B's width: hidden 2,048, 128 experts of 768, top-8, 8 layers
   mixtral-4l    Mixtral-8x7B's width: hidden 4,096, 8 experts of 14,336, top-2, 4 layers
+  mixtral-8l    the same over 8 layers (not run by default)
 Each case: one engine (graphs on or off), `--batches` requests at once of 16 prompt tokens and `--new-tokens` new ones,
 greedy, ignore_eos; per batch the median of three timed rounds after one warm-up round. Reports ms per decode step
 (wall time of the round less its first token, over the new tokens), the graphs the engine captured, and next to each
@@ -39,6 +40,8 @@ SHAPES = {
                                          num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=32,
                                          num_key_value_heads=8, vocab_size=32000)),
 }
+# the same width over 8 layers: with the 4-layer shape, it separates a step's fixed cost from its cost per layer
+SHAPES["mixtral-8l"] = (SHAPES["mixtral-4l"][0], dict(SHAPES["mixtral-4l"][1], num_hidden_layers=8))
 SMOKE = ("Qwen3MoeConfig", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
                                 num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2, vocab_size=512))
@@ -100,7 +103,9 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
 
 
 def advise_ms_per_step(config: dict, device_name: str, dtype: str, batch: int, new_tokens: int) -> float | None:
-    """advise's time per decode step for this case (16 prompt tokens); None for a GPU outside its catalog."""
+    """advise's time of one decode step for this case (16 prompt tokens): its `decode_step_s`, the step alone, as
+    the script measures it (the round less its first token), not the client's TPOT, which also carries a share of the
+    other requests' prefill. None for a GPU outside its catalog."""
     from clusteropt_cli.core.advise.api import resolve_target
     from clusteropt_cli.core.advise.plan import InferPlan
     from clusteropt_cli.core.advise.timing import infer_time
@@ -112,7 +117,7 @@ def advise_ms_per_step(config: dict, device_name: str, dtype: str, batch: int, n
         return None
     target, _ = resolve_target(gpu.name)
     plan = InferPlan(batch=batch, prompt_len=16, gen_len=new_tokens, continuous_batching=True, dtype=dtype)
-    return round(infer_time(load_model_spec(config), plan, target).figures["tpot_s"] * 1e3, 3)
+    return round(infer_time(load_model_spec(config), plan, target).figures["decode_step_s"] * 1e3, 3)
 
 
 def main() -> None:
@@ -124,6 +129,7 @@ def main() -> None:
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--out", required=True)
     parser.add_argument("--case-timeout", type=float, default=240)
+    parser.add_argument("--graphs-only", action="store_true", help="skip the cases without CUDA graphs")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
@@ -153,18 +159,24 @@ def main() -> None:
             config = json.loads((model_dir / "config.json").read_text())
             out.setdefault("configs", {})[shape] = config
             for dtype in dtypes:
-                for graphs in ((False,) if device == "cpu" else (True, False)):
+                for graphs in ((False,) if device == "cpu" else (True,) if args.graphs_only else (True, False)):
                     log(f"{shape} {dtype} graphs={graphs}")
                     # each engine in a process of its own: one engine's compiled graphs and pool leave the next
                     # no room on the GPU
                     one = [sys.executable, __file__, "--one", json.dumps([str(model_dir), dtype, graphs, batches,
                                                                           args.new_tokens, device]), "--out", "-"]
-                    proc = subprocess.run(one, capture_output=True, text=True, timeout=args.case_timeout)
-                    sys.stderr.write(proc.stderr[-4000:])
                     try:
-                        case = json.loads(proc.stdout.strip().splitlines()[-1])
-                    except (ValueError, IndexError):
-                        case = {"dtype": dtype, "graphs": graphs, "error": f"exit {proc.returncode}"}
+                        proc = subprocess.run(one, capture_output=True, text=True, timeout=args.case_timeout)
+                    except subprocess.TimeoutExpired as exc:  # record it and go on with the next case
+                        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
+                        sys.stderr.write((stderr or "")[-4000:])
+                        case = {"dtype": dtype, "graphs": graphs, "error": f"timed out after {args.case_timeout:g} s"}
+                    else:
+                        sys.stderr.write(proc.stderr[-4000:])
+                        try:
+                            case = json.loads(proc.stdout.strip().splitlines()[-1])
+                        except (ValueError, IndexError):
+                            case = {"dtype": dtype, "graphs": graphs, "error": f"exit {proc.returncode}"}
                     case["shape"] = shape
                     for batch, step in case.get("per_batch", {}).items() if graphs else ():  # copt serve's way
                         step["advise_ms_per_step"] = advise_ms_per_step(config, out["device"], dtype, int(batch),
