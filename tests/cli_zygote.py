@@ -32,9 +32,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MAIN = REPO / "clusteropt_cli" / "__main__.py"
-# read when a process runs, not when a library is imported: a call may change them and still be forked
+# read when a process runs, not when a library is imported: a call may change them and still be forked (the last two
+# are set in the test process by libraries a module's fixtures load: tokenizers reads its variable when it would
+# parallelize, torch.cuda its own when asked for a device)
 RUNTIME_VARIABLES = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY",
-                     "HTTPS_PROXY", "NO_PROXY", "NETRC", "PYTEST_CURRENT_TEST"}
+                     "HTTPS_PROXY", "NO_PROXY", "NETRC", "PYTEST_CURRENT_TEST", "TOKENIZERS_PARALLELISM",
+                     "PYTORCH_NVML_BASED_CUDA_CHECK"}
 
 
 def _preload() -> None:
@@ -154,11 +157,18 @@ class Zygote:
 
     def forkable(self, env: dict[str, str], args: tuple[str, ...]) -> bool:
         """Whether a forked child would behave as a fresh interpreter for this call."""
-        if "--debug" in args or os.environ.get("COPT_TEST_SUBPROCESS") == "1":
-            return False
+        return not self.unforkable_because(env, args)
+
+    def unforkable_because(self, env: dict[str, str], args: tuple[str, ...]) -> list[str]:
+        """What makes this call take a fresh interpreter: the flag or setting, or the variables that differ from
+        the server's environment; empty when it can fork."""
+        if "--debug" in args:
+            return ["--debug"]
+        if os.environ.get("COPT_TEST_SUBPROCESS") == "1":
+            return ["COPT_TEST_SUBPROCESS=1"]
         changed = {key for key in env.keys() | self.env.keys() if env.get(key) != self.env.get(key)}
-        return all((key.startswith("COPT_") and key != "COPT_DEBUG") or key in RUNTIME_VARIABLES
-                   for key in changed)
+        return sorted(key for key in changed
+                      if not ((key.startswith("COPT_") and key != "COPT_DEBUG") or key in RUNTIME_VARIABLES))
 
     def run(self, args: tuple[str, ...], env: dict[str, str], cwd: Path | None, timeout: float,
             input: str | None) -> subprocess.CompletedProcess:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,17 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip_jit)
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_the_test_found_it():
+    """Put os.environ back after each test: libraries imported in-process set variables at import (GPTQModel's
+    HF_HOME and PYTORCH_ALLOC_CONF, llm-compressor's KMP_* and TORCHINDUCTOR_CACHE_DIR, DeepSpeed's
+    PYTORCH_NVML_BASED_CUDA_CHECK), which every later test's copt call would otherwise inherit (a user's shell has
+    none of them) and which would send each of those calls to a fresh interpreter instead of the fork server."""
+    before = dict(os.environ)
+    yield
+    _restore_environment(before)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op thread for a module: the fixture models are tiny, and on a shared 2-core host two spinning
@@ -59,7 +71,6 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def fixtures(pytestconfig):
     """The trained teacher/student/draft models, tokenizer and text splits (built once, cached)."""
-    import time
 
     from tests.fixture_models import _cache_root, build_fixtures
 
@@ -78,7 +89,20 @@ def fixtures(pytestconfig):
 
 
 _zygote = None
+_ENV_AT_START = dict(os.environ)  # before collection imports any library
 _WORKER_ENV = {**os.environ, "PYTHONPATH": str(REPO)}  # before any test changes it: what the fork server starts with
+
+
+def pytest_collection_finish(session):
+    """Undo what the libraries the test modules import set in os.environ at import (DeepSpeed, llm-compressor,
+    huggingface_hub: KMP_*, TORCHINDUCTOR_CACHE_DIR, HF_XET_HIGH_PERFORMANCE): a user's shell has none of them."""
+    _restore_environment(_ENV_AT_START)
+
+
+def _restore_environment(saved: dict[str, str]) -> None:
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def run_copt(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path | None = None,
@@ -93,10 +117,18 @@ def run_copt(*args: str, env: dict | None = None, timeout: float = 600, cwd: Pat
     full_env.pop("COPT_DEBUG", None) if env is None or "COPT_DEBUG" not in env else None
     if _zygote is None:
         _zygote = Zygote(_WORKER_ENV)
-    if _zygote.forkable(full_env, args):
-        return _zygote.run(args, full_env, cwd, timeout, input)
-    return subprocess.run([sys.executable, "-m", "clusteropt_cli", *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=cwd, input=input)
+    forked, started = _zygote.forkable(full_env, args), time.perf_counter()
+    try:
+        if forked:
+            return _zygote.run(args, full_env, cwd, timeout, input)
+        return subprocess.run([sys.executable, "-m", "clusteropt_cli", *args], capture_output=True, text=True,
+                              env=full_env, timeout=timeout, cwd=cwd, input=input)
+    finally:
+        if os.environ.get("COPT_TEST_CALL_LOG"):  # where the suite's time goes: one line per call
+            with open(os.environ["COPT_TEST_CALL_LOG"], "a") as log:
+                log.write(f"{time.perf_counter() - started:7.2f} s {'forked' if forked else 'fresh '} "
+                          f"{os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]} {' '.join(args)[:120]}"
+                          f"{'' if forked else ' ' + str(_zygote.unforkable_because(full_env, args))}\n")
 
 
 @pytest.fixture

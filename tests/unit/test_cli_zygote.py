@@ -73,3 +73,30 @@ def test_a_timeout_kills_the_call_and_raises_as_subprocess_does(zygote, fixtures
         os.kill(zygote.last_pid, 0)  # killed and reaped by the server
     done = zygote.run(("--help",), env, None, 60, None)  # the server goes on
     assert done.returncode == 0
+
+
+def test_each_test_starts_in_the_environment_the_suites_fork_server_has():
+    """Libraries set variables in os.environ when the test modules import them (at collection) or when a test does
+    (KMP_*, TORCHINDUCTOR_CACHE_DIR, HF_XET_HIGH_PERFORMANCE, GPTQModel's HF_HOME): the suite puts the environment
+    back after collection and after each test, or every later copt call would take a fresh interpreter (in the whole
+    suite, every one did)."""
+    from tests.conftest import _WORKER_ENV
+
+    assert Zygote(_WORKER_ENV).unforkable_because({**os.environ, "PYTHONPATH": str(REPO)}, ("advise",)) == []
+
+
+def test_a_variable_a_test_leaves_behind_is_gone_for_the_next():
+    """Two halves of one check, in file order: this test sets a variable the way a library's import does."""
+    os.environ["COPT_TEST_LEFT_BEHIND_BY_A_LIBRARY"] = "1"
+    os.environ["KMP_DUPLICATE_LIB_OK"] = "True"
+
+
+def test_the_variable_left_behind_is_gone():
+    assert "COPT_TEST_LEFT_BEHIND_BY_A_LIBRARY" not in os.environ
+    assert os.environ.get("KMP_DUPLICATE_LIB_OK") != "True" or "KMP_DUPLICATE_LIB_OK" in _env_at_start()
+
+
+def _env_at_start() -> dict[str, str]:
+    from tests.conftest import _ENV_AT_START
+
+    return _ENV_AT_START
