@@ -245,3 +245,31 @@ def test_ignore_entries_must_match_a_module_of_the_model(fixtures, tmp_path, mon
     default = load_settings("quantize", None, None, {"model": str(fixtures.student), "method": "fp8",
                                                      "output": str(tmp_path / "q")})
     assert not plan(default).ignore_after_load
+
+
+def test_loading_gptqmodel_leaves_the_users_device_order_and_caches_alone(monkeypatch):
+    """Importing GPTQModel (7.6) sets CUDA_DEVICE_ORDER=PCI_BUS_ID and, through its tokenizer helper, HF_HOME,
+    HF_HUB_CACHE, TRANSFORMERS_CACHE and HF_MODULES_CACHE under /tmp where the user had not set them; copt's backend
+    loader puts them back and keeps what the user had set. (A stand-in import sets them as GPTQModel's does: the real
+    import takes 15 s here.)"""
+    import os
+
+    from clusteropt_cli import deps
+    from clusteropt_cli.core.quantize import legacy
+
+    def import_as_gptqmodel_does(*_):
+        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        home = os.environ.setdefault("HF_HOME", "/tmp/tokenicer_hf_home")
+        hub = os.environ.setdefault("HF_HUB_CACHE", f"{home}/hub")
+        os.environ.setdefault("TRANSFORMERS_CACHE", hub)
+        os.environ.setdefault("HF_MODULES_CACHE", f"{home}/modules")
+        return "gptqmodel"
+
+    for key in legacy._GPTQMODEL_IMPORT_SETS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", "/mine/hub")
+    monkeypatch.setattr(deps, "require", import_as_gptqmodel_does)
+    assert legacy._gptqmodel() == "gptqmodel"
+    assert {key: os.environ.get(key) for key in legacy._GPTQMODEL_IMPORT_SETS} == {
+        "CUDA_DEVICE_ORDER": None, "HF_HOME": None, "HF_HUB_CACHE": "/mine/hub", "TRANSFORMERS_CACHE": None,
+        "HF_MODULES_CACHE": None}

@@ -14,13 +14,25 @@ from pathlib import Path
 
 from clusteropt_cli.recipe.schema.quantize import QuantizeRecipe
 
+# what importing GPTQModel sets where the user had not: CUDA's device order (PCI_BUS_ID renumbers mixed GPUs) and
+# its tokenizer helper's Hugging Face cache under /tmp (HF_HOME and the rest); copt puts them back as they were
+_GPTQMODEL_IMPORT_SETS = ("CUDA_DEVICE_ORDER", "HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_MODULES_CACHE")
+
 
 def _gptqmodel():
     # GPTQModel sizes its CPU thread pools at import; a 2-core host needs at least 2 workers for its loader pool.
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, min(12, ((os.cpu_count() or 1) + 1) // 2))))
     from clusteropt_cli.deps import require
 
-    return require("gptqmodel", "gptq")
+    before = {key: os.environ.get(key) for key in _GPTQMODEL_IMPORT_SETS}
+    try:
+        return require("gptqmodel", "gptq")
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def quantize(settings: QuantizeRecipe, tokenizer, texts: list[str] | None, output_dir: Path,
