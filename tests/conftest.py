@@ -90,7 +90,7 @@ def fixtures(pytestconfig):
 
 _zygote = None
 _ENV_AT_START = dict(os.environ)  # before collection imports any library
-_WORKER_ENV = {**os.environ, "PYTHONPATH": str(REPO)}  # before any test changes it: what the fork server starts with
+_WORKER_ENV = {**_ENV_AT_START, "PYTHONPATH": str(REPO)}  # what the fork server starts with
 
 
 def pytest_collection_finish(session):

@@ -82,6 +82,7 @@ def train(
     from clusteropt_cli.core.train.launch import (
         child_args,
         is_launched_child,
+        leave_finished_rank,
         plan_launch,
         refuse_outside_launcher,
         run_or_launch,
@@ -99,7 +100,7 @@ def train(
         save_every=save_every, keep_checkpoints=keep_checkpoints, resume=resume, seed=seed))
     if is_launched_child():  # one rank under copt's launcher: the parent validated and renders
         _train_here(settings, overwrite)
-        _leave_finished_rank()
+        leave_finished_rank()
     refuse_outside_launcher("train")
 
     from clusteropt_cli.core.train.loop import RESULT_FILE
@@ -123,20 +124,6 @@ def train(
                            result_file=RESULT_FILE, what="training", log=console.log)
     if result is not None:
         _render_result(console.to_jsonable(result), json_out)
-
-
-def _leave_finished_rank() -> None:
-    """End a launched rank whose run is done and written (rank 0's result file, checkpoints, the process group torn
-    down) without the interpreter's teardown: there a ZeRO-3 + CPU offload rank's background threads sometimes
-    aborted it (SIGABRT, "terminate called without an active exception") after the last step, and the launcher
-    reported a finished run as failed."""
-    import logging
-    import os
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 class _ProgressCallback:

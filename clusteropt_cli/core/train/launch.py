@@ -213,6 +213,19 @@ def run_launch_checked(plan: LaunchPlan, what: str) -> None:
                     hint="fix the error above; with --save-every, rerun with --resume to continue")
 
 
+def leave_finished_rank() -> None:
+    """End a launched rank whose run is done and written (rank 0's result file, checkpoints, the process group torn
+    down) without the interpreter's teardown: there a ZeRO-3 + CPU offload rank's background threads sometimes
+    aborted it (SIGABRT, "terminate called without an active exception") after the last step, and the launcher
+    reported a finished run as failed."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def record_rank_error(exit_code: int, message: str, hint: str | None) -> None:
     """(in a launched rank) Leave the error for the launching copt, which exits with the same code."""
     import json
