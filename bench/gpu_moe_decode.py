@@ -1,5 +1,6 @@
-"""MoE decode through copt serve's engine: CUDA graphs over copt's experts (dense below bf16, transformers' grouped
-GEMM in bf16) against the engine without graphs, per dtype and batch.
+"""MoE and dense decode steps through copt serve's engine: CUDA graphs over copt's experts (dense below bf16,
+transformers' grouped GEMM in bf16) against the engine without graphs, per dtype and batch; dense shapes of one width
+over several layer counts separate a step's fixed cost from its cost per layer.
 
     python3 bench/gpu_moe_decode.py --out moe.json                   (qwen3moe-8l: 5 minutes on one H100)
     python3 bench/gpu_moe_decode.py --cpu-smoke --out /tmp/moe.json  (tiny shapes: checks the script)
@@ -8,6 +9,9 @@ Shapes, random weights, fewer layers than the real models (the step's cost per l
   qwen3moe-8l   Qwen3-30B-A3B's width: hidden 2,048, 128 experts of 768, top-8, 8 layers
   mixtral-4l    Mixtral-8x7B's width: hidden 4,096, 8 experts of 14,336, top-2, 4 layers
   mixtral-8l    the same over 8 layers (not run by default)
+  llama8b-4l, llama8b-16l   Llama-3.1-8B's width (hidden 4,096, MLP 14,336, 128k vocabulary, untied) on 4 / 16
+                layers (not run by default)
+  llama1b-4l, llama1b-16l   Llama-3.2-1B's width (hidden 2,048, MLP 8,192, tied embeddings) on 4 / 16 layers
 Each case: one engine (graphs on or off), `--batches` requests at once of 16 prompt tokens and `--new-tokens` new ones,
 greedy, ignore_eos; per batch the median of three timed rounds after one warm-up round. Reports ms per decode step
 (wall time of the round less its first token, over the new tokens), the graphs the engine captured, and next to each
@@ -29,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import log  # noqa: E402
+from common import host_probe_subprocess, log  # noqa: E402
 
 SHAPES = {
     "qwen3moe-8l": ("Qwen3MoeConfig", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -42,6 +46,15 @@ SHAPES = {
 }
 # the same width over 8 layers: with the 4-layer shape, it separates a step's fixed cost from its cost per layer
 SHAPES["mixtral-8l"] = (SHAPES["mixtral-4l"][0], dict(SHAPES["mixtral-4l"][1], num_hidden_layers=8))
+for layers in (4, 16):
+    SHAPES[f"llama8b-{layers}l"] = ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336,
+                                                        num_hidden_layers=layers, num_attention_heads=32,
+                                                        num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                                                        tie_word_embeddings=False, rope_theta=500000.0))
+    SHAPES[f"llama1b-{layers}l"] = ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192,
+                                                        num_hidden_layers=layers, num_attention_heads=32,
+                                                        num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                                                        tie_word_embeddings=True, rope_theta=500000.0))
 SMOKE = ("Qwen3MoeConfig", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
                                 num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2, vocab_size=512))
@@ -151,7 +164,7 @@ def main() -> None:
     plan = {"smoke": SMOKE} if args.cpu_smoke else {s: SHAPES[s] for s in args.shapes.split(",")}
     dtypes = ["fp32"] if args.cpu_smoke else args.dtypes.split(",")
     out: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                 "torch": torch.__version__, "cases": []}
+                 "torch": torch.__version__, "host": host_probe_subprocess(), "cases": []}
     with tempfile.TemporaryDirectory() as tmp:
         for shape, (cls_name, fields) in plan.items():
             model_dir = Path(tmp) / shape
