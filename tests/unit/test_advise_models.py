@@ -158,8 +158,12 @@ HELD_OUT = {("llama-3.1-8b", 64, 0.0): (5764, 0.373, 8.01e-3), ("llama-3.1-8b", 
             ("llama-3.1-8b", 256, 0.0): (5447, 3.189, 11.31e-3), ("llama-3.1-8b", 256, 1.0): (5162, 3.307, 11.67e-3),
             ("llama-3.2-1b", 64, 0.0): (15582, 0.201, 2.66e-3), ("llama-3.2-1b", 64, 1.0): (13753, 0.195, 3.06e-3),
             ("llama-3.2-1b", 256, 0.0): (14860, 1.295, 4.06e-3), ("llama-3.2-1b", 256, 1.0): (13049, 1.440, 4.51e-3)}
-# where advise misses by more than 15% (predicted ÷ measured), pinned so that a change in either shows
-KNOWN_MISSES = {("llama-3.2-1b", 256, 0.0, "tpot_s"): 0.79,
+# where advise misses by more than 15% (predicted ÷ measured), pinned so that a change in either shows (the 1B's
+# decode steps since they are priced per layer: 5-7% cheaper than these H200 runs of 2026-12-02 measured them)
+KNOWN_MISSES = {("llama-3.2-1b", 256, 0.0, "output_tokens_per_s"): 1.16,
+                ("llama-3.2-1b", 256, 0.0, "tpot_s"): 0.76,
+                ("llama-3.2-1b", 256, 0.0, "ttft_s"): 0.85,
+                ("llama-3.2-1b", 64, 1.0, "output_tokens_per_s"): 1.17,
                 ("llama-3.2-1b", 256, 1.0, "output_tokens_per_s"): 1.20,
                 ("llama-3.2-1b", 256, 1.0, "tpot_s"): 0.77,
                 ("llama-3.2-1b", 256, 1.0, "ttft_s"): 0.83,
@@ -173,8 +177,8 @@ HELD_OUT_256 = {("llama-3.2-1b", 64, 0.0): (14585, 0.185, 2.86e-3), ("llama-3.2-
                 ("llama-3.2-1b", 256, 0.0): (21998, 0.532, 6.74e-3),
                 ("llama-3.2-1b", 256, 1.0): (19278, 0.695, 6.98e-3)}
 KNOWN_MISSES_256 = {("llama-3.2-1b", 256, 1.0, "ttft_s"): 0.85,
-                    ("llama-3.2-1b", 64, 0.0, "output_tokens_per_s"): 1.15,
-                    ("llama-3.2-1b", 64, 0.0, "tpot_s"): 0.85,
+                    ("llama-3.2-1b", 64, 0.0, "output_tokens_per_s"): 1.185,
+                    ("llama-3.2-1b", 64, 0.0, "tpot_s"): 0.81,
                     ("llama-3.2-1b", 64, 0.0, "ttft_s"): 0.81}
 
 # `copt serve DIR` with today's defaults (--max-batch-size 256), H200, 2026-12-02, bench/gpu_serve_models.py
@@ -189,7 +193,7 @@ DEFAULTS_256 = {("llama-3.1-8b", 64, 0.0): (5831, 0.404, 8.18e-3), ("llama-3.1-8
 # the copt client's 1B sampled 256-client load ran slow in that run (guidellm's 24,463 tok/s, the engine's 25,605)
 KNOWN_MISSES_DEFAULTS = {("llama-3.1-8b", 64, 0.0, "ttft_s"): 0.83,
                          ("llama-3.2-1b", 256, 1.0, "output_tokens_per_s"): 1.28,
-                         ("llama-3.2-1b", 256, 1.0, "tpot_s"): 0.73,
+                         ("llama-3.2-1b", 256, 1.0, "tpot_s"): 0.705,
                          ("llama-3.2-1b", 256, 1.0, "ttft_s"): 0.83}
 # The same defaults measured by the third-party tester (guidellm 0.8: temperature 1, no top_p, two requests per
 # stream, its own --seed per run) and by `copt profile endpoint` (top_p 0.95, closed loop for 10 s), H200,
@@ -273,7 +277,7 @@ HELD_OUT_512 = {("llama-3.2-1b", 32, "guidellm"): (11551, 0.152, 2.12e-3),
 KNOWN_MISSES_512 = {("llama-3.2-1b", 128, "guidellm", "output_tokens_per_s"): 1.20,
                     ("llama-3.2-1b", 128, "guidellm", "ttft_s"): 1.25,
                     ("llama-3.2-1b", 128, "profile", "ttft_s"): 2.61,
-                    ("llama-3.2-1b", 32, "guidellm", "output_tokens_per_s"): 1.21,
+                    ("llama-3.2-1b", 32, "guidellm", "output_tokens_per_s"): 1.26,
                     ("llama-3.2-1b", 32, "guidellm", "ttft_s"): 0.65}
 
 

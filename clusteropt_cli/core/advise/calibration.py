@@ -111,9 +111,22 @@ PREFILL_GEMM_EFFICIENCY = {"ceiling": 0.80, "overhead_width": 2400.0}
 # flat prefill figure this model used before PREFILL_GEMM_EFFICIENCY; rarely binding: 256 rows of the 1B shape need
 # 1.3 ms of it against a 1.35 ms bandwidth floor on the H200).
 DECODE_COMPUTE_MFU = 0.50
-# Fraction of HBM bandwidth a decode step reaches (memory-bound kernels; 4.26 TB/s measured copy vs 4.8 datasheet
-# on the H200 = 0.89; decode GEMVs typically 0.7–0.85).
-DECODE_BANDWIDTH_EFFICIENCY = 0.80
+# Fraction of HBM bandwidth a decode step reaches over the bytes it reads (the weights but an untied input
+# embedding, a lookup; the KV cache), with the engine's cost per layer, per MoE layer, per step and per sequence
+# (SERVING_ENGINES: decode_layer_s, moe_layer_s, step_fixed_s, step_per_seq_s) and the autotuned batch-1 kernels'
+# saving (AUTOTUNED_B1_FLOOR_SHARE). Fitted (least worst error) to copt's engine in-process, CUDA graphs, greedy,
+# bench/gpu_moe_decode.py (docs/benchmarks.md#decode-steps): dense Llama-3.2-1B and Llama-3.1-8B widths on 4 and 16
+# layers at batch 1, 16 and 64 on an H100 host (2026-12-07: 0.93-1.07), and the H200's 1B and 8B batch-1 steps
+# (1.171 and 4.379 ms autotuned, 1.201 and 4.701 with cuBLAS: 0.95, 1.06, 0.96, 1.03) and the 1B's 256-row chained
+# step (2.93 ms: 0.93) of 2026-12-02; held out, a second H100 host: 0.89-1.05. The MoE shapes (Qwen3-30B-A3B's
+# width on 8 layers, Mixtral-8x7B's on 4 and 8) gave the cost per MoE layer (50 µs, routed and dense experts alike):
+# 0.89-1.12. The one cost per step fitted
+# before (0.57 ms on the 16- and 32-layer shapes) priced the 4-layer shapes 1.68-1.74x and a 4-layer Mixtral 1.25x;
+# a layer of the 1B's width costs 26-34 µs more than its bytes at the datasheet bandwidth and the 8B's 35-43 µs, the
+# step beyond its layers and LM head 0.12-0.17 ms. Held out, through `copt serve` on H100s (docs/benchmarks.md#real-
+# model-sizes-copts-defaults-other-clients): batch-1 8B 6.20 ms/token (advise 6.18), 3B 2.90-3.03 (3.11), 1B
+# 1.29-1.45 over four hosts (1.37), Llama-3.1-70B's width on 8 layers 5.32 (5.69; 6.83 before).
+DECODE_BANDWIDTH_EFFICIENCY = 0.82
 # Useful fraction of a static batch's decode slots (padding, finished sequences idling until the longest ends).
 # H200: HF static generate at batch 64 2,372 tok/s vs continuous batching (generate_batch + CUDA graphs) 3,495
 # → 0.68; Orca and vLLM report 3–5× serving throughput for continuous batching. 0.6 assumed.
@@ -125,9 +138,10 @@ STATIC_BATCH_EFFICIENCY = 0.6
 # process, the same run (bench/gpu_serve_frontend.py with engine step traces, 2026-12-02, packed prefill through
 # FlashAttention varlen; docs/benchmarks.md#front-end-processes):
 # - per step: chained decode steps of 256 rows took 2.86–3.0 ms greedy (3.5–3.7 sampled); with batch-1 decode at
-#   1.22 ms/token through the server, the two points over floor / DECODE_BANDWIDTH_EFFICIENCY → 0.57 ms fixed and
-#   3.9 µs per sequence. (The 30 µs fitted before came from clients' TPOT under loads whose prompts were served
-#   from the prefix cache, prefill stalls included.)
+#   1.22 ms/token through the server, the two points over floor / DECODE_BANDWIDTH_EFFICIENCY gave 0.57 ms fixed and
+#   3.9 µs per sequence, refitted since per layer (DECODE_BANDWIDTH_EFFICIENCY): 0.02 ms per step, 31 µs per layer
+#   (50 µs more per MoE layer) and 3.5 µs per sequence. The per-layer cost counts with the engine's own work in a
+#   step that prefills (timing.infer_time's mixed_step), as the fixed cost it replaces did.
 # - per prompt: the engine's whole load took 1.180 s greedy and 1.186 s sampled (median of 3) against 0.33 s of
 #   prefill FLOPs at a flat 0.50 of peak and 128 decode steps at the rates above → 1.7 ms per prompt (16 prompts per
 #   4,096-token step: a mixed step took 39 ms median; eager layers, the step's first tokens, the finish tail).
@@ -175,8 +189,9 @@ STATIC_BATCH_EFFICIENCY = 0.6
 # within the lag its traces showed (0.05-0.27 s), and keeps up with the 8B's passes. The round model keeps
 # http_stream_s, the lag that showed at a round's end.
 SERVING_ENGINES = {
-    "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 1.7e-3, "step_fixed_s": 0.57e-3,
-             "step_per_seq_s": 3.9e-6, "prefill_graph_tokens": 2048, "prefill_graph_layer_s": 0.185e-3,
+    "copt": {"prefill_chunk_tokens": 2048, "prefill_request_s": 1.7e-3, "step_fixed_s": 0.02e-3,
+             "decode_layer_s": 31e-6, "moe_layer_s": 50e-6, "step_per_seq_s": 3.5e-6, "prefill_graph_tokens": 2048,
+             "prefill_graph_layer_s": 0.185e-3,
              "prefill_graph_request_s": 0.32e-3, "http_request_s": 3.6e-3, "http_stream_s": 1.25e-3,
              "api_intake_s": 0.75e-3, "http_token_s": 16e-6},
     "hf-generate": {"prefill_request_s": 0.0, "step_fixed_s": 27e-3, "step_per_seq_s": 0.0},
@@ -245,12 +260,11 @@ SAMPLING_GRAPH_US = {
     "top_k_wide_p": ((1, 81.3), (64, 588.2), (256, 1443.0)),
     "sort": ((1, 81.5), (64, 996.9), (256, 3264.6)),  # a larger top_k
 }
-# What inductor's autotuned kernels save per batch-1 decode step (copt serve's default --compile-mode auto; the
-# SERVING_ENGINES step costs above were fitted with cuBLAS products), as a share of the weights-over-bandwidth floor.
-# H200, in-process decode profile, one host (docs/benchmarks.md#serve): 8B shape 4.701 → 4.379 ms/token (0.322 ms,
-# 9.6% of advise's 3.35 ms floor), 1B 1.201 → 1.171 (0.030 ms, 5.8% of 0.51 ms). Not measured above batch 1: not
-# applied there.
-AUTOTUNED_B1_FLOOR_SHARE = 0.08
+# What inductor's autotuned kernels save per batch-1 decode step (copt serve's default --compile-mode auto), as a
+# share of the weights-over-bandwidth floor. H200, in-process decode profile, one host (docs/benchmarks.md#serve): 8B
+# shape 4.701 → 4.379 ms/token (0.322 ms, 9.6% of advise's 3.35 ms floor), 1B 1.201 → 1.171 (0.030 ms, 5.8% of 0.51
+# ms); 0.07 in the fit of DECODE_BANDWIDTH_EFFICIENCY. Not measured above batch 1: not applied there.
+AUTOTUNED_B1_FLOOR_SHARE = 0.07
 # Fraction of link bandwidth NCCL collectives reach (bus bandwidth / link bandwidth, large messages).
 COMM_EFFICIENCY = 0.80
 # Fraction of ZeRO/DP communication hidden behind backward compute (overlap_comm, bucketed all-reduce).

@@ -378,6 +378,12 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     dense_experts = spec.is_moe and engine_name == "copt" and (
         plan.dtype in ("fp16", "fp32") or (plan.dtype == "auto" and plan.weights == "fp16"))
 
+    # bytes per embedding value as weight_bytes keeps them (quantized formats leave embeddings in bf16)
+    embedding_value_bytes = cal.WEIGHT_BYTES[plan.served_weights] if plan.served_weights in (
+        "bf16", "fp16", "fp32") else 2.0
+    lookup_bytes = 0.0 if spec.tie_word_embeddings else spec.embedding_params * embedding_value_bytes
+    moe_layers = spec.num_moe_layers if spec.is_moe else 0
+
     def decode_step(rows: int) -> tuple[float, float, float, float]:
         """One decode step over `rows` sequences at the mean context: (seconds, floor seconds, bytes read,
         compute seconds)."""
@@ -394,6 +400,9 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
                                   + (spec.num_params - spec.num_active_params) * expert_share) / spec.num_params
         else:
             active_w = w_bytes
+        # an untied input embedding is a lookup: a step reads its rows' vectors, not the table
+        if lookup_bytes:
+            active_w = max(0.0, active_w - lookup_bytes + rows * spec.hidden_size * embedding_value_bytes)
         floor = (active_w + kv_read) / bandwidth
         flops = spec.forward_flops_per_token(int(ctx))
         if dense_experts:
@@ -401,6 +410,9 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         compute = rows * flops / (peak * cal.DECODE_COMPUTE_MFU)
         seconds = max(floor / cal.DECODE_BANDWIDTH_EFFICIENCY, compute)
         if engine:
+            # the device's chain of small kernels per layer (norms, rotary, attention, routing), then the engine's
+            # work per step and sequence
+            seconds += spec.num_layers * engine.get("decode_layer_s", 0.0) + moe_layers * engine.get("moe_layer_s", 0.0)
             seconds += engine["step_fixed_s"] + engine["step_per_seq_s"] * rows
             if plan.compile_mode != "default" and engine_name == "copt" and rows == 1:
                 # batch-1 steps run inductor's autotuned kernels (copt serve's default compile mode, "auto")
