@@ -39,6 +39,12 @@ LLAMA_3B_SHAPE = dict(LLAMA_1B_SHAPE, hidden_size=3072, num_hidden_layers=28, nu
 # prefill runs GEMMs of twice the hidden size, to check how advise's prefill efficiency scales with the width
 LLAMA_70B_8L_SHAPE = dict(LLAMA_8B_SHAPE, hidden_size=8192, num_hidden_layers=8, num_attention_heads=64,
                           intermediate_size=28672)
+# Qwen2.5-7B's architecture (random weights, 15.2 GB): another family — biases on q/k/v, 4 KV heads of 28, a
+# 152k vocabulary, untied embeddings
+QWEN25_7B_SHAPE = dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
+                       rope_theta=1000000.0, max_position_embeddings=32768, bos_token_id=151643,
+                       eos_token_id=151645, pad_token_id=151662)
 
 def host_probe() -> dict:
     """The host a benchmark ran on: CPU model and cores, and how fast it runs the kinds of work a serving engine's

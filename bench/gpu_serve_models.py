@@ -103,6 +103,7 @@ from common import (  # noqa: E402
     LLAMA_3B_SHAPE,
     LLAMA_8B_SHAPE,
     LLAMA_70B_8L_SHAPE,
+    QWEN25_7B_SHAPE,
     free_gpu,
     free_port,
     host_probe_subprocess,
@@ -117,7 +118,8 @@ from clusteropt_cli.core.profile.endpoint import hit_rate  # noqa: E402
 SMOKE_SHAPE = dict(LLAMA_1B_SHAPE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16, intermediate_size=128, vocab_size=8192, max_position_embeddings=2048,
                    bos_token_id=8189, eos_token_id=8190, pad_token_id=8191)
-SHAPES = {"1b": LLAMA_1B_SHAPE, "3b": LLAMA_3B_SHAPE, "8b": LLAMA_8B_SHAPE, "70b8l": LLAMA_70B_8L_SHAPE}
+SHAPES = {"1b": LLAMA_1B_SHAPE, "3b": LLAMA_3B_SHAPE, "8b": LLAMA_8B_SHAPE, "70b8l": LLAMA_70B_8L_SHAPE,
+          "qwen7b": QWEN25_7B_SHAPE}
 MODES = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0, "top_p": 0.95}}
 CFG = {"prompt_len": 256, "out_tokens": 128, "loads": [64, 256], "b1_requests": 3}
 CASES = ("copt", "b1", "loads", "guidellm", "profile", "tserve", "engine", "advise")
@@ -177,12 +179,14 @@ def make_tokenizer(path: Path, shape: dict) -> dict:
 
 
 def make_model_dir(path: Path, shape: dict) -> dict:
-    """Random-weight bf16 Llama of `shape`, built on the GPU in bf16 (no fp32 copy), saved as safetensors shards."""
+    """Random-weight bf16 model of `shape` (a Llama unless it names its model_type), built on the GPU in bf16 (no fp32
+    copy), saved as safetensors shards."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     t0 = time.perf_counter()
-    config = LlamaConfig(**shape)
+    fields = dict(shape)
+    config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
     config.dtype = torch.bfloat16
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -190,7 +194,7 @@ def make_model_dir(path: Path, shape: dict) -> dict:
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(default)
     model.eval()
@@ -845,7 +849,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON results path (rewritten after every case)")
     parser.add_argument("--shapes", default="1b", help="comma-separated, run in this order: 1b, 3b, 8b, 70b8l "
-                        "(Llama-3.1-70B's width on 8 layers; default 1b)")
+                        "(Llama-3.1-70B's width on 8 layers), qwen7b (Qwen2.5-7B's architecture); default 1b")
     parser.add_argument("--skip", default="", help="comma-separated cases to leave out: " + ", ".join(CASES))
     parser.add_argument("--budget-s", type=float, default=540, help="seconds for the whole run; a case that "
                         "would not fit in what is left is recorded as skipped (default 540)")
@@ -954,7 +958,7 @@ def main() -> None:
 
     def build(shape: str) -> None:
         spec = SMOKE_SHAPE if args.smoke else SHAPES[shape]
-        dirs[shape] = work / f"llama-{shape}-shape"
+        dirs[shape] = work / f"{spec.get('model_type', 'llama')}-{shape}-shape"
         if (dirs[shape] / "config.json").exists():  # a --work-dir of an earlier run: the same weights again
             made_by[shape] = {"weight_bytes": sum(f.stat().st_size for f in dirs[shape].glob("*.safetensors")),
                               "build_and_save_s": 0.0, "reused": True, "vocab": spec["vocab_size"]}
