@@ -221,6 +221,38 @@ def test_endpoint_load_flags_that_cannot_mean_what_was_typed_are_refused_before_
     assert code == 2 and message in " ".join(err.split()), err
 
 
+def test_a_tokenizer_that_encodes_the_prompt_words_to_nothing_is_refused_not_looped_on(capsys, tmp_path):
+    """A --tokenizer whose vocabulary has no token for the synthetic prompts' words (a byte-level class rebuilt over
+    another tokenizer's vocabulary did this) made the profile endpoint double an empty token list forever, before
+    any request and without a word: exit 2 naming the tokenizer instead."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(vocab={"q": 0, "z": 1}, merges=[]))  # no unknown token: other words vanish
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path / "tok")
+    import signal
+
+    from clusteropt_cli.app import main
+
+    def hung(*_args) -> None:
+        raise AssertionError("the synthetic prompts never reached --prompt-len")
+
+    before = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as info:  # nothing listens on port 9: no request can succeed either
+            main(["profile", "endpoint", "--url", "http://127.0.0.1:9", "--model", "m", "--tokenizer",
+                  str(tmp_path / "tok"), "--duration", "1"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    code, err = int(info.value.code or 0), capsys.readouterr().err
+    assert code == 2 and "turns the prompts' English words into no tokens" in " ".join(err.split()), err
+    assert "served model's own tokenizer directory" in " ".join(err.split())
+
+
 def test_a_rate_level_keeps_its_poisson_schedule_on_a_busy_loop():
     """Every request of a --rate level goes out at its own Poisson time, measured from the level's start: a loop that
     spends 1 ms of CPU on each request (a client busy with its streams) sends late but catches up. Sleeping the gaps

@@ -138,6 +138,14 @@ class SyntheticPrompts:
         self.bodies = []
         for words in bodies:
             ids = self.tok(" " + " ".join(words), add_special_tokens=False)["input_ids"]
+            if not ids:  # repeating nothing never reaches --prompt-len
+                from clusteropt_cli.errors import BadInputError
+
+                raise BadInputError(
+                    f"--tokenizer {tokenizer}: it turns the prompts' English words into no tokens "
+                    f"(its {type(self.tok).__name__} has no token for them)",
+                    hint="Pass the served model's own tokenizer directory, or leave --tokenizer out "
+                         "(prompts of --prompt-len words).")
             while len(ids) < self.prompt_len:
                 ids = ids + ids
             self.bodies.append(ids[: self.prompt_len])
