@@ -178,6 +178,13 @@ def make_tokenizer(path: Path, shape: dict) -> dict:
     return {"english_words": len(english_words()), "vocab": vocab_size}
 
 
+def tokenizer_dir(model_dir: Path) -> Path:
+    """Where the shape's tokenizer loads as written: the model directory, or beside it for an architecture whose
+    transformers tokenizer class would rebuild the word-level tokenizer (Qwen2's: byte-level BPE pieces)."""
+    beside = model_dir.parent / f"{model_dir.name}-tokenizer"
+    return beside if beside.is_dir() else model_dir
+
+
 def make_model_dir(path: Path, shape: dict) -> dict:
     """Random-weight bf16 model of `shape` (a Llama unless it names its model_type), built on the GPU in bf16 (no fp32
     copy), saved as safetensors shards."""
@@ -204,6 +211,12 @@ def make_model_dir(path: Path, shape: dict) -> dict:
     del model
     free_gpu()
     tok = make_tokenizer(path, shape)
+    if shape.get("model_type", "llama") != "llama":  # the tokenizer files alone: no config.json picks its class
+        beside = path.parent / f"{path.name}-tokenizer"
+        beside.mkdir(exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            if (path / name).exists():
+                shutil.copy(path / name, beside / name)
     return {"weight_bytes": weight_bytes, "params": weight_bytes // 2, "build_s": round(build_s, 1),
             "build_and_save_s": round(time.perf_counter() - t0, 1), **tok}
 
@@ -441,6 +454,8 @@ def case_copt(shape: str, model_dir: Path, made: dict, prompts: PromptStream, ar
               results: dict, save, work: Path) -> None:  # noqa: ANN001
     out: dict = results.setdefault("copt", {}).setdefault(shape, {})
     flags = args.copt_args.split()
+    if tokenizer_dir(model_dir) != model_dir:
+        flags += ["--tokenizer", str(tokenizer_dir(model_dir))]
     out["command"] = f"copt serve {model_dir} --port P " + (" ".join(flags) if flags else " (copt's defaults)")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -543,7 +558,7 @@ def case_guidellm(url: str, model_dir: Path, args, budget: Budget, work: Path, s
                f"kind=static,value={guidellm_seed(shape, n, mode)}",
                "--constraint",
                f"kind=max_requests,count={args.guidellm_requests_per_stream * n}",
-               "--tokenizer", f"kind=huggingface_auto,model={model_dir}", "--data",
+               "--tokenizer", f"kind=huggingface_auto,model={tokenizer_dir(model_dir)}", "--data",
                f"kind=synthetic_text,prompt_tokens={CFG['prompt_len']},output_tokens={CFG['out_tokens']}",
                "--output", f"kind=json,path={report}", "--disable-console-interactive"]
         log("running: " + " ".join(cmd))
@@ -603,7 +618,8 @@ def case_profile(url: str, model_dir: Path, args, budget: Budget, work: Path, sh
             break
         cmd = [sys.executable, "-m", "clusteropt_cli", "profile", "endpoint", "--url", url, "--model",
                str(model_dir), flag, values, "--duration", str(args.profile_duration), "--prompt-len",
-               str(CFG["prompt_len"]), "--gen-len", str(CFG["out_tokens"]), *sampling, "--tokenizer", str(model_dir),
+               str(CFG["prompt_len"]), "--gen-len", str(CFG["out_tokens"]), *sampling, "--tokenizer",
+               str(tokenizer_dir(model_dir)),
                "--report", str(report), "--save-requests", str(report.with_suffix(".requests.jsonl")), "--overwrite"]
         log("running: " + " ".join(cmd))
         out[key] = " ".join(cmd)

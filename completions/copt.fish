@@ -316,6 +316,7 @@ complete -c copt -n "__fish_seen_subcommand_from serve" -l served-model-name
 complete -c copt -n "__fish_seen_subcommand_from serve" -l speculative-max-batch
 complete -c copt -n "__fish_seen_subcommand_from serve" -l tensor-parallel
 complete -c copt -n "__fish_seen_subcommand_from serve" -l tensor-parallel-size
+complete -c copt -n "__fish_seen_subcommand_from serve" -l tokenizer
 complete -c copt -n "__fish_seen_subcommand_from serve" -l trust-request-chat-template
 complete -c copt -n "__fish_seen_subcommand_from serve" -l vllm-version
 complete -c copt -n "__fish_seen_subcommand_from serve" -l write-timeout

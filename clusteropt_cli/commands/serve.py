@@ -32,6 +32,8 @@ def serve(
                                                                  "$COPT_API_KEY, else $VLLM_API_KEY).")] = None,
     served_model_name: Annotated[str | None, typer.Option("--served-model-name",
                                                           help="Model id clients send (default: MODEL).")] = None,
+    tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="Tokenizer directory (default: MODEL's "
+                                                                     "own).")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="auto | bf16 | fp16 | fp32.")] = None,
     max_batch_tokens: Annotated[int | None, typer.Option("--max-batch-tokens", "--max-num-batched-tokens",
                                                          help="Tokens per step (chunked-prefill budget).")] = None,
@@ -141,7 +143,7 @@ def serve(
         cuda_graphs = compile_ = False
     settings = load_settings("serve", recipe, overrides, dict(
         model=model, engine=engine, vllm_version=vllm_version, host=host, port=port, api_key=api_key,
-        served_model_name=served_model_name, dtype=dtype, max_batch_tokens=max_batch_tokens,
+        served_model_name=served_model_name, tokenizer=tokenizer, dtype=dtype, max_batch_tokens=max_batch_tokens,
         max_batch_size=max_batch_size, kv_cache_blocks=kv_cache_blocks, kv_cache_memory=kv_cache_memory,
         gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
         max_queue=max_queue, max_model_len=max_model_len, draft_model=draft_model,

@@ -189,6 +189,11 @@ def test_cli_dry_run_and_validation(copt, fixtures):
     assert r.returncode == 2 and "--draft-model" in r.stderr
     r = copt("serve", str(fixtures.teacher), "--engine", "vllm")
     assert r.returncode == 2 and "vLLM" in r.stderr
+    r = copt("serve", "/models/llama", "--engine", "vllm", "--dry-run", "--tokenizer", "/models/tok")
+    assert r.returncode == 0 and "--tokenizer /models/tok" in r.stdout, r.stderr
+    for bad, message in (("/no/such/tokenizer", "no such directory"), (str(fixtures.root), "holds no tokenizer")):
+        r = copt("serve", str(fixtures.teacher), "--engine", "copt", "--tokenizer", bad)
+        assert r.returncode == 2 and message in " ".join(r.stderr.split()), r.stderr
 
 
 def test_engine_tuning_switches_are_accepted_but_hidden(copt):
@@ -325,6 +330,34 @@ def test_auto_compile_mode_sends_batch_one_decode_steps_to_the_autotuned_layers(
     calls.clear()
     runner.forward_decode([0, 1], [4, 2], [12, 13])
     assert {c for c in calls} == {(None, 2)} and len(calls) == runner.compiled_layers
+
+
+def test_a_tokenizer_directory_of_its_own_is_what_the_engine_and_its_api_processes_load(fixtures, tmp_path):
+    """--tokenizer DIR (vLLM's flag): the engine tokenizes and renders chats with DIR's tokenizer, and the API
+    processes of the split server are told DIR, not MODEL."""
+    import shutil
+
+    from clusteropt_cli.core.serve.engine import Engine
+    from clusteropt_cli.core.serve.engine_core import client_info
+    from clusteropt_cli.recipe.load import load_settings
+
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (fixtures.teacher / name).exists():
+            shutil.copy(fixtures.teacher / name, tokenizer / name)
+    marker = "{% for m in messages %}[own tokenizer] {{ m['content'] }}{% endfor %}"
+    (tokenizer / "chat_template.jinja").write_text(marker)
+    config = tokenizer / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"chat_template"', '"unused_chat_template"'))
+    settings = load_settings("serve", None, [], {"model": str(fixtures.teacher), "tokenizer": str(tokenizer)})
+    engine = Engine.from_settings(settings, device="cpu")
+    engine.load()
+    try:
+        assert engine.tokenizer.chat_template == marker
+        assert client_info(engine)["tokenizer"] == str(tokenizer)
+    finally:
+        engine.stop()
 
 
 def test_decode_attention_setting_reaches_the_runner(fixtures):

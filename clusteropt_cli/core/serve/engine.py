@@ -253,6 +253,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None  # capacity in tokens (None: slots × max_model_len / free GPU memory)
     kv_cache_memory_gib: float | None = None
     draft_model: str | None = None
+    tokenizer: str | None = None  # the tokenizer's directory (None: the model's)
     num_speculative_tokens: int = 4
     prompt_lookup: int | None = None
     speculative_max_batch: int = 4
@@ -302,7 +303,8 @@ class Engine(EngineLoading, SpeculativeDecoding):
         gib = settings.kv_cache_memory
         tokens = settings.kv_cache_blocks * settings.block_size if settings.kv_cache_blocks else None
         config = EngineConfig(
-            model=settings.model, device=device, dtype=settings.dtype, max_batch_size=settings.max_batch_size,
+            model=settings.model, tokenizer=settings.tokenizer, device=device, dtype=settings.dtype,
+            max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens, max_model_len=settings.max_model_len,
             max_queue=settings.max_queue, kv_cache_tokens=tokens, kv_cache_memory_gib=gib,
             draft_model=settings.draft_model, num_speculative_tokens=settings.num_speculative_tokens,

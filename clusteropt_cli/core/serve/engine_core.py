@@ -329,7 +329,8 @@ def engine_info(engine: Any, settings: Any) -> dict[str, Any]:
 
 def client_info(engine: Any) -> dict[str, Any]:
     """The engine facts an API process validates and tokenizes with."""
-    return {"tokenizer": engine.config.model, "model_name": engine.model_name, "max_model_len": engine.max_model_len,
+    return {"tokenizer": engine.config.tokenizer or engine.config.model, "model_name": engine.model_name,
+            "max_model_len": engine.max_model_len,
             "vocab_size": int(engine.runner.vocab_size), "eos_ids": sorted(int(i) for i in engine.eos_ids),
             "sampling_defaults": dict(getattr(engine, "sampling_defaults", None) or {}),
             "max_request_sequences": int(engine.max_request_sequences)}

@@ -112,6 +112,12 @@ def check_settings(settings: ServeRecipe) -> None:
     _check_model_dir(settings.model, "MODEL")
     if settings.draft_model:
         _check_model_dir(settings.draft_model, "--draft-model")
+    if settings.tokenizer is not None:
+        from clusteropt_cli.modelspec import tokenizer_dir_problem
+
+        if (problem := tokenizer_dir_problem(settings.tokenizer)) is not None:
+            raise BadInputError(problem + ".", hint="Pass the directory that holds the model's tokenizer files, or "
+                                                    "leave --tokenizer out to use MODEL's.")
     if settings.tensor_parallel > 1 or settings.pipeline_parallel > 1:
         raise BadInputError("The embedded engine runs on one device; --tensor-parallel/--pipeline-parallel need "
                             "vLLM.", hint="Use --engine vllm (on a machine with vLLM installed).")

@@ -70,7 +70,7 @@ class EngineLoading:
         cfg = self.config
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = device
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
         hf_config = AutoConfig.from_pretrained(cfg.model)
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         ctx = int(getattr(text_config, "max_position_embeddings", 4096) or 4096)

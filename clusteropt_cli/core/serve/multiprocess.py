@@ -51,7 +51,7 @@ def run_api_server(settings: Any, index: int, input_address: str, output_address
         from clusteropt_cli.core.serve.launch import server_limits
         from clusteropt_cli.core.serve.server import run_server
 
-        tokenizer = load_tokenizer(settings.model)
+        tokenizer = load_tokenizer(settings.tokenizer or settings.model)
     except BaseException:  # noqa: BLE001 - reported to the supervisor
         import traceback
 

@@ -145,6 +145,8 @@ def plan_vllm_command(settings: ServeRecipe, version: str | None = None) -> Vllm
     cmd += ["--host", settings.host, "--port", str(settings.port), "--dtype", DTYPES[settings.dtype]]
     if settings.served_model_name:
         cmd += ["--served-model-name", settings.served_model_name]
+    if settings.tokenizer:
+        cmd += ["--tokenizer", settings.tokenizer]
     if settings.api_key and os.environ.get("VLLM_API_KEY") != settings.api_key:  # from the environment: not in argv
         cmd += ["--api-key", settings.api_key]
     if settings.trust_request_chat_template:

@@ -42,6 +42,8 @@ class ServeRecipe(Strict):
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = None
     served_model_name: str | None = None
+    tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model directory), as "
+                                  "vLLM's --tokenizer.")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     max_batch_tokens: PositiveInt | None = Field(None, description="Tokens per step (chunked prefill budget).")
     max_batch_size: PositiveInt = Field(DEFAULT_MAX_BATCH_SIZE, description="Sequences decoded together at most "
