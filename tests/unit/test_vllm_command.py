@@ -27,8 +27,8 @@ def _accepted(argv: list[str], version: str) -> None:
         assert not set(keys) - set(rec["speculative_config_keys"])
 
 
-EVERYTHING = dict(model="/m", engine="vllm", port=9000, api_key="k", dtype="bf16", served_model_name="m", tokenizer="/t",
-                  max_batch_tokens=4096, max_batch_size=128, max_model_len=8192, block_size=16,
+EVERYTHING = dict(model="/m", engine="vllm", port=9000, api_key="k", dtype="bf16", served_model_name="m",
+                  tokenizer="/t", max_batch_tokens=4096, max_batch_size=128, max_model_len=8192, block_size=16,
                   gpu_memory_utilization=0.8, kv_cache_memory=20.0, kv_cache_dtype="fp8",
                   quantization="compressed-tensors", tensor_parallel=4, pipeline_parallel=2, compile=False,
                   async_scheduling=False, api_server_count=4)
