@@ -121,7 +121,7 @@ DECODE_COMPUTE_MFU = 0.50
 # step (2.93 ms: 0.93) of 2026-12-02; held out, a second H100 host: 0.89-1.05. The MoE shapes (Qwen3-30B-A3B's
 # width on 8 layers, Mixtral-8x7B's on 4 and 8) gave the cost per MoE layer (50 µs, routed and dense experts alike):
 # 0.89-1.12. The one cost per step fitted
-# before (0.57 ms on the 16- and 32-layer shapes) priced the 4-layer shapes 1.68-1.74x and a 4-layer Mixtral 1.25x;
+# before (0.57 ms on the 16- and 32-layer shapes) priced the 4-layer shapes 1.61-1.74x and a 4-layer Mixtral 1.25x;
 # a layer of the 1B's width costs 26-34 µs more than its bytes at the datasheet bandwidth and the 8B's 35-43 µs, the
 # step beyond its layers and LM head 0.12-0.17 ms. Held out, through `copt serve` on H100s (docs/benchmarks.md#real-
 # model-sizes-copts-defaults-other-clients): batch-1 8B 6.20 ms/token (advise 6.18), 3B 2.90-3.03 (3.11), 1B
