@@ -488,7 +488,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         notes.append("MoE below bf16: copt serve decodes every expert on every row (CUDA-graph capturable; copt serve "
                      "--dtype bf16 routes through transformers' grouped GEMM and reads only the picked experts)")
     if engine:
-        assumptions.update({k: v for k, v in engine.items() if v})
+        assumptions.update({k: v for k, v in engine.items() if v and (spec.is_moe or k != "moe_layer_s")})
     else:
         notes.append(f"{engine_name}: no measured serving overheads; roofline figures (an upper bound)")
     costs = None
