@@ -911,6 +911,11 @@ def main() -> None:
         parser.error(f"unknown shapes {bad} / cases {sorted(unknown)}; shapes: 1b, 8b; cases: {', '.join(CASES)}")
     if "copt" not in skip:  # measure the server users install, not a slower fallback
         require_serve_speed_packages(parser)
+    if not args.smoke and not english_words() and not {"copt", "profile"} & skip:
+        # the profile endpoint's synthetic prompts are English words: unknown to the shapes' tokenizer without them,
+        # every prompt would be the same run of unknown tokens, served from the prefix cache
+        parser.error("Faker is not installed: the tokenizer this script builds would not know the profile endpoint's "
+                     "English words (install faker, or --skip profile)")
     args.guidellm_shapes = {s.strip().lower() for s in args.guidellm_shapes.split(",") if s.strip()}
     args.profile_levels = [int(c) for c in args.profile_levels.split(",") if c.strip()]
     args.profile_rates = [float(r) for r in args.profile_rates.split(",") if r.strip()]
