@@ -178,10 +178,15 @@ def make_tokenizer(path: Path, shape: dict) -> dict:
     return {"english_words": len(english_words()), "vocab": vocab_size}
 
 
+def tokenizer_beside(model_dir: Path) -> Path:
+    """The directory of a shape's tokenizer files alone, for an architecture whose transformers tokenizer class would
+    rebuild the word-level tokenizer (Qwen2's: byte-level BPE pieces); no config.json there picks its class."""
+    return model_dir.parent / f"{model_dir.name}-tokenizer"
+
+
 def tokenizer_dir(model_dir: Path) -> Path:
-    """Where the shape's tokenizer loads as written: the model directory, or beside it for an architecture whose
-    transformers tokenizer class would rebuild the word-level tokenizer (Qwen2's: byte-level BPE pieces)."""
-    beside = model_dir.parent / f"{model_dir.name}-tokenizer"
+    """Where the shape's tokenizer loads as written: beside the model directory when make_model_dir put it there."""
+    beside = tokenizer_beside(model_dir)
     return beside if beside.is_dir() else model_dir
 
 
@@ -211,8 +216,8 @@ def make_model_dir(path: Path, shape: dict) -> dict:
     del model
     free_gpu()
     tok = make_tokenizer(path, shape)
-    if shape.get("model_type", "llama") != "llama":  # the tokenizer files alone: no config.json picks its class
-        beside = path.parent / f"{path.name}-tokenizer"
+    if shape.get("model_type", "llama") != "llama":
+        beside = tokenizer_beside(path)
         beside.mkdir(exist_ok=True)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (path / name).exists():
@@ -454,8 +459,8 @@ def case_copt(shape: str, model_dir: Path, made: dict, prompts: PromptStream, ar
               results: dict, save, work: Path) -> None:  # noqa: ANN001
     out: dict = results.setdefault("copt", {}).setdefault(shape, {})
     flags = args.copt_args.split()
-    if tokenizer_dir(model_dir) != model_dir:
-        flags += ["--tokenizer", str(tokenizer_dir(model_dir))]
+    if (tokenizer := tokenizer_dir(model_dir)) != model_dir:
+        flags += ["--tokenizer", str(tokenizer)]
     out["command"] = f"copt serve {model_dir} --port P " + (" ".join(flags) if flags else " (copt's defaults)")
     port = free_port()
     url = f"http://127.0.0.1:{port}"

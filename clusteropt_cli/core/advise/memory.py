@@ -575,14 +575,20 @@ def cpu_training_bytes(spec: ModelSpec, plan: TrainPlan) -> dict[str, float]:
 
 
 # ---- inference ----------------------------------------------------------------------------------------------
+def embedding_value_bytes(weights: str) -> float:
+    """Bytes per embedding (and lm_head) value: the checkpoint's own in 16/32-bit ones; quantized formats keep them in
+    bf16 (llm-compressor's default)."""
+    return cal.WEIGHT_BYTES[weights] if weights in ("bf16", "fp16", "fp32") else 2.0
+
+
 def weight_bytes(spec: ModelSpec, weights: str) -> float:
-    """Weights in memory; quantized formats keep embeddings and lm_head in bf16 (llm-compressor's default)."""
+    """Weights in memory; quantized formats keep embeddings and lm_head in bf16 (embedding_value_bytes)."""
     per = cal.WEIGHT_BYTES[weights]
     if weights in ("bf16", "fp16", "fp32"):
         return spec.num_params * per
     head = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
     kept = spec.embedding_params + head
-    return (spec.num_params - kept) * per + kept * 2
+    return (spec.num_params - kept) * per + kept * embedding_value_bytes(weights)
 
 
 def window_slack(plan: InferPlan) -> int:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from clusteropt_cli.core.advise import calibration as cal
-from clusteropt_cli.core.advise.memory import kv_cache_bytes, weight_bytes
+from clusteropt_cli.core.advise.memory import embedding_value_bytes, kv_cache_bytes, weight_bytes
 from clusteropt_cli.core.advise.plan import InferPlan, Target, TrainPlan
 from clusteropt_cli.modelspec import ModelSpec
 
@@ -378,11 +378,8 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
     dense_experts = spec.is_moe and engine_name == "copt" and (
         plan.dtype in ("fp16", "fp32") or (plan.dtype == "auto" and plan.weights == "fp16"))
 
-    # bytes per embedding value as weight_bytes keeps them (quantized formats leave embeddings in bf16)
-    embedding_value_bytes = cal.WEIGHT_BYTES[plan.served_weights] if plan.served_weights in (
-        "bf16", "fp16", "fp32") else 2.0
-    lookup_bytes = 0.0 if spec.tie_word_embeddings else spec.embedding_params * embedding_value_bytes
-    moe_layers = spec.num_moe_layers if spec.is_moe else 0
+    embedding_value = embedding_value_bytes(plan.served_weights)
+    lookup_bytes = 0.0 if spec.tie_word_embeddings else spec.embedding_params * embedding_value
 
     def decode_step(rows: int) -> tuple[float, float, float, float]:
         """One decode step over `rows` sequences at the mean context: (seconds, floor seconds, bytes read,
@@ -402,7 +399,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
             active_w = w_bytes
         # an untied input embedding is a lookup: a step reads its rows' vectors, not the table
         if lookup_bytes:
-            active_w = max(0.0, active_w - lookup_bytes + rows * spec.hidden_size * embedding_value_bytes)
+            active_w = max(0.0, active_w - lookup_bytes + rows * spec.hidden_size * embedding_value)
         floor = (active_w + kv_read) / bandwidth
         flops = spec.forward_flops_per_token(int(ctx))
         if dense_experts:
@@ -412,7 +409,8 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         if engine:
             # the device's chain of small kernels per layer (norms, rotary, attention, routing), then the engine's
             # work per step and sequence
-            seconds += spec.num_layers * engine.get("decode_layer_s", 0.0) + moe_layers * engine.get("moe_layer_s", 0.0)
+            seconds += (spec.num_layers * engine.get("decode_layer_s", 0.0)
+                        + spec.num_moe_layers * engine.get("moe_layer_s", 0.0))
             seconds += engine["step_fixed_s"] + engine["step_per_seq_s"] * rows
             if plan.compile_mode != "default" and engine_name == "copt" and rows == 1:
                 # batch-1 steps run inductor's autotuned kernels (copt serve's default compile mode, "auto")
@@ -488,7 +486,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         notes.append("MoE below bf16: copt serve decodes every expert on every row (CUDA-graph capturable; copt serve "
                      "--dtype bf16 routes through transformers' grouped GEMM and reads only the picked experts)")
     if engine:
-        assumptions.update({k: v for k, v in engine.items() if v and (spec.is_moe or k != "moe_layer_s")})
+        assumptions.update({k: v for k, v in engine.items() if v and (spec.num_moe_layers or k != "moe_layer_s")})
     else:
         notes.append(f"{engine_name}: no measured serving overheads; roofline figures (an upper bound)")
     costs = None

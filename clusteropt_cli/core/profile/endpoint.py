@@ -139,8 +139,6 @@ class SyntheticPrompts:
         for words in bodies:
             ids = self.tok(" " + " ".join(words), add_special_tokens=False)["input_ids"]
             if not ids:  # repeating nothing never reaches --prompt-len
-                from clusteropt_cli.errors import BadInputError
-
                 raise BadInputError(
                     f"--tokenizer {tokenizer}: it turns the prompts' English words into no tokens "
                     f"(its {type(self.tok).__name__} has no token for them)",
