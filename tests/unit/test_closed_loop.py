@@ -763,9 +763,30 @@ H100_HELD_OUT_MISSES = {
     ("llama-70b-8l", 256, "guidellm", 1.0, "ttft"): 0.734,
     ("llama-70b-8l", 256, "profile", 1.0, "ttft"): 0.711,
 }
+# Held out on an H100, a second architecture (Qwen2.5-7B's: q/k/v biases, 4 KV heads, a 152k vocabulary, untied;
+# advise's figures written before the run, bench/results/serve-models-h100-2026-12-07/held-out-qwen7b{,-loads}) at
+# 671a42d, guidellm 4 requests per stream, 10 s profile endpoint levels: tok/s and TPOT 16 of 16 within ±15%, TTFT 6 of
+# 8 (guidellm's at 256 streams).
+H100_HELD_OUT_QWEN7B = {
+    ("qwen2.5-7b-shape", 64, "guidellm", 1.0): (5555, 0.19308, 9.842e-3),
+    ("qwen2.5-7b-shape", 256, "guidellm", 1.0): (8717, 0.40642, 26.184e-3),
+    ("qwen2.5-7b-shape", 64, "guidellm", 0.0): (5682, 0.19127, 9.636e-3),
+    ("qwen2.5-7b-shape", 256, "guidellm", 0.0): (8765, 0.33878, 25.820e-3),
+    ("qwen2.5-7b-shape", 64, "profile", 1.0): (5438, 0.19462, 10.260e-3),
+    ("qwen2.5-7b-shape", 256, "profile", 1.0): (8551, 0.29630, 26.986e-3),
+    ("qwen2.5-7b-shape", 64, "profile", 0.0): (5637, 0.19139, 9.768e-3),
+    ("qwen2.5-7b-shape", 256, "profile", 0.0): (8718, 0.30190, 26.367e-3),
+}
+H100_HELD_OUT_QWEN7B_MISSES = {
+    ("qwen2.5-7b-shape", 256, "guidellm", 1.0, "ttft"): 0.549,
+    ("qwen2.5-7b-shape", 256, "guidellm", 0.0, "ttft"): 0.657,
+}
 # shapes pinned here that are not presets: the measured model's own config.json
 SHAPE_CONFIGS = {"llama-70b-8l": str(Path(__file__).resolve().parents[2] / "bench" / "results"
-                                     / "serve-models-h100-2026-12-06" / "held-out-70b8l" / "config-70b8l.json")}
+                                     / "serve-models-h100-2026-12-06" / "held-out-70b8l" / "config-70b8l.json"),
+                 "qwen2.5-7b-shape": str(Path(__file__).resolve().parents[2] / "bench" / "results"
+                                         / "serve-models-h100-2026-12-07" / "held-out-qwen7b-loads"
+                                         / "config-qwen7b.json")}
 
 # run: (levels, pinned misses, whether that engine streamed a step's decode before its prefill, whether its prefill
 # graphs were the masked ones)
@@ -781,9 +802,11 @@ TESTER_RUNS = {"greedy-and-sampled": (GREEDY_AND_SAMPLED, GREEDY_AND_SAMPLED_MIS
                "long-loads-1b": (LONG_LOADS_1B, LONG_LOADS_1B_MISSES, True, False),
                "h100-long-loads-1b": (H100_LONG_LOADS_1B, H100_LONG_LOADS_1B_MISSES, True, False),
                "h100-long-loads-8b": (H100_LONG_LOADS_8B, H100_LONG_LOADS_8B_MISSES, True, False),
-               "h100-held-out": (H100_HELD_OUT, H100_HELD_OUT_MISSES, True, False)}
+               "h100-held-out": (H100_HELD_OUT, H100_HELD_OUT_MISSES, True, False),
+               "h100-held-out-qwen7b": (H100_HELD_OUT_QWEN7B, H100_HELD_OUT_QWEN7B_MISSES, True, False)}
 # run: the GPU it was measured on, where not the H200
-RUN_GPU = {"h100-long-loads-1b": "h100-sxm", "h100-long-loads-8b": "h100-sxm", "h100-held-out": "h100-sxm"}
+RUN_GPU = {"h100-long-loads-1b": "h100-sxm", "h100-long-loads-8b": "h100-sxm", "h100-held-out": "h100-sxm",
+           "h100-held-out-qwen7b": "h100-sxm"}
 # run: (requests per guidellm stream, seconds per profile endpoint level) where not (4, 10)
 RUN_LOADS = {"long-loads-8b": (12, 30.0), "long-loads-1b": (12, 30.0), "h100-long-loads-1b": (12, 30.0),
              "h100-long-loads-8b": (6, 15.0), "h100-held-out": (6, 15.0)}
