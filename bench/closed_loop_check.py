@@ -26,7 +26,7 @@ import argparse
 import json
 from pathlib import Path
 
-from common import LLAMA_70B_8L_SHAPE, QWEN25_7B_SHAPE
+from common import LLAMA_70B_8L_SHAPE, QWEN3_MOE_16L_SHAPE, QWEN25_7B_SHAPE
 
 from clusteropt_cli.core.advise.closed_loop import (
     closed_loop_figures,
@@ -42,7 +42,8 @@ from clusteropt_cli.modelspec import load_model_spec
 # the shapes gpu_serve_models.py builds: a preset, or the shape's config
 PRESETS = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b", "8b": "llama-3.1-8b",
            "70b8l": dict(LLAMA_70B_8L_SHAPE, model_type="llama", _name_or_path="llama-70b-8l"),
-           "qwen7b": dict(QWEN25_7B_SHAPE, _name_or_path="qwen2.5-7b-shape")}
+           "qwen7b": dict(QWEN25_7B_SHAPE, _name_or_path="qwen2.5-7b-shape"),
+           "qwen3moe16l": dict(QWEN3_MOE_16L_SHAPE, _name_or_path="qwen3-30b-a3b-16l-shape")}
 FIGURES = ("output_tokens_per_s", "ttft_s", "tpot_s")  # what each level is checked on
 
 

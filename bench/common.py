@@ -46,6 +46,16 @@ QWEN25_7B_SHAPE = dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=2
                        rope_theta=1000000.0, max_position_embeddings=32768, bos_token_id=151643,
                        eos_token_id=151645, pad_token_id=151662)
 
+# Qwen3-30B-A3B's architecture on 16 of its 48 layers (random weights, 21.2 GB): a mixture of experts — 128 experts of
+# width 768 per layer, 8 routed per token, 4 KV heads of 32, a 152k vocabulary, untied embeddings
+QWEN3_MOE_16L_SHAPE = dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                           num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                           num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+                           norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False, rope_theta=1000000.0,
+                           max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+                           pad_token_id=151662)
+
+
 def host_probe() -> dict:
     """The host a benchmark ran on: CPU model and cores, and how fast it runs the kinds of work a serving engine's
     and an offloaded optimizer's host side do (median of 5 each): a fixed pure-Python loop (µs), a small CPU tensor op

@@ -103,6 +103,7 @@ from common import (  # noqa: E402
     LLAMA_3B_SHAPE,
     LLAMA_8B_SHAPE,
     LLAMA_70B_8L_SHAPE,
+    QWEN3_MOE_16L_SHAPE,
     QWEN25_7B_SHAPE,
     free_gpu,
     free_port,
@@ -119,7 +120,7 @@ SMOKE_SHAPE = dict(LLAMA_1B_SHAPE, hidden_size=64, num_hidden_layers=2, num_atte
                    head_dim=16, intermediate_size=128, vocab_size=8192, max_position_embeddings=2048,
                    bos_token_id=8189, eos_token_id=8190, pad_token_id=8191)
 SHAPES = {"1b": LLAMA_1B_SHAPE, "3b": LLAMA_3B_SHAPE, "8b": LLAMA_8B_SHAPE, "70b8l": LLAMA_70B_8L_SHAPE,
-          "qwen7b": QWEN25_7B_SHAPE}
+          "qwen7b": QWEN25_7B_SHAPE, "qwen3moe16l": QWEN3_MOE_16L_SHAPE}
 MODES = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0, "top_p": 0.95}}
 CFG = {"prompt_len": 256, "out_tokens": 128, "loads": [64, 256], "b1_requests": 3}
 CASES = ("copt", "b1", "loads", "guidellm", "profile", "tserve", "engine", "advise")
@@ -870,7 +871,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON results path (rewritten after every case)")
     parser.add_argument("--shapes", default="1b", help="comma-separated, run in this order: 1b, 3b, 8b, 70b8l "
-                        "(Llama-3.1-70B's width on 8 layers), qwen7b (Qwen2.5-7B's architecture); default 1b")
+                        "(Llama-3.1-70B's width on 8 layers), qwen7b (Qwen2.5-7B's architecture), qwen3moe16l "
+                        "(Qwen3-30B-A3B's, a mixture of experts, on 16 of its 48 layers); default 1b")
     parser.add_argument("--skip", default="", help="comma-separated cases to leave out: " + ", ".join(CASES))
     parser.add_argument("--budget-s", type=float, default=540, help="seconds for the whole run; a case that "
                         "would not fit in what is left is recorded as skipped (default 540)")
