@@ -16,7 +16,8 @@ import torch
 from clusteropt_cli.core.serve import topk_kernel as tk
 gen = torch.Generator().manual_seed(0)
 results = []
-for rows, vocab, k in ((1, 5000, 64), (2, 4096, 64), (1, 2049, 16), (1, 6000, 128)):
+# a partial last chunk of 1 element (2049) and of 1,904 (6000, k = 128); rows that fill their chunks (4096)
+for rows, vocab, k in ((2, 4096, 64), (1, 2049, 16), (1, 6000, 128)):
     x = torch.randn(rows, vocab, generator=gen) * 3
     x[0, : vocab // 3] = float("-inf")  # masked tokens (logit_bias, min_tokens)
     x[-1, 100:300] = x[-1, 7]  # a run of ties around the threshold
@@ -45,7 +46,7 @@ def test_triton_top_values_under_the_interpreter():
     from tests.triton_interpreter import run_interpreted
 
     results = run_interpreted(INTERPRETER_SCRIPT)
-    assert len(results) == 4 and all(r["equal"] and r["entries"] for r in results), results
+    assert len(results) == 3 and all(r["equal"] and r["entries"] for r in results), results
 
 
 def test_top_values_is_torch_topk_off_cuda():
