@@ -213,6 +213,7 @@ def make_model_dir(path: Path, shape: dict) -> dict:
     model.eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     build_s = time.perf_counter() - t0
+    routing = routing_spread(model, shape) if moe_experts(shape) else None
     model.save_pretrained(path, max_shard_size="5GB")
     del model
     free_gpu()
@@ -224,7 +225,43 @@ def make_model_dir(path: Path, shape: dict) -> dict:
             if (path / name).exists():
                 shutil.copy(path / name, beside / name)
     return {"weight_bytes": weight_bytes, "params": weight_bytes // 2, "build_s": round(build_s, 1),
-            "build_and_save_s": round(time.perf_counter() - t0, 1), **tok}
+            "build_and_save_s": round(time.perf_counter() - t0, 1), **tok,
+            **({"routing": routing} if routing else {})}
+
+
+def moe_experts(shape: dict) -> tuple[int, int] | None:
+    """(experts, experts per token) of a mixture-of-experts shape; None for a dense one."""
+    experts = shape.get("num_experts") or shape.get("num_local_experts")
+    return (int(experts), int(shape["num_experts_per_tok"])) if experts else None
+
+
+def routing_spread(model, shape: dict, rows: tuple[int, ...] = (1, 16, 64, 256), prompt_len: int = 64) -> dict:  # noqa: ANN001
+    """How the built model routes prompts of the benchmark's words: per MoE layer, the distinct experts the last
+    tokens of `rows` prompts pick (what a decode step of that many rows reads) next to uniform routing's
+    E·(1 − (1 − k/E)^rows), and over all prompt tokens the busiest expert's load ÷ the mean (a prefill's
+    imbalance). advise prices MoE steps by uniform routing; a random-weight model need not route that way."""
+    import torch
+
+    experts, k = moe_experts(shape)
+    count = max(rows)
+    gen = torch.Generator().manual_seed(0)
+    top = min(shape["vocab_size"], 128000) - 10
+    ids = torch.randint(FILLER_FROM, top, (count, prompt_len), generator=gen).to(next(model.parameters()).device)
+    with torch.inference_mode():
+        out = model(ids, output_router_logits=True)
+    logits = getattr(out, "router_logits", None)
+    if not logits:
+        return {"skipped": "the model returned no router logits"}
+    per_layer = []
+    for layer in logits:
+        picks = layer.float().view(count, prompt_len, -1)[..., :experts].topk(k, dim=-1).indices
+        loads = torch.bincount(picks.flatten(), minlength=experts).float()
+        per_layer.append({"distinct": {b: int(picks[:b, -1].unique().numel()) for b in rows},
+                          "prefill_max_over_mean": round(float(loads.max() / loads.mean()), 2)})
+    uniform = {b: round(experts * (1 - (1 - k / experts) ** b), 1) for b in rows}
+    return {"rows": list(rows), "prompt_len": prompt_len, "uniform_distinct": uniform,
+            "mean_distinct": {b: round(sum(x["distinct"][b] for x in per_layer) / len(per_layer), 1) for b in rows},
+            "layers": per_layer}
 
 
 def prompts_text(n: int, length: int, vocab: int, seed: int = 0) -> list[str]:
