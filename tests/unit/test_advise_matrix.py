@@ -184,3 +184,9 @@ def test_moe_decode_below_bf16_is_priced_dense_on_copts_engine() -> None:
     assert vllm.figures["tpot_floor_s"] == pytest.approx(bf16.figures["tpot_floor_s"], rel=1e-6)
     assert any("MoE below bf16" in note for note in fp16.notes)
     assert not any("MoE below bf16" in note for note in bf16.notes + vllm.notes)
+    # the routed path says what it assumes: uniform routing over the experts (Mixtral: 2 of 8 per row)
+    assert bf16.assumptions["moe_routing"].startswith("uniform: a decode step of 1 row reads 2 of 8 experts")
+    assert "moe_routing" not in fp16.assumptions
+    many = infer_time(spec, served.with_(dtype="bf16", batch=64), target)
+    assert many.assumptions["moe_routing"].startswith("uniform: a decode step of 64 rows reads 8 of 8 experts")
+    assert "moe_routing" not in infer_time(load_model_spec("llama-3.1-8b"), served, target).assumptions

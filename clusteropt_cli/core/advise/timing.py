@@ -485,6 +485,12 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
         assumptions["moe_decode"] = "dense experts (copt's engine below bf16: every expert on every row)"
         notes.append("MoE below bf16: copt serve decodes every expert on every row (CUDA-graph capturable; copt serve "
                      "--dtype bf16 routes through transformers' grouped GEMM and reads only the picked experts)")
+    elif spec.is_moe:
+        k, experts = spec.experts_per_token, spec.num_experts
+        distinct = experts * (1.0 - (1.0 - k / experts) ** running)
+        rows = f"{running} row" + "s" * (running != 1)
+        assumptions["moe_routing"] = (f"uniform: a decode step of {rows} reads {distinct:.0f} of {experts} experts "
+                                      f"per layer ({k} per row); a model that routes unevenly reads fewer")
     if engine:
         assumptions.update({k: v for k, v in engine.items() if v and (spec.num_moe_layers or k != "moe_layer_s")})
     else:
