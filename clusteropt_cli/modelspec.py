@@ -423,6 +423,36 @@ def has_tokenizer_files(path: str | Path) -> bool:
     return path.is_dir() and any((path / name).exists() for name in TOKENIZER_FILES)
 
 
+def tokenizer_code_problem(directory: Path) -> str | None:
+    """Why transformers would have to run Python code shipped in `directory` to load its tokenizer (None when it
+    would not): tokenizer_config.json maps AutoTokenizer to the directory's own code (auto_map) and names no class
+    transformers has. transformers then asks on the terminal whether to run that code (and refuses where nobody can
+    answer); copt never runs it (trust_remote_code stays off)."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None  # absent or unreadable: check_model_files names an unreadable one
+    if not isinstance(config, dict):
+        return None
+    auto_map = config.get("auto_map")
+    if not (isinstance(auto_map, (list, tuple)) or (isinstance(auto_map, dict) and "AutoTokenizer" in auto_map)):
+        return None
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    name = config.get("tokenizer_class")
+    if isinstance(name, str) and name and tokenizer_class_from_name(name) is not None:
+        return None  # transformers' own class: it loads without the shipped code
+    lacks = (f"transformers has no tokenizer class '{name}'" if isinstance(name, str) and name
+             else "it names no tokenizer_class")
+    return (f"tokenizer_config.json maps AutoTokenizer to Python code shipped in the directory (auto_map) and {lacks}; "
+            "copt does not run code from model directories (trust_remote_code is off)")
+
+
+TOKENIZER_CODE_HINT = ("Save the tokenizer as a class transformers implements into the directory (e.g. load it once "
+                       "where you trust its code and save_pretrained a PreTrainedTokenizerFast built from its "
+                       "tokenizer.json).")
+
+
 def tokenizer_dir_problem(path: str | Path, flag: str = "--tokenizer") -> str | None:
     """Why `path` is not a local tokenizer directory (None when it has tokenizer files): it is missing, not a
     directory, or holds none of TOKENIZER_FILES (transformers' own error then reads like a broken model)."""
@@ -434,6 +464,8 @@ def tokenizer_dir_problem(path: str | Path, flag: str = "--tokenizer") -> str | 
     if not has_tokenizer_files(p):
         return (f"{flag} {path} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); pass the model "
                 "directory save_pretrained wrote the tokenizer into")
+    if (problem := tokenizer_code_problem(p)) is not None:
+        return f"{flag} {path}: {problem}"
     return None
 
 
@@ -482,10 +514,11 @@ def check_model_files(model_dir: Path, flag: str = "--model") -> None:
 
 
 def check_loadable_model(model_dir: Path | None, config: dict[str, Any], flag: str = "--model",
-                         need_weights: bool = True) -> None:
+                         need_weights: bool = True, tokenizer: bool = False) -> None:
     """What transformers would fail on (or run) when loading this model, as exit-2 errors naming the file and the
     fix: an architecture transformers does not implement (custom code: copt never sets trust_remote_code), and
-    weights only in pickle files (copt loads safetensors only: a pickle can run code)."""
+    weights only in pickle files (copt loads safetensors only: a pickle can run code); with `tokenizer` (a command
+    that loads the directory's tokenizer), a tokenizer only its own shipped code implements."""
     where = f"{flag} {model_dir}" if model_dir is not None else flag
     model_type = config.get("model_type")
     text_type = (config.get("text_config") or {}).get("model_type") if isinstance(config.get("text_config"),
@@ -506,6 +539,8 @@ def check_loadable_model(model_dir: Path | None, config: dict[str, Any], flag: s
     if model_dir is None or not Path(model_dir).is_dir():
         return
     check_model_files(Path(model_dir), flag)
+    if tokenizer and (problem := tokenizer_code_problem(Path(model_dir))) is not None:  # the command loads it
+        raise BadInputError(f"{where}: {problem}.", hint=TOKENIZER_CODE_HINT)
     if not need_weights:
         return
     directory = Path(model_dir)

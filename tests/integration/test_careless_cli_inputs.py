@@ -465,3 +465,26 @@ def test_distill_counts_every_ranks_student_against_host_memory(capsys, fixtures
                            "--gpus", "2", "--max-steps", "1")
     assert code == 5 and "Not enough host memory" in err and "2 copies" in err, err
     assert not out.exists()
+
+
+def test_serve_refuses_a_tokenizer_only_its_shipped_code_implements(capsys, fixtures, tmp_path):
+    """`copt serve MODEL` (or `--tokenizer DIR`) whose tokenizer_config.json maps AutoTokenizer to the directory's
+    own module: transformers asked on the engine's terminal whether to run it, then copt reported the refusal as an
+    internal error. Refused up front (exit 2) naming the file; the module is never imported."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(fixtures.student, model)
+    (model / "my_tokenizer.py").write_text(f"open({str(model / 'RAN')!r}, 'w').close()\n")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="MyTokenizer", auto_map={"AutoTokenizer": [None, "my_tokenizer.MyTokenizer"]})
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    code, err = _copt_here(capsys, "serve", model, "--dry-run")
+    assert code == 2 and f"MODEL {model}: tokenizer_config.json maps AutoTokenizer to Python code" in err, err
+    assert "--tokenizer DIR" in err  # the way out: a tokenizer transformers implements
+    code, err = _copt_here(capsys, "serve", fixtures.student, "--tokenizer", model, "--dry-run")
+    assert code == 2 and f"--tokenizer {model}: tokenizer_config.json maps AutoTokenizer" in err, err
+    code, err = _copt_here(capsys, "serve", model, "--tokenizer", fixtures.student, "--dry-run")
+    assert code == 0, err  # another directory's tokenizer: MODEL's is never loaded
+    assert not (model / "RAN").exists()

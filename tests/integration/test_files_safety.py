@@ -302,6 +302,15 @@ def _pickle_only(path: Path) -> None:
     (path / "model.safetensors").unlink()
 
 
+def _tokenizer_code(path: Path) -> None:
+    """The tokenizer maps AutoTokenizer to a module of the directory (which, imported, leaves RAN behind) and names
+    a class only that module defines."""
+    (path / "my_tokenizer.py").write_text(f"open({str(path / 'RAN')!r}, 'w').close()\n")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="MyTokenizer", auto_map={"AutoTokenizer": [None, "my_tokenizer.MyTokenizer"]})
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 BAD_MODELS = {
     "non-utf8-config": (lambda p: (p / "config.json").write_bytes(b"\xff\xfe{"), "config.json is not UTF-8",
                         "restore it"),
@@ -312,6 +321,8 @@ BAD_MODELS = {
     "custom-code": (_config_edit(model_type="my_custom_lm", auto_map={"AutoModelForCausalLM": "m.M"}),
                     "trust_remote_code is off", "architecture transformers implements"),
     "pickle-only-weights": (_pickle_only, "weights only as pickle files (pytorch_model.bin)", "save_pretrained"),
+    "custom-tokenizer-code": (_tokenizer_code, "maps AutoTokenizer to Python code shipped in the directory",
+                              "does not run code from model directories"),
 }
 
 
@@ -365,6 +376,7 @@ def test_bad_input_files_are_exit_2_naming_the_file_and_the_fix(capsys, fixtures
     assert code == 2, err
     assert message in err and fix in err
     assert not out.exists()  # nothing written
+    assert not (model / "RAN").exists()  # no code of the model's directory ran
 
 
 # ---- rule 4: a killed quantize's temporary output is cleaned by the next run ---------------------------------

@@ -132,3 +132,57 @@ def test_a_tokenizer_saved_as_its_vocabulary_file_alone_is_a_tokenizer_directory
     if vocab_file == "vocab.txt":  # the directory is one transformers reads
         transformers = pytest.importorskip("transformers")
         assert len(transformers.AutoTokenizer.from_pretrained(str(tmp_path))) == 7
+
+
+def _tokenizer_with_code(directory, tokenizer_class: str | None = "MyTokenizer", model_type: str | None = None):
+    """A word-level fast tokenizer whose tokenizer_config.json maps AutoTokenizer to the directory's own code: a
+    module that, imported, would leave a file behind."""
+    import json
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>")),
+                            unk_token="<unk>").save_pretrained(directory)
+    (directory / "my_tokenizer.py").write_text(
+        f"open({str(directory / 'RAN')!r}, 'w').close()\n"
+        "from transformers import PreTrainedTokenizerFast\nclass MyTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.pop("tokenizer_class", None)
+    if tokenizer_class:
+        config["tokenizer_class"] = tokenizer_class
+    config["auto_map"] = {"AutoTokenizer": [None, "my_tokenizer.MyTokenizer"]}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    if model_type:
+        (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
+
+
+def test_a_tokenizer_only_its_shipped_code_implements_is_named_before_transformers_asks(tmp_path):
+    """transformers asks on the terminal whether to run a tokenizer's shipped code when it has no class of that
+    name (copt's engine process reported the refusal as an internal error): copt names it first and never runs it.
+    A class transformers has loads without the code: not refused."""
+    transformers = pytest.importorskip("transformers")
+    from clusteropt_cli.modelspec import tokenizer_code_problem, tokenizer_dir_problem
+
+    custom = tmp_path / "custom"
+    _tokenizer_with_code(custom)
+    assert "auto_map" in tokenizer_code_problem(custom) and "'MyTokenizer'" in tokenizer_code_problem(custom)
+    assert tokenizer_dir_problem(custom).startswith(f"--tokenizer {custom}: tokenizer_config.json maps AutoTokenizer")
+    with pytest.raises(ValueError, match="trust_remote_code"):  # what transformers does in a non-interactive run
+        transformers.AutoTokenizer.from_pretrained(str(custom))
+    assert not (custom / "RAN").exists()
+    no_class = tmp_path / "no-class"  # even beside a model_type transformers knows, it asks
+    _tokenizer_with_code(no_class, tokenizer_class=None, model_type="llama")
+    assert "it names no tokenizer_class" in tokenizer_code_problem(no_class)
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        transformers.AutoTokenizer.from_pretrained(str(no_class))
+
+    loads = tmp_path / "known-class"
+    _tokenizer_with_code(loads, tokenizer_class="PreTrainedTokenizerFast")
+    assert tokenizer_code_problem(loads) is None and tokenizer_dir_problem(loads) is None
+    transformers.AutoTokenizer.from_pretrained(str(loads))  # transformers' own class; the code is not run
+    assert not (loads / "RAN").exists() and not (custom / "RAN").exists()
+    plain = tmp_path / "plain"
+    _tokenizer_with_code(plain)
+    (plain / "tokenizer_config.json").write_text('{"tokenizer_class": "MyTokenizer"}')  # no auto_map: not code
+    assert tokenizer_code_problem(plain) is None

@@ -213,7 +213,7 @@ def check_logits_inputs(settings: DistillRecipe) -> tuple[Any, VocabCheck]:
         check_text_input(settings.eval_data, "--eval-data", read=True)
     from clusteropt_cli.modelspec import check_loadable_model
 
-    check_loadable_model(Path(settings.teacher), read_config(Path(settings.teacher)), "--teacher")
+    check_loadable_model(Path(settings.teacher), read_config(Path(settings.teacher)), "--teacher", tokenizer=True)
     student = resolve_student(settings.student or "")
     from clusteropt_cli.core.train.validate import check_hardware
 

@@ -134,7 +134,7 @@ def plan(settings: QuantizeRecipe, overwrite: bool = False, recipe: str | None =
     if not any(model_dir.glob("*.safetensors")) and not any(p for g in PICKLE_WEIGHTS for p in model_dir.glob(g)):
         raise BadInputError(f"MODEL {model_dir} has no weights (*.safetensors).",
                             hint="Pass a directory that holds the model's weights.")
-    check_loadable_model(model_dir, config, "MODEL")
+    check_loadable_model(model_dir, config, "MODEL", tokenizer=True)
     quantization = config.get("quantization_config")
     if quantization is not None and not isinstance(quantization, dict):
         raise BadInputError(f"MODEL {model_dir}: config.json's quantization_config is a {type(quantization).__name__}, "

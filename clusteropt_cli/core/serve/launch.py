@@ -118,6 +118,13 @@ def check_settings(settings: ServeRecipe) -> None:
         if (problem := tokenizer_dir_problem(settings.tokenizer)) is not None:
             raise BadInputError(problem + ".", hint="Pass the directory that holds the model's tokenizer files, or "
                                                     "leave --tokenizer out to use MODEL's.")
+    else:
+        from clusteropt_cli.modelspec import tokenizer_code_problem
+
+        if (problem := tokenizer_code_problem(Path(settings.model).expanduser())) is not None:
+            raise BadInputError(f"MODEL {settings.model}: {problem}.",
+                                hint="Pass --tokenizer DIR with a tokenizer transformers implements (e.g. one "
+                                     "save_pretrained as a PreTrainedTokenizerFast from this tokenizer.json).")
     if settings.tensor_parallel > 1 or settings.pipeline_parallel > 1:
         raise BadInputError("The embedded engine runs on one device; --tensor-parallel/--pipeline-parallel need "
                             "vLLM.", hint="Use --engine vllm (on a machine with vLLM installed).")

@@ -49,7 +49,8 @@ def validate_train(settings: TrainRecipe, *, overwrite: bool = False, check_outp
         pass
     elif source.tokenizer_path is None:
         problems.append("--tokenizer: training from a config/preset needs a local tokenizer directory")
-    elif (problem := tokenizer_dir_problem(source.tokenizer_path)) is not None:
+    elif (problem := tokenizer_dir_problem(source.tokenizer_path, "--tokenizer" if settings.tokenizer
+                                           else "--model")) is not None:
         problems.append(problem)
     problems += layout_problems(settings, config)
     if settings.zero > 0 and version_of("deepspeed") is None:
