@@ -213,7 +213,7 @@ def make_model_dir(path: Path, shape: dict) -> dict:
     model.eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     build_s = time.perf_counter() - t0
-    routing = routing_spread(model, shape) if moe_experts(shape) else None
+    routing = routing_by_text(model, shape) if moe_experts(shape) else None
     model.save_pretrained(path, max_shard_size="5GB")
     del model
     free_gpu()
@@ -235,18 +235,20 @@ def moe_experts(shape: dict) -> tuple[int, int] | None:
     return (int(experts), int(shape["num_experts_per_tok"])) if experts else None
 
 
-def routing_spread(model, shape: dict, rows: tuple[int, ...] = (1, 16, 64, 256), prompt_len: int = 64) -> dict:  # noqa: ANN001
-    """How the built model routes prompts of the benchmark's words: per MoE layer, the distinct experts the last
-    tokens of `rows` prompts pick (what a decode step of that many rows reads) next to uniform routing's
-    E·(1 − (1 − k/E)^rows), and over all prompt tokens the busiest expert's load ÷ the mean (a prefill's
-    imbalance). advise prices MoE steps by uniform routing; a random-weight model need not route that way."""
+def routing_spread(model, shape: dict, rows: tuple[int, ...] = (1, 16, 64, 256), prompt_len: int = 64,  # noqa: ANN001
+                   ids_from: int = FILLER_FROM, ids_to: int | None = None) -> dict:
+    """How the built model routes prompts of token ids in [ids_from, ids_to) (default: the benchmark's own "t<id>"
+    words): per MoE layer, the distinct experts the last tokens of `rows` prompts pick (what a decode step of that
+    many rows reads) next to uniform routing's E·(1 − (1 − k/E)^rows), and over all prompt tokens the busiest
+    expert's load ÷ the mean (a prefill's imbalance). advise prices MoE steps by uniform routing; a random-weight
+    model need not route that way."""
     import torch
 
     experts, k = moe_experts(shape)
     count = max(rows)
     gen = torch.Generator().manual_seed(0)
-    top = min(shape["vocab_size"], 128000) - 10
-    ids = torch.randint(FILLER_FROM, top, (count, prompt_len), generator=gen).to(next(model.parameters()).device)
+    top = ids_to or min(shape["vocab_size"], 128000) - 10
+    ids = torch.randint(ids_from, top, (count, prompt_len), generator=gen).to(next(model.parameters()).device)
     with torch.inference_mode():
         out = model(ids, output_router_logits=True)
     logits = getattr(out, "router_logits", None)
@@ -259,9 +261,21 @@ def routing_spread(model, shape: dict, rows: tuple[int, ...] = (1, 16, 64, 256),
         per_layer.append({"distinct": {b: int(picks[:b, -1].unique().numel()) for b in rows},
                           "prefill_max_over_mean": round(float(loads.max() / loads.mean()), 2)})
     uniform = {b: round(experts * (1 - (1 - k / experts) ** b), 1) for b in rows}
-    return {"rows": list(rows), "prompt_len": prompt_len, "uniform_distinct": uniform,
+    return {"rows": list(rows), "prompt_len": prompt_len, "token_ids": [ids_from, top], "uniform_distinct": uniform,
             "mean_distinct": {b: round(sum(x["distinct"][b] for x in per_layer) / len(per_layer), 1) for b in rows},
             "layers": per_layer}
+
+
+def routing_by_text(model, shape: dict) -> dict:  # noqa: ANN001
+    """routing_spread for the two kinds of prompt the script sends: its own "t<id>" words (copt's client, the
+    profile endpoint) and the English words guidellm's synthetic text is made of (ids below FILLER_FROM, where
+    make_tokenizer puts them)."""
+    first_word = 1 + len(".,;:!?'\"-()") + NUMBER_WORDS
+    words = min(FILLER_FROM, first_word + len(english_words()))
+    out = {"t_words": routing_spread(model, shape)}
+    if words > first_word + 100:
+        out["english_words"] = routing_spread(model, shape, ids_from=first_word, ids_to=words)
+    return out
 
 
 def prompts_text(n: int, length: int, vocab: int, seed: int = 0) -> list[str]:

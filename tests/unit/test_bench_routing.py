@@ -46,3 +46,17 @@ def test_a_random_router_spreads_and_a_constant_one_does_not() -> None:
     same = bench.routing_spread(model, TINY_MOE, rows=(1, 8, 32), prompt_len=8)
     assert same["mean_distinct"] == {1: 2, 8: 2, 32: 2}
     assert all(layer["prefill_max_over_mean"] == 8.0 for layer in same["layers"])  # 2 of 16 experts take it all
+
+
+def test_routing_is_probed_for_each_kind_of_prompt_the_script_sends(monkeypatch) -> None:
+    """The script's own "t<id>" words and, where Faker gives guidellm's English words, those (their ids lie below
+    FILLER_FROM, after the punctuation and the number words)."""
+    model = _model(TINY_MOE)
+    calls = []
+    monkeypatch.setattr(bench, "routing_spread", lambda m, s, **kw: calls.append(kw) or {"ok": True})
+    monkeypatch.setattr(bench, "english_words", lambda: [])
+    assert bench.routing_by_text(model, TINY_MOE) == {"t_words": {"ok": True}}
+    monkeypatch.setattr(bench, "english_words", lambda: [f"w{i}" for i in range(900)])
+    assert set(bench.routing_by_text(model, TINY_MOE)) == {"t_words", "english_words"}
+    first = 1 + 11 + bench.NUMBER_WORDS
+    assert calls[-1] == {"ids_from": first, "ids_to": first + 900}
