@@ -464,7 +464,7 @@ def tokenizer_dir_problem(path: str | Path, flag: str = "--tokenizer") -> str | 
     if not has_tokenizer_files(p):
         return (f"{flag} {path} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); pass the model "
                 "directory save_pretrained wrote the tokenizer into")
-    if (problem := tokenizer_code_problem(p)) is not None:
+    if (problem := json_files_problem(p) or tokenizer_code_problem(p)) is not None:
         return f"{flag} {path}: {problem}"
     return None
 
@@ -477,10 +477,31 @@ CONVERT_HINT = ("python -c \"from transformers import AutoModelForCausalLM as M;
 MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on the header
 
 
+# the JSON files a model or tokenizer load reads beside the weights (transformers' own JSONDecodeError surfaced as
+# an internal error, the file unnamed)
+LOAD_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "generation_config.json")
+
+
+def json_files_problem(directory: Path) -> str | None:
+    """The first of LOAD_JSON_FILES in `directory` that is not a regular file of valid JSON (None when all are)."""
+    for name in LOAD_JSON_FILES:
+        path = directory / name
+        if not os.path.lexists(path):
+            continue
+        try:
+            if not path.is_file():
+                raise ValueError("not a regular file")
+            json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError) as exc:
+            return f"{name} is not valid JSON ({str(exc)[:160]})"
+    return None
+
+
 def check_model_files(model_dir: Path, flag: str = "--model") -> None:
     """The files a load reads first, checked without loading anything: every *.safetensors is a regular file whose
-    header parses (a truncated copy or a download cut short fails here, not minutes into a run), and the
-    tokenizer's JSON files parse."""
+    header parses (a truncated copy or a download cut short fails here, not minutes into a run), and the JSON
+    files a load reads (LOAD_JSON_FILES: the tokenizer's, the generation defaults) parse."""
     import struct
 
     where = f"{flag} {model_dir}"
@@ -501,16 +522,8 @@ def check_model_files(model_dir: Path, flag: str = "--model") -> None:
         except (OSError, ValueError, RecursionError) as exc:
             raise BadInputError(f"{where}: {path.name} is not a readable safetensors file ({str(exc)[:160]}).",
                                 hint=hint) from None
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        path = Path(model_dir) / name
-        if not os.path.lexists(path):
-            continue
-        try:
-            if not path.is_file():
-                raise ValueError("not a regular file")
-            json.loads(path.read_bytes())
-        except (OSError, ValueError, RecursionError) as exc:
-            raise BadInputError(f"{where}: {name} is not valid JSON ({str(exc)[:160]}).", hint=hint) from None
+    if (problem := json_files_problem(Path(model_dir))) is not None:
+        raise BadInputError(f"{where}: {problem}.", hint=hint)
 
 
 def check_loadable_model(model_dir: Path | None, config: dict[str, Any], flag: str = "--model",

@@ -186,3 +186,18 @@ def test_a_tokenizer_only_its_shipped_code_implements_is_named_before_transforme
     _tokenizer_with_code(plain)
     (plain / "tokenizer_config.json").write_text('{"tokenizer_class": "MyTokenizer"}')  # no auto_map: not code
     assert tokenizer_code_problem(plain) is None
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                  "added_tokens.json", "generation_config.json"])
+def test_every_json_file_a_load_reads_is_checked_before_loading(tmp_path, name):
+    """A broken special_tokens_map.json reached copt serve's engine as "internal error: JSONDecodeError" (no file
+    named); a broken generation_config.json was dropped without a word (the model's sampling defaults with it)."""
+    from clusteropt_cli.modelspec import check_model_files, tokenizer_dir_problem
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    check_model_files(tmp_path)
+    (tmp_path / name).write_text('{"bos_token": ')
+    with pytest.raises(BadInputError, match=f"--model {tmp_path}: {name} is not valid JSON"):
+        check_model_files(tmp_path)
+    assert tokenizer_dir_problem(tmp_path).startswith(f"--tokenizer {tmp_path}: {name} is not valid JSON")
