@@ -114,6 +114,7 @@ from common import (  # noqa: E402
     wait_healthy,
 )
 
+from clusteropt_cli.core.advise.timing import uniform_distinct_experts  # noqa: E402
 from clusteropt_cli.core.profile.endpoint import hit_rate  # noqa: E402
 
 SMOKE_SHAPE = dict(LLAMA_1B_SHAPE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -127,6 +128,12 @@ CASES = ("copt", "b1", "loads", "guidellm", "profile", "tserve", "engine", "advi
 # numbers as words, so the unique prefix guidellm puts in front of each prompt gives distinct tokens
 NUMBER_WORDS = 4096
 FILLER_FROM = 6000  # token ids from here up are the words "t<id>": the benchmark's prompts use only these
+PUNCTUATION = ".,;:!?'\"-()"  # words of the tokenizer after <unk>, before the number words
+
+
+def filler_top(vocab: int) -> int:
+    """The end of the "t<id>" ids the benchmark's prompts draw from (below the vocabulary's last ids)."""
+    return min(vocab, 128000) - 10
 
 
 class Budget:
@@ -164,7 +171,7 @@ def make_tokenizer(path: Path, shape: dict) -> dict:
     vocab_size = shape["vocab_size"]
     specials = {shape["bos_token_id"]: "<|begin_of_text|>", shape["eos_token_id"]: "<|end_of_text|>",
                 shape["pad_token_id"]: "<|pad|>"}
-    known = ["<unk>"] + list(".,;:!?'\"-()") + [str(i) for i in range(NUMBER_WORDS)] + english_words()
+    known = ["<unk>"] + list(PUNCTUATION) + [str(i) for i in range(NUMBER_WORDS)] + english_words()
     known = known[:FILLER_FROM]
     vocab: dict[str, int] = {}
     for i in range(vocab_size):
@@ -247,7 +254,7 @@ def routing_spread(model, shape: dict, rows: tuple[int, ...] = (1, 16, 64, 256),
     experts, k = moe_experts(shape)
     count = max(rows)
     gen = torch.Generator().manual_seed(0)
-    top = ids_to or min(shape["vocab_size"], 128000) - 10
+    top = ids_to or filler_top(shape["vocab_size"])
     ids = torch.randint(ids_from, top, (count, prompt_len), generator=gen).to(next(model.parameters()).device)
     with torch.inference_mode():
         out = model(ids, output_router_logits=True)
@@ -260,7 +267,7 @@ def routing_spread(model, shape: dict, rows: tuple[int, ...] = (1, 16, 64, 256),
         loads = torch.bincount(picks.flatten(), minlength=experts).float()
         per_layer.append({"distinct": {b: int(picks[:b, -1].unique().numel()) for b in rows},
                           "prefill_max_over_mean": round(float(loads.max() / loads.mean()), 2)})
-    uniform = {b: round(experts * (1 - (1 - k / experts) ** b), 1) for b in rows}
+    uniform = {b: round(uniform_distinct_experts(experts, k, b), 1) for b in rows}
     return {"rows": list(rows), "prompt_len": prompt_len, "token_ids": [ids_from, top], "uniform_distinct": uniform,
             "mean_distinct": {b: round(sum(x["distinct"][b] for x in per_layer) / len(per_layer), 1) for b in rows},
             "layers": per_layer}
@@ -270,7 +277,7 @@ def routing_by_text(model, shape: dict) -> dict:  # noqa: ANN001
     """routing_spread for the two kinds of prompt the script sends: its own "t<id>" words (copt's client, the
     profile endpoint) and the English words guidellm's synthetic text is made of (ids below FILLER_FROM, where
     make_tokenizer puts them)."""
-    first_word = 1 + len(".,;:!?'\"-()") + NUMBER_WORDS
+    first_word = 1 + len(PUNCTUATION) + NUMBER_WORDS  # make_tokenizer's order: <unk>, punctuation, numbers
     words = min(FILLER_FROM, first_word + len(english_words()))
     out = {"t_words": routing_spread(model, shape)}
     if words > first_word + 100:
@@ -280,7 +287,7 @@ def routing_by_text(model, shape: dict) -> dict:  # noqa: ANN001
 
 def prompts_text(n: int, length: int, vocab: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    top = min(vocab, 128000) - 10
+    top = filler_top(vocab)
     return [" ".join(f"t{rng.randrange(FILLER_FROM, top)}" for _ in range(length)) for _ in range(n)]
 
 

@@ -33,6 +33,11 @@ def zero_comm_bytes(num_params: float, zero: int, dp: int, grad_bytes: float = 2
     return factor * num_params * grad_bytes * (dp - 1) / dp
 
 
+def uniform_distinct_experts(experts: int, per_token: int, rows: int) -> float:
+    """Distinct experts of a MoE layer that `rows` tokens pick under uniform routing: E·(1 − (1 − k/E)^rows)."""
+    return experts * (1.0 - (1.0 - per_token / experts) ** rows)
+
+
 def sampling_mode(plan: InferPlan, rows: int) -> str:
     """The selection mode copt's engine runs for the plan's sampled requests — the engine's own choice
     (device_sampling.selection_for; on CUDA one row with a wide top-k sorts, as SlotSampler.mode does), named as in
@@ -391,7 +396,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
             active_w = w_bytes
         elif spec.is_moe:
             k, experts = spec.experts_per_token, spec.num_experts
-            distinct = experts * (1.0 - (1.0 - k / experts) ** rows)
+            distinct = uniform_distinct_experts(experts, k, rows)
             expert_share = min(1.0, max(0.0, (distinct - k) / max(1, experts - k)))
             active_w = w_bytes * (spec.num_active_params
                                   + (spec.num_params - spec.num_active_params) * expert_share) / spec.num_params
@@ -487,7 +492,7 @@ def infer_time(spec: ModelSpec, plan: InferPlan, target: Target) -> TimeEstimate
                      "--dtype bf16 routes through transformers' grouped GEMM and reads only the picked experts)")
     elif spec.is_moe:
         k, experts = spec.experts_per_token, spec.num_experts
-        distinct = experts * (1.0 - (1.0 - k / experts) ** running)
+        distinct = uniform_distinct_experts(experts, k, running)
         rows = f"{running} row" + "s" * (running != 1)
         assumptions["moe_routing"] = (f"uniform: a decode step of {rows} reads {distinct:.0f} of {experts} experts "
                                       f"per layer ({k} per row); a model that routes unevenly reads fewer")
