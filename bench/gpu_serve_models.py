@@ -243,33 +243,54 @@ def moe_experts(shape: dict) -> tuple[int, int] | None:
 
 
 def routing_spread(model, shape: dict, rows: tuple[int, ...] = (1, 16, 64, 256), prompt_len: int = 64,  # noqa: ANN001
-                   ids_from: int = FILLER_FROM, ids_to: int | None = None) -> dict:
+                   ids_from: int = FILLER_FROM, ids_to: int | None = None, decode_steps: int = 4) -> dict:
     """How the built model routes prompts of token ids in [ids_from, ids_to) (default: the benchmark's own "t<id>"
-    words): per MoE layer, the distinct experts the last tokens of `rows` prompts pick (what a decode step of that
-    many rows reads) next to uniform routing's E·(1 − (1 − k/E)^rows), and over all prompt tokens the busiest
-    expert's load ÷ the mean (a prefill's imbalance). advise prices MoE steps by uniform routing; a random-weight
-    model need not route that way."""
+    words): per MoE layer, the distinct experts the last tokens of `rows` prompts pick next to uniform routing's
+    E·(1 − (1 − k/E)^rows), and over all prompt tokens the busiest expert's load ÷ the mean (a prefill's
+    imbalance); then `decode_steps` decode steps of every prompt at once, each token sampled at temperature 1 as
+    the server's default does, and the distinct experts the first `rows` rows of each step pick (what a decode step
+    of that many rows reads; mean over the layers and steps). advise prices MoE steps by uniform routing; a
+    random-weight model need not route that way."""
     import torch
 
     experts, k = moe_experts(shape)
     count = max(rows)
     gen = torch.Generator().manual_seed(0)
     top = ids_to or filler_top(shape["vocab_size"])
-    ids = torch.randint(ids_from, top, (count, prompt_len), generator=gen).to(next(model.parameters()).device)
+    device = next(model.parameters()).device
+    ids = torch.randint(ids_from, top, (count, prompt_len), generator=gen).to(device)
+
+    def picked(layer, tokens: int):  # noqa: ANN001, ANN202
+        return layer.float().view(count, tokens, -1)[..., :experts].topk(k, dim=-1).indices
+
     with torch.inference_mode():
-        out = model(ids, output_router_logits=True)
-    logits = getattr(out, "router_logits", None)
-    if not logits:
-        return {"skipped": "the model returned no router logits"}
+        out = model(ids, output_router_logits=True, use_cache=decode_steps > 0)
+        logits = getattr(out, "router_logits", None)
+        if not logits:
+            return {"skipped": "the model returned no router logits"}
+        decode = {b: [] for b in rows}
+        past, sample_gen = out.past_key_values, torch.Generator(device=device).manual_seed(0)
+        next_logits = out.logits[:, -1].float()
+        for _ in range(decode_steps):
+            tokens = torch.multinomial(torch.softmax(next_logits, -1), 1, generator=sample_gen)
+            step = model(tokens, past_key_values=past, use_cache=True, output_router_logits=True)
+            past, next_logits = step.past_key_values, step.logits[:, -1].float()
+            for layer in step.router_logits:
+                chosen = picked(layer, 1)[:, 0]
+                for b in rows:
+                    decode[b].append(int(chosen[:b].unique().numel()))
     per_layer = []
     for layer in logits:
-        picks = layer.float().view(count, prompt_len, -1)[..., :experts].topk(k, dim=-1).indices
+        picks = picked(layer, prompt_len)
         loads = torch.bincount(picks.flatten(), minlength=experts).float()
         per_layer.append({"distinct": {b: int(picks[:b, -1].unique().numel()) for b in rows},
                           "prefill_max_over_mean": round(float(loads.max() / loads.mean()), 2)})
     uniform = {b: round(uniform_distinct_experts(experts, k, b), 1) for b in rows}
     return {"rows": list(rows), "prompt_len": prompt_len, "token_ids": [ids_from, top], "uniform_distinct": uniform,
             "mean_distinct": {b: round(sum(x["distinct"][b] for x in per_layer) / len(per_layer), 1) for b in rows},
+            **({"decode_steps": decode_steps,
+                "decode_mean_distinct": {b: round(sum(v) / len(v), 1) for b, v in decode.items()}}
+               if decode_steps else {}),
             "layers": per_layer}
 
 

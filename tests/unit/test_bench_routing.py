@@ -41,10 +41,13 @@ def test_a_random_router_spreads_and_a_constant_one_does_not() -> None:
     assert len(spread["layers"]) == 2
     assert spread["mean_distinct"][1] == 2
     assert 7 <= spread["mean_distinct"][8] <= 14 and spread["mean_distinct"][32] >= 13
+    assert spread["decode_steps"] == 4 and spread["decode_mean_distinct"][1] == 2  # sampled decode steps' rows
+    assert 7 <= spread["decode_mean_distinct"][8] <= 14 and spread["decode_mean_distinct"][32] >= 13
     for gate in (m for name, m in model.named_modules() if name.endswith("mlp.gate")):
         torch.nn.init.zeros_(gate.weight)  # every expert scores the same for every token: the first k win
     same = bench.routing_spread(model, TINY_MOE, rows=(1, 8, 32), prompt_len=8)
     assert same["mean_distinct"] == {1: 2, 8: 2, 32: 2}
+    assert same["decode_mean_distinct"] == {1: 2, 8: 2, 32: 2}
     assert all(layer["prefill_max_over_mean"] == 8.0 for layer in same["layers"])  # 2 of 16 experts take it all
 
 
