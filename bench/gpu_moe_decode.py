@@ -9,6 +9,7 @@ Shapes, random weights, fewer layers than the real models (the step's cost per l
   qwen3moe-8l   Qwen3-30B-A3B's width: hidden 2,048, 128 experts of 768, top-8, 8 layers
   mixtral-4l    Mixtral-8x7B's width: hidden 4,096, 8 experts of 14,336, top-2, 4 layers
   mixtral-8l    the same over 8 layers (not run by default)
+  qwen3moe-16l  Qwen3-30B-A3B's width on 16 layers, its 152k untied vocabulary (not run by default)
   llama8b-4l, llama8b-16l   Llama-3.1-8B's width (hidden 4,096, MLP 14,336, 128k vocabulary, untied) on 4 / 16
                 layers (not run by default)
   llama1b-4l, llama1b-16l   Llama-3.2-1B's width (hidden 2,048, MLP 8,192, tied embeddings) on 4 / 16 layers
@@ -22,7 +23,9 @@ entry of this GPU, the case's dtype).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -46,6 +49,10 @@ SHAPES = {
 }
 # the same width over 8 layers: with the 4-layer shape, it separates a step's fixed cost from its cost per layer
 SHAPES["mixtral-8l"] = (SHAPES["mixtral-4l"][0], dict(SHAPES["mixtral-4l"][1], num_hidden_layers=8))
+# Qwen3-30B-A3B's width on 16 layers with its own 152k untied vocabulary: the model gpu_serve_models.py serves as
+# qwen3moe16l, stepped in-process
+SHAPES["qwen3moe-16l"] = (SHAPES["qwen3moe-8l"][0], dict(SHAPES["qwen3moe-8l"][1], num_hidden_layers=16,
+                                                        vocab_size=151936, tie_word_embeddings=False))
 for layers in (4, 16):
     SHAPES[f"llama8b-{layers}l"] = ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336,
                                                         num_hidden_layers=layers, num_attention_heads=32,
@@ -78,7 +85,22 @@ def build(path: Path, cls_name: str, fields: dict) -> None:
                                          pad_token="t0").save_pretrained(path)
 
 
-def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new_tokens: int, device: str) -> dict:
+def case_prompts(batch: int, vocab: int, spread: bool) -> list[list[int]]:
+    """`batch` prompts of 16 token ids: ids 3-402 in a fixed pattern, or with `spread` ids drawn at random from the
+    whole vocabulary (the "t<id>" words of gpu_serve_models.py's prompts lie across it)."""
+    if not spread:
+        return [[(7 * i + j) % 400 + 3 for j in range(16)] for i in range(batch)]
+    rng = random.Random(batch)
+    return [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(batch)]
+
+
+# sampling modes a case can step its batches with, (temperature, top_p); "greedy" fills per_batch, the others
+# per_batch_<mode>
+SAMPLING = {"greedy": (0.0, 1.0), "temperature": (1.0, 1.0), "top_p": (1.0, 0.95)}
+
+
+def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new_tokens: int, device: str,
+              spread: bool = False, sampling: tuple[str, ...] = ("greedy",)) -> dict:
     import torch
 
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
@@ -86,7 +108,9 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
     started = time.perf_counter()
     engine = Engine(EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_batch_size=max(batches),
                                  max_model_len=256, cuda_graphs=graphs, compile=graphs, kv_cache_memory_gib=4))
-    result = {"dtype": dtype, "graphs": graphs, "per_batch": {}}
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    result = {"dtype": dtype, "graphs": graphs, "spread_prompts": spread, "per_batch": {},
+              **{f"per_batch_{mode}": {} for mode in sampling if mode != "greedy"}}
     with engine:
         result["start_s"] = round(time.perf_counter() - started, 1)
         result["graphs_captured"] = engine.stats.graphs_captured
@@ -95,23 +119,28 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
         result["compile_error"] = engine.runner.compile_error
         result["prefill_graph_error"] = engine.runner.prefill_graph_error
         for batch in batches:
-            prompts = [[(7 * i + j) % 400 + 3 for j in range(16)] for i in range(batch)]
+            prompts = case_prompts(batch, vocab, spread)
+            for mode in sampling:
+                temperature, top_p = SAMPLING[mode]
 
-            def one_round(n: int, prompts: list[list[int]] = prompts) -> float:
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True) for p in prompts])
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                return time.perf_counter() - t0
+                def one_round(n: int, prompts: list[list[int]] = prompts, temperature: float = temperature,
+                              top_p: float = top_p) -> float:
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True,
+                                                       temperature=temperature, top_p=top_p) for p in prompts])
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    return time.perf_counter() - t0
 
-            one_round(new_tokens)
-            first = statistics.median(one_round(1) for _ in range(3))
-            full = statistics.median(one_round(new_tokens) for _ in range(3))
-            result["per_batch"][str(batch)] = {"ms_per_step": round((full - first) / (new_tokens - 1) * 1e3, 3),
-                                               "first_token_ms": round(first * 1e3, 2)}
-            log(f"  {dtype} graphs={graphs} batch {batch}: {result['per_batch'][str(batch)]}")
+                one_round(new_tokens)
+                first = statistics.median(one_round(1) for _ in range(3))
+                full = statistics.median(one_round(new_tokens) for _ in range(3))
+                step = {"ms_per_step": round((full - first) / (new_tokens - 1) * 1e3, 3),
+                        "first_token_ms": round(first * 1e3, 2)}
+                result["per_batch" if mode == "greedy" else f"per_batch_{mode}"].setdefault(str(batch), step)
+                log(f"  {dtype} graphs={graphs} {mode} batch {batch}: {step}")
     return result
 
 
@@ -143,14 +172,18 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--case-timeout", type=float, default=240)
     parser.add_argument("--graphs-only", action="store_true", help="skip the cases without CUDA graphs")
+    parser.add_argument("--sampling", default="greedy", help="sampling modes each batch is stepped with, in one "
+                        "engine: greedy, temperature (1.0) and top_p (temperature 1.0, top-p 0.95), comma-separated")
+    parser.add_argument("--prompts", default="fixed", help="fixed (ids 3-402), spread (random ids over the "
+                        "vocabulary) or both: one engine per kind")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
 
     if args.one:
-        model_dir, dtype, graphs, batches, new_tokens, device = json.loads(args.one)
+        model_dir, dtype, graphs, batches, new_tokens, device, spread, sampling = json.loads(args.one)
         try:
-            case = time_case(Path(model_dir), dtype, graphs, batches, new_tokens, device)
+            case = time_case(Path(model_dir), dtype, graphs, batches, new_tokens, device, spread, tuple(sampling))
         except Exception as exc:  # noqa: BLE001 - recorded by the parent
             traceback.print_exc()
             case = {"dtype": dtype, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"}
@@ -161,6 +194,9 @@ def main() -> None:
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device (use --cpu-smoke to check the script)")
     batches = [int(b) for b in args.batches.split(",")]
+    sampling = args.sampling.split(",")
+    if unknown := set(sampling) - set(SAMPLING):
+        parser.error(f"unknown --sampling {sorted(unknown)}: choose from {', '.join(SAMPLING)}")
     plan = {"smoke": SMOKE} if args.cpu_smoke else {s: SHAPES[s] for s in args.shapes.split(",")}
     dtypes = ["fp32"] if args.cpu_smoke else args.dtypes.split(",")
     out: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -172,43 +208,50 @@ def main() -> None:
             config = json.loads((model_dir / "config.json").read_text())
             out.setdefault("configs", {})[shape] = config
             for dtype in dtypes:
-                for graphs in ((False,) if device == "cpu" else (True,) if args.graphs_only else (True, False)):
-                    log(f"{shape} {dtype} graphs={graphs}")
+                for graphs, spread in itertools.product(
+                        (False,) if device == "cpu" else (True,) if args.graphs_only else (True, False),
+                        {"fixed": (False,), "spread": (True,), "both": (False, True)}[args.prompts]):
+                    log(f"{shape} {dtype} graphs={graphs} spread prompts={spread}")
                     # each engine in a process of its own: one engine's compiled graphs and pool leave the next
                     # no room on the GPU
                     one = [sys.executable, __file__, "--one", json.dumps([str(model_dir), dtype, graphs, batches,
-                                                                          args.new_tokens, device]), "--out", "-"]
+                                                                          args.new_tokens, device, spread,
+                                                                          sampling]),
+                           "--out", "-"]
                     try:
                         proc = subprocess.run(one, capture_output=True, text=True, timeout=args.case_timeout)
                     except subprocess.TimeoutExpired as exc:  # record it and go on with the next case
                         stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
                         sys.stderr.write((stderr or "")[-4000:])
-                        case = {"dtype": dtype, "graphs": graphs, "error": f"timed out after {args.case_timeout:g} s"}
+                        case = {"dtype": dtype, "graphs": graphs, "spread_prompts": spread,
+                                "error": f"timed out after {args.case_timeout:g} s"}
                     else:
                         sys.stderr.write(proc.stderr[-4000:])
                         try:
                             case = json.loads(proc.stdout.strip().splitlines()[-1])
                         except (ValueError, IndexError):
-                            case = {"dtype": dtype, "graphs": graphs, "error": f"exit {proc.returncode}"}
+                            case = {"dtype": dtype, "graphs": graphs, "spread_prompts": spread,
+                                    "error": f"exit {proc.returncode}"}
                     case["shape"] = shape
                     for batch, step in case.get("per_batch", {}).items() if graphs else ():  # copt serve's way
                         step["advise_ms_per_step"] = advise_ms_per_step(config, out["device"], dtype, int(batch),
                                                                         args.new_tokens)
                     out["cases"].append(case)
                     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"{'shape':<13} {'dtype':<5} {'graphs':<6} {'captured':>8} " + " ".join(f"{'b' + str(b) + ' ms':>9}"
-                                                                           for b in batches) + "  (advise ÷ measured)")
+    print(f"{'shape':<13} {'dtype':<5} {'graphs':<6} {'sampling':<11} {'captured':>8} "
+          + " ".join(f"{'b' + str(b) + ' ms':>9}" for b in batches) + "  (advise ÷ measured; * spread prompts)")
     for case in out["cases"]:
-        cells = []
-        for b in batches:
-            step = case.get("per_batch", {}).get(str(b), {})
-            ratio = (f"{step['advise_ms_per_step'] / step['ms_per_step']:.2f}" if step.get("advise_ms_per_step")
-                     and step.get("ms_per_step") else "-")
-            cells.append(f"{step.get('ms_per_step', float('nan')):>9.3f} ({ratio})")
-        print(f"{case['shape']:<13} {case['dtype']:<5} {str(case['graphs']):<6} "
-              f"{case.get('graphs_captured', '-')!s:>8} " + " ".join(cells) + (f"  {case['error']}"
-                                                                             if "error" in case else ""))
-
+        for mode in sampling:
+            steps = case.get("per_batch" if mode == "greedy" else f"per_batch_{mode}", {})
+            cells = []
+            for b in batches:
+                step = steps.get(str(b), {})
+                ratio = (f"{step['advise_ms_per_step'] / step['ms_per_step']:.2f}" if step.get("advise_ms_per_step")
+                         and step.get("ms_per_step") else "-")
+                cells.append(f"{step.get('ms_per_step', float('nan')):>9.3f} ({ratio})")
+            print(f"{case['shape'] + ('*' if case.get('spread_prompts') else ''):<13} {case['dtype']:<5} "
+                  f"{str(case['graphs']):<6} {mode:<11} {case.get('graphs_captured', '-')!s:>8} " + " ".join(cells)
+                  + (f"  {case['error']}" if "error" in case else ""))
 
 if __name__ == "__main__":
     main()
