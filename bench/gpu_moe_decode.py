@@ -144,10 +144,11 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
     return result
 
 
-def advise_ms_per_step(config: dict, device_name: str, dtype: str, batch: int, new_tokens: int) -> float | None:
-    """advise's time of one decode step for this case (16 prompt tokens): its `decode_step_s`, the step alone, as
-    the script measures it (the round less its first token), not the client's TPOT, which also carries a share of the
-    other requests' prefill. None for a GPU outside its catalog."""
+def advise_ms_per_step(config: dict, device_name: str, dtype: str, batch: int, new_tokens: int,
+                       mode: str = "greedy") -> float | None:
+    """advise's time of one decode step for this case (16 prompt tokens, the sampling `mode`'s temperature and
+    top-p): its `decode_step_s`, the step alone, as the script measures it (the round less its first token), not the
+    client's TPOT, which also carries a share of the other requests' prefill. None for a GPU outside its catalog."""
     from clusteropt_cli.core.advise.api import resolve_target
     from clusteropt_cli.core.advise.plan import InferPlan
     from clusteropt_cli.core.advise.timing import infer_time
@@ -158,7 +159,9 @@ def advise_ms_per_step(config: dict, device_name: str, dtype: str, batch: int, n
     if gpu is None:
         return None
     target, _ = resolve_target(gpu.name)
-    plan = InferPlan(batch=batch, prompt_len=16, gen_len=new_tokens, continuous_batching=True, dtype=dtype)
+    temperature, top_p = SAMPLING[mode]
+    plan = InferPlan(batch=batch, prompt_len=16, gen_len=new_tokens, continuous_batching=True, dtype=dtype,
+                     temperature=temperature, top_p=top_p)
     return round(infer_time(load_model_spec(config), plan, target).figures["decode_step_s"] * 1e3, 3)
 
 
@@ -179,6 +182,9 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
+
+    if not args.one:  # advise's side of every case, imported before any GPU work: a missing package fails here
+        import clusteropt_cli.core.advise.api  # noqa: F401
 
     if args.one:
         model_dir, dtype, graphs, batches, new_tokens, device, spread, sampling = json.loads(args.one)
@@ -233,9 +239,11 @@ def main() -> None:
                             case = {"dtype": dtype, "graphs": graphs, "spread_prompts": spread,
                                     "error": f"exit {proc.returncode}"}
                     case["shape"] = shape
-                    for batch, step in case.get("per_batch", {}).items() if graphs else ():  # copt serve's way
-                        step["advise_ms_per_step"] = advise_ms_per_step(config, out["device"], dtype, int(batch),
-                                                                        args.new_tokens)
+                    for mode in sampling if graphs else ():  # copt serve's way
+                        key = "per_batch" if mode == "greedy" else f"per_batch_{mode}"
+                        for batch, step in case.get(key, {}).items():
+                            step["advise_ms_per_step"] = advise_ms_per_step(config, out["device"], dtype, int(batch),
+                                                                            args.new_tokens, mode)
                     out["cases"].append(case)
                     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"{'shape':<13} {'dtype':<5} {'graphs':<6} {'sampling':<11} {'captured':>8} "
