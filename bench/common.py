@@ -59,8 +59,9 @@ QWEN3_MOE_16L_SHAPE = dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_
 def host_probe() -> dict:
     """The host a benchmark ran on: CPU model and cores, and how fast it runs the kinds of work a serving engine's
     and an offloaded optimizer's host side do (median of 5 each): a fixed pure-Python loop (µs), a small CPU tensor op
-    (µs), and on CUDA a kernel launch queued without waiting (µs) and a launch read back at once (µs). Recorded so
-    figures measured on different machines can be told apart by their host."""
+    (µs), a torch AdamW step on the CPU (ns per parameter), and on CUDA a kernel launch queued without waiting (µs) and
+    a launch read back at once (µs). Recorded so figures measured on different machines can be told apart by their
+    host."""
     import statistics
 
     cpuinfo = Path("/proc/cpuinfo")
@@ -86,6 +87,7 @@ def host_probe() -> dict:
         return out
     a = torch.ones(256)
     out["cpu_tensor_op_us"] = round(median_us(lambda: [a.add_(1.0) for _ in range(1000)]) / 1000, 3)
+    out["cpu_adamw_ns_per_param"] = cpu_adamw_ns_per_param()
     if torch.cuda.is_available():
         x = torch.zeros(1, device="cuda")
         torch.cuda.synchronize()
@@ -103,6 +105,29 @@ def host_probe() -> dict:
         out["cuda_launch_us"] = round(median_us(launches) / 1000, 3)
         out["cuda_round_trip_us"] = round(median_us(round_trips) / 200, 3)
     return out
+
+
+ADAMW_PROBE_PARAMS = 8 * 2**20
+
+
+def cpu_adamw_ns_per_param(params: int = ADAMW_PROBE_PARAMS, reps: int = 5) -> float:
+    """ns per parameter of one torch AdamW step over `params` fp32 parameters on the host's CPU, all its threads
+    (median of `reps` after one untimed step): the kind of work ZeRO-Offload's CPU Adam does each step, which sets an
+    offloaded step's time on hosts whose cores differ (calibration.CPU_ADAM_S_PER_PARAM)."""
+    import statistics
+
+    import torch
+
+    weight = torch.nn.Parameter(torch.zeros(params))
+    weight.grad = torch.full((params,), 1e-3)
+    optimizer = torch.optim.AdamW([weight], lr=1e-4)
+    optimizer.step()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times) / params * 1e9, 4)
 
 
 def host_probe_subprocess(timeout_s: float = 120.0) -> dict:
