@@ -94,6 +94,29 @@ def levels(results: dict) -> list[dict]:
     return out
 
 
+def _turnarounds(text: str) -> dict[str, float]:
+    """--turnaround-ms: 'MS' (every closed loop) or comma-separated 'TESTER[@CLIENTS]=MS' → seconds by key."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, ms = part.rpartition("=")
+        try:
+            seconds = float(ms) / 1e3
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected MS or TESTER[@CLIENTS]=MS") from None
+        if seconds < 0:
+            raise argparse.ArgumentTypeError(f"{part!r}: a turnaround is not negative")
+        out[key.strip() or "*"] = seconds
+    return out
+
+
+def _turnaround_for(turnarounds: dict[str, float], level: dict) -> float:
+    """The most specific --turnaround-ms entry for a level: tester@clients, then tester, then every level."""
+    for key in (f"{level['tester']}@{level['clients']}", level["tester"], "*"):
+        if key in turnarounds:
+            return turnarounds[key]
+    return 0.0
+
+
 def gpu_of(results: dict) -> str:
     """The catalog name of the GPU the results were measured on (their `gpu` device name; H200 where it is not
     recorded or not in the catalog)."""
@@ -118,7 +141,8 @@ def predicted(level: dict, results_before_prefill: bool = True, masked_prefill_g
         figures = infer_time(spec, plan, target).figures
         return {name: figures[name] for name in FIGURES}
     replay = closed_loop_figures(spec, plan, target, **level["load"], results_before_prefill=results_before_prefill,
-                                 masked_prefill_graphs=masked_prefill_graphs)
+                                 masked_prefill_graphs=masked_prefill_graphs,
+                                 turnaround_s=level.get("turnaround_s", 0.0))
     return {name.removeprefix("closed_loop_"): value for name, value in (replay[0] if replay else {}).items()}
 
 
@@ -259,9 +283,14 @@ def main() -> None:
     parser.add_argument("--host-loop-ms", type=float,
                         help="price copt serve's host work at this host speed for every run (a probe taken beside "
                              "the run's own)")
+    parser.add_argument("--turnaround-ms", type=_turnarounds, default={},
+                        help="replay each closed-loop client's time between an answer and its next request: one "
+                             "value for every tester, or per tester and clients, e.g. 'guidellm=56,profile "
+                             "endpoint@256=35' (bench/results' requests-in-api.py reads it off an API trace)")
     args = parser.parse_args()
     all_levels = [level for path in args.results for level in levels(json.loads(path.read_text()))]
     for level in all_levels:
+        level["turnaround_s"] = _turnaround_for(args.turnaround_ms, level)
         if args.host_loop_ms:
             level["host_loop_s"] = args.host_loop_ms / 1e3
         elif args.recorded_host:

@@ -64,6 +64,33 @@ def test_the_api_process_takes_requests_in_one_after_another() -> None:
     assert sorted(round(first, 6) for _, first, _ in run.per_request)[-1] >= 0.008
 
 
+def test_a_clients_turnaround_delays_its_next_request() -> None:
+    """One client with a 50 ms turnaround: each request is sent 50 ms after the last one's answer (1 ms prefill,
+    ten 10 ms decode steps), so three requests take three cycles and two turnarounds."""
+    run = simulate_closed_loop(_toy(), 1, 11, requests=3, turnaround_s=0.050)
+    sends = sorted(sent for sent, _, _ in run.per_request)
+    lasts = sorted(last for _, _, last in run.per_request)
+    assert [b - a for a, b in zip(lasts, sends[1:], strict=False)] == [pytest.approx(0.050)] * 2
+    assert run.duration_s == pytest.approx(3 * 0.101 + 2 * 0.050)
+    with pytest.raises(ValueError, match="turnaround"):
+        simulate_closed_loop(_toy(), 1, 11, requests=3, turnaround_s=-0.001)
+
+
+def test_a_turnaround_costs_its_share_of_the_cycle_not_more() -> None:
+    """Sends a turnaround delays are taken by the API process in the order they are made, not when the answer
+    before them arrived: on the 1B shape's step model at 64 clients, a 15 ms turnaround (3% of a ~0.4 s cycle) costs
+    a few percent of the throughput (the API process once queued behind every pending send and halved it), and a
+    longer one costs more."""
+    spec = load_model_spec("llama-3.2-1b")
+    plan = InferPlan(batch=64, prompt_len=256, gen_len=128, continuous_batching=True)
+    costs = infer_time(spec, plan, Target(get_gpu("h200"))).costs
+    tok_s = {t: simulate_closed_loop(costs, 64, 128, duration_s=5.0, turnaround_s=t).output_tokens_per_s
+             for t in (0.0, 0.015, 0.2)}
+    cycle = 64 * 128 / tok_s[0.0]
+    assert 0.9 * tok_s[0.0] < tok_s[0.015] <= tok_s[0.0]
+    assert 64 * 128 / (cycle + 0.2) <= tok_s[0.2] < tok_s[0.015]
+
+
 def test_a_steps_decoded_results_go_out_before_its_prefill() -> None:
     """Client 0's request (in at 30 ms) prefills alone (50 ms); client 1's (in at 60 ms) prefills in the next step,
     next to client 0's last decode (10 ms): that last token goes out at 90 ms, before the prefill ends at 140 ms —
@@ -1131,3 +1158,22 @@ def test_step_mix_splits_prefilling_steps_from_lone_decode_passes(monkeypatch) -
     assert step_mix(steps) == {"prefill_steps": 3, "prefill_steps_s": 0.031, "chunks_per_prefill_step": 3.67,
                                "decode_passes_alone": 3, "decode_alone_s": 0.03, "rows_per_pass": 180.0}
     assert step_mix([])["rows_per_pass"] == 0.0
+
+
+def test_the_check_replays_the_turnaround_given_for_each_tester(monkeypatch) -> None:
+    """bench/closed_loop_check.py --turnaround-ms: one value for every closed loop, or per tester and clients, the
+    most specific entry winning; a malformed or negative value is refused."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    from closed_loop_check import _turnaround_for, _turnarounds
+
+    given = _turnarounds("20, guidellm=56, profile endpoint@256=35")
+    assert given == {"*": 0.020, "guidellm": 0.056, "profile endpoint@256": 0.035}
+    assert _turnaround_for(given, {"tester": "guidellm", "clients": 256}) == 0.056
+    assert _turnaround_for(given, {"tester": "profile endpoint", "clients": 256}) == 0.035
+    assert _turnaround_for(given, {"tester": "profile endpoint", "clients": 64}) == 0.020
+    assert _turnaround_for({}, {"tester": "guidellm", "clients": 64}) == 0.0
+    for bad in ("guidellm=fast", "-5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _turnarounds(bad)

@@ -71,18 +71,22 @@ class _Request:
 
 
 def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, requests: int | None = None,
-                         duration_s: float | None = None, max_steps: int = 200_000) -> ClosedLoopFigures:
+                         duration_s: float | None = None, max_steps: int = 200_000,
+                         turnaround_s: float = 0.0) -> ClosedLoopFigures:
     """N closed-loop clients through the engine: each sends its first request at time 0 and its next one as soon as
-    the last token of the previous one arrived, while fewer than `requests` were sent in all (copt profile
+    the last token of the previous one arrived (`turnaround_s` later: the client's own time between an answer and
+    its next request, and the HTTP transport's), while fewer than `requests` were sent in all (copt profile
     endpoint's --num-requests, 4 per client by default; guidellm's max_requests) and it is before `duration_s` (then
     the requests in flight finish, as `copt profile endpoint --duration` does). Requests queue for the API process
     (costs.intake_s each), then for the engine."""
+    if turnaround_s < 0:
+        raise ValueError("turnaround_s must not be negative")
     if clients < 1 or gen_len < 1:
         raise ValueError("clients and gen_len must be at least 1")
     if duration_s is None and requests is None:
         raise ValueError("a closed loop needs a request count or a duration")
     return _replay(costs, gen_len, [(0.0, client) for client in range(clients)], closed=True, requests=requests,
-                   duration_s=duration_s, max_steps=max_steps)
+                   duration_s=duration_s, max_steps=max_steps, turnaround_s=turnaround_s)
 
 
 def simulate_open_loop(costs: ServeCosts, rate: float, gen_len: int, *, requests: int | None = None,
@@ -124,11 +128,13 @@ def simulate_sends(costs: ServeCosts, gen_len: int, send_times: list[float], *,
 
 def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, int]], *, closed: bool,
             requests: int | None, duration_s: float | None, max_steps: int,
-            step_log: list | None = None) -> ClosedLoopFigures:
+            step_log: list | None = None, turnaround_s: float = 0.0) -> ClosedLoopFigures:
     """Step the engine through the planned sends (time, client), in time order; closed: a client sends again when
-    its request's last token arrived. `step_log` receives (seconds, decoding rows, prompt chunks) per step."""
+    its request's last token arrived (`turnaround_s` later: such a send waits its turn among the planned ones, so the
+    API process takes requests in the order they were sent). `step_log` receives (seconds, decoding rows, prompt
+    chunks) per step."""
     clients = len(planned_sends)
-    planned = deque(sorted(planned_sends))
+    planned = sorted(planned_sends)  # a heap: closed loops' later sends join it
     decode_s = lru_cache(maxsize=None)(costs.decode_step)
     mixed_s = lru_cache(maxsize=None)(costs.step_with_prefill)
     chain_start_s = lru_cache(maxsize=None)(costs.chain_start)
@@ -157,7 +163,8 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
     chained = False  # the previous step decoded and prefilled nothing: this one goes on its chain
     while steps < max_steps:
         while planned and planned[0][0] <= now:  # sent before the step starts (the API queue decides when it arrives)
-            send(planned[0][1], planned.popleft()[0])
+            at, client = heapq.heappop(planned)
+            send(client, at)
         while arrivals and arrivals[0][0] <= now:
             waiting.append(heapq.heappop(arrivals)[2])
         while waiting and len(prefilling) + decoding < costs.max_running:
@@ -213,7 +220,9 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
         steps += 1
         for r, at in answered:
             done.append((r, at))
-            if closed:
+            if closed and turnaround_s > 0:
+                heapq.heappush(planned, (at + turnaround_s, r.client))
+            elif closed:
                 send(r.client, at)
     truncated = bool(planned or arrivals or waiting or prefilling or decoding)
     if not done:  # max_steps ran out before the first request ended
@@ -268,7 +277,8 @@ AMPLIFIED_TTFT = 3.0
 
 def closed_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, requests: int | None = None,
                         duration_s: float | None = None, results_before_prefill: bool = True,
-                        masked_prefill_graphs: bool = False) -> tuple[dict[str, float], dict[str, float]] | None:
+                        masked_prefill_graphs: bool = False,
+                        turnaround_s: float = 0.0) -> tuple[dict[str, float], dict[str, float]] | None:
     """The plan's `batch` clients as a closed loop through copt's engine: (figures, workload). Figures are named
     closed_loop_ttft_s, closed_loop_tpot_s (medians over the requests) and closed_loop_output_tokens_per_s, with
     closed_loop_ttft_amplification next to the TTFT where the engine was full (ClosedLoopFigures.ttft_amplification,
@@ -279,7 +289,8 @@ def closed_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, req
     bursts, then long decode stretches — which the replay does not reproduce (H200, 1B shape at 128-256 clients:
     replayed 0.05-0.13 s against 0.15-0.63 measured). `results_before_prefill` False replays an engine that hands a
     step's decoded tokens out only after the step's prefill (copt's before it handed them out early);
-    `masked_prefill_graphs` True one whose prefill graphs took new prompts only (ServeCosts.masked_prefill_graphs)."""
+    `masked_prefill_graphs` True one whose prefill graphs took new prompts only (ServeCosts.masked_prefill_graphs);
+    `turnaround_s` is each client's time between an answer and its next request (simulate_closed_loop)."""
     if plan.batch < 2 or target.gpu is None:
         return None
     costs = infer_time(spec, plan, target).costs
@@ -288,7 +299,8 @@ def closed_loop_figures(spec: ModelSpec, plan: InferPlan, target: Target, *, req
     costs = replace(costs, results_before_prefill=results_before_prefill, masked_prefill_graphs=masked_prefill_graphs)
     if requests is None and duration_s is None:
         requests = REQUESTS_PER_CLIENT * plan.batch
-    run = simulate_closed_loop(costs, plan.batch, plan.gen_len, requests=requests, duration_s=duration_s)
+    run = simulate_closed_loop(costs, plan.batch, plan.gen_len, requests=requests, duration_s=duration_s,
+                               turnaround_s=turnaround_s)
     if run.truncated:
         return None
     figures = {"closed_loop_tpot_s": run.tpot_s, "closed_loop_output_tokens_per_s": run.output_tokens_per_s}
