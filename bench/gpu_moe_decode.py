@@ -99,8 +99,42 @@ def case_prompts(batch: int, vocab: int, spread: bool) -> list[list[int]]:
 SAMPLING = {"greedy": (0.0, 1.0), "temperature": (1.0, 1.0), "top_p": (1.0, 0.95)}
 
 
+def profile_summary(events: list, device: str, top: int = 12) -> dict:
+    """What a profiled round spent its device time on: on CUDA the kernels and copies (a replayed CUDA graph's
+    kernels included), on a CPU the top-level ops. Per name the calls and total µs, largest first (`top` of them),
+    and over the round the time they kept the device busy (their intervals merged) against its span: a busy share
+    near 1 is a step bound by its kernels, well below 1 one that waits on the host. (A CPU run profiles the calling
+    thread only, not the engine's: its smoke reads no events.)"""
+    from torch.autograd import DeviceType
+
+    kind = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
+    chosen = [e for e in events if e.device_type == kind and (kind == DeviceType.CUDA or e.cpu_parent is None)]
+    if not chosen:
+        return {"events": 0}
+    by_name: dict[str, list[float]] = {}
+    for event in chosen:
+        entry = by_name.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.time_range.elapsed_us()
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in chosen)
+    busy, (start, end) = 0.0, intervals[0]
+    for lo, hi in intervals[1:]:
+        if lo > end:
+            busy, start, end = busy + end - start, lo, hi
+        else:
+            end = max(end, hi)
+    busy += end - start
+    span = max(hi for _, hi in intervals) - intervals[0][0]
+    total = sum(t for _, t in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return {"events": len(chosen), "busy_ms": round(busy / 1e3, 3), "span_ms": round(span / 1e3, 3),
+            "busy_share": round(busy / span, 3) if span > 0 else None,
+            "top": [{"name": name[:120], "calls": int(calls), "total_us": round(us, 1),
+                     "share": round(us / total, 3) if total else None} for name, (calls, us) in ranked]}
+
+
 def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new_tokens: int, device: str,
-              spread: bool = False, sampling: tuple[str, ...] = ("greedy",)) -> dict:
+              spread: bool = False, sampling: tuple[str, ...] = ("greedy",), kernels: bool = False) -> dict:
     import torch
 
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
@@ -141,6 +175,16 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
                         "first_token_ms": round(first * 1e3, 2)}
                 result["per_batch" if mode == "greedy" else f"per_batch_{mode}"].setdefault(str(batch), step)
                 log(f"  {dtype} graphs={graphs} {mode} batch {batch}: {step}")
+                if kernels and mode == sampling[0]:  # one profiled round of new_tokens, the first mode's
+                    from torch.profiler import ProfilerActivity, profile
+
+                    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+                    with profile(activities=[activity]) as prof:
+                        one_round(new_tokens)
+                    summary = profile_summary(prof.events(), device)
+                    result.setdefault("kernels", {})[str(batch)] = summary
+                    log(f"  kernels, batch {batch}: busy {summary.get('busy_ms')} of {summary.get('span_ms')} ms; "
+                        + "; ".join(f"{k['name'][:60]} {k['share']}" for k in summary.get("top", [])[:4]))
     return result
 
 
@@ -179,6 +223,8 @@ def main() -> None:
                         "engine: greedy, temperature (1.0) and top_p (temperature 1.0, top-p 0.95), comma-separated")
     parser.add_argument("--prompts", default="fixed", help="fixed (ids 3-402), spread (random ids over the "
                         "vocabulary) or both: one engine per kind")
+    parser.add_argument("--kernels", action="store_true", help="also profile one round per batch (the first "
+                        "--sampling mode): each kernel's calls and time, and how busy they kept the GPU")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
@@ -187,9 +233,10 @@ def main() -> None:
         import clusteropt_cli.core.advise.api  # noqa: F401
 
     if args.one:
-        model_dir, dtype, graphs, batches, new_tokens, device, spread, sampling = json.loads(args.one)
+        model_dir, dtype, graphs, batches, new_tokens, device, spread, sampling, kernels = json.loads(args.one)
         try:
-            case = time_case(Path(model_dir), dtype, graphs, batches, new_tokens, device, spread, tuple(sampling))
+            case = time_case(Path(model_dir), dtype, graphs, batches, new_tokens, device, spread, tuple(sampling),
+                             kernels)
         except Exception as exc:  # noqa: BLE001 - recorded by the parent
             traceback.print_exc()
             case = {"dtype": dtype, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"}
@@ -222,7 +269,7 @@ def main() -> None:
                     # no room on the GPU
                     one = [sys.executable, __file__, "--one", json.dumps([str(model_dir), dtype, graphs, batches,
                                                                           args.new_tokens, device, spread,
-                                                                          sampling]),
+                                                                          sampling, args.kernels]),
                            "--out", "-"]
                     try:
                         proc = subprocess.run(one, capture_output=True, text=True, timeout=args.case_timeout)

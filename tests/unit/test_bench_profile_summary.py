@@ -1,0 +1,45 @@
+"""bench/gpu_moe_decode.py --kernels: a profiled round summarised per kernel (calls, µs, share) with the time the
+kernels kept the device busy against the round's span."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from gpu_moe_decode import profile_summary  # noqa: E402
+
+
+def _kernel(name: str, start: float, end: float) -> SimpleNamespace:
+    return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA, cpu_parent=None,
+                           time_range=SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start))
+
+
+def test_overlapping_kernels_count_once_and_gaps_show_as_idle() -> None:
+    events = [_kernel("gemm", 0, 1000), _kernel("gemm", 500, 1500), _kernel("norm", 2000, 3000),
+              SimpleNamespace(name="aten::mm", device_type=torch.autograd.DeviceType.CPU, cpu_parent=None,
+                              time_range=SimpleNamespace(start=0, end=9000, elapsed_us=lambda: 9000))]
+    summary = profile_summary(events, "cuda")
+    assert summary["events"] == 3 and summary["busy_ms"] == 2.5 and summary["span_ms"] == 3.0
+    assert summary["busy_share"] == pytest.approx(0.833, abs=1e-3)
+    assert [(k["name"], k["calls"], k["total_us"]) for k in summary["top"]] == [("gemm", 2, 2000), ("norm", 1, 1000)]
+    assert profile_summary([], "cuda") == {"events": 0}
+
+
+def test_a_cpu_profile_counts_top_level_ops_only() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(128, 128)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            (a @ a).relu_()
+    summary = profile_summary(prof.events(), "cpu")
+    names = {k["name"]: k["calls"] for k in summary["top"]}
+    assert names["aten::matmul"] == 3 and names["aten::relu_"] == 3 and "aten::mm" not in names
+    assert 0 < summary["busy_ms"] <= summary["span_ms"]
