@@ -134,16 +134,19 @@ def profile_summary(events: list, device: str, top: int = 12) -> dict:
 
 
 def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new_tokens: int, device: str,
-              spread: bool = False, sampling: tuple[str, ...] = ("greedy",), kernels: bool = False) -> dict:
+              spread: bool = False, sampling: tuple[str, ...] = ("greedy",), kernels: bool = False,
+              compile_mode: str = "auto") -> dict:
     import torch
 
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
 
     started = time.perf_counter()
     engine = Engine(EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_batch_size=max(batches),
-                                 max_model_len=256, cuda_graphs=graphs, compile=graphs, kv_cache_memory_gib=4))
+                                 max_model_len=256, cuda_graphs=graphs, compile=graphs, kv_cache_memory_gib=4,
+                                 compile_mode=compile_mode))
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-    result = {"dtype": dtype, "graphs": graphs, "spread_prompts": spread, "per_batch": {},
+    result = {"dtype": dtype, "graphs": graphs, "spread_prompts": spread, "compile_mode": compile_mode,
+              "per_batch": {},
               **{f"per_batch_{mode}": {} for mode in sampling if mode != "greedy"}}
     with engine:
         result["start_s"] = round(time.perf_counter() - started, 1)
@@ -225,6 +228,8 @@ def main() -> None:
                         "vocabulary) or both: one engine per kind")
     parser.add_argument("--kernels", action="store_true", help="also profile one round per batch (the first "
                         "--sampling mode): each kernel's calls and time, and how busy they kept the GPU")
+    parser.add_argument("--compile-mode", default="auto", help="copt serve's --compile-mode for the decode layers "
+                        "(auto: batch-1 steps autotuned; max-autotune-no-cudagraphs: every batch bucket)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
@@ -233,10 +238,10 @@ def main() -> None:
         import clusteropt_cli.core.advise.api  # noqa: F401
 
     if args.one:
-        model_dir, dtype, graphs, batches, new_tokens, device, spread, sampling, kernels = json.loads(args.one)
+        model_dir, dtype, graphs, batches, new_tokens, device, spread, sampling, kernels, mode = json.loads(args.one)
         try:
             case = time_case(Path(model_dir), dtype, graphs, batches, new_tokens, device, spread, tuple(sampling),
-                             kernels)
+                             kernels, mode)
         except Exception as exc:  # noqa: BLE001 - recorded by the parent
             traceback.print_exc()
             case = {"dtype": dtype, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"}
@@ -269,7 +274,8 @@ def main() -> None:
                     # no room on the GPU
                     one = [sys.executable, __file__, "--one", json.dumps([str(model_dir), dtype, graphs, batches,
                                                                           args.new_tokens, device, spread,
-                                                                          sampling, args.kernels]),
+                                                                          sampling, args.kernels,
+                                                                          args.compile_mode]),
                            "--out", "-"]
                     try:
                         proc = subprocess.run(one, capture_output=True, text=True, timeout=args.case_timeout)
