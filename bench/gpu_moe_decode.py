@@ -13,11 +13,11 @@ Shapes, random weights, fewer layers than the real models (the step's cost per l
   llama8b-4l, llama8b-16l   Llama-3.1-8B's width (hidden 4,096, MLP 14,336, 128k vocabulary, untied) on 4 / 16
                 layers (not run by default)
   llama1b-4l, llama1b-16l   Llama-3.2-1B's width (hidden 2,048, MLP 8,192, tied embeddings) on 4 / 16 layers
-Each case: one engine (graphs on or off), `--batches` requests at once of 16 prompt tokens and `--new-tokens` new ones,
-greedy, ignore_eos; per batch the median of three timed rounds after one warm-up round. Reports ms per decode step
-(wall time of the round less its first token, over the new tokens), the graphs the engine captured, and next to each
-step with graphs (copt serve's default) the time `copt advise` predicts for it (the shape's config on the catalog
-entry of this GPU, the case's dtype).
+Each case: one engine (graphs on or off), `--batches` requests at once of `--prompt-len` prompt tokens (16) and
+`--new-tokens` new ones, greedy, ignore_eos; per batch the median of three timed rounds after one warm-up round.
+Reports ms per decode step (wall time of the round less its first token, over the new tokens), the graphs the engine
+captured, and next to each step with graphs (copt serve's default) the time `copt advise` predicts for it (the
+shape's config on the catalog entry of this GPU, the case's dtype and prompt length).
 """
 
 from __future__ import annotations
@@ -85,13 +85,13 @@ def build(path: Path, cls_name: str, fields: dict) -> None:
                                          pad_token="t0").save_pretrained(path)
 
 
-def case_prompts(batch: int, vocab: int, spread: bool) -> list[list[int]]:
-    """`batch` prompts of 16 token ids: ids 3-402 in a fixed pattern, or with `spread` ids drawn at random from the
-    whole vocabulary (the "t<id>" words of gpu_serve_models.py's prompts lie across it)."""
+def case_prompts(batch: int, vocab: int, spread: bool, length: int = 16) -> list[list[int]]:
+    """`batch` prompts of `length` token ids: ids 3-402 in a fixed pattern, or with `spread` ids drawn at random from
+    the whole vocabulary (the "t<id>" words of gpu_serve_models.py's prompts lie across it)."""
     if not spread:
-        return [[(7 * i + j) % 400 + 3 for j in range(16)] for i in range(batch)]
+        return [[(7 * i + j) % 400 + 3 for j in range(length)] for i in range(batch)]
     rng = random.Random(batch)
-    return [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(batch)]
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(batch)]
 
 
 # sampling modes a case can step its batches with, (temperature, top_p); "greedy" fills per_batch, the others
@@ -135,17 +135,19 @@ def profile_summary(events: list, device: str, top: int = 12) -> dict:
 
 def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new_tokens: int, device: str,
               spread: bool = False, sampling: tuple[str, ...] = ("greedy",), kernels: bool = False,
-              compile_mode: str = "auto") -> dict:
+              compile_mode: str = "auto", prompt_len: int = 16) -> dict:
     import torch
 
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
 
     started = time.perf_counter()
     engine = Engine(EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_batch_size=max(batches),
-                                 max_model_len=256, cuda_graphs=graphs, compile=graphs, kv_cache_memory_gib=4,
+                                 max_model_len=max(256, prompt_len + new_tokens), cuda_graphs=graphs,
+                                 compile=graphs, kv_cache_memory_gib=4,
                                  compile_mode=compile_mode))
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     result = {"dtype": dtype, "graphs": graphs, "spread_prompts": spread, "compile_mode": compile_mode,
+              "prompt_len": prompt_len,
               "per_batch": {},
               **{f"per_batch_{mode}": {} for mode in sampling if mode != "greedy"}}
     with engine:
@@ -156,7 +158,7 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
         result["compile_error"] = engine.runner.compile_error
         result["prefill_graph_error"] = engine.runner.prefill_graph_error
         for batch in batches:
-            prompts = case_prompts(batch, vocab, spread)
+            prompts = case_prompts(batch, vocab, spread, prompt_len)
             for mode in sampling:
                 temperature, top_p = SAMPLING[mode]
 
@@ -192,8 +194,8 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
 
 
 def advise_ms_per_step(config: dict, device_name: str, dtype: str, batch: int, new_tokens: int,
-                       mode: str = "greedy") -> float | None:
-    """advise's time of one decode step for this case (16 prompt tokens, the sampling `mode`'s temperature and
+                       mode: str = "greedy", prompt_len: int = 16) -> float | None:
+    """advise's time of one decode step for this case (`prompt_len` prompt tokens, the sampling `mode`'s temperature and
     top-p): its `decode_step_s`, the step alone, as the script measures it (the round less its first token), not the
     client's TPOT, which also carries a share of the other requests' prefill. None for a GPU outside its catalog."""
     from clusteropt_cli.core.advise.api import resolve_target
@@ -207,7 +209,7 @@ def advise_ms_per_step(config: dict, device_name: str, dtype: str, batch: int, n
         return None
     target, _ = resolve_target(gpu.name)
     temperature, top_p = SAMPLING[mode]
-    plan = InferPlan(batch=batch, prompt_len=16, gen_len=new_tokens, continuous_batching=True, dtype=dtype,
+    plan = InferPlan(batch=batch, prompt_len=prompt_len, gen_len=new_tokens, continuous_batching=True, dtype=dtype,
                      temperature=temperature, top_p=top_p)
     return round(infer_time(load_model_spec(config), plan, target).figures["decode_step_s"] * 1e3, 3)
 
@@ -230,6 +232,8 @@ def main() -> None:
                         "--sampling mode): each kernel's calls and time, and how busy they kept the GPU")
     parser.add_argument("--compile-mode", default="auto", help="copt serve's --compile-mode for the decode layers "
                         "(auto: batch-1 steps autotuned; max-autotune-no-cudagraphs: every batch bucket)")
+    parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request (a longer context "
+                        "adds the KV cache's reads to each decode step)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
@@ -238,10 +242,11 @@ def main() -> None:
         import clusteropt_cli.core.advise.api  # noqa: F401
 
     if args.one:
-        model_dir, dtype, graphs, batches, new_tokens, device, spread, sampling, kernels, mode = json.loads(args.one)
+        (model_dir, dtype, graphs, batches, new_tokens, device, spread, sampling, kernels, mode,
+         prompt_len) = json.loads(args.one)
         try:
             case = time_case(Path(model_dir), dtype, graphs, batches, new_tokens, device, spread, tuple(sampling),
-                             kernels, mode)
+                             kernels, mode, prompt_len)
         except Exception as exc:  # noqa: BLE001 - recorded by the parent
             traceback.print_exc()
             case = {"dtype": dtype, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"}
@@ -275,7 +280,7 @@ def main() -> None:
                     one = [sys.executable, __file__, "--one", json.dumps([str(model_dir), dtype, graphs, batches,
                                                                           args.new_tokens, device, spread,
                                                                           sampling, args.kernels,
-                                                                          args.compile_mode]),
+                                                                          args.compile_mode, args.prompt_len]),
                            "--out", "-"]
                     try:
                         proc = subprocess.run(one, capture_output=True, text=True, timeout=args.case_timeout)
@@ -296,7 +301,7 @@ def main() -> None:
                         key = "per_batch" if mode == "greedy" else f"per_batch_{mode}"
                         for batch, step in case.get(key, {}).items():
                             step["advise_ms_per_step"] = advise_ms_per_step(config, out["device"], dtype, int(batch),
-                                                                            args.new_tokens, mode)
+                                                                            args.new_tokens, mode, args.prompt_len)
                     out["cases"].append(case)
                     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"{'shape':<13} {'dtype':<5} {'graphs':<6} {'sampling':<11} {'captured':>8} "
