@@ -13,7 +13,8 @@ chain_start(rows) for a decode pass run alone — a chain of one pass — and st
 prefills: a step whose prompt tokens are not whole prompts counts as resuming one): medians per bin of
 decode rows (by 32) and prompt chunks (prompt tokens / --prompt-len). A step's decode rows are its generated tokens
 less the prompts it finished (prompt tokens // --prompt-len): exact when every prompt is --prompt-len tokens and
-none is split.
+none is split. Chains of 8 or more decode passes (async scheduling) are set per pass against decode_step(rows) plus
+their chain_start(rows) shared among the passes, their rows the chain's generated tokens over its passes.
 
 --replay-arrivals PRESET replays each load of the trace (requests separated from the next load by an idle engine)
 from the engine's own arrival times (closed_loop.simulate_sends, API and HTTP costs left out) and sets the engine's
@@ -92,14 +93,24 @@ def summarise(requests: list, steps: list, t0: float, t1: float) -> dict:
     }
 
 
+CHAINED = -1  # step_costs' chunks of a bin of chained decode passes
+CHAIN_PASSES = 8  # chains this long or longer (shorter ones carry their start and end in a few passes)
+
+
 def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str, host_loop_s: float | None = None) -> list[dict]:
-    """Measured one-decode-pass steps against the replay's step cost, binned (see the module text)."""
+    """Measured one-decode-pass steps, and the passes of decode chains (chunks CHAINED), against the replay's step
+    cost, binned (see the module text)."""
     import statistics
     from collections import defaultdict
 
     costs = _costs(preset, prompt_len, gpu, host_loop_s=host_loop_s)
     bins: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
     for s in trace["steps"]:
+        if s[4] >= CHAIN_PASSES and not s[6]:  # a chain of decode passes: per pass, its start shared among them
+            rows = max(1, round(s[7] / s[4]))
+            replayed = costs.decode_step(rows) + costs.chain_start(rows) / s[4]
+            bins[(rows // 32 * 32, CHAINED)].append(((s[1] - s[0]) / s[4], replayed))
+            continue
         if s[4] != 1:
             continue
         chunks = -(-s[6] // prompt_len)
@@ -283,12 +294,15 @@ def main() -> None:
             if args.json:
                 print(json.dumps(rows, indent=1))
                 continue
-            print(f"{path.name}: one-decode-pass steps, measured against advise's step cost ({args.step_costs})")
+            print(f"{path.name}: one-decode-pass steps and chained decode passes, measured against advise's step "
+                  f"cost ({args.step_costs})")
             for r in rows:
                 if r["steps"] >= 5:
-                    print(f"  rows {r['rows_from']:3d}-{r['rows_from'] + 31:3d}, {r['chunks']} prompt chunks: "
-                          f"{r['steps']:5d} steps, measured {r['measured_ms']:6.1f} ms, replayed "
-                          f"{r['replayed_ms']:6.1f} ms ({r['replayed_ms'] / r['measured_ms']:.2f})")
+                    what = ("chained passes" if r["chunks"] == CHAINED else f"{r['chunks']} prompt chunks")
+                    print(f"  rows {r['rows_from']:3d}-{r['rows_from'] + 31:3d}, {what}: "
+                          f"{r['steps']:5d} {'chains' if r['chunks'] == CHAINED else 'steps'}, measured "
+                          f"{r['measured_ms']:6.2f} ms, replayed {r['replayed_ms']:6.2f} ms "
+                          f"({r['replayed_ms'] / r['measured_ms']:.2f})")
         return
     report = {}
     for path in args.traces:
