@@ -121,3 +121,26 @@ def test_round_trips_are_read_off_closed_loops_only(monkeypatch):
     open_loop += [[10.31 + 0.01 * i, 10.4, 10.5, 8, 4] for i in range(3)]
     rows = round_trips({"requests": closed + open_loop, "steps": []}, clients=(4,))
     assert rows == [{"requests": 12, "clients": 4, "p10_ms": 20.0, "p50_ms": 20.0, "p90_ms": 20.0}]
+
+
+def test_step_costs_set_long_decode_chains_per_pass(tmp_path, monkeypatch):
+    """--step-costs: a chain of 8+ decode passes is priced per pass (decode_step plus its chain_start shared among
+    the passes), rows from its generated tokens over its passes; shorter chains are left out."""
+    import gzip
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    from engine_trace_report import CHAINED, _costs, step_costs
+
+    costs = _costs("llama-3.2-1b", 256, "h200")
+    steps, t = [], 0.0
+    for rows, passes in ((64, 20), (64, 40), (200, 10), (64, 3)):
+        seconds = 1.1 * (passes * costs.decode_step(rows) + costs.chain_start(rows))  # 10% over the price
+        steps.append([t, t + seconds, rows, 0, passes, passes - 1, 0, rows * passes])
+        t += seconds
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"clock": [0, 0], "steps": steps, "requests": []}, f)
+    chained = [r for r in step_costs(json.loads(gzip.open(path).read()), "llama-3.2-1b", 256, "h200")
+               if r["chunks"] == CHAINED]
+    assert [(r["rows_from"], r["steps"]) for r in chained] == [(64, 2), (192, 1)]
+    assert all(r["replayed_ms"] / r["measured_ms"] == pytest.approx(1 / 1.1, abs=0.01) for r in chained)
