@@ -541,6 +541,8 @@ def test_endpoint_writes_vllm_bench_serve_json_that_reads_back(fake_server, copt
         assert detect_tool(doc) == "vllm-bench" and doc["max_concurrency"] == level["concurrency"]
         assert doc["completed"] == 4 and doc["total_output_tokens"] == 24
         assert doc["median_ttft_ms"] == pytest.approx(level["ttft_s"]["p50"] * 1e3)
+        assert doc["temperature"] == ours["workload"]["temperature"]  # the sampling sent, read back as sent
+        assert external_report(doc, "vllm-bench").workload["temperature"] == ours["workload"]["temperature"]
         (back,) = external_report(doc, "vllm-bench").levels
         for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
             assert back.model_dump()[key] == pytest.approx(level[key]), key
@@ -579,6 +581,9 @@ def test_endpoint_writes_guidellm_report_that_reads_back(fake_server, copt, tmp_
         assert bench["metrics"]["output_token_count"]["successful"]["mean"] == pytest.approx(6.0)
     back = external_report(doc, "guidellm")
     assert back.workload["concurrency"] == [1, 2] and back.workload["gen_len"] == 6
+    # the sampling the requests carried, where guidellm 0.8 keeps it (its backend's extra body), read back as sent
+    assert doc["config"]["spec"]["backend"]["extras"]["body"]["temperature"] == ours["workload"]["temperature"]
+    assert back.workload["temperature"] == ours["workload"]["temperature"] and "sampling" not in back.workload
     for level, lv in zip(ours["levels"], back.levels, strict=True):
         got = lv.model_dump()
         for key in ("ttft_s", "tpot_s", "e2e_s"):

@@ -333,6 +333,48 @@ def test_from_profile_reads_endpoint_guidellm_and_vllm_reports(tmp_path, name, b
         assert values["temperature"] == 1.0
 
 
+def _guidellm_0_8(body: dict | None) -> dict:
+    """tests/data/guidellm_report.json in guidellm 0.8's layout: no `args`, the backend (its model, the extra body the
+    requests carried) under config.spec and each benchmark's config."""
+    doc = json.loads((DATA / "guidellm_report.json").read_text())
+    doc.pop("args")
+    backend = {"kind": "openai_http", "target": "http://127.0.0.1:8000", "model": "/models/llama-1b",
+               "extras": {"method": None, "body": body}}
+    doc["config"] = {"spec": {"backend": backend}}
+    for bench in doc["benchmarks"]:
+        bench["config"]["backend"] = backend
+    return doc
+
+
+@pytest.mark.parametrize(("body", "sent"), [
+    ({"temperature": 0}, {"temperature": 0.0}),
+    ({"temperature": 0.7, "top_p": 0.9, "top_k": 40}, {"temperature": 0.7, "top_p": 0.9, "top_k": 40}),
+    (None, {"temperature": 1.0}),  # no temperature sent: the server's default, the OpenAI 1.0
+])
+def test_from_profile_prices_the_sampling_guidellm_sent(body, sent) -> None:
+    """guidellm 0.8 keeps what its requests carried in its backend's extra body (`--backend
+    kind=openai_http,...,extras.body.temperature=0`); a run without one sent no temperature, so the server's default
+    applied: advise prices that (sampled at 1.0) rather than greedy decoding, and reads the model from the backend."""
+    from clusteropt_cli.core.profile.external import external_report
+
+    report = external_report(_guidellm_0_8(body), "guidellm")
+    assert report.model == {"name": "/models/llama-1b"}
+    _task, values, _symptoms, _measured = api.defaults_from_profile(report, "infer", {**GIVEN, "top_p": None,
+                                                                                      "top_k": None})
+    assert {key: values[key] for key in sent} == sent
+    assert ("sampling" in report.workload) == (body is None)
+
+
+def test_from_profile_reads_vllm_bench_serves_greedy_default() -> None:
+    """`vllm bench serve` sends temperature 0 unless --temperature is given: its report is priced greedy, or as the
+    sampling it records."""
+    from clusteropt_cli.core.profile.external import external_report
+
+    doc = json.loads((DATA / "vllm_bench_serve.json").read_text())
+    assert external_report(doc, "vllm-bench").workload["temperature"] == 0.0
+    assert external_report({**doc, "temperature": 1.0, "top_p": 0.95}, "vllm-bench").workload["top_p"] == 0.95
+
+
 @pytest.mark.parametrize(("document", "names"), [
     ({"note": "cut", "benchmarks": [{"requests": []}]}, ("guidellm", "vllm bench serve", "copt profile")),
     ([1, 2], ("guidellm", "vllm bench serve", "copt profile")),

@@ -122,11 +122,44 @@ def _from_guidellm(data: dict[str, Any]) -> tuple[list[EndpointLevel], dict[str,
         if g:
             gen.append(g)
     args = data.get("args") or {}
+    backend = _guidellm_backend(data)
     if isinstance(args, dict):
         model = args.get("model") or None
+    model = model or backend.get("model") or None
     workload = {"tool": "guidellm", "prompt_len": round(sum(prompt) / len(prompt)) if prompt else None,
-                "gen_len": round(sum(gen) / len(gen)) if gen else None}
+                "gen_len": round(sum(gen) / len(gen)) if gen else None, **_guidellm_sampling(backend)}
     return levels, workload, model
+
+
+def _guidellm_backend(data: dict[str, Any]) -> dict[str, Any]:
+    """The backend guidellm sent its requests through (guidellm 0.8: config.spec.backend, or a benchmark's
+    config.backend): target, model, extras; {} where the report does not say (earlier reports)."""
+    spec = (data.get("config") or {}).get("spec") if isinstance(data.get("config"), dict) else None
+    for candidate in ((spec or {}).get("backend"),
+                      *(((b.get("config") or {}).get("backend")) for b in data.get("benchmarks") or []
+                        if isinstance(b, dict))):
+        if isinstance(candidate, dict):
+            return candidate
+    return {}
+
+
+def _guidellm_sampling(backend: dict[str, Any]) -> dict[str, Any]:
+    """The sampling guidellm's requests carried: its backend's extra body (`--backend ...,extras.body.temperature=0`).
+    A request without a temperature gets the server's default — the model's generation config in vLLM and copt
+    serve, else 1.0 (the OpenAI default) — so it is priced as sampled at 1.0 and marked (`sampling`). Nothing where
+    the report names no backend."""
+    if not backend:
+        return {}
+    body = ((backend.get("extras") or {}).get("body") or {}) if isinstance(backend.get("extras"), dict) else {}
+    out: dict[str, Any] = {}
+    for key, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
+        value = _num(body.get(key)) if isinstance(body, dict) else None
+        if value is not None:
+            out[key] = cast(value)
+    if "temperature" not in out:
+        out["temperature"] = 1.0
+        out["sampling"] = "no temperature sent: the server's default (OpenAI: 1.0)"
+    return out
 
 
 def _from_vllm(data: dict[str, Any]) -> tuple[list[EndpointLevel], dict[str, Any], str | None]:
@@ -149,7 +182,11 @@ def _from_vllm(data: dict[str, Any]) -> tuple[list[EndpointLevel], dict[str, Any
         request_throughput=_num(data.get("request_throughput")) or 0.0,
         output_tokens_per_s=_num(data.get("output_throughput")) or 0.0,
         ttft_s=pct("ttft"), itl_s=pct("itl"), tpot_s=pct("tpot"), e2e_s=pct("e2el"))
-    workload = {"tool": "vllm bench serve",
+    # vllm bench serve sends temperature 0 (greedy) unless --temperature is given; a report that records its
+    # sampling parameters says which
+    sampling = {key: cast(value) for key, cast in (("temperature", float), ("top_p", float), ("top_k", int))
+                if (value := _num(data.get(key))) is not None}
+    workload = {"tool": "vllm bench serve", "temperature": 0.0, **sampling,
                 "prompt_len": round(data["total_input_tokens"] / completed)
                 if completed and _num(data.get("total_input_tokens")) else None,
                 "gen_len": round(data["total_output_tokens"] / completed)
@@ -176,9 +213,15 @@ def external_report(data: dict[str, Any], tool: str) -> ProfileReport:
                          verdict=endpoint_verdict(levels, slo_ttft_s=None, slo_tpot_s=None))
 
 
+def _sent_sampling(workload: dict[str, Any]) -> dict[str, Any]:
+    """The sampling parameters a copt endpoint report's requests carried (temperature, top_p, top_k), as set."""
+    return {key: workload[key] for key in ("temperature", "top_p", "top_k") if workload.get(key) is not None}
+
+
 def vllm_bench_results(report: ProfileReport) -> list[dict[str, Any]]:
     """Each level of a copt endpoint report in `vllm bench serve --save-result`'s flat schema (one document per
-    level, as vLLM writes one per run); latencies in milliseconds, vLLM's names (median/p90/p99/mean_*_ms)."""
+    level, as vLLM writes one per run); latencies in milliseconds, vLLM's names (median/p90/p99/mean_*_ms), and the
+    sampling the requests carried (temperature, top_p, top_k: read back by --from-profile)."""
     docs = []
     for lv in report.levels:
         failed = lv.requests - lv.completed
@@ -190,6 +233,7 @@ def vllm_bench_results(report: ProfileReport) -> list[dict[str, Any]]:
             "total_output_tokens": round(lv.output_tokens_per_s * lv.duration_s),
             "request_throughput": lv.request_throughput, "request_goodput": lv.goodput,
             "output_throughput": lv.output_tokens_per_s, "source": f"copt profile endpoint {report.copt_version}",
+            **_sent_sampling(report.workload),
         }
         for metric, summary in (("ttft", lv.ttft_s), ("tpot", lv.tpot_s), ("itl", lv.itl_s), ("e2el", lv.e2e_s)):
             for ours, theirs in (("mean", "mean"), ("p50", "median"), ("p90", "p90"), ("p99", "p99")):
@@ -262,6 +306,9 @@ def guidellm_report(report: ProfileReport) -> dict[str, Any]:
                             "rate": concurrent or rates}
     if workload.get("prompt_len") and workload.get("gen_len") and not workload.get("dataset"):
         args["data"] = [f"prompt_tokens={workload['prompt_len']},output_tokens={workload['gen_len']}"]
+    # the requests' sampling where guidellm 0.8 keeps it (its backend's extra body), read back by --from-profile
+    backend = {"kind": "openai_http", "target": workload.get("url"), "model": report.model.get("name"),
+               "extras": {"body": _sent_sampling(workload)}}
     return {"metadata": {"version": 1, "source": f"copt profile endpoint {report.copt_version}",
                          "created_at": report.created_at},
-            "args": args, "benchmarks": benchmarks}
+            "config": {"spec": {"backend": backend}}, "args": args, "benchmarks": benchmarks}
