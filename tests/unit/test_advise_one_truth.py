@@ -365,6 +365,20 @@ def test_from_profile_prices_the_sampling_guidellm_sent(body, sent) -> None:
     assert ("sampling" in report.workload) == (body is None)
 
 
+def test_a_tester_that_sent_no_temperature_is_priced_at_the_models_defaults(tmp_path) -> None:
+    """No temperature in guidellm's requests: the server applied the model's generation_config.json (vLLM and copt
+    serve alike), so a local model directory's temperature / top_p / top_k price the run; a typed flag still wins."""
+    from clusteropt_cli.core.profile.external import external_report
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
+    report = external_report(_guidellm_0_8(None), "guidellm")
+    given = {**GIVEN, "model": str(tmp_path), "top_p": None, "top_k": None}
+    _task, values, _symptoms, _measured = api.defaults_from_profile(report, "infer", given)
+    assert (values["temperature"], values["top_p"], values["top_k"]) == (0.6, 0.9, None)
+    _task, values, _symptoms, _measured = api.defaults_from_profile(report, "infer", {**given, "temperature": 0.0})
+    assert values["temperature"] == 0.0
+
+
 def test_from_profile_reads_vllm_bench_serves_greedy_default() -> None:
     """`vllm bench serve` sends temperature 0 unless --temperature is given: its report is priced greedy, or as the
     sampling it records."""

@@ -478,6 +478,21 @@ def check_fits(result: dict[str, Any]) -> None:
 
 
 # ---- emitting ------------------------------------------------------------------------------------------------
+def _served_sampling_defaults(model: Any) -> dict[str, Any]:
+    """temperature / top_p / top_k a server applies to requests that omit them, from a local model directory's
+    generation_config.json (vLLM's and copt serve's rule: core/serve/sampling.generation_defaults); {} otherwise."""
+    if not isinstance(model, str) or not Path(model).is_dir():
+        return {}
+    from clusteropt_cli.core.serve.sampling import generation_defaults
+
+    shipped = generation_defaults(model)
+    out: dict[str, Any] = {}
+    for key, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
+        if shipped.get(key) is not None:
+            out[key] = max(0, cast(shipped[key])) if key == "top_k" else cast(shipped[key])
+    return out
+
+
 def defaults_from_profile(report: Any, task: str, given: dict[str, Any]
                           ) -> tuple[str, dict[str, Any], list[str], dict[str, Any]]:
     """Fill the flags a user did not give from a `copt profile` report.
@@ -510,6 +525,10 @@ def defaults_from_profile(report: Any, task: str, given: dict[str, Any]
             values["top_p"] = float(wl["top_p"])
         if values.get("top_k") is None and wl.get("top_k") is not None:
             values["top_k"] = max(0, int(wl["top_k"]))  # -1: off, as 0
+        if wl.get("sampling"):  # the tester sent no temperature: the server applied the model's defaults
+            for key, value in _served_sampling_defaults(values.get("model")).items():
+                if given.get(key) is None:
+                    values[key] = value
     if values["gpu"] is None:
         values["gpu"] = "cpu" if report.hardware.device == "cpu" else report.hardware.catalog
     values["gpus"] = values["gpus"] or report.hardware.count
