@@ -286,7 +286,7 @@ def main() -> None:
     parser.add_argument("--turnaround-ms", type=_turnarounds, default={},
                         help="replay each closed-loop client's time between an answer and its next request: one "
                              "value for every tester, or per tester and clients, e.g. 'guidellm=56,profile "
-                             "endpoint@256=35' (bench/results' requests-in-api.py reads it off an API trace)")
+                             "endpoint@256=35' (a results folder's requests_in_api.py reads it off an API trace)")
     args = parser.parse_args()
     all_levels = [level for path in args.results for level in levels(json.loads(path.read_text()))]
     for level in all_levels:

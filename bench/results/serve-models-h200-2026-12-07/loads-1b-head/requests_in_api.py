@@ -1,6 +1,6 @@
 """Requests an API process held, time-averaged, per closed loop of its COPT_API_TRACE file (entered → last event out).
 
-    python3 requests-in-api.py FOLDER [...]     (reads FOLDER/api-trace-*.json[.gz] or FOLDER/traces/api-trace-*)
+    python3 requests_in_api.py FOLDER [...]     (reads FOLDER/api-trace-*.json[.gz] or FOLDER/traces/api-trace-*)
 
 Loops are found by pauses of more than 1 s between arrivals; each is read over the middle 70% of its span. Clients is
 the 99.5th percentile of the requests held; "outside" is what the clients' requests spent beyond the API process per

@@ -1,7 +1,7 @@
 """Each closed loop's chained decode passes (chains of 8 or more, no prompt tokens) by decoding rows, against advise's
 decode_step for that loop's sampling (64-client plan of the 1B preset on the H200, this run's host probe).
 
-    python3 chained-passes-by-loop.py traces/engine-trace-1435-0.json.gz
+    python3 chained_passes_by_loop.py traces/engine-trace-1435-0.json.gz
 
 The loops in the trace's order: guidellm 64, 256 sampled; profile endpoint 64, 256 sampled (top-p 0.95); guidellm
 64, 256 greedy; profile endpoint 64, 256 greedy.
@@ -13,6 +13,8 @@ import gzip
 import json
 import statistics
 import sys
+
+from requests_in_api import loops  # this folder: the script's own directory is on sys.path
 
 from clusteropt_cli.core.advise.plan import InferPlan, Target
 from clusteropt_cli.core.advise.timing import infer_time
@@ -26,15 +28,8 @@ LOOPS = ["guidellm 64 sampled", "guidellm 256 sampled", "profile endpoint 64 sam
 def main() -> None:
     with gzip.open(sys.argv[1], "rt") as handle:
         trace = json.load(handle)
-    ordered = sorted(trace["requests"])
-    groups = [[ordered[0]]]
-    for request in ordered[1:]:
-        if request[0] - groups[-1][-1][0] > 1.0:
-            groups.append([request])
-        else:
-            groups[-1].append(request)
     spec = load_model_spec("llama-3.2-1b")
-    for name, group in zip(LOOPS, [g for g in groups if len(g) >= 50], strict=False):
+    for name, group in zip(LOOPS, loops(trace["requests"]), strict=False):  # the same loops as requests_in_api
         start, end = group[0][0], max(r[2] for r in group)
         sampled = name.endswith("sampled")
         plan = InferPlan(batch=64, prompt_len=256, gen_len=128, continuous_batching=True,
