@@ -483,13 +483,12 @@ def _served_sampling_defaults(model: Any) -> dict[str, Any]:
     generation_config.json (vLLM's and copt serve's rule: core/serve/sampling.generation_defaults); {} otherwise."""
     if not isinstance(model, str) or not Path(model).is_dir():
         return {}
+    from clusteropt_cli.core.profile.external import sampling_fields
     from clusteropt_cli.core.serve.sampling import generation_defaults
 
-    shipped = generation_defaults(model)
-    out: dict[str, Any] = {}
-    for key, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
-        if shipped.get(key) is not None:
-            out[key] = max(0, cast(shipped[key])) if key == "top_k" else cast(shipped[key])
+    out = sampling_fields(generation_defaults(model))
+    if "top_k" in out:
+        out["top_k"] = max(0, out["top_k"])  # -1: off, as 0
     return out
 
 

@@ -220,9 +220,9 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
         steps += 1
         for r, at in answered:
             done.append((r, at))
-            if closed and turnaround_s > 0:
+            if closed and turnaround_s > 0:  # sent later: it queues for the API process when it is made
                 heapq.heappush(planned, (at + turnaround_s, r.client))
-            elif closed:
+            elif closed:  # sent as the answer went out (`at`, when the API process is free): in order as it is
                 send(r.client, at)
     truncated = bool(planned or arrivals or waiting or prefilling or decoding)
     if not done:  # max_steps ran out before the first request ended

@@ -131,16 +131,25 @@ def _from_guidellm(data: dict[str, Any]) -> tuple[list[EndpointLevel], dict[str,
     return levels, workload, model
 
 
+def sampling_fields(source: Any) -> dict[str, Any]:
+    """temperature and top_p (floats) and top_k (int) where `source` (a request body, a report, generation defaults)
+    sets them as numbers."""
+    if not isinstance(source, dict):
+        return {}
+    return {key: cast(value) for key, cast in (("temperature", float), ("top_p", float), ("top_k", int))
+            if (value := _num(source.get(key))) is not None}
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
 def _guidellm_backend(data: dict[str, Any]) -> dict[str, Any]:
     """The backend guidellm sent its requests through (guidellm 0.8: config.spec.backend, or a benchmark's
     config.backend): target, model, extras; {} where the report does not say (earlier reports)."""
-    spec = (data.get("config") or {}).get("spec") if isinstance(data.get("config"), dict) else None
-    for candidate in ((spec or {}).get("backend"),
-                      *(((b.get("config") or {}).get("backend")) for b in data.get("benchmarks") or []
-                        if isinstance(b, dict))):
-        if isinstance(candidate, dict):
-            return candidate
-    return {}
+    candidates = [_mapping(_mapping(data.get("config")).get("spec")).get("backend"),
+                  *(_mapping(_mapping(b).get("config")).get("backend") for b in data.get("benchmarks") or [])]
+    return next((c for c in candidates if isinstance(c, dict)), {})
 
 
 def _guidellm_sampling(backend: dict[str, Any]) -> dict[str, Any]:
@@ -150,12 +159,7 @@ def _guidellm_sampling(backend: dict[str, Any]) -> dict[str, Any]:
     the report names no backend."""
     if not backend:
         return {}
-    body = ((backend.get("extras") or {}).get("body") or {}) if isinstance(backend.get("extras"), dict) else {}
-    out: dict[str, Any] = {}
-    for key, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
-        value = _num(body.get(key)) if isinstance(body, dict) else None
-        if value is not None:
-            out[key] = cast(value)
+    out = sampling_fields(_mapping(backend.get("extras")).get("body"))
     if "temperature" not in out:
         out["temperature"] = 1.0
         out["sampling"] = "no temperature sent: the server's default (OpenAI: 1.0)"
@@ -184,9 +188,7 @@ def _from_vllm(data: dict[str, Any]) -> tuple[list[EndpointLevel], dict[str, Any
         ttft_s=pct("ttft"), itl_s=pct("itl"), tpot_s=pct("tpot"), e2e_s=pct("e2el"))
     # vllm bench serve sends temperature 0 (greedy) unless --temperature is given; a report that records its
     # sampling parameters says which
-    sampling = {key: cast(value) for key, cast in (("temperature", float), ("top_p", float), ("top_k", int))
-                if (value := _num(data.get(key))) is not None}
-    workload = {"tool": "vllm bench serve", "temperature": 0.0, **sampling,
+    workload = {"tool": "vllm bench serve", "temperature": 0.0, **sampling_fields(data),
                 "prompt_len": round(data["total_input_tokens"] / completed)
                 if completed and _num(data.get("total_input_tokens")) else None,
                 "gen_len": round(data["total_output_tokens"] / completed)
@@ -213,11 +215,6 @@ def external_report(data: dict[str, Any], tool: str) -> ProfileReport:
                          verdict=endpoint_verdict(levels, slo_ttft_s=None, slo_tpot_s=None))
 
 
-def _sent_sampling(workload: dict[str, Any]) -> dict[str, Any]:
-    """The sampling parameters a copt endpoint report's requests carried (temperature, top_p, top_k), as set."""
-    return {key: workload[key] for key in ("temperature", "top_p", "top_k") if workload.get(key) is not None}
-
-
 def vllm_bench_results(report: ProfileReport) -> list[dict[str, Any]]:
     """Each level of a copt endpoint report in `vllm bench serve --save-result`'s flat schema (one document per
     level, as vLLM writes one per run); latencies in milliseconds, vLLM's names (median/p90/p99/mean_*_ms), and the
@@ -233,7 +230,7 @@ def vllm_bench_results(report: ProfileReport) -> list[dict[str, Any]]:
             "total_output_tokens": round(lv.output_tokens_per_s * lv.duration_s),
             "request_throughput": lv.request_throughput, "request_goodput": lv.goodput,
             "output_throughput": lv.output_tokens_per_s, "source": f"copt profile endpoint {report.copt_version}",
-            **_sent_sampling(report.workload),
+            **sampling_fields(report.workload),
         }
         for metric, summary in (("ttft", lv.ttft_s), ("tpot", lv.tpot_s), ("itl", lv.itl_s), ("e2el", lv.e2e_s)):
             for ours, theirs in (("mean", "mean"), ("p50", "median"), ("p90", "p90"), ("p99", "p99")):
@@ -308,7 +305,7 @@ def guidellm_report(report: ProfileReport) -> dict[str, Any]:
         args["data"] = [f"prompt_tokens={workload['prompt_len']},output_tokens={workload['gen_len']}"]
     # the requests' sampling where guidellm 0.8 keeps it (its backend's extra body), read back by --from-profile
     backend = {"kind": "openai_http", "target": workload.get("url"), "model": report.model.get("name"),
-               "extras": {"body": _sent_sampling(workload)}}
+               "extras": {"body": sampling_fields(workload)}}
     return {"metadata": {"version": 1, "source": f"copt profile endpoint {report.copt_version}",
                          "created_at": report.created_at},
             "config": {"spec": {"backend": backend}}, "args": args, "benchmarks": benchmarks}
