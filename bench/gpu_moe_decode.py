@@ -238,20 +238,17 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    if not args.one:  # advise's side of every case, imported before any GPU work: a missing package fails here
-        import clusteropt_cli.core.advise.api  # noqa: F401
-
-    if args.one:
-        (model_dir, dtype, graphs, batches, new_tokens, device, spread, sampling, kernels, mode,
-         prompt_len) = json.loads(args.one)
+    if args.one:  # one case, in a process of its own: time_case's keyword arguments as JSON
+        kwargs = json.loads(args.one)
         try:
-            case = time_case(Path(model_dir), dtype, graphs, batches, new_tokens, device, spread, tuple(sampling),
-                             kernels, mode, prompt_len)
+            case = time_case(**{**kwargs, "model_dir": Path(kwargs["model_dir"]),
+                                "sampling": tuple(kwargs["sampling"])})
         except Exception as exc:  # noqa: BLE001 - recorded by the parent
             traceback.print_exc()
-            case = {"dtype": dtype, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"}
+            case = {"dtype": kwargs["dtype"], "graphs": kwargs["graphs"], "error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(case))
         return
+    import clusteropt_cli.core.advise.api  # noqa: F401 - advise's side of every case: a missing package fails here
 
     device = "cpu" if args.cpu_smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -277,11 +274,11 @@ def main() -> None:
                     log(f"{shape} {dtype} graphs={graphs} spread prompts={spread}")
                     # each engine in a process of its own: one engine's compiled graphs and pool leave the next
                     # no room on the GPU
-                    one = [sys.executable, __file__, "--one", json.dumps([str(model_dir), dtype, graphs, batches,
-                                                                          args.new_tokens, device, spread,
-                                                                          sampling, args.kernels,
-                                                                          args.compile_mode, args.prompt_len]),
-                           "--out", "-"]
+                    case_args = {"model_dir": str(model_dir), "dtype": dtype, "graphs": graphs, "batches": batches,
+                                 "new_tokens": args.new_tokens, "device": device, "spread": spread,
+                                 "sampling": sampling, "kernels": args.kernels, "compile_mode": args.compile_mode,
+                                 "prompt_len": args.prompt_len}
+                    one = [sys.executable, __file__, "--one", json.dumps(case_args), "--out", "-"]
                     try:
                         proc = subprocess.run(one, capture_output=True, text=True, timeout=args.case_timeout)
                     except subprocess.TimeoutExpired as exc:  # record it and go on with the next case

@@ -48,7 +48,7 @@ def cpu_kv_capacity(per_token: int, cache_len: int, max_batch_size: int,
 def capture_graphs_with_notice(runner: Any, max_batch: int, max_batch_tokens: int, log: Any) -> tuple[int, int]:
     """The runner's decode and prefill CUDA graphs (their layers compiled on the way), with a line to `log` before and
     after where it captures any: the longest silent stretch of a start (on an H200, 1B shape: the server healthy after
-    112.6 s with the compile cache warm, not within 200 s without). Returns (decode graphs, prefill graphs)."""
+    112.6 s on a machine's second start, not within 200 s on its first). Returns (decode graphs, prefill graphs)."""
     import time
 
     capturing = bool(getattr(runner, "use_graphs", False))
