@@ -8,9 +8,9 @@ chained (async scheduling).
     python3 bench/engine_trace_report.py TRACE.json --step-costs llama-3.1-8b [--prompt-len 256] [--gpu h200]
 
 --step-costs PRESET sets every step that ran one decode pass (decode only, or decode and prefill) next to the cost
-advise's replay gives it (timing.ServeCosts of a 256-client sampled plan of PRESET: decode_step(rows) +
-chain_start(rows) for a decode pass run alone — a chain of one pass — and step_with_prefill for one that
-prefills: a step whose prompt tokens are not whole prompts counts as resuming one): medians per bin of
+advise's replay gives it (timing.ServeCosts of a 256-client plan of PRESET at --temperature and --top-p:
+decode_step(rows) + chain_start(rows) for a decode pass run alone — a chain of one pass — and step_with_prefill for
+one that prefills: a step whose prompt tokens are not whole prompts counts as resuming one): medians per bin of
 decode rows (by 32) and prompt chunks (prompt tokens / --prompt-len). A step's decode rows are its generated tokens
 less the prompts it finished (prompt tokens // --prompt-len): exact when every prompt is --prompt-len tokens and
 none is split. Chains of 8 or more decode passes (async scheduling) are set per pass against decode_step(rows) plus
@@ -19,7 +19,7 @@ their chain_start(rows) shared among the passes, their rows the chain's generate
 --replay-arrivals PRESET replays each load of the trace (requests separated from the next load by an idle engine)
 from the engine's own arrival times (closed_loop.simulate_sends, API and HTTP costs left out) and sets the engine's
 TTFT (arrival to first token) and TPOT next to the replay's: the step model on the measured arrivals, apart from
-how a closed loop's clients come back (--temperature: the sampling the steps are priced for, default 1), and under
+how a closed loop's clients come back (--temperature, --top-p: the sampling the steps are priced for), and under
 each load where the engine's time went, measured and replayed: the steps that prefilled (how many prompts each) and
 the decode passes run alone, and the decoding rows per pass.
 --round-trips: for each closed loop of the trace (a load whose requests in flight peak at --clients, 64 and 256 by
@@ -97,13 +97,14 @@ CHAINED = -1  # step_costs' chunks of a bin of chained decode passes
 CHAIN_PASSES = 8  # chains this long or longer (shorter ones carry their start and end in a few passes)
 
 
-def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str, host_loop_s: float | None = None) -> list[dict]:
+def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str, host_loop_s: float | None = None,
+               temperature: float = 1.0, top_p: float = 1.0) -> list[dict]:
     """Measured one-decode-pass steps, and the passes of decode chains (chunks CHAINED), against the replay's step
-    cost, binned (see the module text)."""
+    cost for requests of this sampling, binned (see the module text)."""
     import statistics
     from collections import defaultdict
 
-    costs = _costs(preset, prompt_len, gpu, host_loop_s=host_loop_s)
+    costs = _costs(preset, prompt_len, gpu, temperature, host_loop_s=host_loop_s, top_p=top_p)
     bins: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
     for s in trace["steps"]:
         if s[4] >= CHAIN_PASSES and not s[6]:  # a chain of decode passes: per pass, its start shared among them
@@ -127,14 +128,15 @@ def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str, host_loop_s:
             for (rows, chunks), v in sorted(bins.items())]
 
 
-def _costs(preset: str, prompt_len: int, gpu: str, temperature: float = 1.0, host_loop_s: float | None = None):
+def _costs(preset: str, prompt_len: int, gpu: str, temperature: float = 1.0, host_loop_s: float | None = None,
+           top_p: float = 1.0):
     from clusteropt_cli.core.advise.plan import InferPlan, Target
     from clusteropt_cli.core.advise.timing import infer_time
     from clusteropt_cli.hardware import get_gpu
     from clusteropt_cli.modelspec import load_model_spec
 
     plan = InferPlan(batch=256, prompt_len=prompt_len, gen_len=128, continuous_batching=True,
-                     temperature=temperature, top_p=0.95 if temperature else 1.0)
+                     temperature=temperature, top_p=top_p)
     costs = infer_time(load_model_spec(preset), plan, Target(get_gpu(gpu), host_loop_s=host_loop_s)).costs
     if costs is None:
         raise SystemExit(f"advise has no step costs for {preset} on {gpu}")
@@ -155,7 +157,7 @@ def idle_separated(trace: dict, idle_s: float = 0.0) -> list[list]:
 
 
 def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, temperature: float,
-                    host_loop_s: float | None = None) -> list[dict]:
+                    host_loop_s: float | None = None, top_p: float = 1.0) -> list[dict]:
     """Each load of the trace replayed from its measured engine arrivals (see the module text), with the steps'
     mix measured and replayed (step_mix)."""
     import statistics
@@ -163,8 +165,8 @@ def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, tempera
 
     from clusteropt_cli.core.advise.closed_loop import simulate_sends
 
-    costs = replace(_costs(preset, prompt_len, gpu, temperature, host_loop_s), intake_s=0.0, stream_token_s=0.0,
-                    first_token_s=0.0)
+    costs = replace(_costs(preset, prompt_len, gpu, temperature, host_loop_s, top_p), intake_s=0.0,
+                    stream_token_s=0.0, first_token_s=0.0)
     out = []
     for group in idle_separated(trace):
         t0, gen = group[0][0], max(1, round(statistics.median(r[4] for r in group)))
@@ -247,7 +249,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--gpu", default="h200")
     parser.add_argument("--replay-arrivals", metavar="PRESET", help="the step model on each load's measured arrivals")
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, default=1.0, help="--step-costs, --replay-arrivals: the "
+                        "requests' temperature (default 1, the OpenAI default; 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="--step-costs, --replay-arrivals: the requests' "
+                        "top_p (default 1: none)")
     parser.add_argument("--host-loop-ms", type=float, help="price copt serve's host work at this host speed (advise "
                         "--host-loop-ms; a run's host probe records it as python_loop_us)")
     parser.add_argument("--round-trips", action="store_true", help="finish → next arrival in each closed loop")
@@ -269,7 +274,7 @@ def main() -> None:
     if args.replay_arrivals:
         for path in args.traces:
             rows = replay_arrivals(_read(path), args.replay_arrivals, args.prompt_len, args.gpu,
-                                   args.temperature, host_loop_s)
+                                   args.temperature, host_loop_s, args.top_p)
             if args.json:
                 print(json.dumps(rows, indent=1))
                 continue
@@ -290,7 +295,8 @@ def main() -> None:
         return
     if args.step_costs:
         for path in args.traces:
-            rows = step_costs(_read(path), args.step_costs, args.prompt_len, args.gpu, host_loop_s)
+            rows = step_costs(_read(path), args.step_costs, args.prompt_len, args.gpu, host_loop_s,
+                              args.temperature, args.top_p)
             if args.json:
                 print(json.dumps(rows, indent=1))
                 continue

@@ -34,12 +34,15 @@ from clusteropt_cli.core.serve.runner import (
     PREFILL_GRAPH_VARLEN_SEGMENTS,
 )
 
+# the decode step priced as when UNCHAINED_STEP_* were fitted: temperature 1 with top-p 0.95
+FIT_TOP_P = 0.95
+
 
 def residuals(path: str, preset: str, prompt_len: int, gpu: str,
               masked_graphs: bool = False) -> dict[tuple, list[tuple[int, float]]]:
     """(trace, chunks, rows // 32) → [(rows, measured − advise's step without its unchained cost)] of the steps
     described."""
-    costs = _costs(preset, prompt_len, gpu)
+    costs = _costs(preset, prompt_len, gpu, top_p=FIT_TOP_P)
     trace = _read(Path(path))
     bins: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
     for step in trace["steps"]:

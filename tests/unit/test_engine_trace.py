@@ -66,9 +66,9 @@ def test_the_unchained_step_fit_recovers_a_known_cost(tmp_path, monkeypatch, mas
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     from engine_trace_report import _costs, _read, step_costs
-    from fit_unchained_step import fit, residuals
+    from fit_unchained_step import FIT_TOP_P, fit, residuals
 
-    costs = _costs("llama-3.2-1b", 256, "h200")
+    costs = _costs("llama-3.2-1b", 256, "h200", top_p=FIT_TOP_P)
     steps, t = [], 0.0
     for rows in range(8, 256, 4):
         for chunks in (0, 1, 2):
@@ -144,3 +144,26 @@ def test_step_costs_set_long_decode_chains_per_pass(tmp_path, monkeypatch):
                if r["chunks"] == CHAINED]
     assert [(r["rows_from"], r["steps"]) for r in chained] == [(64, 2), (192, 1)]
     assert all(r["replayed_ms"] / r["measured_ms"] == pytest.approx(1 / 1.1, abs=0.01) for r in chained)
+
+
+def test_step_costs_price_the_sampling_the_requests_asked_for(tmp_path, monkeypatch):
+    """--step-costs --temperature/--top-p: chains that cost exactly advise's greedy price come out at 1 when priced
+    greedy, and above it priced sampled (the extra pass), more so with a top-p (its selection step)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    from engine_trace_report import CHAINED, _costs, step_costs
+
+    greedy = _costs("llama-3.2-1b", 256, "h200", temperature=0.0)
+    steps, t = [], 0.0
+    for rows in (64, 200):
+        seconds = 20 * greedy.decode_step(rows) + greedy.chain_start(rows)
+        steps.append([t, t + seconds, rows, 0, 20, 19, 0, rows * 20])
+        t += seconds
+    trace = {"clock": [0, 0], "steps": steps, "requests": []}
+
+    def ratios(temperature: float, top_p: float) -> list[float]:
+        rows = step_costs(trace, "llama-3.2-1b", 256, "h200", temperature=temperature, top_p=top_p)
+        return [r["replayed_ms"] / r["measured_ms"] for r in rows if r["chunks"] == CHAINED]
+
+    assert ratios(0.0, 1.0) == pytest.approx([1.0, 1.0], abs=0.01)
+    plain, truncated = ratios(1.0, 1.0), ratios(1.0, 0.95)
+    assert all(1.0 < p < t for p, t in zip(plain, truncated, strict=True))
