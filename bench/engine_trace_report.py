@@ -190,6 +190,42 @@ def replay_arrivals(trace: dict, preset: str, prompt_len: int, gpu: str, tempera
     return out
 
 
+PASSES_MIN_CHAIN = 6  # passes_by_load: chains this long or longer (a chain's start shared among its passes)
+PASSES_MIN_LOAD = 100  # passes_by_load: loads of fewer requests are left out
+PASSES_MIN_COUNT = 50  # passes_by_load: bins of fewer passes are left out
+
+
+def passes_by_load(trace: dict, preset: str, prompt_len: int, gpu: str, host_loop_s: float | None = None,
+                   top_p: float = 1.0) -> list[dict]:
+    """Per load (idle-separated, PASSES_MIN_LOAD requests or more) its decode passes run in chains of
+    PASSES_MIN_CHAIN or more without prompt tokens, by 64 decoding rows (256 and more together): the measured time
+    per pass and advise's price of the same chains (decode_step(rows) per pass and one chain_start(rows) per chain)
+    over it, greedy and sampled (temperature 1, `top_p`) — a trace does not record what its requests asked for."""
+    from collections import defaultdict
+
+    priced = {"greedy": _costs(preset, prompt_len, gpu, 0.0, host_loop_s),
+              "sampled": _costs(preset, prompt_len, gpu, 1.0, host_loop_s, top_p)}
+    out = []
+    for group in idle_separated(trace):
+        if len(group) < PASSES_MIN_LOAD:
+            continue
+        bins: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])  # passes, measured, greedy, sampled
+        for s in steps_during(trace, group[0][0], max(r[2] for r in group)):
+            if s[4] < PASSES_MIN_CHAIN or s[6]:
+                continue
+            rows = max(1, round(s[7] / s[4]))
+            entry = bins[min(rows, 256) // 64 * 64]
+            entry[0] += s[4]
+            entry[1] += s[1] - s[0]
+            entry[2] += s[4] * priced["greedy"].decode_step(rows) + priced["greedy"].chain_start(rows)
+            entry[3] += s[4] * priced["sampled"].decode_step(rows) + priced["sampled"].chain_start(rows)
+        out.append({"requests": len(group), "bins": [
+            {"rows_from": rows, "passes": int(n), "measured_ms_per_pass": round(1e3 * t / n, 2),
+             "greedy_ratio": round(g / t, 2), "sampled_ratio": round(sp / t, 2)}
+            for rows, (n, t, g, sp) in sorted(bins.items()) if n >= PASSES_MIN_COUNT]})
+    return out
+
+
 def step_mix(steps: list[tuple[float, int, int, int]]) -> dict:
     """Where a load's engine time went, from (seconds, rows, decode passes, prompt chunks) per step: steps that
     prefilled (count, seconds, mean prompt chunks) and decode passes run without a prefill (count, seconds), and
@@ -255,6 +291,8 @@ def main() -> None:
                         "top_p (default 1: none)")
     parser.add_argument("--host-loop-ms", type=float, help="price copt serve's host work at this host speed (advise "
                         "--host-loop-ms; a run's host probe records it as python_loop_us)")
+    parser.add_argument("--passes-by-load", metavar="PRESET", help="each load's chained decode passes by rows "
+                        "against advise's price, greedy and sampled")
     parser.add_argument("--round-trips", action="store_true", help="finish → next arrival in each closed loop")
     parser.add_argument("--clients", default="64,256", help="--round-trips: the closed loops' client counts")
     args = parser.parse_args()
@@ -270,6 +308,20 @@ def main() -> None:
             for r in rows:
                 print(f"  {r['requests']:5d} requests, {r['clients']:3d} clients: p10 {r['p10_ms']} ms, "
                       f"p50 {r['p50_ms']} ms, p90 {r['p90_ms']} ms")
+        return
+    if args.passes_by_load:
+        for path in args.traces:
+            rows = passes_by_load(_read(path), args.passes_by_load, args.prompt_len, args.gpu, host_loop_s,
+                                  args.top_p)
+            if args.json:
+                print(json.dumps(rows, indent=1))
+                continue
+            print(f"{path.name}: chained decode passes per load, ms per pass (advise's price ÷ measured, greedy / "
+                  f"sampled at top-p {args.top_p:g}; {args.passes_by_load} on {args.gpu})")
+            for load in rows:
+                print(f"  {load['requests']:5d} requests: " + "  ".join(
+                    f"rows {b['rows_from']}+ {b['passes']} passes {b['measured_ms_per_pass']:.2f} ms "
+                    f"({b['greedy_ratio']:.2f} / {b['sampled_ratio']:.2f})" for b in load["bins"]))
         return
     if args.replay_arrivals:
         for path in args.traces:

@@ -167,3 +167,26 @@ def test_step_costs_price_the_sampling_the_requests_asked_for(tmp_path, monkeypa
     assert ratios(0.0, 1.0) == pytest.approx([1.0, 1.0], abs=0.01)
     plain, truncated = ratios(1.0, 1.0), ratios(1.0, 0.95)
     assert all(1.0 < p < t for p, t in zip(plain, truncated, strict=True))
+
+
+def test_passes_by_load_prices_each_loads_chains(monkeypatch):
+    """--passes-by-load: a load's chains of 6+ decode passes that cost exactly advise's greedy price come out at 1
+    greedy and above 1 sampled, binned by 64 rows; shorter chains, steps with prompt tokens, bins of fewer than
+    PASSES_MIN_COUNT passes and loads of fewer than PASSES_MIN_LOAD requests are left out."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    from engine_trace_report import PASSES_MIN_LOAD, _costs, passes_by_load
+
+    greedy = _costs("llama-3.2-1b", 256, "h200", temperature=0.0)
+    steps, t = [], 0.0
+    for rows, passes, prompt in [(64, 20, 0)] * 3 + [(256, 30, 0)] * 2 + [(64, 3, 0), (64, 20, 256), (128, 8, 0)]:
+        seconds = passes * greedy.decode_step(rows) + greedy.chain_start(rows)
+        if rows == 64 and passes == 3 or prompt:
+            seconds *= 5  # would move the 64-row bin if counted
+        steps.append([t, t + seconds, rows, 0, passes, passes - 1, prompt, rows * passes])
+        t += seconds
+    load = [[0.001 * i, 0.01, t, 8, 4] for i in range(PASSES_MIN_LOAD)]
+    small = [[t + 10 + 0.001 * i, t + 10.1, t + 10.2, 8, 4] for i in range(PASSES_MIN_LOAD - 1)]
+    (only,) = passes_by_load({"requests": load + small, "steps": steps}, "llama-3.2-1b", 256, "h200")
+    assert only["requests"] == PASSES_MIN_LOAD
+    assert [(b["rows_from"], b["passes"]) for b in only["bins"]] == [(64, 60), (256, 60)]
+    assert all(b["greedy_ratio"] == pytest.approx(1.0, abs=0.01) and b["sampled_ratio"] > 1.0 for b in only["bins"])
