@@ -22,6 +22,8 @@ TTFT (arrival to first token) and TPOT next to the replay's: the step model on t
 how a closed loop's clients come back (--temperature, --top-p: the sampling the steps are priced for), and under
 each load where the engine's time went, measured and replayed: the steps that prefilled (how many prompts each) and
 the decode passes run alone, and the decoding rows per pass.
+--passes-by-load PRESET: per load, the decode passes run in chains of 6 or more without prompt tokens, by 64 rows,
+measured per pass against advise's price of the same chains, greedy and sampled (--top-p).
 --round-trips: for each closed loop of the trace (a load whose requests in flight peak at --clients, 64 and 256 by
 default), how long after the engine finished a request it received the next one — finishes and later arrivals
 paired in order (the i-th finish with the arrival after the clients' first requests): the clients' and the API's
@@ -109,7 +111,7 @@ def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str, host_loop_s:
     for s in trace["steps"]:
         if s[4] >= CHAIN_PASSES and not s[6]:  # a chain of decode passes: per pass, its start shared among them
             rows = max(1, round(s[7] / s[4]))
-            replayed = costs.decode_step(rows) + costs.chain_start(rows) / s[4]
+            replayed = chain_price(costs, rows, s[4]) / s[4]
             bins[(rows // 32 * 32, CHAINED)].append(((s[1] - s[0]) / s[4], replayed))
             continue
         if s[4] != 1:
@@ -126,6 +128,11 @@ def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str, host_loop_s:
              "measured_ms": round(1e3 * statistics.median(m for m, _ in v), 2),
              "replayed_ms": round(1e3 * statistics.median(r for _, r in v), 2)}
             for (rows, chunks), v in sorted(bins.items())]
+
+
+def chain_price(costs, rows: int, passes: int) -> float:
+    """advise's price of a decode chain: `passes` decode steps over `rows` sequences and the chain's start."""
+    return passes * costs.decode_step(rows) + costs.chain_start(rows)
 
 
 def _costs(preset: str, prompt_len: int, gpu: str, temperature: float = 1.0, host_loop_s: float | None = None,
@@ -217,8 +224,8 @@ def passes_by_load(trace: dict, preset: str, prompt_len: int, gpu: str, host_loo
             entry = bins[min(rows, 256) // 64 * 64]
             entry[0] += s[4]
             entry[1] += s[1] - s[0]
-            entry[2] += s[4] * priced["greedy"].decode_step(rows) + priced["greedy"].chain_start(rows)
-            entry[3] += s[4] * priced["sampled"].decode_step(rows) + priced["sampled"].chain_start(rows)
+            entry[2] += chain_price(priced["greedy"], rows, s[4])
+            entry[3] += chain_price(priced["sampled"], rows, s[4])
         out.append({"requests": len(group), "bins": [
             {"rows_from": rows, "passes": int(n), "measured_ms_per_pass": round(1e3 * t / n, 2),
              "greedy_ratio": round(g / t, 2), "sampled_ratio": round(sp / t, 2)}
