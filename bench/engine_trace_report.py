@@ -284,6 +284,46 @@ def round_trips(trace: dict, clients: tuple[int, ...] = (64, 256)) -> list[dict]
     return out
 
 
+def _print_reports(paths: list[Path], as_json: bool, compute, header: str, render) -> None:
+    """Each trace's rows (`compute` of the read trace): as JSON, or a header line and `render`'s text per row (a
+    row rendered as None or "" prints nothing)."""
+    for path in paths:
+        rows = compute(_read(path))
+        if as_json:
+            print(json.dumps(rows, indent=1))
+            continue
+        print(f"{path.name}: {header}")
+        for row in rows:
+            text = render(row)
+            if text:
+                print(text)
+
+
+def _replayed_load_lines(r: dict) -> str | None:
+    if r["requests"] < 32:
+        return None
+    lines = [f"  {r['requests']:5d} requests over {r['arrivals_over_s']:6.2f} s: engine TTFT p50 "
+             f"{r['ttft_p50_ms']:7.1f} ms, replayed {r['replayed_ttft_p50_ms']:7.1f} (mean "
+             f"{r['ttft_mean_ms']:7.1f}, replayed {r['replayed_ttft_mean_ms']:7.1f}); TPOT p50 "
+             f"{r['tpot_p50_ms']} ms, replayed {r['replayed_tpot_p50_ms']}"]
+    for who, mix in (("measured", r["step_mix"]), ("replayed", r["replayed_step_mix"])):
+        lines.append(f"      {who:8s}: {mix['prefill_steps']:5d} prefilling steps {mix['prefill_steps_s']:6.2f} s "
+                     f"({mix['chunks_per_prefill_step']:.1f} prompts each), {mix['decode_passes_alone']:5d} "
+                     f"decode passes alone {mix['decode_alone_s']:6.2f} s; {mix['rows_per_pass']:.0f} rows "
+                     "per decode pass")
+    return "\n".join(lines)
+
+
+def _step_cost_line(r: dict) -> str | None:
+    if r["steps"] < 5:
+        return None
+    what = "chained passes" if r["chunks"] == CHAINED else f"{r['chunks']} prompt chunks"
+    return (f"  rows {r['rows_from']:3d}-{r['rows_from'] + 31:3d}, {what}: "
+            f"{r['steps']:5d} {'chains' if r['chunks'] == CHAINED else 'steps'}, measured "
+            f"{r['measured_ms']:6.2f} ms, replayed {r['replayed_ms']:6.2f} ms "
+            f"({r['replayed_ms'] / r['measured_ms']:.2f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+", type=Path)
@@ -306,68 +346,34 @@ def main() -> None:
     host_loop_s = args.host_loop_ms / 1e3 if args.host_loop_ms else None
     if args.round_trips:
         clients = tuple(int(x) for x in args.clients.split(","))
-        for path in args.traces:
-            rows = round_trips(_read(path), clients)
-            if args.json:
-                print(json.dumps(rows, indent=1))
-                continue
-            print(f"{path.name}: finish → next arrival in each closed loop (finishes and arrivals paired in order)")
-            for r in rows:
-                print(f"  {r['requests']:5d} requests, {r['clients']:3d} clients: p10 {r['p10_ms']} ms, "
-                      f"p50 {r['p50_ms']} ms, p90 {r['p90_ms']} ms")
+        _print_reports(args.traces, args.json, lambda t: round_trips(t, clients),
+                       "finish → next arrival in each closed loop (finishes and arrivals paired in order)",
+                       lambda r: f"  {r['requests']:5d} requests, {r['clients']:3d} clients: p10 {r['p10_ms']} ms, "
+                                 f"p50 {r['p50_ms']} ms, p90 {r['p90_ms']} ms")
         return
     if args.passes_by_load:
-        for path in args.traces:
-            rows = passes_by_load(_read(path), args.passes_by_load, args.prompt_len, args.gpu, host_loop_s,
-                                  args.top_p)
-            if args.json:
-                print(json.dumps(rows, indent=1))
-                continue
-            print(f"{path.name}: chained decode passes per load, ms per pass (advise's price ÷ measured, greedy / "
-                  f"sampled at top-p {args.top_p:g}; {args.passes_by_load} on {args.gpu})")
-            for load in rows:
-                print(f"  {load['requests']:5d} requests: " + "  ".join(
-                    f"rows {b['rows_from']}+ {b['passes']} passes {b['measured_ms_per_pass']:.2f} ms "
-                    f"({b['greedy_ratio']:.2f} / {b['sampled_ratio']:.2f})" for b in load["bins"]))
+        _print_reports(args.traces, args.json,
+                       lambda t: passes_by_load(t, args.passes_by_load, args.prompt_len, args.gpu, host_loop_s,
+                                                args.top_p),
+                       f"chained decode passes per load, ms per pass (advise's price ÷ measured, greedy / sampled "
+                       f"at top-p {args.top_p:g}; {args.passes_by_load} on {args.gpu})",
+                       lambda load: f"  {load['requests']:5d} requests: " + "  ".join(
+                           f"rows {b['rows_from']}+ {b['passes']} passes {b['measured_ms_per_pass']:.2f} ms "
+                           f"({b['greedy_ratio']:.2f} / {b['sampled_ratio']:.2f})" for b in load["bins"]))
         return
     if args.replay_arrivals:
-        for path in args.traces:
-            rows = replay_arrivals(_read(path), args.replay_arrivals, args.prompt_len, args.gpu,
-                                   args.temperature, host_loop_s, args.top_p)
-            if args.json:
-                print(json.dumps(rows, indent=1))
-                continue
-            print(f"{path.name}: each load from its engine arrivals, measured against the replay "
-                  f"({args.replay_arrivals}, temperature {args.temperature:g})")
-            for r in rows:
-                if r["requests"] >= 32:
-                    print(f"  {r['requests']:5d} requests over {r['arrivals_over_s']:6.2f} s: engine TTFT p50 "
-                          f"{r['ttft_p50_ms']:7.1f} ms, replayed {r['replayed_ttft_p50_ms']:7.1f} (mean "
-                          f"{r['ttft_mean_ms']:7.1f}, replayed {r['replayed_ttft_mean_ms']:7.1f}); TPOT p50 "
-                          f"{r['tpot_p50_ms']} ms, replayed {r['replayed_tpot_p50_ms']}")
-                    for who, mix in (("measured", r["step_mix"]), ("replayed", r["replayed_step_mix"])):
-                        print(f"      {who:8s}: {mix['prefill_steps']:5d} prefilling steps "
-                              f"{mix['prefill_steps_s']:6.2f} s "
-                              f"({mix['chunks_per_prefill_step']:.1f} prompts each), {mix['decode_passes_alone']:5d} "
-                              f"decode passes alone {mix['decode_alone_s']:6.2f} s; {mix['rows_per_pass']:.0f} rows "
-                              "per decode pass")
+        _print_reports(args.traces, args.json,
+                       lambda t: replay_arrivals(t, args.replay_arrivals, args.prompt_len, args.gpu,
+                                                 args.temperature, host_loop_s, args.top_p),
+                       f"each load from its engine arrivals, measured against the replay ({args.replay_arrivals}, "
+                       f"temperature {args.temperature:g})", _replayed_load_lines)
         return
     if args.step_costs:
-        for path in args.traces:
-            rows = step_costs(_read(path), args.step_costs, args.prompt_len, args.gpu, host_loop_s,
-                              args.temperature, args.top_p)
-            if args.json:
-                print(json.dumps(rows, indent=1))
-                continue
-            print(f"{path.name}: one-decode-pass steps and chained decode passes, measured against advise's step "
-                  f"cost ({args.step_costs})")
-            for r in rows:
-                if r["steps"] >= 5:
-                    what = ("chained passes" if r["chunks"] == CHAINED else f"{r['chunks']} prompt chunks")
-                    print(f"  rows {r['rows_from']:3d}-{r['rows_from'] + 31:3d}, {what}: "
-                          f"{r['steps']:5d} {'chains' if r['chunks'] == CHAINED else 'steps'}, measured "
-                          f"{r['measured_ms']:6.2f} ms, replayed {r['replayed_ms']:6.2f} ms "
-                          f"({r['replayed_ms'] / r['measured_ms']:.2f})")
+        _print_reports(args.traces, args.json,
+                       lambda t: step_costs(t, args.step_costs, args.prompt_len, args.gpu, host_loop_s,
+                                            args.temperature, args.top_p),
+                       f"one-decode-pass steps and chained decode passes, measured against advise's step cost "
+                       f"({args.step_costs})", _step_cost_line)
         return
     report = {}
     for path in args.traces:
