@@ -35,7 +35,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from clusteropt_cli.core.advise.timing import ServeCosts
 
 
 def _read(path: Path) -> dict:
@@ -130,7 +135,7 @@ def step_costs(trace: dict, preset: str, prompt_len: int, gpu: str, host_loop_s:
             for (rows, chunks), v in sorted(bins.items())]
 
 
-def chain_price(costs, rows: int, passes: int) -> float:
+def chain_price(costs: ServeCosts, rows: int, passes: int) -> float:
     """advise's price of a decode chain: `passes` decode steps over `rows` sequences and the chain's start."""
     return passes * costs.decode_step(rows) + costs.chain_start(rows)
 
@@ -284,7 +289,8 @@ def round_trips(trace: dict, clients: tuple[int, ...] = (64, 256)) -> list[dict]
     return out
 
 
-def _print_reports(paths: list[Path], as_json: bool, compute, header: str, render) -> None:
+def _print_reports(paths: list[Path], as_json: bool, compute: Callable[[dict], list[dict]], header: str,
+                   render: Callable[[dict], str | None]) -> None:
     """Each trace's rows (`compute` of the read trace): as JSON, or a header line and `render`'s text per row (a
     row rendered as None or "" prints nothing)."""
     for path in paths:
