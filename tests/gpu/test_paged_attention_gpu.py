@@ -81,3 +81,32 @@ def test_compiled_and_captured_without_copying_the_pools(caplog):
             graph.replay()
             torch.testing.assert_close(out, layer(*case, num_blocks), atol=3e-2, rtol=3e-2)
     assert "assuming every input is mutated" not in caplog.text
+
+
+def test_compiled_step_of_one_split_launches_no_merge_pass():
+    """Under torch.compile (symbolic batch) a batch whose stage 1 takes one split (40 rows x 8 KV heads fill 132 SMs)
+    writes its output in stage 1: stage 2 launches no programs; a batch of one still splits and merges."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from clusteropt_cli.core.serve import paged_attention as pa
+
+    pa.register()
+
+    def layer(query, k_pool, v_pool, tables, positions, num_blocks: int):
+        return pa.paged_decode_attention(query, k_pool, v_pool, tables, positions, num_blocks, 0.125)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, dynamic=True, fullgraph=True)
+    launched = {}
+    for batch in (1, 3, 40):
+        case = _case(batch, 8, 4, 64, 16, 60, torch.bfloat16, None, seed=batch)
+        torch.testing.assert_close(compiled(*case, 60), layer(*case, 60), atol=3e-2, rtol=3e-2)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            compiled(*case, 60)
+            torch.cuda.synchronize()
+        launched[batch] = {e.key for e in prof.key_averages() if e.key.startswith("paged_decode_stage")}
+    assert pa.choose_splits(40, 8, 960, torch.cuda.get_device_properties(0).multi_processor_count) == 1
+    assert launched[1] == {"paged_decode_stage1", "paged_decode_stage2"}, launched
+    assert launched[40] == {"paged_decode_stage1"}, launched

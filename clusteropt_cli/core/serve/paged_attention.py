@@ -174,7 +174,11 @@ def triton_paged_decode_attention(query, k_pool, v_pool, block_tables, positions
         SINGLE=single, F32_DOT=f32_dot, num_warps=4, num_stages=2,
     )
     if not single:
-        stage2[(batch, heads)](
+        # a compiled decode step's batch is symbolic, so one split (every batch of 33 rows or more on 8 KV heads and
+        # 132 SMs) is known only at run time: stage 1 then writes the output and stage 2's grid is empty (a launch
+        # of no programs is skipped, in a CUDA graph too), instead of a merge pass over the batch per layer
+        merge_rows = batch * torch.sym_min(num_splits - 1, 1)
+        stage2[(merge_rows, heads)](
             mid_o, mid_lse, positions, out,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             out.stride(0), out.stride(1),

@@ -10,7 +10,8 @@ Flash-decoding over block tables, in two stages:
            log-sum-exp. The two products run on the query's dtype (bf16/fp16 tensor cores; FP8 keys and values are
            converted exactly), or in float32 with F32_DOT (float32 queries, and the Triton interpreter, whose numpy
            dot does not handle bfloat16).
-  stage 2  grid (B, H): merges the splits of one sequence and head (log-sum-exp weighting).
+  stage 2  grid (B, H): merges the splits of one sequence and head (log-sum-exp weighting). Not launched with one
+           split (its grid is empty when the count is known only at run time: stage 1 then writes the output).
 Row b reads keys 0..min(positions[b], num_blocks*BS - 1) only: the table columns past positions[b] // BS are never
 touched. Physical block ids are clamped into the pool, so a scratch row's stale table cannot read out of bounds.
 """
@@ -88,6 +89,10 @@ def paged_decode_stage1(
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE:
+        out = acc / l_i[:, None]
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+                 mask=out_mask)
+    elif num_splits == 1:  # one split known only at run time (a compiled, dynamic batch): no stage 2 follows
         out = acc / l_i[:, None]
         tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
                  mask=out_mask)
