@@ -15,9 +15,10 @@ Shapes, random weights, fewer layers than the real models (the step's cost per l
   llama1b-4l, llama1b-16l   Llama-3.2-1B's width (hidden 2,048, MLP 8,192, tied embeddings) on 4 / 16 layers
 Each case: one engine (graphs on or off), `--batches` requests at once of `--prompt-len` prompt tokens (16) and
 `--new-tokens` new ones, greedy, ignore_eos; per batch the median of three timed rounds after one warm-up round.
-Reports ms per decode step (wall time of the round less its first token, over the new tokens), the graphs the engine
-captured, and next to each step with graphs (copt serve's default) the time `copt advise` predicts for it (the
-shape's config on the catalog entry of this GPU, the case's dtype and prompt length).
+Reports ms per decode step (wall time of the round less its first token, over the new tokens), ms per decode pass of
+the engine's steps after the last prompt token (its step trace: no prefill or mixed step; `decode_ms_per_pass`), the
+graphs the engine captured, and next to each step with graphs (copt serve's default) the time `copt advise` predicts
+for it (the shape's config on the catalog entry of this GPU, the case's dtype and prompt length).
 """
 
 from __future__ import annotations
@@ -133,6 +134,34 @@ def profile_summary(events: list, device: str, top: int = 12) -> dict:
                      "share": round(us / total, 3) if total else None} for name, (calls, us) in ranked]}
 
 
+def decode_pass_seconds(steps: list[tuple], batch: int) -> float | None:
+    """Seconds per decode pass of the engine steps (StepTrace records) after a round's last prompt token, while all
+    `batch` rows run: the span of those steps over their passes (chained or not). Unlike the round's time less its
+    first token, no prefill or mixed step enters it."""
+    last_prompt = max((i for i, s in enumerate(steps) if s[6] > 0), default=-1)
+    pure = [s for s in steps[last_prompt + 1:] if s[2] == batch and s[4] > 0]
+    passes = sum(s[4] for s in pure)
+    if passes < 2:
+        return None
+    return (pure[-1][1] - pure[0][0]) / passes
+
+
+def traced_round(engine, batch: int, run, passes: list[float]) -> float:
+    """run() with the engine recording its steps; appends the round's decode_pass_seconds to `passes`."""
+    from clusteropt_cli.core.serve.engine import StepTrace
+
+    engine._trace = StepTrace(tempfile.gettempdir())  # read here, never written
+    try:
+        seconds = run()
+        steps = engine._trace.steps
+    finally:
+        engine._trace = None
+    per_pass = decode_pass_seconds(steps, batch)
+    if per_pass is not None:
+        passes.append(per_pass)
+    return seconds
+
+
 def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new_tokens: int, device: str,
               spread: bool = False, sampling: tuple[str, ...] = ("greedy",), kernels: bool = False,
               compile_mode: str = "auto", prompt_len: int = 16) -> dict:
@@ -175,9 +204,13 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
 
                 one_round(new_tokens)
                 first = statistics.median(one_round(1) for _ in range(3))
-                full = statistics.median(one_round(new_tokens) for _ in range(3))
+                passes = []
+                full = statistics.median(traced_round(engine, batch, lambda: one_round(new_tokens), passes)
+                                         for _ in range(3))
                 step = {"ms_per_step": round((full - first) / (new_tokens - 1) * 1e3, 3),
                         "first_token_ms": round(first * 1e3, 2)}
+                if passes:
+                    step["decode_ms_per_pass"] = round(statistics.median(passes) * 1e3, 3)
                 result["per_batch" if mode == "greedy" else f"per_batch_{mode}"].setdefault(str(batch), step)
                 log(f"  {dtype} graphs={graphs} {mode} batch {batch}: {step}")
                 if kernels and mode == sampling[0]:  # one profiled round of new_tokens, the first mode's
@@ -311,7 +344,8 @@ def main() -> None:
                 step = steps.get(str(b), {})
                 ratio = (f"{step['advise_ms_per_step'] / step['ms_per_step']:.2f}" if step.get("advise_ms_per_step")
                          and step.get("ms_per_step") else "-")
-                cells.append(f"{step.get('ms_per_step', float('nan')):>9.3f} ({ratio})")
+                cells.append(f"{step.get('ms_per_step', float('nan')):>9.3f} ({ratio})"
+                             + (f" pass {step['decode_ms_per_pass']:.3f}" if "decode_ms_per_pass" in step else ""))
             print(f"{case['shape'] + ('*' if case.get('spread_prompts') else ''):<13} {case['dtype']:<5} "
                   f"{str(case['graphs']):<6} {mode:<11} {case.get('graphs_captured', '-')!s:>8} " + " ".join(cells)
                   + (f"  {case['error']}" if "error" in case else ""))

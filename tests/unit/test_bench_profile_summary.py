@@ -43,3 +43,15 @@ def test_a_cpu_profile_counts_top_level_ops_only() -> None:
     names = {k["name"]: k["calls"] for k in summary["top"]}
     assert names["aten::matmul"] == 3 and names["aten::relu_"] == 3 and "aten::mm" not in names
     assert 0 < summary["busy_ms"] <= summary["span_ms"]
+
+
+def test_decode_passes_exclude_prefill_and_partial_batches() -> None:
+    from gpu_moe_decode import decode_pass_seconds
+
+    # (start, end, running, waiting, decode passes, chained, prompt tokens, generated tokens)
+    steps = [(0.0, 0.5, 4, 0, 0, 0, 2048, 2), (0.5, 0.9, 4, 0, 1, 0, 500, 4),  # prefill, then a mixed step
+             (1.0, 1.1, 4, 0, 1, 0, 0, 4), (1.1, 1.5, 4, 0, 6, 6, 0, 24), (1.5, 1.6, 2, 0, 1, 0, 0, 2)]
+    # the two pure steps after the last prompt token at all 4 rows: 0.5 s over 7 passes (not the mixed step's 0.4)
+    assert decode_pass_seconds(steps, 4) == pytest.approx(0.5 / 7)
+    assert decode_pass_seconds(steps[:3], 4) is None  # one pass: no figure
+    assert decode_pass_seconds(steps, 8) is None
