@@ -164,15 +164,16 @@ def traced_round(engine, batch: int, run, passes: list[float]) -> float:
 
 def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new_tokens: int, device: str,
               spread: bool = False, sampling: tuple[str, ...] = ("greedy",), kernels: bool = False,
-              compile_mode: str = "auto", prompt_len: int = 16) -> dict:
+              compile_mode: str = "auto", prompt_len: int = 16, max_model_len: int = 0,
+              kv_cache_gib: float = 4.0) -> dict:
     import torch
 
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
 
     started = time.perf_counter()
     engine = Engine(EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_batch_size=max(batches),
-                                 max_model_len=max(256, prompt_len + new_tokens), cuda_graphs=graphs,
-                                 compile=graphs, kv_cache_memory_gib=4,
+                                 max_model_len=max_model_len or max(256, prompt_len + new_tokens),
+                                 cuda_graphs=graphs, compile=graphs, kv_cache_memory_gib=kv_cache_gib,
                                  compile_mode=compile_mode))
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     result = {"dtype": dtype, "graphs": graphs, "spread_prompts": spread, "compile_mode": compile_mode,
@@ -267,6 +268,10 @@ def main() -> None:
                         "(auto: batch-1 steps autotuned; max-autotune-no-cudagraphs: every batch bucket)")
     parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request (a longer context "
                         "adds the KV cache's reads to each decode step)")
+    parser.add_argument("--max-model-len", type=int, default=0, help="the engine's context length (0: the prompt "
+                        "and new tokens, at least 256); its decode graphs' context buckets follow it")
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="the engine's KV cache (a batch of long "
+                        "prompts needs more than the default 4 GiB to run at once)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
@@ -310,7 +315,8 @@ def main() -> None:
                     case_args = {"model_dir": str(model_dir), "dtype": dtype, "graphs": graphs, "batches": batches,
                                  "new_tokens": args.new_tokens, "device": device, "spread": spread,
                                  "sampling": sampling, "kernels": args.kernels, "compile_mode": args.compile_mode,
-                                 "prompt_len": args.prompt_len}
+                                 "prompt_len": args.prompt_len, "max_model_len": args.max_model_len,
+                                 "kv_cache_gib": args.kv_cache_gib}
                     one = [sys.executable, __file__, "--one", json.dumps(case_args), "--out", "-"]
                     try:
                         proc = subprocess.run(one, capture_output=True, text=True, timeout=args.case_timeout)

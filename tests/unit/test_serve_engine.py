@@ -409,3 +409,42 @@ def test_cpu_kv_cache_is_sized_from_the_model_and_the_machine():
     # always one full sequence while it fits in half of what is available
     tokens, why = cpu_kv_capacity(per_token, 4096, 64, available=1 * gib)
     assert tokens == 4096 and why.startswith("one sequence")
+
+
+def test_paged_kernel_decode_takes_one_context_bucket_and_idle_rows_read_one_key(fixtures, monkeypatch):
+    """With the paged kernel (its cost follows each row's own blocks), decode steps use one context bucket — graphs
+    per batch size only — and rows whose slot is not decoding attend one key, not the bucket: greedy generations
+    stay those of the bucketed cache."""
+    from clusteropt_cli.core.serve import paged_attention
+    from clusteropt_cli.core.serve.runner import ModelRunner
+
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21]]
+    original = paged_attention.paged_decode_attention
+
+    def generations(single_bucket: bool):
+        monkeypatch.setattr(ModelRunner, "paged_kernel_decode", property(lambda self: single_bucket))
+        seen = []
+
+        def spy(query, k_pool, v_pool, tables, positions, num_blocks, scale):
+            seen.append((positions.clone(), num_blocks))
+            return original(query, k_pool, v_pool, tables, positions, num_blocks, scale)
+
+        monkeypatch.setattr(paged_attention, "paged_decode_attention", spy)
+        eng = Engine(EngineConfig(model=str(fixtures.teacher), max_batch_size=4, max_model_len=512,
+                                  decode_attention="paged", dtype="fp32", cuda_graphs=False, compile=False))
+        with eng:
+            lengths = list(eng.runner.kv_lengths)
+            # one request alone first (the other rows of its bucket idle), then all three
+            out = [eng.generate([GenerationRequest(prompt_ids=prompts[0], max_new_tokens=6)])[0].output_ids]
+            out += [r.output_ids for r in eng.generate([GenerationRequest(prompt_ids=p, max_new_tokens=n)
+                                                        for p, n in zip(prompts, (2, 3, 8), strict=True)])]
+        return lengths, out, seen
+
+    bucketed, expected, _ = generations(False)
+    single, got, seen = generations(True)
+    assert len(bucketed) > 1 and single == [bucketed[-1]]
+    assert got == expected and [len(o) for o in got] == [6, 2, 3, 8]
+    block_size = 16
+    assert seen and all(n == single[0] // block_size for _, n in seen)
+    assert all(int(p.max()) < 512 for p, _ in seen)  # no idle row attends from the scratch column (512)
+    assert any(len(p) == 3 and (p == 0).sum() == 2 for p, _ in seen)  # the last row decodes alone: two idle rows

@@ -50,6 +50,8 @@ class StepContext:
     attention: str = "sdpa"
     window_masks: dict[int, Any] = field(default_factory=dict)  # decode: sliding window → [B, 1, 1, L] bool
     scratch_pos: int = 0  # decode: the position rows of slots that are not decoding carry
+    # decode, paged kernel: positions with those rows at 0, so that they read one key (their output is not used)
+    attend_positions: Any = None
     # paged KV cache (caches are block pools [blocks + 1, block_size, KVH, D]; the last block is the scratch block)
     paged: bool = False
     block_tables: Any = None  # [rows + 1, max blocks] long: row r's logical block j is physical block [r, j]
@@ -185,7 +187,8 @@ def _paged_attention(query, key, value, step: StepContext, k_pool, v_pool, scali
             from clusteropt_cli.core.serve.paged_attention import paged_decode_attention
 
             scale = scaling if scaling is not None else head_dim**-0.5
-            out = paged_decode_attention(query[:, :, 0], k_pool, v_pool, step.block_tables, step.positions,
+            positions = step.positions if step.attend_positions is None else step.attend_positions
+            out = paged_decode_attention(query[:, :, 0], k_pool, v_pool, step.block_tables, positions,
                                          step.kv_len // block_size, scale)
             return out[:, None]
         blocks = step.block_tables[:batch, : step.kv_len // block_size]
@@ -637,12 +640,28 @@ class ModelRunner:
                                                              self.head_dim) if not self.windows else
                                            (None, "sliding-window layers"))
         span = max_blocks * self.block_size  # decode context buckets: whole blocks
-        self.kv_lengths = sorted({min(span, -(-n // self.block_size) * self.block_size)
-                                  for n in _length_buckets(self.max_len)})
+        if self.paged_kernel_decode:
+            # the paged kernel reads each row's own blocks, whatever the bucket (which only bounds them): one bucket
+            # serves every context, so decode graphs are captured per batch size only (vLLM's way), not 11 times over
+            # at a 131,072-token context
+            self.kv_lengths = [span]
+        else:
+            self.kv_lengths = sorted({min(span, -(-n // self.block_size) * self.block_size)
+                                      for n in _length_buckets(self.max_len)})
         from clusteropt_cli.core.serve.device_sampling import SlotSampler
 
         self.sampler = SlotSampler(self.num_slots, self.vocab_size, self.device,
                                    compiled=bool(getattr(self, "compiled_layers", 0)) and self.device.type == "cuda")
+
+    @property
+    def paged_kernel_decode(self) -> bool:
+        """Decode steps attend through the paged Triton kernel (paged_attention.py), which reads only each row's own
+        blocks: their cost does not depend on the context bucket."""
+        if getattr(self, "decode_attention", None) != "paged" or self.windows or self.device.type != "cuda":
+            return False
+        from clusteropt_cli.core.serve.paged_attention import triton_available
+
+        return triton_available()
 
     def _attention_modules(self) -> list[Any]:
         return self._attention_modules_of(self.model)
@@ -895,6 +914,8 @@ class ModelRunner:
             block = torch.where(positions >= self.scratch_pos, self.tables.scratch_block, block)
             step.paged, step.block_tables = True, table
             step.write_block, step.write_offset = block, positions % bs
+            if self.decode_attention == "paged":  # rows not decoding attend one key, not the bucket's
+                step.attend_positions = torch.where(positions >= self.scratch_pos, 0, positions)
         if self.windows:
             from clusteropt_cli.core.serve.attention import decode_window_mask
 
