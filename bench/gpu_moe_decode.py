@@ -73,7 +73,8 @@ def build(path: Path, cls_name: str, fields: dict) -> None:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    config = getattr(transformers, cls_name)(**fields, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+    # the Llama 3 models' context: --max-model-len may ask for any length up to it
+    config = getattr(transformers, cls_name)(**fields, max_position_embeddings=131072, bos_token_id=1, eos_token_id=2,
                                              pad_token_id=0)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
