@@ -13,8 +13,9 @@ Shapes, random weights, fewer layers than the real models (the step's cost per l
   llama8b-4l, llama8b-16l   Llama-3.1-8B's width (hidden 4,096, MLP 14,336, 128k vocabulary, untied) on 4 / 16
                 layers (not run by default)
   llama1b-4l, llama1b-16l   Llama-3.2-1B's width (hidden 2,048, MLP 8,192, tied embeddings) on 4 / 16 layers
-Each case: one engine (graphs on or off), `--batches` requests at once of `--prompt-len` prompt tokens (16) and
-`--new-tokens` new ones, greedy, ignore_eos; per batch the median of three timed rounds after one warm-up round.
+Each case: one engine (graphs on or off), `--batches` requests at once of `--prompt-len` prompt tokens (16; several,
+comma-separated, one after another in the same engine) and `--new-tokens` new ones, greedy, ignore_eos; per batch
+the median of three timed rounds after one warm-up round.
 Reports ms per decode step (wall time of the round less its first token, over the new tokens), ms per decode pass of
 the engine's steps after the last prompt token (its step trace: no prefill or mixed step; `decode_ms_per_pass`), the
 graphs the engine captured, and next to each step with graphs (copt serve's default) the time `copt advise` predicts
@@ -165,67 +166,80 @@ def traced_round(engine, batch: int, run, passes: list[float]) -> float:
 
 def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new_tokens: int, device: str,
               spread: bool = False, sampling: tuple[str, ...] = ("greedy",), kernels: bool = False,
-              compile_mode: str = "auto", prompt_len: int = 16, max_model_len: int = 0,
-              kv_cache_gib: float = 4.0) -> dict:
-    import torch
+              compile_mode: str = "auto", prompt_lens: tuple[int, ...] = (16,), max_model_len: int = 0,
+              kv_cache_gib: float = 4.0) -> list[dict]:
+    """One engine, stepped at each prompt length in turn: one result per length (the engine's start in each)."""
 
-    from clusteropt_cli.core.serve.engine import Engine, EngineConfig, GenerationRequest
+    from clusteropt_cli.core.serve.engine import Engine, EngineConfig
 
     started = time.perf_counter()
     engine = Engine(EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_batch_size=max(batches),
-                                 max_model_len=max_model_len or max(256, prompt_len + new_tokens),
+                                 max_model_len=max_model_len or max(256, max(prompt_lens) + new_tokens),
                                  cuda_graphs=graphs, compile=graphs, kv_cache_memory_gib=kv_cache_gib,
                                  compile_mode=compile_mode))
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-    result = {"dtype": dtype, "graphs": graphs, "spread_prompts": spread, "compile_mode": compile_mode,
-              "prompt_len": prompt_len,
-              "per_batch": {},
-              **{f"per_batch_{mode}": {} for mode in sampling if mode != "greedy"}}
+    results = []
     with engine:
-        result["start_s"] = round(time.perf_counter() - started, 1)
-        result["graphs_captured"] = engine.stats.graphs_captured
-        result["moe_layers"] = engine.runner.moe_layers
-        result["graph_error"] = getattr(engine.runner, "graph_error", None)  # set only when capture failed
-        result["compile_error"] = engine.runner.compile_error
-        result["prefill_graph_error"] = engine.runner.prefill_graph_error
-        for batch in batches:
-            prompts = case_prompts(batch, vocab, spread, prompt_len)
-            for mode in sampling:
-                temperature, top_p = SAMPLING[mode]
+        start = {"start_s": round(time.perf_counter() - started, 1),
+                 "graphs_captured": engine.stats.graphs_captured, "moe_layers": engine.runner.moe_layers,
+                 "graph_error": getattr(engine.runner, "graph_error", None),  # set only when capture failed
+                 "compile_error": engine.runner.compile_error,
+                 "prefill_graph_error": engine.runner.prefill_graph_error}
+        for prompt_len in prompt_lens:
+            log(f"  {prompt_len}-token prompts")
+            result = {"dtype": dtype, "graphs": graphs, "spread_prompts": spread, "compile_mode": compile_mode,
+                      "prompt_len": prompt_len, "max_model_len": engine.max_model_len, "per_batch": {},
+                      **{f"per_batch_{mode}": {} for mode in sampling if mode != "greedy"}, **start}
+            results.append(result)
+            time_lengths(engine, result, batches, new_tokens, device, spread, sampling, kernels, prompt_len, vocab)
+    return results
 
-                def one_round(n: int, prompts: list[list[int]] = prompts, temperature: float = temperature,
-                              top_p: float = top_p) -> float:
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True,
-                                                       temperature=temperature, top_p=top_p) for p in prompts])
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                    return time.perf_counter() - t0
 
-                one_round(new_tokens)
-                first = statistics.median(one_round(1) for _ in range(3))
-                passes = []
-                full = statistics.median(traced_round(engine, batch, lambda: one_round(new_tokens), passes)
-                                         for _ in range(3))
-                step = {"ms_per_step": round((full - first) / (new_tokens - 1) * 1e3, 3),
-                        "first_token_ms": round(first * 1e3, 2)}
-                if passes:
-                    step["decode_ms_per_pass"] = round(statistics.median(passes) * 1e3, 3)
-                result["per_batch" if mode == "greedy" else f"per_batch_{mode}"].setdefault(str(batch), step)
-                log(f"  {dtype} graphs={graphs} {mode} batch {batch}: {step}")
-                if kernels and mode == sampling[0]:  # one profiled round of new_tokens, the first mode's
-                    from torch.profiler import ProfilerActivity, profile
+def time_lengths(engine, result: dict, batches: list[int], new_tokens: int, device: str, spread: bool,
+                 sampling: tuple[str, ...], kernels: bool, prompt_len: int, vocab: int) -> None:
+    """Step the engine at each batch of `prompt_len`-token prompts; fills `result`'s per-batch figures."""
+    import torch
 
-                    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
-                    with profile(activities=[activity]) as prof:
-                        one_round(new_tokens)
-                    summary = profile_summary(prof.events(), device)
-                    result.setdefault("kernels", {})[str(batch)] = summary
-                    log(f"  kernels, batch {batch}: busy {summary.get('busy_ms')} of {summary.get('span_ms')} ms; "
-                        + "; ".join(f"{k['name'][:60]} {k['share']}" for k in summary.get("top", [])[:4]))
-    return result
+    from clusteropt_cli.core.serve.engine import GenerationRequest
+
+    dtype, graphs = result["dtype"], result["graphs"]
+    for batch in batches:
+        prompts = case_prompts(batch, vocab, spread, prompt_len)
+        for mode in sampling:
+            temperature, top_p = SAMPLING[mode]
+
+            def one_round(n: int, prompts: list[list[int]] = prompts, temperature: float = temperature,
+                          top_p: float = top_p) -> float:
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True,
+                                                   temperature=temperature, top_p=top_p) for p in prompts])
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                return time.perf_counter() - t0
+
+            one_round(new_tokens)
+            first = statistics.median(one_round(1) for _ in range(3))
+            passes = []
+            full = statistics.median(traced_round(engine, batch, lambda: one_round(new_tokens), passes)
+                                     for _ in range(3))
+            step = {"ms_per_step": round((full - first) / (new_tokens - 1) * 1e3, 3),
+                    "first_token_ms": round(first * 1e3, 2)}
+            if passes:
+                step["decode_ms_per_pass"] = round(statistics.median(passes) * 1e3, 3)
+            result["per_batch" if mode == "greedy" else f"per_batch_{mode}"].setdefault(str(batch), step)
+            log(f"  {dtype} graphs={graphs} {mode} batch {batch}: {step}")
+            if kernels and mode == sampling[0]:  # one profiled round of new_tokens, the first mode's
+                from torch.profiler import ProfilerActivity, profile
+
+                activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+                with profile(activities=[activity]) as prof:
+                    one_round(new_tokens)
+                summary = profile_summary(prof.events(), device)
+                result.setdefault("kernels", {})[str(batch)] = summary
+                log(f"  kernels, batch {batch}: busy {summary.get('busy_ms')} of {summary.get('span_ms')} ms; "
+                    + "; ".join(f"{k['name'][:60]} {k['share']}" for k in summary.get("top", [])[:4]))
 
 
 def advise_ms_per_step(config: dict, device_name: str, dtype: str, batch: int, new_tokens: int,
@@ -267,8 +281,9 @@ def main() -> None:
                         "--sampling mode): each kernel's calls and time, and how busy they kept the GPU")
     parser.add_argument("--compile-mode", default="auto", help="copt serve's --compile-mode for the decode layers "
                         "(auto: batch-1 steps autotuned; max-autotune-no-cudagraphs: every batch bucket)")
-    parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request (a longer context "
-                        "adds the KV cache's reads to each decode step)")
+    parser.add_argument("--prompt-len", default="16", help="prompt tokens per request (a longer context adds the "
+                        "KV cache's reads to each decode step); several, comma-separated, are stepped in turn by "
+                        "one engine (with the paged kernel one set of decode graphs serves every length)")
     parser.add_argument("--max-model-len", type=int, default=0, help="the engine's context length (0: the prompt "
                         "and new tokens, at least 256); its decode graphs' context buckets follow it")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="the engine's KV cache (a batch of long "
@@ -280,12 +295,12 @@ def main() -> None:
     if args.one:  # one case, in a process of its own: time_case's keyword arguments as JSON
         kwargs = json.loads(args.one)
         try:
-            case = time_case(**{**kwargs, "model_dir": Path(kwargs["model_dir"]),
-                                "sampling": tuple(kwargs["sampling"])})
+            cases = time_case(**{**kwargs, "model_dir": Path(kwargs["model_dir"]),
+                                 "sampling": tuple(kwargs["sampling"]), "prompt_lens": tuple(kwargs["prompt_lens"])})
         except Exception as exc:  # noqa: BLE001 - recorded by the parent
             traceback.print_exc()
-            case = {"dtype": kwargs["dtype"], "graphs": kwargs["graphs"], "error": f"{type(exc).__name__}: {exc}"}
-        print(json.dumps(case))
+            cases = [{"dtype": kwargs["dtype"], "graphs": kwargs["graphs"], "error": f"{type(exc).__name__}: {exc}"}]
+        print(json.dumps(cases))
         return
     import clusteropt_cli.core.advise.api  # noqa: F401 - advise's side of every case: a missing package fails here
 
@@ -293,6 +308,7 @@ def main() -> None:
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device (use --cpu-smoke to check the script)")
     batches = [int(b) for b in args.batches.split(",")]
+    prompt_lens = [int(n) for n in str(args.prompt_len).split(",")]
     sampling = args.sampling.split(",")
     if unknown := set(sampling) - set(SAMPLING):
         parser.error(f"unknown --sampling {sorted(unknown)}: choose from {', '.join(SAMPLING)}")
@@ -316,7 +332,7 @@ def main() -> None:
                     case_args = {"model_dir": str(model_dir), "dtype": dtype, "graphs": graphs, "batches": batches,
                                  "new_tokens": args.new_tokens, "device": device, "spread": spread,
                                  "sampling": sampling, "kernels": args.kernels, "compile_mode": args.compile_mode,
-                                 "prompt_len": args.prompt_len, "max_model_len": args.max_model_len,
+                                 "prompt_lens": prompt_lens, "max_model_len": args.max_model_len,
                                  "kv_cache_gib": args.kv_cache_gib}
                     one = [sys.executable, __file__, "--one", json.dumps(case_args), "--out", "-"]
                     try:
@@ -324,22 +340,24 @@ def main() -> None:
                     except subprocess.TimeoutExpired as exc:  # record it and go on with the next case
                         stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
                         sys.stderr.write((stderr or "")[-4000:])
-                        case = {"dtype": dtype, "graphs": graphs, "spread_prompts": spread,
-                                "error": f"timed out after {args.case_timeout:g} s"}
+                        cases = [{"dtype": dtype, "graphs": graphs, "spread_prompts": spread,
+                                  "error": f"timed out after {args.case_timeout:g} s"}]
                     else:
                         sys.stderr.write(proc.stderr[-4000:])
                         try:
-                            case = json.loads(proc.stdout.strip().splitlines()[-1])
+                            cases = json.loads(proc.stdout.strip().splitlines()[-1])
                         except (ValueError, IndexError):
-                            case = {"dtype": dtype, "graphs": graphs, "spread_prompts": spread,
-                                    "error": f"exit {proc.returncode}"}
-                    case["shape"] = shape
-                    for mode in sampling if graphs else ():  # copt serve's way
-                        key = "per_batch" if mode == "greedy" else f"per_batch_{mode}"
-                        for batch, step in case.get(key, {}).items():
-                            step["advise_ms_per_step"] = advise_ms_per_step(config, out["device"], dtype, int(batch),
-                                                                            args.new_tokens, mode, args.prompt_len)
-                    out["cases"].append(case)
+                            cases = [{"dtype": dtype, "graphs": graphs, "spread_prompts": spread,
+                                      "error": f"exit {proc.returncode}"}]
+                    for case in cases:
+                        case["shape"] = shape
+                        for mode in sampling if graphs else ():  # copt serve's way
+                            key = "per_batch" if mode == "greedy" else f"per_batch_{mode}"
+                            for batch, step in case.get(key, {}).items():
+                                step["advise_ms_per_step"] = advise_ms_per_step(
+                                    config, out["device"], dtype, int(batch), args.new_tokens, mode,
+                                    case.get("prompt_len", prompt_lens[0]))
+                        out["cases"].append(case)
                     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"{'shape':<13} {'dtype':<5} {'graphs':<6} {'sampling':<11} {'captured':>8} "
           + " ".join(f"{'b' + str(b) + ' ms':>9}" for b in batches) + "  (advise ÷ measured; * spread prompts)")
@@ -351,9 +369,14 @@ def main() -> None:
                 step = steps.get(str(b), {})
                 ratio = (f"{step['advise_ms_per_step'] / step['ms_per_step']:.2f}" if step.get("advise_ms_per_step")
                          and step.get("ms_per_step") else "-")
+                per_pass = step.get("decode_ms_per_pass")
                 cells.append(f"{step.get('ms_per_step', float('nan')):>9.3f} ({ratio})"
-                             + (f" pass {step['decode_ms_per_pass']:.3f}" if "decode_ms_per_pass" in step else ""))
-            print(f"{case['shape'] + ('*' if case.get('spread_prompts') else ''):<13} {case['dtype']:<5} "
+                             + (f" pass {per_pass:.3f} ({step['advise_ms_per_step'] / per_pass:.2f})"
+                                if per_pass and step.get("advise_ms_per_step") else ""))
+            label = case["shape"] + ("*" if case.get("spread_prompts") else "")
+            if len(prompt_lens) > 1:
+                label += f" p{case.get('prompt_len', '?')}"
+            print(f"{label:<13} {case['dtype']:<5} "
                   f"{str(case['graphs']):<6} {mode:<11} {case.get('graphs_captured', '-')!s:>8} " + " ".join(cells)
                   + (f"  {case['error']}" if "error" in case else ""))
 
