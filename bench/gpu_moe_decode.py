@@ -17,9 +17,11 @@ Each case: one engine (graphs on or off), `--batches` requests at once of `--pro
 comma-separated, one after another in the same engine) and `--new-tokens` new ones, greedy, ignore_eos; per batch
 the median of three timed rounds after one warm-up round.
 Reports ms per decode step (wall time of the round less its first token, over the new tokens), ms per decode pass of
-the engine's steps after the last prompt token (its step trace: no prefill or mixed step; `decode_ms_per_pass`), the
-graphs the engine captured, and next to each step with graphs (copt serve's default) the time `copt advise` predicts
-for it (the shape's config on the catalog entry of this GPU, the case's dtype and prompt length).
+the engine's steps after the last prompt token (its step trace: no prefill or mixed step; `decode_ms_per_pass`), with
+`--kernels` the GPU time per decode step by part (attention, GEMMs, the rest: a profiled round less a profiled
+one-token round), the graphs the engine captured, and next to each step with graphs (copt serve's default) the time
+`copt advise` predicts for it (the shape's config on the catalog entry of this GPU, the case's dtype and prompt
+length).
 """
 
 from __future__ import annotations
@@ -102,7 +104,42 @@ def case_prompts(batch: int, vocab: int, spread: bool, length: int = 16) -> list
 SAMPLING = {"greedy": (0.0, 1.0), "temperature": (1.0, 1.0), "top_p": (1.0, 0.95)}
 
 
-def profile_summary(events: list, device: str, top: int = 12) -> dict:
+# a kernel's part of a decode step, by name: the paged attention kernels, the GEMMs (cuBLAS/cuBLASLt's nvjet, CUTLASS
+# and their split-K reductions), the rest (norms, rotary, activations, sampling, copies)
+ATTENTION_KERNELS = ("paged_decode", "flash", "fmha", "attention")
+GEMM_KERNELS = ("nvjet", "gemm", "cutlass", "splitkreduce", "xmma", "cublas", "sm90_", "sm80_")
+
+
+def kernel_part(name: str) -> str:
+    """"attention", "gemm" or "other" for a CUDA kernel's name."""
+    lowered = name.lower()
+    if any(k in lowered for k in ATTENTION_KERNELS):
+        return "attention"
+    if any(k in lowered for k in GEMM_KERNELS):
+        return "gemm"
+    return "other"
+
+
+def decode_kernels(full: dict, first: dict, steps: int, top: int = 8) -> dict:
+    """The kernels of `steps` decode steps: a profiled round of steps + 1 tokens (`full`, profile_summary with every
+    name) less one of a single token (`first`: the same prefill and first token). Per step µs by part (attention, GEMM,
+    other) and the largest kernels; GPU time is steady enough between rounds for the difference to hold, where the
+    rounds' wall clock is not."""
+    names = full.get("by_name", {})
+    base = first.get("by_name", {})
+    per_step = {name: (calls - base.get(name, [0, 0.0])[0], (us - base.get(name, [0, 0.0])[1]) / steps)
+                for name, (calls, us) in names.items()}
+    parts = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+    for name, (_, us) in per_step.items():
+        parts[kernel_part(name)] += us
+    ranked = sorted(per_step.items(), key=lambda item: -item[1][1])[:top]
+    return {**{f"{part}_us": round(us, 1) for part, us in parts.items()},
+            "total_us": round(sum(parts.values()), 1),
+            "top": [{"name": name[:120], "calls_per_step": round(calls / steps, 2), "us": round(us, 1),
+                     "part": kernel_part(name)} for name, (calls, us) in ranked]}
+
+
+def profile_summary(events: list, device: str, top: int = 12, every_name: bool = False) -> dict:
     """What a profiled round spent its device time on: on CUDA the kernels and copies (a replayed CUDA graph's
     kernels included), on a CPU the top-level ops. Per name the calls and total µs, largest first (`top` of them),
     and over the round the time they kept the device busy (their intervals merged) against its span: a busy share
@@ -130,7 +167,8 @@ def profile_summary(events: list, device: str, top: int = 12) -> dict:
     span = max(hi for _, hi in intervals) - intervals[0][0]
     total = sum(t for _, t in by_name.values())
     ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
-    return {"events": len(chosen), "busy_ms": round(busy / 1e3, 3), "span_ms": round(span / 1e3, 3),
+    extra = {"by_name": by_name} if every_name else {}
+    return {**extra, "events": len(chosen), "busy_ms": round(busy / 1e3, 3), "span_ms": round(span / 1e3, 3),
             "busy_share": round(busy / span, 3) if span > 0 else None,
             "top": [{"name": name[:120], "calls": int(calls), "total_us": round(us, 1),
                      "share": round(us / total, 3) if total else None} for name, (calls, us) in ranked]}
@@ -236,10 +274,19 @@ def time_lengths(engine, result: dict, batches: list[int], new_tokens: int, devi
                 activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
                 with profile(activities=[activity]) as prof:
                     one_round(new_tokens)
-                summary = profile_summary(prof.events(), device)
+                summary = profile_summary(prof.events(), device, every_name=True)
+                with profile(activities=[activity]) as prof:
+                    one_round(1)
+                first_summary = profile_summary(prof.events(), device, every_name=True)
+                if device == "cuda":
+                    summary["decode_per_step"] = decode_kernels(summary, first_summary, new_tokens - 1)
+                summary.pop("by_name", None)
                 result.setdefault("kernels", {})[str(batch)] = summary
+                parts = summary.get("decode_per_step", {})
                 log(f"  kernels, batch {batch}: busy {summary.get('busy_ms')} of {summary.get('span_ms')} ms; "
-                    + "; ".join(f"{k['name'][:60]} {k['share']}" for k in summary.get("top", [])[:4]))
+                    + "; ".join(f"{k['name'][:60]} {k['share']}" for k in summary.get("top", [])[:4])
+                    + (f"; per decode step µs: attention {parts['attention_us']}, GEMM {parts['gemm_us']}, other "
+                       f"{parts['other_us']}" if parts else ""))
 
 
 def advise_ms_per_step(config: dict, device_name: str, dtype: str, batch: int, new_tokens: int,

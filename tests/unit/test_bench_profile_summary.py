@@ -55,3 +55,25 @@ def test_decode_passes_exclude_prefill_and_partial_batches() -> None:
     assert decode_pass_seconds(steps, 4) == pytest.approx(0.5 / 7)
     assert decode_pass_seconds(steps[:3], 4) is None  # one pass: no figure
     assert decode_pass_seconds(steps, 8) is None
+
+
+def test_decode_kernels_are_the_full_round_less_the_first_token_by_part() -> None:
+    from gpu_moe_decode import decode_kernels, kernel_part
+
+    assert kernel_part("paged_decode_stage1") == "attention"
+    assert kernel_part("void pytorch_flash::flash_fwd_kernel<...>") == "attention"
+    assert kernel_part("nvjet_sm90_tst_128x64_64x8_2x1_v_bz_TNT") == "gemm"
+    assert kernel_part("void cublasLt::splitKreduce_kernel<32, 16>") == "gemm"
+    assert kernel_part("triton_red_fused__to_copy_mean_mul_pow_rsqrt_0") == "other"
+    # a prefill (flash, a large GEMM) and one step in both rounds; three more steps in the full one
+    first = [_kernel("flash_fwd", 0, 900), _kernel("nvjet_big", 1000, 3000), _kernel("paged_decode_stage1", 3000, 3010),
+             _kernel("nvjet_small", 3010, 3040), _kernel("rmsnorm", 3040, 3045)]
+    steps = [k for i in range(1, 4) for k in (_kernel("paged_decode_stage1", 4000 + 100 * i, 4012 + 100 * i),
+                                             _kernel("nvjet_small", 4012 + 100 * i, 4042 + 100 * i),
+                                             _kernel("rmsnorm", 4042 + 100 * i, 4047 + 100 * i))]
+    full = profile_summary(first + steps, "cuda", every_name=True)
+    parts = decode_kernels(full, profile_summary(first, "cuda", every_name=True), 3)
+    assert parts["attention_us"] == pytest.approx(12) and parts["gemm_us"] == pytest.approx(30)
+    assert parts["other_us"] == pytest.approx(5) and parts["total_us"] == pytest.approx(47)
+    assert parts["top"][0] == {"name": "nvjet_small", "calls_per_step": 1.0, "us": 30.0, "part": "gemm"}
+    assert "by_name" not in profile_summary(first, "cuda")
