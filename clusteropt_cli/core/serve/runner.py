@@ -639,15 +639,7 @@ class ModelRunner:
         self.varlen, self.varlen_reason = (varlen_kernel_for(self.device, self.dtype, self.num_heads, self.kv_heads,
                                                              self.head_dim) if not self.windows else
                                            (None, "sliding-window layers"))
-        span = max_blocks * self.block_size  # decode context buckets: whole blocks
-        if self.paged_kernel_decode:
-            # the paged kernel reads each row's own blocks, whatever the bucket (which only bounds them): one bucket
-            # serves every context, so decode graphs are captured per batch size only (vLLM's way), not 11 times over
-            # at a 131,072-token context
-            self.kv_lengths = [span]
-        else:
-            self.kv_lengths = sorted({min(span, -(-n // self.block_size) * self.block_size)
-                                      for n in _length_buckets(self.max_len)})
+        self._set_paged_decode_buckets()
         from clusteropt_cli.core.serve.device_sampling import SlotSampler
 
         self.sampler = SlotSampler(self.num_slots, self.vocab_size, self.device,
@@ -657,11 +649,27 @@ class ModelRunner:
     def paged_kernel_decode(self) -> bool:
         """Decode steps attend through the paged Triton kernel (paged_attention.py), which reads only each row's own
         blocks: their cost does not depend on the context bucket."""
-        if getattr(self, "decode_attention", None) != "paged" or self.windows or self.device.type != "cuda":
+        return (getattr(self, "decode_attention", None) == "paged" and not self.windows
+                and self._paged_kernel_available())
+
+    def _paged_kernel_available(self) -> bool:
+        if self.device.type != "cuda":
             return False
         from clusteropt_cli.core.serve.paged_attention import triton_available
 
         return triton_available()
+
+    def _set_paged_decode_buckets(self) -> None:
+        """The paged cache's decode context buckets (whole blocks). The paged kernel reads each row's own blocks,
+        whatever the bucket (which only bounds them): one bucket serves every context, so decode graphs are captured
+        per batch size only (vLLM's way), not 11 times over at a 131,072-token context. The other attentions read
+        the whole bucket: powers of two up to the context."""
+        span = -(-self.max_len // self.block_size) * self.block_size
+        if self.paged_kernel_decode:
+            self.kv_lengths = [span]
+        else:
+            self.kv_lengths = sorted({min(span, -(-n // self.block_size) * self.block_size)
+                                      for n in _length_buckets(self.max_len)})
 
     def _attention_modules(self) -> list[Any]:
         return self._attention_modules_of(self.model)
@@ -716,6 +724,8 @@ class ModelRunner:
         self._eager_forwards = []
         self.compiled_layers = 0
         self.decode_attention = "sdpa"
+        if self.paged:  # SDPA reads the whole bucket: back to buckets by length
+            self._set_paged_decode_buckets()
 
     # ---- sizes -------------------------------------------------------------------------------------------
     @staticmethod
