@@ -207,7 +207,6 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
               compile_mode: str = "auto", prompt_lens: tuple[int, ...] = (16,), max_model_len: int = 0,
               kv_cache_gib: float = 4.0) -> list[dict]:
     """One engine, stepped at each prompt length in turn: one result per length (the engine's start in each)."""
-
     from clusteropt_cli.core.serve.engine import Engine, EngineConfig
 
     started = time.perf_counter()
@@ -229,11 +228,12 @@ def time_case(model_dir: Path, dtype: str, graphs: bool, batches: list[int], new
                       "prompt_len": prompt_len, "max_model_len": engine.max_model_len, "per_batch": {},
                       **{f"per_batch_{mode}": {} for mode in sampling if mode != "greedy"}, **start}
             results.append(result)
-            time_lengths(engine, result, batches, new_tokens, device, spread, sampling, kernels, prompt_len, vocab)
+            time_prompt_length(engine, result, batches, new_tokens, device, spread, sampling, kernels, prompt_len,
+                               vocab)
     return results
 
 
-def time_lengths(engine, result: dict, batches: list[int], new_tokens: int, device: str, spread: bool,
+def time_prompt_length(engine, result: dict, batches: list[int], new_tokens: int, device: str, spread: bool,
                  sampling: tuple[str, ...], kernels: bool, prompt_len: int, vocab: int) -> None:
     """Step the engine at each batch of `prompt_len`-token prompts; fills `result`'s per-batch figures."""
     import torch

@@ -434,7 +434,7 @@ def test_paged_kernel_decode_takes_one_context_bucket_and_idle_rows_read_one_key
                                   decode_attention="paged", dtype="fp32", cuda_graphs=False, compile=False))
         with eng:
             lengths = list(eng.runner.kv_lengths)
-            # one request alone first (the other rows of its bucket idle), then all three
+            # one request alone, then three that finish apart (the last decodes with two idle rows below it)
             out = [eng.generate([GenerationRequest(prompt_ids=prompts[0], max_new_tokens=6)])[0].output_ids]
             out += [r.output_ids for r in eng.generate([GenerationRequest(prompt_ids=p, max_new_tokens=n)
                                                         for p, n in zip(prompts, (2, 3, 8), strict=True)])]

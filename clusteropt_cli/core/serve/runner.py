@@ -645,14 +645,8 @@ class ModelRunner:
         self.sampler = SlotSampler(self.num_slots, self.vocab_size, self.device,
                                    compiled=bool(getattr(self, "compiled_layers", 0)) and self.device.type == "cuda")
 
-    @property
-    def paged_kernel_decode(self) -> bool:
-        """Decode steps attend through the paged Triton kernel (paged_attention.py), which reads only each row's own
-        blocks: their cost does not depend on the context bucket."""
-        return (getattr(self, "decode_attention", None) == "paged" and not self.windows
-                and self._paged_kernel_available())
-
     def _paged_kernel_available(self) -> bool:
+        """The paged Triton kernel (paged_attention.py) runs here: CUDA with triton."""
         if self.device.type != "cuda":
             return False
         from clusteropt_cli.core.serve.paged_attention import triton_available
@@ -665,7 +659,7 @@ class ModelRunner:
         per batch size only (vLLM's way), not 11 times over at a 131,072-token context. The other attentions read
         the whole bucket: powers of two up to the context."""
         span = -(-self.max_len // self.block_size) * self.block_size
-        if self.paged_kernel_decode:
+        if self.decode_attention == "paged" and not self.windows and self._paged_kernel_available():
             self.kv_lengths = [span]
         else:
             self.kv_lengths = sorted({min(span, -(-n // self.block_size) * self.block_size)
@@ -921,11 +915,12 @@ class ModelRunner:
             bs, table = self.block_size, self.tables.device
             column = (positions // bs).clamp(max=table.shape[1] - 1)
             block = table[: input_ids.shape[0]].gather(1, column[:, None])[:, 0]
-            block = torch.where(positions >= self.scratch_pos, self.tables.scratch_block, block)
+            idle = positions >= self.scratch_pos
+            block = torch.where(idle, self.tables.scratch_block, block)
             step.paged, step.block_tables = True, table
             step.write_block, step.write_offset = block, positions % bs
             if self.decode_attention == "paged":  # rows not decoding attend one key, not the bucket's
-                step.attend_positions = torch.where(positions >= self.scratch_pos, 0, positions)
+                step.attend_positions = torch.where(idle, 0, positions)
         if self.windows:
             from clusteropt_cli.core.serve.attention import decode_window_mask
 
