@@ -290,10 +290,11 @@ def time_prompt_length(engine, result: dict, batches: list[int], new_tokens: int
 
 
 def advise_ms_per_step(config: dict, device_name: str, dtype: str, batch: int, new_tokens: int,
-                       mode: str = "greedy", prompt_len: int = 16) -> float | None:
+                       mode: str = "greedy", prompt_len: int = 16, compile_mode: str = "auto") -> float | None:
     """advise's time of one decode step for this case (`prompt_len` prompt tokens, the sampling `mode`'s temperature and
-    top-p): its `decode_step_s`, the step alone, as the script measures it (the round less its first token), not the
-    client's TPOT, which also carries a share of the other requests' prefill. None for a GPU outside its catalog."""
+    top-p, the engine's `compile_mode`): its `decode_step_s`, the step alone, as the script measures it (the round less
+    its first token), not the client's TPOT, which also carries a share of the other requests' prefill. None for a GPU
+    outside its catalog."""
     from clusteropt_cli.core.advise.api import resolve_target
     from clusteropt_cli.core.advise.plan import InferPlan
     from clusteropt_cli.core.advise.timing import infer_time
@@ -306,7 +307,7 @@ def advise_ms_per_step(config: dict, device_name: str, dtype: str, batch: int, n
     target, _ = resolve_target(gpu.name)
     temperature, top_p = SAMPLING[mode]
     plan = InferPlan(batch=batch, prompt_len=prompt_len, gen_len=new_tokens, continuous_batching=True, dtype=dtype,
-                     temperature=temperature, top_p=top_p)
+                     temperature=temperature, top_p=top_p, compile_mode=compile_mode)
     return round(infer_time(load_model_spec(config), plan, target).figures["decode_step_s"] * 1e3, 3)
 
 
@@ -403,7 +404,7 @@ def main() -> None:
                             for batch, step in case.get(key, {}).items():
                                 step["advise_ms_per_step"] = advise_ms_per_step(
                                     config, out["device"], dtype, int(batch), args.new_tokens, mode,
-                                    case.get("prompt_len", prompt_lens[0]))
+                                    case.get("prompt_len", prompt_lens[0]), args.compile_mode)
                         out["cases"].append(case)
                     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"{'shape':<13} {'dtype':<5} {'graphs':<6} {'sampling':<11} {'captured':>8} "
