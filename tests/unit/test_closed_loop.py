@@ -3,6 +3,7 @@ the step model's costs, checked for bookkeeping on toy costs and against closed 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -205,6 +206,52 @@ def test_a_load_too_long_to_replay_is_cut_and_not_reported() -> None:
     spec, target = load_model_spec("llama-3.1-8b"), Target(get_gpu("h200"))
     assert closed_loop_figures(spec, _plan(2, gen=100_000), target) is None
     assert closed_loop_figures(spec, _plan(64), target, duration_s=3600.0) is None
+
+
+def test_a_load_that_cannot_finish_in_the_steps_is_not_replayed(monkeypatch) -> None:
+    """A mistyped --batch 100000000 or --rate 1e9 once held advise for many minutes while the replay built and
+    stepped every request (8 GB of host memory at --rate 1e12): a load whose first requests alone need more steps
+    than max_steps (each step decodes at most max_running rows and prefills at most step_tokens prompt tokens) is
+    reported truncated without being replayed; one that fits is replayed as before."""
+    import clusteropt_cli.core.advise.closed_loop as loop
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("replayed a load that cannot finish")
+
+    costs = _toy()  # 64 rows, 10 tokens each: 64 requests take at least 9 steps
+    monkeypatch.setattr(loop, "_replay", no_replay)
+    for run in (simulate_closed_loop(costs, 100_000_000, 10, requests=400_000_000, max_steps=500),
+                simulate_closed_loop(costs, 64 * 56, 10, duration_s=1.0, max_steps=500),
+                simulate_open_loop(costs, 1e9, 10, duration_s=60.0, max_steps=500),
+                simulate_sends(costs, 10, [0.0] * 64 * 56, max_steps=500)):
+        assert run.truncated and run.requests == 0
+    monkeypatch.undo()
+    fits = simulate_closed_loop(costs, 64 * 10, 10, requests=64 * 10, max_steps=500)
+    assert not fits.truncated and fits.requests == 64 * 10
+    spec, target = load_model_spec("llama-3.1-8b"), Target(get_gpu("h200"))
+    monkeypatch.setattr(loop, "_replay", no_replay)
+    assert closed_loop_figures(spec, _plan(100_000_000), target) is None
+    assert open_loop_figures(spec, _plan(8), target, rate=1e12, duration_s=60.0) is None
+
+
+@pytest.mark.parametrize("flags", [["--batch", "100000000"], ["--rate", "1e9"], ["--rate", "1e12", "--batch", "8"]])
+def test_advise_answers_a_mistyped_load_without_replaying_it(monkeypatch, flags) -> None:
+    """`copt advise` with a client count or rate a few zeros too long: its other figures, no closed- or open-loop
+    ones, and no replay started."""
+    from typer.testing import CliRunner
+
+    import clusteropt_cli.core.advise.closed_loop as loop
+    from clusteropt_cli.app import app
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("replayed a load that cannot finish")
+
+    monkeypatch.setattr(loop, "_replay", no_replay)
+    result = CliRunner().invoke(app, ["advise", "-m", "llama-3.1-8b", "--gpu", "h100-sxm", "--task", "infer",
+                                      "--json", *flags])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)["top_plan"]["time"]
+    assert figures["tpot_s"] > 0 and not any(k.startswith(("closed_loop_", "open_loop_")) for k in figures)
 
 
 @pytest.mark.parametrize("bad", [dict(clients=0), dict(gen_len=0), dict(requests=None, duration_s=None)])

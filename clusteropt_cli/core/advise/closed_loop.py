@@ -70,6 +70,20 @@ class _Request:
         self.started: float | None = None  # when its first prompt chunk ran
 
 
+def fewest_steps(costs: ServeCosts, gen_len: int, requests: float) -> float:
+    """The fewest engine steps `requests` requests can take: a step decodes at most costs.max_running rows (one token
+    each) and prefills at most costs.step_tokens prompt tokens."""
+    return requests * max((gen_len - 1) / max(1, costs.max_running), costs.prompt_tokens / max(1, costs.step_tokens))
+
+
+def _out_of_steps(clients: int) -> ClosedLoopFigures:
+    """The figures of a load that cannot finish within the replay's steps: none (truncated), found without replaying
+    it (a mistyped --batch or --rate must not hold advise for minutes or fill the host's memory)."""
+    nan = float("nan")
+    return ClosedLoopFigures(clients=clients, requests=0, duration_s=0.0, output_tokens_per_s=0.0, ttft_s=nan,
+                             tpot_s=nan, ttft_first_round_s=nan, ttft_later_rounds_s=None, truncated=True)
+
+
 def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, requests: int | None = None,
                          duration_s: float | None = None, max_steps: int = 200_000,
                          turnaround_s: float = 0.0) -> ClosedLoopFigures:
@@ -85,6 +99,8 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
         raise ValueError("clients and gen_len must be at least 1")
     if duration_s is None and requests is None:
         raise ValueError("a closed loop needs a request count or a duration")
+    if fewest_steps(costs, gen_len, clients if requests is None else min(clients, requests)) > max_steps:
+        return _out_of_steps(clients)  # every client's first request is sent at once and runs to its end
     return _replay(costs, gen_len, [(0.0, client) for client in range(clients)], closed=True, requests=requests,
                    duration_s=duration_s, max_steps=max_steps, turnaround_s=turnaround_s)
 
@@ -102,6 +118,11 @@ def simulate_open_loop(costs: ServeCosts, rate: float, gen_len: int, *, requests
         raise ValueError("gen_len must be at least 1")
     if duration_s is None and requests is None:
         raise ValueError("an open loop needs a request count or a duration")
+    if rate > 0 and duration_s is not None and duration_s > 0:
+        # the sends before the end (a Poisson count well above half its mean), at most `requests`: too many to finish
+        sends = min(rate * duration_s / 2, math.inf if requests is None else requests)
+        if fewest_steps(costs, gen_len, sends) > max_steps:
+            return _out_of_steps(int(min(sends, 2**31)))
     if arrivals == "constant":
         if rate <= 0:
             raise ValueError("the rate must be positive")
@@ -122,6 +143,8 @@ def simulate_sends(costs: ServeCosts, gen_len: int, send_times: list[float], *,
     decoding rows, prompt chunks) per replayed step."""
     if gen_len < 1:
         raise ValueError("gen_len must be at least 1")
+    if fewest_steps(costs, gen_len, len(send_times)) > max_steps:
+        return _out_of_steps(len(send_times))
     return _replay(costs, gen_len, [(at, i) for i, at in enumerate(sorted(send_times))], closed=False,
                    requests=None, duration_s=None, max_steps=max_steps, step_log=step_log)
 
