@@ -237,7 +237,7 @@ def test_a_load_that_cannot_finish_in_the_steps_is_not_replayed(monkeypatch) -> 
 @pytest.mark.parametrize("flags", [["--batch", "100000000"], ["--rate", "1e9"], ["--rate", "1e12", "--batch", "8"]])
 def test_advise_answers_a_mistyped_load_without_replaying_it(monkeypatch, flags) -> None:
     """`copt advise` with a client count or rate a few zeros too long: its other figures, no closed- or open-loop
-    ones, and no replay started."""
+    ones and a note saying why, and no replay started."""
     from typer.testing import CliRunner
 
     import clusteropt_cli.core.advise.closed_loop as loop
@@ -250,8 +250,13 @@ def test_advise_answers_a_mistyped_load_without_replaying_it(monkeypatch, flags)
     result = CliRunner().invoke(app, ["advise", "-m", "llama-3.1-8b", "--gpu", "h100-sxm", "--task", "infer",
                                       "--json", *flags])
     assert result.exit_code == 0, result.output
-    figures = json.loads(result.stdout)["top_plan"]["time"]
+    report = json.loads(result.stdout)
+    figures = report["top_plan"]["time"]
     assert figures["tpot_s"] > 0 and not any(k.startswith(("closed_loop_", "open_loop_")) for k in figures)
+    why = ("the open loop at 1e+09 requests/s was not replayed" if flags == ["--rate", "1e9"]
+           else "the open loop at 1e+12 requests/s was not replayed" if "--rate" in flags
+           else "no closed-loop figures: the load of 100,000,000 clients does not finish within the replay's 200,000")
+    assert any(note.startswith(why) for note in report["notes"]), report["notes"]
 
 
 @pytest.mark.parametrize("bad", [dict(clients=0), dict(gen_len=0), dict(requests=None, duration_s=None)])

@@ -167,7 +167,13 @@ def add_closed_loop(spec: ModelSpec, plan: InferPlan, target: Target, evaluated:
     """The plan's clients as a closed loop through copt's engine (closed_loop.py): closed_loop_* figures and the
     load they are for, added to an evaluate_infer result. A load with a `rate` is an open loop instead (Poisson
     sends at that rate, `seed` as the client's): open_loop_* figures."""
-    from clusteropt_cli.core.advise.closed_loop import AMPLIFIED_TTFT, closed_loop_figures, open_loop_figures
+    from clusteropt_cli.core.advise.closed_loop import (
+        AMPLIFIED_TTFT,
+        MAX_REPLAY_STEPS,
+        closed_loop_figures,
+        open_loop_figures,
+        replay_applies,
+    )
 
     load = load or {}
     requests = load.get("requests")
@@ -186,10 +192,14 @@ def add_closed_loop(spec: ModelSpec, plan: InferPlan, target: Target, evaluated:
                  **({"open_loop_duration_s": duration} if duration is not None else {"open_loop_requests": requests})})
             if "open_loop_ttft_s" not in figures:
                 evaluated.setdefault("time_notes", []).append(_HOST_BOUND_TTFT_NOTE.format(loop="open loop"))
-        return
+        return  # none: api.advise says why
     simulated = closed_loop_figures(spec, plan, target, duration_s=load.get("duration_s"),
                                     requests=None if requests is None else int(requests))
-    if simulated is not None:
+    if simulated is None:
+        if plan.batch >= 2 and replay_applies(spec, plan, target):
+            evaluated.setdefault("time_notes", []).append(
+                _NOT_REPLAYED_NOTE.format(clients=plan.batch, steps=MAX_REPLAY_STEPS))
+    else:
         figures, workload = simulated
         evaluated["time"].update(figures)
         evaluated["time_assumptions"].update(workload)
@@ -205,6 +215,10 @@ _AMPLIFIED_TTFT_NOTE = (
     "leaves of it; the decode is {times:.1f}× the TTFT, so a 1% shift between the two moves the TTFT ~{times:.0f}% "
     "(H200, 8B shape at 64-256 clients: the same load's TTFT p50 moved up to 1.74× between runs). Read it as a "
     "band; tok/s and TPOT are the stable figures")
+
+_NOT_REPLAYED_NOTE = (
+    "no closed-loop figures: the load of {clients:,} clients does not finish within the replay's {steps:,} engine "
+    "steps; check --batch, or measure the load with copt profile endpoint")
 
 _HOST_BOUND_TTFT_NOTE = (
     "no {loop} TTFT: most of the replay's prefilling steps are bound by the host's work, not the GPU's (a small "

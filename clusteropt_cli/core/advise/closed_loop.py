@@ -70,6 +70,18 @@ class _Request:
         self.started: float | None = None  # when its first prompt chunk ran
 
 
+# the engine steps a replay runs at most: a load that needs more is reported truncated (no figures)
+MAX_REPLAY_STEPS = 200_000
+
+
+def replay_applies(spec: ModelSpec, plan: InferPlan, target: Target) -> bool:
+    """Whether the step model's replay applies to the plan: copt's engine under continuous batching, no speculative
+    decoding, a GPU (a plan it applies to that gets no figures was too long to replay)."""
+    if target.gpu is None:
+        return False
+    return infer_time(spec, replace(plan, batch=max(plan.batch, 2)), target).costs is not None
+
+
 def fewest_steps(costs: ServeCosts, gen_len: int, requests: float) -> float:
     """The fewest engine steps `requests` requests can take: a step decodes at most costs.max_running rows (one token
     each) and prefills at most costs.step_tokens prompt tokens."""
@@ -85,7 +97,7 @@ def _out_of_steps(clients: int) -> ClosedLoopFigures:
 
 
 def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, requests: int | None = None,
-                         duration_s: float | None = None, max_steps: int = 200_000,
+                         duration_s: float | None = None, max_steps: int = MAX_REPLAY_STEPS,
                          turnaround_s: float = 0.0) -> ClosedLoopFigures:
     """N closed-loop clients through the engine: each sends its first request at time 0 and its next one as soon as
     the last token of the previous one arrived (`turnaround_s` later: the client's own time between an answer and
@@ -107,7 +119,7 @@ def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, reque
 
 def simulate_open_loop(costs: ServeCosts, rate: float, gen_len: int, *, requests: int | None = None,
                        duration_s: float | None = None, seed: int = 0, arrivals: str = "poisson",
-                       max_steps: int = 200_000) -> ClosedLoopFigures:
+                       max_steps: int = MAX_REPLAY_STEPS) -> ClosedLoopFigures:
     """Requests sent at `rate` whatever the answers do — at Poisson times (`copt profile endpoint --rate`: the same
     times, from its poisson_send_times; guidellm's poisson profile and `vllm bench serve --request-rate` send the
     same way) or, `arrivals="constant"`, evenly (guidellm's constant profile) — through the same API queue and
@@ -136,7 +148,7 @@ def simulate_open_loop(costs: ServeCosts, rate: float, gen_len: int, *, requests
 
 
 def simulate_sends(costs: ServeCosts, gen_len: int, send_times: list[float], *,
-                   max_steps: int = 200_000, step_log: list | None = None) -> ClosedLoopFigures:
+                   max_steps: int = MAX_REPLAY_STEPS, step_log: list | None = None) -> ClosedLoopFigures:
     """Requests sent at the given times (seconds from the load's start) whatever the answers do, through the API
     queue and engine steps: the open loop of simulate_open_loop, or a measured load's own arrivals (an engine
     trace's, bench/engine_trace_report.py --replay-arrivals). `step_log`: a list that receives one (seconds,
