@@ -220,8 +220,8 @@ PREFILL_STEP_HOST_PER_LAYER_S = 0.5e-3
 # the 8B's a negative intercept and 27 µs (its packed prefill steps priced 2-13% above the measured ones). The four
 # sampled traces on those graphs together (the 1B's and 8B's, in-step and long loops, H200, 2026-12-04; 6,031 steps
 # at the prices of 2026-12-08) give 1.42 ms + 21.8 µs, and replayed with it the closed and open loops the tests pin
-# keep as many figures within ±15% (526) as 1.6 ms + 18 µs does: kept. (fit_unchained_step.py over the timeline-1b,
-# timeline-8b, long-loads-1b and long-loads-8b traces of bench/results/serve-models-h200-2026-12-04.)
+# keep as many figures within ±15% (526) as 1.6 ms + 18 µs does: kept (bench/fit_unchained_step.py over the engine
+# traces kept with docs/benchmarks.md#closed-loops-replayed: the 1B's and 8B's loops of 2026-12-04, sampled).
 # Per step then (bench/engine_trace_report.py --step-costs) within ±3 ms of the measured medians (1B 1-chunk
 # steps 6.6-11.3 ms, 8B 19-29 ms), where the earlier floor (11 ms / 19 ms for any step of one chunk) was off by
 # 0.57-1.76×.
