@@ -88,12 +88,14 @@ def fewest_steps(costs: ServeCosts, gen_len: int, requests: float) -> float:
     return requests * max((gen_len - 1) / max(1, costs.max_running), costs.prompt_tokens / max(1, costs.step_tokens))
 
 
-def _out_of_steps(clients: int) -> ClosedLoopFigures:
-    """The figures of a load that cannot finish within the replay's steps: none (truncated), found without replaying
-    it (a mistyped --batch or --rate must not hold advise for minutes or fill the host's memory)."""
+def _out_of_steps(clients: int, duration_s: float = 0.0, steps: int = 0) -> ClosedLoopFigures:
+    """The figures of a load that finished no request within the replay's steps: none (truncated). With no steps
+    run, found without replaying it (a mistyped --batch or --rate must not hold advise for minutes or fill the
+    host's memory)."""
     nan = float("nan")
-    return ClosedLoopFigures(clients=clients, requests=0, duration_s=0.0, output_tokens_per_s=0.0, ttft_s=nan,
-                             tpot_s=nan, ttft_first_round_s=nan, ttft_later_rounds_s=None, truncated=True)
+    return ClosedLoopFigures(clients=clients, requests=0, duration_s=duration_s, output_tokens_per_s=0.0, ttft_s=nan,
+                             tpot_s=nan, ttft_first_round_s=nan, ttft_later_rounds_s=None, steps=steps,
+                             truncated=True)
 
 
 def simulate_closed_loop(costs: ServeCosts, clients: int, gen_len: int, *, requests: int | None = None,
@@ -261,10 +263,7 @@ def _replay(costs: ServeCosts, gen_len: int, planned_sends: list[tuple[float, in
                 send(r.client, at)
     truncated = bool(planned or arrivals or waiting or prefilling or decoding)
     if not done:  # max_steps ran out before the first request ended
-        nan = float("nan")
-        return ClosedLoopFigures(clients=clients, requests=0, duration_s=now, output_tokens_per_s=0.0, ttft_s=nan,
-                                 tpot_s=nan, ttft_first_round_s=nan, ttft_later_rounds_s=None, steps=steps,
-                                 truncated=True)
+        return _out_of_steps(clients, now, steps)
     ttft = [r.first + costs.first_token_s - r.sent for r, _ in done]
     first_round = [t for (r, _), t in zip(done, ttft, strict=True) if r.round == 0]
     later = [t for (r, _), t in zip(done, ttft, strict=True) if r.round > 0]
